@@ -1,0 +1,72 @@
+// The small shared harness for Strata's tests: temp dirs, running the CLI, status matchers.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "strata/status.hpp"
+
+namespace strata::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it on destruction.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "strata-test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+struct CommandResult {
+  int exit_code = -1;   // the process's exit status, or 128+signal
+  std::string output;   // stdout and stderr, interleaved
+};
+
+// Runs `args` through /bin/sh with stderr merged into stdout.
+CommandResult run_command(const std::string& command_line);
+
+// Runs the built `strata` CLI with the given argument string.
+CommandResult run_cli(const std::string& args);
+
+std::string write_file(const std::filesystem::path& path, const std::string& contents);
+
+// Awkward sizes every size-parameterised test should cover.
+const std::vector<std::size_t>& awkward_sizes();
+
+}  // namespace strata::testing
+
+#define STRATA_ASSERT_OK(expr)                                        \
+  do {                                                                \
+    const ::strata::Status strata_s_ = (expr);                        \
+    ASSERT_TRUE(strata_s_.ok()) << strata_s_.to_string();             \
+  } while (0)
+#define STRATA_EXPECT_OK(expr)                                        \
+  do {                                                                \
+    const ::strata::Status strata_s_ = (expr);                        \
+    EXPECT_TRUE(strata_s_.ok()) << strata_s_.to_string();             \
+  } while (0)
+
+// Asserts a Status/Result failed with `code` and a message containing `needle`.
+#define STRATA_EXPECT_ERROR(expr, code_, needle)                                          \
+  do {                                                                                    \
+    const ::strata::Status strata_s_ = ::strata::testing::status_of(expr);                \
+    EXPECT_EQ(strata_s_.code(), ::strata::StatusCode::code_) << strata_s_.to_string();    \
+    EXPECT_NE(strata_s_.message().find(needle), std::string::npos)                        \
+        << "message '" << strata_s_.message() << "' does not mention '" << (needle) << "'"; \
+  } while (0)
+
+namespace strata::testing {
+inline Status status_of(const Status& s) { return s; }
+template <typename T>
+Status status_of(const Result<T>& r) { return r.status(); }
+}  // namespace strata::testing

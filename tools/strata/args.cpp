@@ -1,0 +1,104 @@
+#include <cstdio>
+#include <cstdlib>
+
+#include "cli.hpp"
+#include "strata/options.hpp"
+
+namespace strata::cli {
+
+Result<Args> Args::parse(std::span<const std::string> argv, std::span<const FlagSpec> flags) {
+  Args out;
+  bool only_positionals = false;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (only_positionals || a.size() < 2 || a[0] != '-') {
+      out.positionals_.push_back(a);
+      continue;
+    }
+    if (a == "--") {
+      only_positionals = true;
+      continue;
+    }
+    if (a.rfind("--", 0) != 0) return invalid_argument("unknown flag '" + a + "' (flags are spelled --name)");
+    std::string name = a.substr(2);
+    std::optional<std::string> inline_value;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      inline_value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    const FlagSpec* spec = nullptr;
+    for (const auto& f : flags) {
+      if (f.name == name) spec = &f;
+    }
+    if (spec == nullptr) return invalid_argument("unknown flag '--" + name + "'");
+    if (spec->value_name.empty()) {
+      if (inline_value) return invalid_argument("flag '--" + name + "' takes no value");
+      out.values_[name] = "true";
+    } else if (inline_value) {
+      out.values_[name] = *inline_value;
+    } else {
+      if (i + 1 >= argv.size()) {
+        return invalid_argument("flag '--" + name + "' needs a value (" + std::string(spec->value_name) + ")");
+      }
+      out.values_[name] = argv[++i];
+    }
+  }
+  return out;
+}
+
+std::optional<std::string> Args::get(std::string_view name) const {
+  auto it = values_.find(std::string(name));
+  if (it == values_.end()) return std::nullopt;
+  return it->second;
+}
+
+Result<std::int64_t> Args::get_int(std::string_view name, std::int64_t fallback) const {
+  auto v = get(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v->c_str(), &end, 10);
+  if (v->empty() || *end != '\0') {
+    return invalid_argument("flag '--" + std::string(name) + "' expects an integer, got '" + *v + "'");
+  }
+  return static_cast<std::int64_t>(x);
+}
+
+Result<double> Args::get_double(std::string_view name, double fallback) const {
+  auto v = get(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  double x = std::strtod(v->c_str(), &end);
+  if (v->empty() || *end != '\0') {
+    return invalid_argument("flag '--" + std::string(name) + "' expects a number, got '" + *v + "'");
+  }
+  return x;
+}
+
+Result<std::uint64_t> Args::get_bytes(std::string_view name, std::uint64_t fallback) const {
+  auto v = get(name);
+  if (!v) return fallback;
+  auto b = parse_bytes(*v);
+  if (!b.ok()) return b.status().with_context("flag '--" + std::string(name) + "'");
+  return *b;
+}
+
+std::string format_flags(std::span<const FlagSpec> flags) {
+  std::string out;
+  for (const auto& f : flags) {
+    std::string left = "  --" + std::string(f.name);
+    if (!f.value_name.empty()) left += " " + std::string(f.value_name);
+    if (left.size() < 28) left.resize(28, ' ');
+    else left += "  ";
+    out += left + std::string(f.help) + "\n";
+  }
+  return out;
+}
+
+int usage_error(std::string_view command, std::string_view message, std::string_view usage) {
+  std::fprintf(stderr, "strata%s%s: %.*s\n\n%.*s", command.empty() ? "" : " ",
+               std::string(command).c_str(), static_cast<int>(message.size()), message.data(),
+               static_cast<int>(usage.size()), usage.data());
+  return kExitUsage;
+}
+
+}  // namespace strata::cli

@@ -1,0 +1,55 @@
+// The strata CLI: subcommand dispatch and a small argument parser shared by every command.
+// Exit codes: 0 success, 1 the command ran and failed, 2 bad usage (unknown command or flag,
+// malformed value) with the message and the usage on stderr.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/status.hpp"
+
+namespace strata::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+struct FlagSpec {
+  std::string_view name;         // without the leading "--"
+  std::string_view value_name;   // empty for a boolean flag
+  std::string_view help;
+};
+
+// Parses `--name value`, `--name=value`, boolean `--name`, and positionals. Unknown flags and
+// missing values are errors naming the flag.
+class Args {
+ public:
+  static Result<Args> parse(std::span<const std::string> argv, std::span<const FlagSpec> flags);
+
+  bool has(std::string_view name) const { return values_.count(std::string(name)) != 0; }
+  std::optional<std::string> get(std::string_view name) const;
+  const std::vector<std::string>& positionals() const { return positionals_; }
+
+  // Typed accessors; an error names the flag and the expected form.
+  Result<std::int64_t> get_int(std::string_view name, std::int64_t fallback) const;
+  Result<double> get_double(std::string_view name, double fallback) const;
+  Result<std::uint64_t> get_bytes(std::string_view name, std::uint64_t fallback) const;
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> positionals_;
+};
+
+std::string format_flags(std::span<const FlagSpec> flags);
+
+// Prints "strata <cmd>: <message>" and the usage to stderr; returns kExitUsage.
+int usage_error(std::string_view command, std::string_view message, std::string_view usage);
+
+// Subcommands. Each takes the arguments after its own name.
+
+}  // namespace strata::cli
