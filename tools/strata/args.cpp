@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -90,6 +91,36 @@ std::string format_flags(std::span<const FlagSpec> flags) {
     if (left.size() < 28) left.resize(28, ' ');
     else left += "  ";
     out += left + std::string(f.help) + "\n";
+  }
+  return out;
+}
+
+std::vector<CommandEntry>& command_registry() {
+  static std::vector<CommandEntry> registry;
+  return registry;
+}
+
+std::vector<CommandEntry>& bench_registry() {
+  static std::vector<CommandEntry> registry;
+  return registry;
+}
+
+const CommandEntry* find_entry(const std::vector<CommandEntry>& registry, std::string_view name) {
+  for (const auto& e : registry) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+std::string list_entries(std::vector<CommandEntry> registry) {
+  std::sort(registry.begin(), registry.end(),
+            [](const CommandEntry& a, const CommandEntry& b) { return a.name < b.name; });
+  std::string out;
+  for (const auto& e : registry) {
+    std::string left = "  " + std::string(e.name);
+    if (left.size() < 12) left.resize(12, ' ');
+    else left += "  ";
+    out += left + std::string(e.summary) + "\n";
   }
   return out;
 }

@@ -50,6 +50,37 @@ std::string format_flags(std::span<const FlagSpec> flags);
 // Prints "strata <cmd>: <message>" and the usage to stderr; returns kExitUsage.
 int usage_error(std::string_view command, std::string_view message, std::string_view usage);
 
-// Subcommands. Each takes the arguments after its own name.
+// Subcommands and benchmarks register themselves from their own source file, so adding one
+// touches no shared list:
+//
+//   STRATA_CLI_COMMAND(train, "train a model", run_train);           // strata train ...
+//   STRATA_CLI_BENCH(alloc, "replay a training step's allocations", bench_alloc);  // strata bench alloc
+//
+// Each function takes the arguments after its own name and returns an exit code.
+using CommandFn = int (*)(std::span<const std::string> args);
+
+struct CommandEntry {
+  std::string_view name;
+  std::string_view summary;
+  CommandFn run;
+};
+
+std::vector<CommandEntry>& command_registry();
+std::vector<CommandEntry>& bench_registry();
+
+// Sorted by name; the first entry named `name` or nullptr.
+const CommandEntry* find_entry(const std::vector<CommandEntry>& registry, std::string_view name);
+std::string list_entries(std::vector<CommandEntry> registry);
+
+struct Registration {
+  Registration(std::vector<CommandEntry>& registry, CommandEntry entry) { registry.push_back(entry); }
+};
 
 }  // namespace strata::cli
+
+#define STRATA_CLI_COMMAND(name, summary, fn)                                      \
+  static const ::strata::cli::Registration strata_cli_command_##name{             \
+      ::strata::cli::command_registry(), ::strata::cli::CommandEntry{#name, summary, fn}}
+#define STRATA_CLI_BENCH(name, summary, fn)                                        \
+  static const ::strata::cli::Registration strata_cli_bench_##name{               \
+      ::strata::cli::bench_registry(), ::strata::cli::CommandEntry{#name, summary, fn}}

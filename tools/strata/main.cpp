@@ -5,30 +5,17 @@
 #include <vector>
 
 #include "cli.hpp"
+#include <span>
 #include "strata/build_config.hpp"
 
 namespace {
-
-struct Subcommand {
-  std::string_view name;
-  std::string_view summary;
-  int (*run)(std::span<const std::string>);
-};
-
-// One line per subcommand, in the order `strata --help` lists them.
-const std::vector<Subcommand> kSubcommands = {
-};
 
 std::string usage() {
   std::string u =
       "usage: strata <command> [flags]\n"
       "       strata --help | --version\n\n"
       "commands:\n";
-  for (const auto& c : kSubcommands) {
-    std::string left = "  " + std::string(c.name);
-    left.resize(12, ' ');
-    u += left + std::string(c.summary) + "\n";
-  }
+  u += strata::cli::list_entries(strata::cli::command_registry());
   u += "\nRun 'strata <command> --help' for a command's flags.\n";
   return u;
 }
@@ -50,8 +37,8 @@ int main(int argc, char** argv) {
     return strata::cli::kExitOk;
   }
   if (first.rfind("-", 0) == 0) return strata::cli::usage_error("", "unknown flag '" + first + "'", usage());
-  for (const auto& c : kSubcommands) {
-    if (c.name == first) return c.run(std::span<const std::string>(args).subspan(1));
+  if (const auto* c = strata::cli::find_entry(strata::cli::command_registry(), first)) {
+    return c->run(std::span<const std::string>(args).subspan(1));
   }
   return strata::cli::usage_error("", "unknown command '" + first + "'", usage());
 }
