@@ -540,7 +540,9 @@ std::uint64_t ArenaBuffer::size() const {
 void ArenaBuffer::reset() {
   if (arena_ != nullptr) {
     Status s = arena_->free(handle_);
-    if (!s.ok()) STRATA_LOG(kError, kAlloc) << "freeing an arena buffer: " << s.to_string();
+    if (!s.ok()) {
+      STRATA_LOG(kError, kAlloc) << "freeing an arena buffer: " << s.to_string();
+    }
     arena_ = nullptr;
     handle_ = {};
   }
