@@ -16,6 +16,10 @@
 
 namespace strata::testing {
 
+inline std::string device_kind_name(const ::testing::TestParamInfo<DeviceKind>& info) {
+  return std::string(to_string(info.param));
+}
+
 class DeviceConformance : public ::testing::TestWithParam<DeviceKind> {
  protected:
   void SetUp() override {

@@ -8,7 +8,7 @@
 namespace strata::testing {
 namespace {
 
-INSTANTIATE_TEST_SUITE_P(Cpu, DeviceConformance, ::testing::Values(DeviceKind::kCpu));
+INSTANTIATE_TEST_SUITE_P(Cpu, DeviceConformance, ::testing::Values(DeviceKind::kCpu), device_kind_name);
 
 std::unique_ptr<Device> cpu_device(int compute_threads) {
   DeviceConfig cfg;

@@ -4,7 +4,7 @@
 namespace strata::testing {
 namespace {
 
-INSTANTIATE_TEST_SUITE_P(Cuda, DeviceConformance, ::testing::Values(DeviceKind::kCuda));
+INSTANTIATE_TEST_SUITE_P(Cuda, DeviceConformance, ::testing::Values(DeviceKind::kCuda), device_kind_name);
 
 }  // namespace
 }  // namespace strata::testing
