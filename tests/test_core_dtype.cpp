@@ -634,7 +634,7 @@ TEST(DtypeIsa, FirstUseReadsTheEnvironment) {
   EXPECT_EQ(child.exit_code, 0) << child.output;
   EXPECT_NE(child.output.find("dtype_isa=scalar"), std::string::npos) << child.output;
 
-  child = testing::run_command("STRATA_DTYPE_ISA=bogus" + run);
+  child = testing::run_command("STRATA_LOG_LEVEL=warn STRATA_LOG_SUBSYS=all STRATA_DTYPE_ISA=bogus" + run);
   EXPECT_EQ(child.exit_code, 0) << child.output;
   EXPECT_NE(child.output.find("STRATA_DTYPE_ISA: 'bogus' is not one of"), std::string::npos) << child.output;
   EXPECT_NE(child.output.find("dtype_isa=" + std::string(to_string(best_simd_isa()))), std::string::npos)
