@@ -181,6 +181,16 @@ STRATA_TARGET_AVX512 inline __m512i bf16_round_avx512(__m512i u) {
   return _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x0040));
 }
 
+// GCC folds an unaligned load into every instruction that uses the value (three per vector in
+// bf16_round_avx512), which on a streaming input repeats the load of each missing cache line and
+// nearly halved throughput on 64 MiB inputs (4.3 vs 7.7 Gelem/s). The empty asm keeps the loaded
+// value in a register.
+STRATA_TARGET_AVX512 inline __m512i load_once(const void* p) {
+  __m512i v = _mm512_loadu_si512(p);
+  asm("" : "+v"(v));
+  return v;
+}
+
 STRATA_TARGET_AVX512 inline __mmask16 tail_mask(std::size_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);
 }
@@ -190,8 +200,8 @@ STRATA_TARGET_AVX512 void f32_to_bf16_avx512(const void* src, void* dst, std::si
   auto* d = static_cast<unsigned char*>(dst);
   std::size_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m512i a = bf16_round_avx512(_mm512_loadu_si512(s + 4 * i));
-    const __m512i b = bf16_round_avx512(_mm512_loadu_si512(s + 4 * i + 64));
+    const __m512i a = bf16_round_avx512(load_once(s + 4 * i));
+    const __m512i b = bf16_round_avx512(load_once(s + 4 * i + 64));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 2 * i), _mm512_cvtepi32_epi16(a));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + 2 * i + 32), _mm512_cvtepi32_epi16(b));
   }
