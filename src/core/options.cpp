@@ -28,6 +28,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "log level: error, warn, info, debug or trace"},
     {Option::kLogSubsys, "log_subsys", OptionKind::kString, "all",
      "subsystems to log: all, a list (ALLOC,NVME) or exclusions (^DEVICE)"},
+    {Option::kDtypeIsa, "dtype_isa", OptionKind::kString, "auto",
+     "SIMD path for bulk dtype conversion: auto (the best this CPU has), scalar, avx2 or avx512"},
 }};
 
 std::string lower(std::string_view s) {
