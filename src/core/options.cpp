@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "strata/dtype.hpp"
 #include "strata/log.hpp"
 
 namespace strata {
@@ -171,6 +172,9 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
       break;
     case Option::kLogLevel:
       if (!parse_log_level(v.text).ok()) return fail("one of: error, warn, info, debug, trace");
+      break;
+    case Option::kDtypeIsa:
+      if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
       break;
     default:
       break;
