@@ -388,6 +388,10 @@ TEST_F(ConfigTest, OutOfRangeValuesNameTheRange) {
                     "gradient_clipping: expected a number >= 0, found -1.5");
   EXPECT_ONLY_ERROR(R"({"fp16": {"initial_scale_power": 64}})",
                     "fp16.initial_scale_power: expected an integer in [0, 63], found 64");
+  EXPECT_ONLY_ERROR(R"({"fp16": {"loss_scale_window": 0}})",
+                    "fp16.loss_scale_window: expected an integer >= 1, found 0");
+  EXPECT_ONLY_ERROR(R"({"fp16": {"loss_scale_window": 1e10}})",
+                    "fp16.loss_scale_window: expected an integer in [1, 2147483647], found 10000000000.0");
   EXPECT_ONLY_ERROR(R"({"fp16": {"min_loss_scale": 0}})",
                     "fp16.min_loss_scale: expected a number > 0, found 0");
   EXPECT_ONLY_ERROR(R"({"steps_per_print": 1e30})", "steps_per_print: expected an integer, found 1e+30");
@@ -502,6 +506,8 @@ TEST_F(ConfigTest, InvalidJsonReportsLineAndColumn) {
   STRATA_EXPECT_ERROR(parse("{\"a\": tru}"), kInvalidArgument, "test.json:1:10: invalid JSON");
   STRATA_EXPECT_ERROR(parse(""), kInvalidArgument, "test.json:1:1: invalid JSON");
   STRATA_EXPECT_ERROR(parse("{\n\n  \"stage\" 3}"), kInvalidArgument, "test.json:3:11: invalid JSON");
+  STRATA_EXPECT_ERROR(parse("{\"gradient_clipping\": 1e400}"), kInvalidArgument,
+                      "test.json:1:23: invalid JSON: number overflow parsing '1e400'");
   STRATA_EXPECT_ERROR(parse("[1, 2]"), kInvalidArgument,
                       "test.json: expected a JSON object at the top level, found array [1,2]");
 }

@@ -49,8 +49,12 @@ bool json_to_integer(const Json& v, std::int64_t* out) {
 
 namespace {
 
-std::string int_range(std::int64_t min, std::int64_t max) {
-  if (max == std::numeric_limits<std::int64_t>::max() || max == std::numeric_limits<int>::max()) {
+// The range to state for `found`: a bound that is only the type's limit is mentioned only when
+// `found` exceeds it.
+std::string int_range(std::int64_t min, std::int64_t max, std::int64_t found) {
+  const bool type_limit =
+      max == std::numeric_limits<std::int64_t>::max() || max == std::numeric_limits<int>::max();
+  if (type_limit && found < min) {
     return "an integer >= " + std::to_string(min);
   }
   return "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
@@ -262,7 +266,7 @@ bool Section::read_int(std::string_view key, std::int64_t* out, std::int64_t min
     return false;
   }
   if (x < min || x > max) {
-    expect(key, *v, int_range(min, max), false);
+    expect(key, *v, int_range(min, max, x), false);
     return false;
   }
   *out = x;
@@ -366,6 +370,25 @@ void Section::finish() {
   }
 }
 
+namespace {
+
+// "<source>:<line>:<column>: invalid JSON: <what>" for the character at `offset` (both from 1).
+Status invalid_json(std::string_view text, std::size_t offset, const std::string& what,
+                    const std::string& source) {
+  offset = std::min(offset, text.size());
+  std::size_t line = 1, line_start = 0;
+  for (std::size_t i = 0; i < offset; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      line_start = i + 1;
+    }
+  }
+  return invalid_argument(source + ":" + std::to_string(line) + ":" +
+                          std::to_string(offset - line_start + 1) + ": invalid JSON: " + what);
+}
+
+}  // namespace
+
 Result<Json> parse_json(std::string_view text, ErrorList* errors) {
   // Duplicate keys: the parser keeps one of them silently, so watch the key events and report the
   // others with their path.
@@ -422,22 +445,22 @@ Result<Json> parse_json(std::string_view text, ErrorList* errors) {
                        /*ignore_comments=*/false);
   } catch (const Json::parse_error& e) {
     // e.byte is the 1-based offset of the last character read: the one that did not fit.
-    const std::size_t offending = std::min<std::size_t>(e.byte == 0 ? 0 : e.byte - 1, text.size());
-    std::size_t line = 1, line_start = 0;
-    for (std::size_t i = 0; i < offending; ++i) {
-      if (text[i] == '\n') {
-        ++line;
-        line_start = i + 1;
-      }
-    }
-    const std::size_t column = offending - line_start + 1;
     std::string what = e.what();
     // "[json.exception.parse_error.101] parse error at line 3, column 5: syntax error ..." -> the
     // part after the position, which we give in compiler style instead.
     if (auto pos = what.find(": ", what.find("parse error")); pos != std::string::npos)
       what = what.substr(pos + 2);
-    return invalid_argument(errors->source() + ":" + std::to_string(line) + ":" + std::to_string(column) +
-                            ": invalid JSON: " + what);
+    return invalid_json(text, e.byte == 0 ? 0 : e.byte - 1, what, errors->source());
+  } catch (const Json::exception& e) {
+    // A number too large for a double: "[json.exception.out_of_range.406] number overflow parsing
+    // '1e400'". The exception carries no offset, so locate the quoted literal.
+    std::string what = e.what();
+    if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
+    std::size_t offset = text.size();
+    if (auto open = what.find('\''), close = what.rfind('\''); open != std::string::npos && close > open) {
+      offset = std::min(offset, text.find(what.substr(open + 1, close - open - 1)));
+    }
+    return invalid_json(text, offset, what, errors->source());
   }
 }
 

@@ -108,13 +108,12 @@ class CpuEvent final : public Event {
     return recorded_;
   }
   void complete(std::uint64_t seq, Status status) {
-    {
-      std::lock_guard lock(mu_);
-      if (seq > completed_) {
-        completed_ = seq;
-        status_ = std::move(status);
-        time_ = Clock::now();
-      }
+    // Notify under the lock: a waiter may destroy the event as soon as it sees completion.
+    std::lock_guard lock(mu_);
+    if (seq > completed_) {
+      completed_ = seq;
+      status_ = std::move(status);
+      time_ = Clock::now();
     }
     cv_.notify_all();
   }
