@@ -112,7 +112,7 @@ TEST(ModelGradcheck, Gpt2MatchesFiniteDifferences) { check_gradients(ModelKind::
 
 TEST(ModelGradcheck, LlamaMatchesFiniteDifferences) { check_gradients(ModelKind::kLlama); }
 
-std::vector<std::vector<float>> all_grads(ModelKind kind, bool checkpointing, ModelDType dtype) {
+std::vector<std::vector<float>> all_grads(ModelKind kind, bool checkpointing, DType dtype) {
   auto device = make_device();
   TrainerConfig cfg = tiny(kind);
   cfg.model.n_layer = 3;
@@ -136,7 +136,7 @@ std::vector<std::vector<float>> all_grads(ModelKind kind, bool checkpointing, Mo
 
 TEST(ModelCheckpointing, RecomputeGivesBitwiseIdenticalGradients) {
   for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
-    for (ModelDType dtype : {ModelDType::kF32, ModelDType::kBF16}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
       const auto plain = all_grads(kind, false, dtype);
       const auto ckpt = all_grads(kind, true, dtype);
       ASSERT_EQ(plain.size(), ckpt.size());

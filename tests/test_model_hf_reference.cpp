@@ -240,7 +240,7 @@ TEST(HuggingFaceReference, StrataLossEqualsAPlainHuggingFaceForward) {
   const Corpus corpus = builtin_corpus(5, 20000);
   const auto tokens = make_byte_tokenizer()->encode(corpus.validation);
   for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
-    for (ModelDType dtype : {ModelDType::kF32, ModelDType::kBF16}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
       DeviceConfig dc;
       dc.memory_bytes = 64ull << 20;
       dc.pinned_bytes = 16ull << 20;
@@ -285,7 +285,7 @@ TEST(HuggingFaceReference, StrataLossEqualsAPlainHuggingFaceForward) {
       const double reference = total / static_cast<double>(windows * T);
       // fp32: summation order only (measured 2e-9). bf16: strata also rounds activations to bf16 between
       // ops (measured 1e-4).
-      const double tolerance = dtype == ModelDType::kF32 ? 1e-6 : 2e-3;
+      const double tolerance = dtype == DType::kF32 ? 1e-6 : 2e-3;
       EXPECT_NEAR(own->loss, reference, tolerance * reference) << to_string(kind) << " " << to_string(dtype);
     }
   }

@@ -108,7 +108,7 @@ TEST(ModelLayout, LlamaFusedProjectionsExportAsHuggingFaceTensors) {
 TEST(ModelLayout, Bf16HalvesParameterBytesNotGradientBytes) {
   ModelConfig c = gpt2(2, 64, 4, 256, 32);
   auto f32 = describe_model(c);
-  c.dtype = ModelDType::kBF16;
+  c.dtype = DType::kBF16;
   auto bf16 = describe_model(c);
   ASSERT_TRUE(f32.ok() && bf16.ok());
   EXPECT_EQ(f32->grad_bytes, bf16->grad_bytes);
@@ -145,7 +145,7 @@ TEST(ModelConfig, HuggingFaceAndNativeJsonRoundTrip) {
   EXPECT_EQ(back->ffn(), g.ffn());
 
   ModelConfig l = llama(3, 64, 8, 4, 1000);
-  l.dtype = ModelDType::kBF16;
+  l.dtype = DType::kBF16;
   auto lj = nlohmann::json::parse(hf_config_json(l));
   EXPECT_EQ(lj["model_type"], "llama");
   EXPECT_EQ(lj["num_key_value_heads"], 4);
@@ -155,7 +155,7 @@ TEST(ModelConfig, HuggingFaceAndNativeJsonRoundTrip) {
   ASSERT_TRUE(lb.ok()) << lb.status().to_string();
   EXPECT_EQ(lb->kind, ModelKind::kLlama);
   EXPECT_EQ(lb->kv_heads(), 4);
-  EXPECT_EQ(lb->dtype, ModelDType::kBF16);
+  EXPECT_EQ(lb->dtype, DType::kBF16);
 
   l.activation_checkpointing = true;
   l.vocab_multiple = 128;

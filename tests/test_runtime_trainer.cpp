@@ -28,7 +28,7 @@ std::unique_ptr<Device> make_device(int threads = 1) {
   return std::move(d).value();
 }
 
-TrainerConfig small(ModelKind kind, ModelDType dtype = ModelDType::kF32) {
+TrainerConfig small(ModelKind kind, DType dtype = DType::kF32) {
   TrainerConfig t;
   t.model.kind = kind;
   t.model.n_layer = 2;
@@ -80,7 +80,7 @@ TEST(Trainer, OverfitsASingleBatch) {
 }
 
 // Loss curves of the same run in fp32 and bf16.
-std::vector<double> curve(ModelKind kind, ModelDType dtype, int steps) {
+std::vector<double> curve(ModelKind kind, DType dtype, int steps) {
   auto device = make_device();
   TrainerConfig cfg = small(kind, dtype);
   cfg.schedule.kind = LrScheduleKind::kWarmupCosine;
@@ -108,8 +108,8 @@ std::vector<double> curve(ModelKind kind, ModelDType dtype, int steps) {
 TEST(Trainer, Bf16AndFp32CurvesAgree) {
   for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
     const int steps = 120, window = 10;
-    const auto f32 = curve(kind, ModelDType::kF32, steps);
-    const auto bf16 = curve(kind, ModelDType::kBF16, steps);
+    const auto f32 = curve(kind, DType::kF32, steps);
+    const auto bf16 = curve(kind, DType::kBF16, steps);
     double worst = 0;
     for (int w = 0; w < steps; w += window) {
       double a = 0, b = 0;
@@ -136,7 +136,7 @@ TEST(Trainer, ThreadCountDoesNotChangeTheRun) {
   std::vector<float> weights[2];
   for (int threads = 1; threads <= 2; ++threads) {
     auto device = make_device(threads);
-    TrainerConfig cfg = small(ModelKind::kLlama, ModelDType::kBF16);
+    TrainerConfig cfg = small(ModelKind::kLlama, DType::kBF16);
     auto trainer = Trainer::create(cfg, *device);
     ASSERT_TRUE(trainer.ok()) << trainer.status().to_string();
     auto batcher = Batcher::create(corpus_tokens(), cfg.micro_batch, cfg.seq_len, 4);
@@ -156,7 +156,7 @@ TEST(Trainer, ThreadCountDoesNotChangeTheRun) {
 
 TEST(Trainer, SteadyStateStepAllocatesNothing) {
   auto device = make_device();
-  TrainerConfig cfg = small(ModelKind::kLlama, ModelDType::kBF16);
+  TrainerConfig cfg = small(ModelKind::kLlama, DType::kBF16);
   cfg.grad_accum = 2;
   cfg.model.activation_checkpointing = true;
   auto trainer = Trainer::create(cfg, *device);
@@ -229,7 +229,7 @@ TEST(Trainer, GradientAccumulationEqualsTheBigBatch) {
 TEST(Trainer, WeightsRoundTripGiveTheSameEvaluation) {
   TempDir dir;
   for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
-    for (ModelDType dtype : {ModelDType::kF32, ModelDType::kBF16}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
       auto device = make_device();
       TrainerConfig cfg = small(kind, dtype);
       cfg.model.vocab_size = 300;  // exercises the vocabulary padding (320 rows)
@@ -370,7 +370,7 @@ TEST(TrainerConfig, AppliesADeepSpeedConfig) {
   EXPECT_EQ(t.micro_batch, 2);
   EXPECT_EQ(t.grad_accum, 3);
   EXPECT_EQ(t.grad_clip, 0.5);
-  EXPECT_EQ(t.model.dtype, ModelDType::kBF16);
+  EXPECT_EQ(t.model.dtype, DType::kBF16);
   EXPECT_EQ(t.optimizer.beta1, 0.8);
   EXPECT_EQ(t.optimizer.weight_decay, 0.1);
   EXPECT_EQ(t.schedule.kind, LrScheduleKind::kWarmupCosine);

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "strata/alloc.hpp"
+#include "strata/dtype.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -40,13 +41,6 @@ class Stream;
 enum class ModelKind : std::uint8_t { kGpt2, kLlama };
 std::string_view to_string(ModelKind kind);  // "gpt2", "llama"
 Result<ModelKind> parse_model_kind(std::string_view text);
-
-// Storage type of working parameters and activations. Statistics, losses and parameter
-// gradients are always fp32; arithmetic always accumulates in fp32.
-enum class ModelDType : std::uint8_t { kF32, kBF16 };
-std::string_view to_string(ModelDType dtype);                 // "fp32", "bf16"
-Result<ModelDType> parse_model_dtype(std::string_view text);  // fp32|f32|float32, bf16|bfloat16
-inline std::uint64_t dtype_bytes(ModelDType d) { return d == ModelDType::kF32 ? 4 : 2; }
 
 struct ModelConfig {
   ModelKind kind = ModelKind::kGpt2;
@@ -61,7 +55,9 @@ struct ModelConfig {
       64;  // the head's rows are padded to a multiple of this (no padding if vocab ≤ it)
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
-  ModelDType dtype = ModelDType::kF32;
+  // Storage of working parameters and activations: kF32 or kBF16 (statistics, losses and
+  // parameter gradients are always fp32; arithmetic always accumulates in fp32).
+  DType dtype = DType::kF32;
   bool activation_checkpointing = false;  // keep only each block's input; recompute the block in backward
   double init_std = 0.02;
 
@@ -103,12 +99,12 @@ struct ExportSlice {
 };
 
 struct ParamDesc {
-  std::string name;                     // unique in the model, e.g. "h.3.attn.c_attn.weight"
-  std::vector<std::int64_t> shape;      // storage shape, row-major; linear weights are (out, in)
-  ModelDType dtype = ModelDType::kF32;  // working dtype (gradients are fp32)
-  bool weight_decay = false;            // matrices decay; biases, norms and position tables do not
-  int tied_with = -1;                   // index of the parameter whose storage and gradient this one shares
-  int module = -1;                      // index of the owning module
+  std::string name;                 // unique in the model, e.g. "h.3.attn.c_attn.weight"
+  std::vector<std::int64_t> shape;  // storage shape, row-major; linear weights are (out, in)
+  DType dtype = DType::kF32;        // working dtype (gradients are fp32)
+  bool weight_decay = false;        // matrices decay; biases, norms and position tables do not
+  int tied_with = -1;               // index of the parameter whose storage and gradient this one shares
+  int module = -1;                  // index of the owning module
   ParamInit init;
   std::vector<ExportSlice> exports;  // empty for a tied alias (its target exports)
   std::uint64_t param_offset = 0;    // bytes into the params region (a tied alias: its target's)
@@ -275,8 +271,8 @@ using ParamSource = std::function<Status(int index, std::vector<float>& values)>
 using ParamSink = std::function<Status(int index, std::span<const float> values)>;
 
 // Writes every owning parameter of `layout` to `path` in `format`, stored as `dtype`.
-Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format,
-                     ModelDType dtype, const ParamSource& source);
+Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
+                     const ParamSource& source);
 // The model's working weights (synchronizes its stream), in the model's dtype.
 Status save_weights(Model& model, const std::string& path, WeightFormat format);
 // The model config a weights file of either format carries. Errors name the path.

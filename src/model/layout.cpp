@@ -48,7 +48,7 @@ class LayoutBuilder {
     p.param_offset = param_cursor_;
     p.grad_offset = grad_cursor_;
     const auto n = static_cast<std::uint64_t>(p.numel());
-    param_cursor_ = align_up(param_cursor_ + n * dtype_bytes(p.dtype), kParamAlignment);
+    param_cursor_ = align_up(param_cursor_ + n * dtype_size(p.dtype), kParamAlignment);
     grad_cursor_ = align_up(grad_cursor_ + n * 4, kParamAlignment);
     return push(std::move(p));
   }
@@ -187,14 +187,6 @@ Result<ModelKind> parse_model_kind(std::string_view text) {
   return invalid_argument("model '" + std::string(text) + "' is not one of: gpt2, llama");
 }
 
-std::string_view to_string(ModelDType dtype) { return dtype == ModelDType::kF32 ? "fp32" : "bf16"; }
-
-Result<ModelDType> parse_model_dtype(std::string_view text) {
-  if (text == "fp32" || text == "f32" || text == "float32") return ModelDType::kF32;
-  if (text == "bf16" || text == "bfloat16") return ModelDType::kBF16;
-  return invalid_argument("dtype '" + std::string(text) + "' is not one of: fp32, bf16");
-}
-
 std::string_view to_string(ModuleKind kind) {
   switch (kind) {
     case ModuleKind::kEmbedding:
@@ -258,6 +250,10 @@ Status ModelConfig::validate() const {
                               " must be positive");
     }
   }
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return invalid_argument("model config: dtype " + std::string(to_string(dtype)) +
+                            " is not supported for training (f32 or bf16)");
+  }
   if (!(norm_eps > 0.0) || !std::isfinite(norm_eps)) {
     return invalid_argument("model config: norm_eps = " + std::to_string(norm_eps) + " must be positive");
   }
@@ -269,7 +265,7 @@ Status ModelConfig::validate() const {
 
 std::string hf_config_json(const ModelConfig& c) {
   Json j;
-  const char* torch_dtype = c.dtype == ModelDType::kBF16 ? "bfloat16" : "float32";
+  const char* torch_dtype = c.dtype == DType::kBF16 ? "bfloat16" : "float32";
   if (c.kind == ModelKind::kGpt2) {
     j["architectures"] = Json::array({"GPT2LMHeadModel"});
     j["model_type"] = "gpt2";
@@ -366,7 +362,7 @@ Result<ModelConfig> model_config_from_hf_json(std::string_view text, std::string
   }
   STRATA_ASSIGN_OR_RETURN(c.init_std, get_double("initializer_range", 0.02));
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) {
-    c.dtype = j["torch_dtype"].get<std::string>() == "bfloat16" ? ModelDType::kBF16 : ModelDType::kF32;
+    c.dtype = j["torch_dtype"].get<std::string>() == "bfloat16" ? DType::kBF16 : DType::kF32;
   }
   Status s = c.validate();
   if (!s.ok()) return s.with_context(where);
@@ -418,7 +414,7 @@ Result<ModelConfig> model_config_from_json(std::string_view text, std::string_vi
         if (!k.ok()) return k.status().with_context(where);
         c.kind = *k;
       } else {
-        auto d = parse_model_dtype(v.get<std::string>());
+        auto d = parse_dtype(v.get<std::string>());
         if (!d.ok()) return d.status().with_context(where);
         c.dtype = *d;
       }
@@ -506,7 +502,7 @@ Status ModelLayout::is_valid() const {
       return internal_error("layout: " + who + " is not aligned");
     }
     const ModuleDesc& m = modules[static_cast<std::size_t>(p.module)];
-    const std::uint64_t pend = p.param_offset + n * dtype_bytes(p.dtype);
+    const std::uint64_t pend = p.param_offset + n * dtype_size(p.dtype);
     const std::uint64_t gend = p.grad_offset + n * 4;
     if (pend > param_bytes || gend > grad_bytes)
       return internal_error("layout: " + who + " ends outside its region");

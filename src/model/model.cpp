@@ -33,8 +33,8 @@ using kernels::TensorArg;
 
 namespace {
 
-kernels::DType kernel_dtype(ModelDType d) {
-  return d == ModelDType::kF32 ? kernels::DType::kF32 : kernels::DType::kBF16;
+kernels::DType kernel_dtype(DType d) {
+  return d == DType::kF32 ? kernels::DType::kF32 : kernels::DType::kBF16;
 }
 
 // A typed device pointer.
@@ -393,7 +393,7 @@ Status Model::upload_param(int index, std::span<const float> values) {
                             " values for " + std::to_string(p.numel()) + " elements");
   }
   char* dst = static_cast<char*>(m.P(index).data);
-  if (p.dtype == ModelDType::kF32) return m.stager->upload(dst, values.data(), values.size() * 4);
+  if (p.dtype == DType::kF32) return m.stager->upload(dst, values.data(), values.size() * 4);
   return m.stager->upload(dst, values.size() * 2, [&](void* chunk, std::uint64_t offset, std::uint64_t n) {
     auto* out = static_cast<std::uint16_t*>(chunk);
     const float* in = values.data() + offset / 2;
@@ -419,7 +419,7 @@ Status Model::download_param_bytes(int index, void* dst, std::uint64_t bytes) {
     return invalid_argument("download_param: no parameter with index " + std::to_string(index));
   }
   const ParamDesc& p = m.layout.params[static_cast<std::size_t>(index)];
-  if (bytes != static_cast<std::uint64_t>(p.numel()) * dtype_bytes(p.dtype)) {
+  if (bytes != static_cast<std::uint64_t>(p.numel()) * dtype_size(p.dtype)) {
     return invalid_argument("download_param '" + p.name + "': buffer of " + std::to_string(bytes) + " bytes");
   }
   return m.stager->download(dst, m.P(index).data, bytes);
@@ -432,7 +432,7 @@ Result<std::vector<float>> Model::download_param(int index) {
   }
   const ParamDesc& p = m.layout.params[static_cast<std::size_t>(index)];
   std::vector<float> out(static_cast<std::size_t>(p.numel()));
-  if (p.dtype == ModelDType::kF32) {
+  if (p.dtype == DType::kF32) {
     STRATA_RETURN_IF_ERROR(download_param_bytes(index, out.data(), out.size() * 4));
   } else {
     std::vector<std::uint16_t> raw(out.size());

@@ -93,9 +93,9 @@ const SafetensorsEntry* find_hf(const SafetensorsFile& file, const ModelLayout& 
 
 }  // namespace
 
-Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format,
-                     ModelDType dtype, const ParamSource& source) {
-  const bool bf16 = dtype == ModelDType::kBF16;
+Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
+                     const ParamSource& source) {
+  const bool bf16 = dtype == DType::kBF16;
   const std::uint64_t esize = bf16 ? 2 : 4;
   SafetensorsWriter writer;
   // The writer copies nothing: every tensor's bytes stay here until write().

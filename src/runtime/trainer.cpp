@@ -167,7 +167,7 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
     }
   }
   if (present("gradient_clipping")) grad_clip = config.gradient_clipping;
-  if (present("bf16")) model.dtype = config.bf16.enabled ? ModelDType::kBF16 : ModelDType::kF32;
+  if (present("bf16")) model.dtype = config.bf16.enabled ? DType::kBF16 : DType::kF32;
   if (config.train_batch_size || config.train_micro_batch_size_per_gpu ||
       config.gradient_accumulation_steps) {
     auto sizes = resolve_batch_sizes(config, 1);
@@ -226,7 +226,7 @@ struct ParamState {
 std::vector<RegionSpec> optimizer_regions(const ModelLayout& layout) {
   std::vector<RegionSpec> r;
   const std::uint64_t bytes = std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment);
-  if (layout.config.dtype == ModelDType::kBF16) r.push_back(RegionSpec{"optim.master", bytes, 0, 0});
+  if (layout.config.dtype == DType::kBF16) r.push_back(RegionSpec{"optim.master", bytes, 0, 0});
   r.push_back(RegionSpec{"optim.exp_avg", bytes, 0, 0});
   r.push_back(RegionSpec{"optim.exp_avg_sq", bytes, 0, 0});
   return r;
@@ -264,11 +264,11 @@ struct Trainer::Impl {
 
   float* master_of(int index) const {
     const ParamDesc& p = model->layout().params[static_cast<std::size_t>(index)];
-    if (config.model.dtype != ModelDType::kBF16) return static_cast<float*>(model->param_data(index));
+    if (config.model.dtype != DType::kBF16) return static_cast<float*>(model->param_data(index));
     return reinterpret_cast<float*>(reinterpret_cast<char*>(master) + p.grad_offset);
   }
   Status write_master(int index, std::span<const float> values) {
-    if (config.model.dtype != ModelDType::kBF16) return ok_status();  // the params are the master
+    if (config.model.dtype != DType::kBF16) return ok_status();  // the params are the master
     return stager->upload(master_of(index), values.data(), values.size() * 4);
   }
   Status optimizer_step(double lr, std::int64_t step);
@@ -382,7 +382,7 @@ Result<std::uint64_t> Trainer::device_bytes(const TrainerConfig& config) {
   const std::int64_t C = c.n_embd, F = c.ffn(), Q = (c.n_head + 2 * c.kv_heads()) * c.head_dim();
   const std::int64_t per_set = 4 * C + Q + (c.kind == ModelKind::kGpt2 ? 2 * F : 3 * F);
   const std::int64_t sets = c.activation_checkpointing ? 1 : c.n_layer;
-  const std::uint64_t w = dtype_bytes(c.dtype);
+  const std::uint64_t w = dtype_size(c.dtype);
   std::uint64_t acts =
       static_cast<std::uint64_t>(N) *
       (w * static_cast<std::uint64_t>((c.n_layer + 1) * C + sets * per_set + C + c.padded_vocab()) +
@@ -424,7 +424,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerConfig& config, De
     if (r.name == "optim.exp_avg_sq") t.exp_avg_sq = p;
     STRATA_RETURN_IF_ERROR(stream->memset_async(p, 0, r.bytes));
   }
-  const bool bf16 = config.model.dtype == ModelDType::kBF16;
+  const bool bf16 = config.model.dtype == DType::kBF16;
   if (!bf16) t.master = static_cast<float*>(t.model->params_base());
   t.grad_floats = grad_bytes / 4;
   STRATA_ASSIGN_OR_RETURN(t.launch, detail::KernelLauncher::create(device, *stream, 0));

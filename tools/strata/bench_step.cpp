@@ -71,7 +71,7 @@ struct GemmTiming {
 // Times every GEMM of the step on `stream` (so it runs with the stream's compute threads).
 Status time_gemms(Device& device, Stream& stream, const ModelConfig& model, std::int64_t batch,
                   std::int64_t seq_len, int reps, std::vector<GemmTiming>* out) {
-  const kernels::DType wdt = model.dtype == ModelDType::kBF16 ? kernels::DType::kBF16 : kernels::DType::kF32;
+  const kernels::DType wdt = model.dtype == DType::kBF16 ? kernels::DType::kBF16 : kernels::DType::kF32;
   const std::uint64_t w = kernels::dtype_size(wdt);
   std::uint64_t a_max = 0, b_max = 0, c_max = 0;
   for (const auto& g : model_gemms(model, batch, seq_len)) {

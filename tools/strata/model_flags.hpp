@@ -23,7 +23,7 @@ inline constexpr FlagSpec kModelFlags[] = {
     {"width", "N", "model width (n_embd); a multiple of --heads"},
     {"context", "N", "context length n_positions (default = --seq-len)"},
     {"ffn", "N", "MLP hidden width (default 4·width for gpt2, ≈8/3·width for llama)"},
-    {"dtype", "fp32|bf16", "working dtype of weights and activations (bf16 keeps fp32 master weights)"},
+    {"dtype", "f32|bf16", "working dtype of weights and activations (bf16 keeps fp32 master weights)"},
     {"checkpointing", "on|off", "activation checkpointing: recompute each block in backward"},
     {"device", "cpu|cuda", "device backend (default: the 'device' tunable, cpu)"},
     {"threads", "N", "compute threads of the cpu backend (default: every core; training runs no host work)"},
@@ -84,7 +84,7 @@ inline Status apply_model_flags(const Args& args, std::int64_t seq_len, ModelCon
   STRATA_RETURN_IF_ERROR(int_flag(args, "context", 1, 1 << 20, &config->n_positions));
   STRATA_RETURN_IF_ERROR(int_flag(args, "ffn", 0, 1 << 20, &config->ffn_hidden));
   if (auto d = args.get("dtype")) {
-    auto dtype = parse_model_dtype(*d);
+    auto dtype = parse_dtype(*d);
     if (!dtype.ok()) return dtype.status().with_context("flag '--dtype'");
     config->dtype = *dtype;
   }
