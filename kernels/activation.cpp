@@ -48,7 +48,7 @@ Status gelu_backward_cpu(const KernelContext& ctx, TensorArg dinp, ConstTensorAr
 #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
   for (std::int64_t c = 0; c < chunks; ++c) {
     float* x = buf + omp_get_thread_num() * 2 * kChunk;  // (kChunk)
-    float* g = x + kChunk;                                // (kChunk)
+    float* g = x + kChunk;                               // (kChunk)
     const std::int64_t offset = c * kChunk;
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(inp, offset, len, x);
@@ -92,7 +92,7 @@ Status swiglu_backward_cpu(const KernelContext& ctx, TensorArg dgate_up, ConstTe
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * F > kChunk)
   for (std::int64_t r = 0; r < rows; ++r) {
     float* gu = buf + omp_get_thread_num() * stripe;  // (2F) = [gate | up], becomes [dgate | dup]
-    float* dy = gu + 2 * F;                            // (F)
+    float* dy = gu + 2 * F;                           // (F)
     load_f32(gate_up, r * 2 * F, 2 * F, gu);
     load_f32(dout, r * F, F, dy);
     for (std::int64_t i = 0; i < F; ++i) {
@@ -133,15 +133,19 @@ Status gelu_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg do
 Status swiglu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg gate_up, std::int64_t rows,
                       std::int64_t F) {
   ArgCheck check("swiglu_forward");
-  check.context(ctx).ptr("out", out.data).ptr("gate_up", gate_up.data).non_negative("rows", rows).positive("F", F);
+  check.context(ctx)
+      .ptr("out", out.data)
+      .ptr("gate_up", gate_up.data)
+      .non_negative("rows", rows)
+      .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return swiglu_forward_cuda(ctx, out, gate_up, rows, F);
   return swiglu_forward_cpu(ctx, out, gate_up, rows, F);
 }
 
-Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout, ConstTensorArg gate_up,
-                       std::int64_t rows, std::int64_t F, Accumulate dinp_mode) {
+Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout,
+                       ConstTensorArg gate_up, std::int64_t rows, std::int64_t F, Accumulate dinp_mode) {
   ArgCheck check("swiglu_backward");
   check.context(ctx)
       .ptr("dgate_up", dgate_up.data)
@@ -151,7 +155,8 @@ Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensor
       .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());
   if (rows == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return swiglu_backward_cuda(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
+  if (ctx.backend == Backend::kCuda)
+    return swiglu_backward_cuda(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
   return swiglu_backward_cpu(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
 }
 

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "kernels/common.hpp"
 #include "kernels/cuda_ops.hpp"
@@ -61,12 +62,14 @@ inline void axpy(float* y, float alpha, const float* x, std::int64_t n) {
 // Loads `rows` token rows of one head: element (t, 0..D) at (b*T + t)*stride + head*D.
 void load_rows(ConstTensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t b, std::int64_t t0,
                std::int64_t rows, std::int64_t head, float* dst) {
-  for (std::int64_t i = 0; i < rows; ++i) load_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, dst + i * d.D);
+  for (std::int64_t i = 0; i < rows; ++i)
+    load_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, dst + i * d.D);
 }
 
 void store_rows(TensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t b, std::int64_t t0,
                 std::int64_t rows, std::int64_t head, const float* src) {
-  for (std::int64_t i = 0; i < rows; ++i) store_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, src + i * d.D);
+  for (std::int64_t i = 0; i < rows; ++i)
+    store_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, src + i * d.D);
 }
 
 // ---- cpu kernels ----
@@ -88,8 +91,8 @@ struct ForwardScratch {
 };
 
 void attention_forward_tile(const AttnDims& d, TensorArg out, float* lse, ConstTensorArg q, ConstTensorArg k,
-                            ConstTensorArg v, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t nq,
-                            ForwardScratch w) {
+                            ConstTensorArg v, std::int64_t b, std::int64_t h, std::int64_t t0,
+                            std::int64_t nq, ForwardScratch w) {
   const std::int64_t D = d.D;
   const std::int64_t kh = h / d.group;
   load_rows(q, d, d.qs, b, t0, nq, h, w.q);
@@ -133,8 +136,8 @@ void attention_forward_tile(const AttnDims& d, TensorArg out, float* lse, ConstT
   store_rows(out, d, d.H * D, b, t0, nq, h, w.o);
 }
 
-Status attention_forward_cpu(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q, ConstTensorArg k,
-                             ConstTensorArg v, const AttnDims& d) {
+Status attention_forward_cpu(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q,
+                             ConstTensorArg k, ConstTensorArg v, const AttnDims& d) {
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = ForwardScratch::floats(d.D);
   STRATA_ASSIGN_OR_RETURN(float* buf, scratch("attention_forward", threads * stripe, 0));
@@ -223,8 +226,8 @@ struct KeyPassScratch {
 
 void attention_backward_key_tile(const AttnDims& d, TensorArg dk, TensorArg dv, const float* dvec,
                                  ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k, ConstTensorArg v,
-                                 const float* lse, std::int64_t b, std::int64_t kh, std::int64_t k0, std::int64_t nk,
-                                 KeyPassScratch w) {
+                                 const float* lse, std::int64_t b, std::int64_t kh, std::int64_t k0,
+                                 std::int64_t nk, KeyPassScratch w) {
   const std::int64_t D = d.D;
   load_rows(k, d, d.ks, b, k0, nk, kh, w.k);
   load_rows(v, d, d.vs, b, k0, nk, kh, w.v);
@@ -258,9 +261,9 @@ void attention_backward_key_tile(const AttnDims& d, TensorArg dk, TensorArg dv, 
   store_rows(dv, d, d.vs, b, k0, nk, kh, w.dv);
 }
 
-Status attention_backward_cpu(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv, ConstTensorArg dout,
-                              ConstTensorArg q, ConstTensorArg k, ConstTensorArg v, ConstTensorArg out,
-                              const float* lse, const AttnDims& d) {
+Status attention_backward_cpu(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv,
+                              ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k, ConstTensorArg v,
+                              ConstTensorArg out, const float* lse, const AttnDims& d) {
   constexpr std::string_view kOp = "attention_backward";
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = std::max(QueryPassScratch::floats(d.D), KeyPassScratch::floats(d.D));
@@ -287,7 +290,8 @@ Status attention_backward_cpu(const KernelContext& ctx, TensorArg dq, TensorArg 
     const std::int64_t bkh = task / k_tiles;
     const std::int64_t k0 = kt * kKeyTile;
     attention_backward_key_tile(d, dk, dv, dvec, dout, q, k, v, lse, bkh / d.Hkv, bkh % d.Hkv, k0,
-                                std::min(kKeyTile, d.T - k0), KeyPassScratch(buf + omp_get_thread_num() * stripe, d.D));
+                                std::min(kKeyTile, d.T - k0),
+                                KeyPassScratch(buf + omp_get_thread_num() * stripe, d.D));
   }
   return ok_status();
 }
@@ -300,8 +304,9 @@ Status check_attention(ArgCheck& check, const KernelContext& ctx, const Attentio
       .positive("n_head", s.n_head)
       .non_negative("n_kv_head", s.n_kv_head)
       .positive("head_dim", s.head_dim)
-      .fail_if(d.Hkv > 0 && d.H % d.Hkv != 0,
-               "n_head = " + std::to_string(d.H) + " is not a multiple of n_kv_head = " + std::to_string(d.Hkv))
+      .fail_if(
+          d.Hkv > 0 && d.H % d.Hkv != 0,
+          "n_head = " + std::to_string(d.H) + " is not a multiple of n_kv_head = " + std::to_string(d.Hkv))
       .at_least("q_row_stride", d.qs, "n_head*head_dim", d.H * d.D)
       .at_least("k_row_stride", d.ks, "n_kv_head*head_dim", d.Hkv * d.D)
       .at_least("v_row_stride", d.vs, "n_kv_head*head_dim", d.Hkv * d.D)
@@ -315,19 +320,22 @@ Status check_attention(ArgCheck& check, const KernelContext& ctx, const Attentio
 
 // ---- launchers ----
 
-Status attention_forward(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q, ConstTensorArg k,
-                         ConstTensorArg v, const AttentionShape& shape) {
+Status attention_forward(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q,
+                         ConstTensorArg k, ConstTensorArg v, const AttentionShape& shape) {
   ArgCheck check("attention_forward");
   check.ptr("out", out.data).ptr("lse", lse).ptr("q", q.data).ptr("k", k.data).ptr("v", v.data);
+  check.same_dtype("q", q.dtype, "k", k.dtype)
+      .same_dtype("q", q.dtype, "v", v.dtype)
+      .same_dtype("q", q.dtype, "out", out.dtype);
   STRATA_RETURN_IF_ERROR(check_attention(check, ctx, shape));
   if (shape.batch == 0 || shape.seq_len == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return attention_forward_cuda(ctx, out, lse, q, k, v, shape);
   return attention_forward_cpu(ctx, out, lse, q, k, v, resolve(shape));
 }
 
-Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv, ConstTensorArg dout,
-                          ConstTensorArg q, ConstTensorArg k, ConstTensorArg v, ConstTensorArg out, const float* lse,
-                          const AttentionShape& shape) {
+Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv,
+                          ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k, ConstTensorArg v,
+                          ConstTensorArg out, const float* lse, const AttentionShape& shape) {
   ArgCheck check("attention_backward");
   check.ptr("dq", dq.data)
       .ptr("dk", dk.data)
@@ -339,9 +347,15 @@ Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, 
       .ptr("out", out.data)
       .ptr("lse", lse)
       .workspace(ctx, attention_backward_workspace_bytes(ctx.backend, shape));
+  for (auto [name, dtype] : {std::pair{"k", k.dtype}, std::pair{"v", v.dtype}, std::pair{"out", out.dtype},
+                             std::pair{"dout", dout.dtype}, std::pair{"dq", dq.dtype},
+                             std::pair{"dk", dk.dtype}, std::pair{"dv", dv.dtype}}) {
+    check.same_dtype("q", q.dtype, name, dtype);
+  }
   STRATA_RETURN_IF_ERROR(check_attention(check, ctx, shape));
   if (shape.batch == 0 || shape.seq_len == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return attention_backward_cuda(ctx, dq, dk, dv, dout, q, k, v, out, lse, shape);
+  if (ctx.backend == Backend::kCuda)
+    return attention_backward_cuda(ctx, dq, dk, dv, dout, q, k, v, out, lse, shape);
   return attention_backward_cpu(ctx, dq, dk, dv, dout, q, k, v, out, lse, resolve(shape));
 }
 

@@ -51,8 +51,8 @@ ArgCheck& ArgCheck::context(const KernelContext& ctx, bool needs_state) {
     fail_if(ctx.state == nullptr, "KernelContext::state is null (create one with KernelState::create)");
     fail_if(ctx.state != nullptr && ctx.state->backend() != ctx.backend,
             "KernelContext::state was created for backend " +
-                std::string(to_string(ctx.state ? ctx.state->backend() : ctx.backend)) + " but the context is " +
-                std::string(to_string(ctx.backend)));
+                std::string(to_string(ctx.state ? ctx.state->backend() : ctx.backend)) +
+                " but the context is " + std::string(to_string(ctx.backend)));
   }
   return *this;
 }
@@ -62,6 +62,8 @@ ArgCheck& ArgCheck::workspace(const KernelContext& ctx, std::uint64_t needed) {
   fail_if(ctx.workspace == nullptr || ctx.workspace_bytes < needed,
           "needs a workspace of " + std::to_string(needed) + " bytes but the context has " +
               std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
+  fail_if(reinterpret_cast<std::uintptr_t>(ctx.workspace) % 256 != 0,
+          "the workspace is not 256-byte aligned");
   return *this;
 }
 

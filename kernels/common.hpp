@@ -23,7 +23,8 @@ class ArgCheck {
   ArgCheck& ptr(std::string_view name, const void* p);
   ArgCheck& positive(std::string_view name, std::int64_t value);
   ArgCheck& non_negative(std::string_view name, std::int64_t value);
-  ArgCheck& at_least(std::string_view name, std::int64_t value, std::string_view bound_name, std::int64_t bound);
+  ArgCheck& at_least(std::string_view name, std::int64_t value, std::string_view bound_name,
+                     std::int64_t bound);
   ArgCheck& same_dtype(std::string_view a_name, DType a, std::string_view b_name, DType b);
   ArgCheck& fail_if(bool bad, const std::string& message);
   // The context's backend is usable: a KernelState of the same backend when `needs_state`.

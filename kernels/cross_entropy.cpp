@@ -24,7 +24,8 @@ Status check_targets(std::string_view op, const std::int32_t* targets, std::int6
   for (std::int64_t n = 0; n < N; ++n) {
     if (targets[n] >= V) {
       return invalid_argument(std::string(op) + ": target " + std::to_string(targets[n]) + " of row " +
-                              std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) + ")");
+                              std::to_string(n) + " is outside the vocabulary [0, " + std::to_string(V) +
+                              ")");
     }
   }
   return ok_status();
@@ -33,7 +34,8 @@ Status check_targets(std::string_view op, const std::int32_t* targets, std::int6
 // ---- cpu kernels ----
 
 Status cross_entropy_forward_cpu(const KernelContext& ctx, float* losses, float* lse, ConstTensorArg logits,
-                                 const std::int32_t* targets, std::int64_t N, std::int64_t V, std::int64_t Vp) {
+                                 const std::int32_t* targets, std::int64_t N, std::int64_t V,
+                                 std::int64_t Vp) {
   STRATA_RETURN_IF_ERROR(check_targets("cross_entropy_forward", targets, N, V));
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = scratch_stripe(V);
@@ -107,13 +109,14 @@ Status cross_entropy_forward(const KernelContext& ctx, float* losses, float* lse
   check.ptr("losses", losses);
   STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits.data, targets, N, V, Vp));
   if (N == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return cross_entropy_forward_cuda(ctx, losses, lse, logits, targets, N, V, Vp);
+  if (ctx.backend == Backend::kCuda)
+    return cross_entropy_forward_cuda(ctx, losses, lse, logits, targets, N, V, Vp);
   return cross_entropy_forward_cpu(ctx, losses, lse, logits, targets, N, V, Vp);
 }
 
-Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits, const float* lse,
-                              const std::int32_t* targets, float dloss, std::int64_t N, std::int64_t V,
-                              std::int64_t Vp) {
+Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                              const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
+                              std::int64_t V, std::int64_t Vp) {
   ArgCheck check("cross_entropy_backward");
   check.ptr("dlogits", dlogits.data).ptr("lse", lse);
   STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits.data, targets, N, V, Vp));

@@ -15,11 +15,13 @@ class ResidualTest : public ::testing::TestWithParam<DType> {};
 TEST_P(ResidualTest, ForwardMatchesReferenceAtAwkwardSizes) {
   const DType dt = GetParam();
   ref::CpuContext cpu;
-  for (std::size_t n : {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
+  for (std::size_t n :
+       {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
     const Vec a = ref::as_stored(dt, ref::random_vec(n, 1));
     const Vec b = ref::as_stored(dt, ref::random_vec(n, 2));
     TestTensor ta = TestTensor::from(dt, a), tb = TestTensor::from(dt, b), out(dt, n);
-    STRATA_ASSERT_OK(residual_forward(cpu.ctx, out.arg(), ta.carg(), tb.carg(), static_cast<std::int64_t>(n)));
+    STRATA_ASSERT_OK(
+        residual_forward(cpu.ctx, out.arg(), ta.carg(), tb.carg(), static_cast<std::int64_t>(n)));
     Vec want(n);
     for (std::size_t i = 0; i < n; ++i) want[i] = a[i] + b[i];
     ref::expect_close(out.values(), want, ref::tolerance_for(dt), "residual_forward n=" + std::to_string(n));
@@ -77,7 +79,8 @@ TEST(Residual, BackwardMatchesFiniteDifferences) {
 
 TEST(Residual, ZeroSizeIsANoOpAndBadArgumentsAreNamed) {
   ref::CpuContext cpu;
-  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, kNoOutput, kNone, kNone, 0), kInvalidArgument, "'out' is null");
+  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, kNoOutput, kNone, kNone, 0), kInvalidArgument,
+                      "'out' is null");
   float x = 1.0f;
   STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), kNone, 1), kInvalidArgument, "'b' is null");
   STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), f32(&x), -1), kInvalidArgument, "n = -1");
