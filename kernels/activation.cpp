@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/common.hpp"
+#include "kernels/cpu_math.hpp"
 #include "kernels/cuda_ops.hpp"
 
 namespace strata::kernels {
@@ -20,6 +21,46 @@ constexpr float kGeluCubic = 0.044715f;
 
 // ---- cpu kernels ----
 
+// x (n) <- gelu(x)
+STRATA_CPU_CLONES void gelu_rows(float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+    x[i] = 0.5f * v * (1.0f + tanh_f32(u));
+  }
+}
+
+// g (n) <- g · gelu'(x)
+STRATA_CPU_CLONES void gelu_grad_rows(float* g, const float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+    const float th = tanh_f32(u);
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
+    g[i] *= 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
+  }
+}
+
+// gu (2F) = [g | u]; the first F become silu(g)·u
+STRATA_CPU_CLONES void swiglu_row(float* gu, std::int64_t F) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < F; ++i) gu[i] = gu[i] * sigmoid_f32(gu[i]) * gu[F + i];
+}
+
+// gu (2F) = [g | u] becomes [dg | du] for dy (F)
+STRATA_CPU_CLONES void swiglu_grad_row(float* gu, const float* dy, std::int64_t F) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < F; ++i) {
+    const float g = gu[i];
+    const float u = gu[F + i];
+    const float sig = sigmoid_f32(g);
+    gu[i] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
+    gu[F + i] = dy[i] * g * sig;
+  }
+}
+
 Status gelu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, std::int64_t n) {
   const int threads = cpu_thread_count(ctx);
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
@@ -30,11 +71,7 @@ Status gelu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg 
     const std::int64_t offset = c * kChunk;
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(inp, offset, len, x);
-    for (std::int64_t i = 0; i < len; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      x[i] = 0.5f * v * (1.0f + std::tanh(u));
-    }
+    gelu_rows(x, len);
     store_f32(out, offset, len, x);
   }
   return ok_status();
@@ -53,13 +90,7 @@ Status gelu_backward_cpu(const KernelContext& ctx, TensorArg dinp, ConstTensorAr
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(inp, offset, len, x);
     load_f32(dout, offset, len, g);
-    for (std::int64_t i = 0; i < len; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float th = std::tanh(u);
-      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-      g[i] *= 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
-    }
+    gelu_grad_rows(g, x, len);
     store_f32(dinp, offset, len, g, mode);
   }
   return ok_status();
@@ -74,11 +105,7 @@ Status swiglu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorAr
   for (std::int64_t r = 0; r < rows; ++r) {
     float* gu = buf + omp_get_thread_num() * stripe;  // (2F) = [gate | up]
     load_f32(gate_up, r * 2 * F, 2 * F, gu);
-    for (std::int64_t i = 0; i < F; ++i) {
-      const float g = gu[i];
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      gu[i] = g * sig * gu[F + i];
-    }
+    swiglu_row(gu, F);
     store_f32(out, r * F, F, gu);
   }
   return ok_status();
@@ -95,13 +122,7 @@ Status swiglu_backward_cpu(const KernelContext& ctx, TensorArg dgate_up, ConstTe
     float* dy = gu + 2 * F;                           // (F)
     load_f32(gate_up, r * 2 * F, 2 * F, gu);
     load_f32(dout, r * F, F, dy);
-    for (std::int64_t i = 0; i < F; ++i) {
-      const float g = gu[i];
-      const float u = gu[F + i];
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      gu[i] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
-      gu[F + i] = dy[i] * g * sig;
-    }
+    swiglu_grad_row(gu, dy, F);
     store_f32(dgate_up, r * 2 * F, 2 * F, gu, mode);
   }
   return ok_status();

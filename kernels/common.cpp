@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "kernels/cpu_math.hpp"
 #include "kernels/cuda_ops.hpp"
 
 namespace strata::kernels {
@@ -71,7 +72,7 @@ int cpu_thread_count(const KernelContext& ctx) {
   return ctx.cpu_threads > 0 ? ctx.cpu_threads : omp_get_max_threads();
 }
 
-void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst) {
+STRATA_CPU_CLONES void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst) {
   if (t.dtype == DType::kF32) {
     const float* src = static_cast<const float*>(t.data) + offset;
     for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i];
@@ -81,7 +82,8 @@ void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst)
   }
 }
 
-void store_f32(TensorArg t, std::int64_t offset, std::int64_t n, const float* src, Accumulate mode) {
+STRATA_CPU_CLONES void store_f32(TensorArg t, std::int64_t offset, std::int64_t n, const float* src,
+                                 Accumulate mode) {
   const bool add = mode == Accumulate::kAdd;
   if (t.dtype == DType::kF32) {
     float* dst = static_cast<float*>(t.data) + offset;

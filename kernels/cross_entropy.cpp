@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/common.hpp"
+#include "kernels/cpu_math.hpp"
 #include "kernels/cuda_ops.hpp"
 
 namespace strata::kernels {
@@ -33,6 +34,29 @@ Status check_targets(std::string_view op, const std::int32_t* targets, std::int6
 
 // ---- cpu kernels ----
 
+// log Σ exp(z) over one row. fp32 partial sums of short chunks are added in double: a sequential
+// fp32 sum over a 50k vocabulary would lose ~1e-4 relative in lse, which every probability inherits.
+STRATA_CPU_CLONES float logsumexp_row(const float* z, std::int64_t V) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (std::int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
+  double sum = 0.0;
+  for (std::int64_t v0 = 0; v0 < V; v0 += kSumChunk) {
+    const std::int64_t v1 = std::min(V, v0 + kSumChunk);
+    float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+    for (std::int64_t v = v0; v < v1; ++v) part += exp_f32(z[v] - m);
+    sum += part;
+  }
+  return m + static_cast<float>(std::log(sum));
+}
+
+// z (V) <- softmax(z)·dloss, from the row's lse
+STRATA_CPU_CLONES void softmax_grad_row(float* z, std::int64_t V, float row_lse, float dloss) {
+#pragma omp simd
+  for (std::int64_t v = 0; v < V; ++v) z[v] = exp_f32(z[v] - row_lse) * dloss;
+}
+
 Status cross_entropy_forward_cpu(const KernelContext& ctx, float* losses, float* lse, ConstTensorArg logits,
                                  const std::int32_t* targets, std::int64_t N, std::int64_t V,
                                  std::int64_t Vp) {
@@ -44,18 +68,7 @@ Status cross_entropy_forward_cpu(const KernelContext& ctx, float* losses, float*
   for (std::int64_t n = 0; n < N; ++n) {
     float* z = buf + omp_get_thread_num() * stripe;  // (V)
     load_f32(logits, n * Vp, V, z);
-    float m = -std::numeric_limits<float>::infinity();
-    for (std::int64_t v = 0; v < V; ++v) m = std::max(m, z[v]);
-    // fp32 partial sums of short chunks, added in double: a sequential fp32 sum over a 50k
-    // vocabulary would lose ~1e-4 relative in lse, which every probability inherits.
-    double sum = 0.0;
-    for (std::int64_t v0 = 0; v0 < V; v0 += kSumChunk) {
-      const std::int64_t v1 = std::min(V, v0 + kSumChunk);
-      float part = 0.0f;
-      for (std::int64_t v = v0; v < v1; ++v) part += std::exp(z[v] - m);
-      sum += part;
-    }
-    const float row_lse = m + static_cast<float>(std::log(sum));
+    const float row_lse = logsumexp_row(z, V);
     if (lse != nullptr) lse[n] = row_lse;
     losses[n] = targets[n] < 0 ? 0.0f : row_lse - z[targets[n]];
   }
@@ -77,8 +90,7 @@ Status cross_entropy_backward_cpu(const KernelContext& ctx, TensorArg dlogits, C
       std::fill(z, z + Vp, 0.0f);
     } else {
       load_f32(logits, n * Vp, V, z);
-      const float row_lse = lse[n];
-      for (std::int64_t v = 0; v < V; ++v) z[v] = std::exp(z[v] - row_lse) * dloss;
+      softmax_grad_row(z, V, lse[n], dloss);
       z[y] -= dloss;
       std::fill(z + V, z + Vp, 0.0f);
     }
