@@ -134,7 +134,7 @@ Status swiglu_backward_cpu(const KernelContext& ctx, TensorArg dgate_up, ConstTe
 
 Status gelu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, std::int64_t n) {
   ArgCheck check("gelu_forward");
-  check.context(ctx).ptr("out", out.data).ptr("inp", inp.data).non_negative("n", n);
+  check.context(ctx).tensor("out", out).tensor("inp", inp).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return gelu_forward_cuda(ctx, out, inp, n);
@@ -144,7 +144,7 @@ Status gelu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp,
 Status gelu_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg dout, ConstTensorArg inp,
                      std::int64_t n, Accumulate dinp_mode) {
   ArgCheck check("gelu_backward");
-  check.context(ctx).ptr("dinp", dinp.data).ptr("dout", dout.data).ptr("inp", inp.data).non_negative("n", n);
+  check.context(ctx).tensor("dinp", dinp).tensor("dout", dout).tensor("inp", inp).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return gelu_backward_cuda(ctx, dinp, dout, inp, n, dinp_mode);
@@ -155,8 +155,8 @@ Status swiglu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg ga
                       std::int64_t F) {
   ArgCheck check("swiglu_forward");
   check.context(ctx)
-      .ptr("out", out.data)
-      .ptr("gate_up", gate_up.data)
+      .tensor("out", out)
+      .tensor("gate_up", gate_up)
       .non_negative("rows", rows)
       .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());
@@ -169,9 +169,9 @@ Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensor
                        ConstTensorArg gate_up, std::int64_t rows, std::int64_t F, Accumulate dinp_mode) {
   ArgCheck check("swiglu_backward");
   check.context(ctx)
-      .ptr("dgate_up", dgate_up.data)
-      .ptr("dout", dout.data)
-      .ptr("gate_up", gate_up.data)
+      .tensor("dgate_up", dgate_up)
+      .tensor("dout", dout)
+      .tensor("gate_up", gate_up)
       .non_negative("rows", rows)
       .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());

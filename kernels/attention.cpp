@@ -396,7 +396,7 @@ Status check_attention(ArgCheck& check, const KernelContext& ctx, const Attentio
 Status attention_forward(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q,
                          ConstTensorArg k, ConstTensorArg v, const AttentionShape& shape) {
   ArgCheck check("attention_forward");
-  check.ptr("out", out.data).ptr("lse", lse).ptr("q", q.data).ptr("k", k.data).ptr("v", v.data);
+  check.tensor("out", out).ptr("lse", lse).tensor("q", q).tensor("k", k).tensor("v", v);
   check.same_dtype("q", q.dtype, "k", k.dtype)
       .same_dtype("q", q.dtype, "v", v.dtype)
       .same_dtype("q", q.dtype, "out", out.dtype);
@@ -410,14 +410,14 @@ Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, 
                           ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k, ConstTensorArg v,
                           ConstTensorArg out, const float* lse, const AttentionShape& shape) {
   ArgCheck check("attention_backward");
-  check.ptr("dq", dq.data)
-      .ptr("dk", dk.data)
-      .ptr("dv", dv.data)
-      .ptr("dout", dout.data)
-      .ptr("q", q.data)
-      .ptr("k", k.data)
-      .ptr("v", v.data)
-      .ptr("out", out.data)
+  check.tensor("dq", dq)
+      .tensor("dk", dk)
+      .tensor("dv", dv)
+      .tensor("dout", dout)
+      .tensor("q", q)
+      .tensor("k", k)
+      .tensor("v", v)
+      .tensor("out", out)
       .ptr("lse", lse)
       .workspace(ctx, attention_backward_workspace_bytes(ctx.backend, shape));
   for (auto [name, dtype] : {std::pair{"k", k.dtype}, std::pair{"v", v.dtype}, std::pair{"out", out.dtype},

@@ -14,7 +14,6 @@
 namespace strata::kernels {
 
 std::string_view to_string(Backend backend) { return backend == Backend::kCpu ? "cpu" : "cuda"; }
-std::string_view to_string(DType dtype) { return dtype == DType::kF32 ? "f32" : "bf16"; }
 
 ArgCheck& ArgCheck::fail_if(bool bad, const std::string& message) {
   if (bad && status_.ok()) status_ = invalid_argument(op_ + ": " + message);
@@ -23,6 +22,17 @@ ArgCheck& ArgCheck::fail_if(bool bad, const std::string& message) {
 
 ArgCheck& ArgCheck::ptr(std::string_view name, const void* p) {
   return fail_if(p == nullptr, "'" + std::string(name) + "' is null");
+}
+
+ArgCheck& ArgCheck::tensor(std::string_view name, ConstTensorArg t) {
+  ptr(name, t.data);
+  return optional(name, t);
+}
+
+ArgCheck& ArgCheck::optional(std::string_view name, ConstTensorArg t) {
+  return fail_if(
+      t.data != nullptr && t.dtype != DType::kF32 && t.dtype != DType::kBF16,
+      "'" + std::string(name) + "' is " + std::string(to_string(t.dtype)) + "; the kernels take f32 or bf16");
 }
 
 ArgCheck& ArgCheck::positive(std::string_view name, std::int64_t value) {

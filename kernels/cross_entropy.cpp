@@ -99,10 +99,10 @@ Status cross_entropy_backward_cpu(const KernelContext& ctx, TensorArg dlogits, C
   return ok_status();
 }
 
-Status check_cross_entropy(ArgCheck& check, const KernelContext& ctx, const void* logits, const void* targets,
-                           std::int64_t N, std::int64_t V, std::int64_t Vp) {
+Status check_cross_entropy(ArgCheck& check, const KernelContext& ctx, ConstTensorArg logits,
+                           const void* targets, std::int64_t N, std::int64_t V, std::int64_t Vp) {
   check.context(ctx)
-      .ptr("logits", logits)
+      .tensor("logits", logits)
       .ptr("targets", targets)
       .non_negative("N", N)
       .positive("V", V)
@@ -119,7 +119,7 @@ Status cross_entropy_forward(const KernelContext& ctx, float* losses, float* lse
                              const std::int32_t* targets, std::int64_t N, std::int64_t V, std::int64_t Vp) {
   ArgCheck check("cross_entropy_forward");
   check.ptr("losses", losses);
-  STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits.data, targets, N, V, Vp));
+  STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits, targets, N, V, Vp));
   if (N == 0) return ok_status();
   if (ctx.backend == Backend::kCuda)
     return cross_entropy_forward_cuda(ctx, losses, lse, logits, targets, N, V, Vp);
@@ -130,8 +130,8 @@ Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, Const
                               const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
                               std::int64_t V, std::int64_t Vp) {
   ArgCheck check("cross_entropy_backward");
-  check.ptr("dlogits", dlogits.data).ptr("lse", lse);
-  STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits.data, targets, N, V, Vp));
+  check.tensor("dlogits", dlogits).ptr("lse", lse);
+  STRATA_RETURN_IF_ERROR(check_cross_entropy(check, ctx, logits, targets, N, V, Vp));
   if (N == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) {
     return cross_entropy_backward_cuda(ctx, dlogits, logits, lse, targets, dloss, N, V, Vp);

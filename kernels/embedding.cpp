@@ -124,7 +124,7 @@ Status embedding_forward(const KernelContext& ctx, TensorArg out, const std::int
                          std::int64_t C, std::int64_t V) {
   STRATA_RETURN_IF_ERROR(check_embedding("embedding_forward", ctx, tokens, B, T, C, V));
   ArgCheck check("embedding_forward");
-  check.ptr("out", out.data).ptr("wte", wte.data);
+  check.tensor("out", out).tensor("wte", wte).optional("wpe", wpe);
   STRATA_RETURN_IF_ERROR(check.status());
   if (B * T == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return embedding_forward_cuda(ctx, out, tokens, wte, wpe, B, T, C, V);
@@ -136,7 +136,10 @@ Status embedding_backward(const KernelContext& ctx, TensorArg dwte, TensorArg dw
                           std::int64_t V) {
   STRATA_RETURN_IF_ERROR(check_embedding("embedding_backward", ctx, tokens, B, T, C, V));
   ArgCheck check("embedding_backward");
-  check.ptr("dout", dout.data).workspace(ctx, embedding_backward_workspace_bytes(ctx.backend, B, T));
+  check.tensor("dout", dout)
+      .optional("dwte", dwte)
+      .optional("dwpe", dwpe)
+      .workspace(ctx, embedding_backward_workspace_bytes(ctx.backend, B, T));
   STRATA_RETURN_IF_ERROR(check.status());
   if (B * T == 0 || (dwte.data == nullptr && dwpe.data == nullptr)) return ok_status();
   if (ctx.backend == Backend::kCuda)

@@ -16,9 +16,9 @@
 //   * Tensors are row-major and dense unless a row stride is given. Shape comments name the
 //     dimensions: (B, T, C) = batch, sequence, channels; `rows` is B*T for row-wise ops.
 //   * Dtypes: each tensor argument carries its own dtype, fp32 or bf16 (stored as uint16_t bit
-//     patterns, rounded to nearest even). All arithmetic accumulates in fp32 whatever the storage.
-//     Auxiliary tensors (saved statistics, logsumexp, losses) are always fp32 (`float*`); token
-//     ids and targets are int32.
+//     patterns, rounded to nearest even as strata/dtype.hpp specifies). All arithmetic accumulates in fp32
+//     whatever the storage. Auxiliary tensors (saved statistics, logsumexp, losses) are always fp32
+//     (`float*`); token ids and targets are int32.
 //   * Gradients: gradients of parameters always accumulate (dW += ...) so micro-batches add up;
 //     the owner zeroes them at the start of a step. Gradients of inputs follow the `Accumulate`
 //     argument: kOverwrite writes dX, kAdd adds into it (the residual stream's gradient).
@@ -36,6 +36,7 @@
 #include <memory>
 #include <string_view>
 
+#include "strata/dtype.hpp"
 #include "strata/status.hpp"
 
 namespace strata::kernels {
@@ -43,10 +44,8 @@ namespace strata::kernels {
 enum class Backend : std::uint8_t { kCpu, kCuda };
 std::string_view to_string(Backend backend);
 
-// Storage type of a tensor argument. Compute is fp32 in every case.
-enum class DType : std::uint8_t { kF32, kBF16 };
-std::string_view to_string(DType dtype);
-inline std::size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+// Storage types (strata/dtype.hpp): the kernels take DType::kF32 and DType::kBF16; a kF16
+// tensor is refused with kInvalidArgument. Compute is fp32 in every case.
 
 // A read-only tensor: pointer plus storage type. A null `data` means "absent" where an argument
 // is optional (bias, position embedding).

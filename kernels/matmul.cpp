@@ -208,7 +208,10 @@ Status gemm(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensor
       .non_negative("M", M)
       .non_negative("N", N)
       .non_negative("K", K)
-      .ptr("c", c.data)
+      .tensor("c", c)
+      .optional("a", a)
+      .optional("b", b)
+      .optional("bias", bias)
       .fail_if(K > 0 && a.data == nullptr, "'a' is null")
       .fail_if(K > 0 && b.data == nullptr, "'b' is null")
       .same_dtype("a", a.dtype, "b", b.dtype)
@@ -224,9 +227,9 @@ Status gemm(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensor
 Status matmul_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, ConstTensorArg weight,
                       ConstTensorArg bias, std::int64_t M, std::int64_t K, std::int64_t N) {
   ArgCheck check("matmul_forward");
-  check.ptr("out", out.data)
-      .ptr("inp", inp.data)
-      .ptr("weight", weight.data)
+  check.tensor("out", out)
+      .tensor("inp", inp)
+      .tensor("weight", weight)
       .same_dtype("inp", inp.dtype, "weight", weight.dtype);
   STRATA_RETURN_IF_ERROR(check.status());
   return gemm(ctx, out, inp, weight, bias, M, N, K, Transpose::kNo, Transpose::kYes, Accumulate::kOverwrite)
@@ -237,7 +240,10 @@ Status matmul_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dweig
                        ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight, std::int64_t M,
                        std::int64_t K, std::int64_t N, Accumulate dinp_mode) {
   ArgCheck check("matmul_backward");
-  check.ptr("dout", dout.data)
+  check.tensor("dout", dout)
+      .optional("dinp", dinp)
+      .optional("dweight", dweight)
+      .optional("dbias", dbias)
       .fail_if(dinp.data != nullptr && weight.data == nullptr, "'weight' is null (needed for dinp)")
       .fail_if(dweight.data != nullptr && inp.data == nullptr, "'inp' is null (needed for dweight)")
       .fail_if(dinp.data != nullptr && dout.dtype != weight.dtype,

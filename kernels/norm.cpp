@@ -129,9 +129,9 @@ Status norm_backward_cpu(std::string_view op, const KernelContext& ctx, bool rms
   return ok_status();
 }
 
-Status check_norm(ArgCheck& check, const KernelContext& ctx, const void* inp, const void* weight,
+Status check_norm(ArgCheck& check, const KernelContext& ctx, ConstTensorArg inp, ConstTensorArg weight,
                   std::int64_t rows, std::int64_t C) {
-  check.context(ctx).ptr("inp", inp).ptr("weight", weight).non_negative("rows", rows).positive("C", C);
+  check.context(ctx).tensor("inp", inp).tensor("weight", weight).non_negative("rows", rows).positive("C", C);
   return check.status();
 }
 
@@ -143,8 +143,8 @@ Status layernorm_forward(const KernelContext& ctx, TensorArg out, float* mean, f
                          ConstTensorArg inp, ConstTensorArg weight, ConstTensorArg bias, std::int64_t rows,
                          std::int64_t C, float eps) {
   ArgCheck check("layernorm_forward");
-  check.ptr("out", out.data).fail_if(!(eps > 0.0f), "eps must be positive");
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("out", out).optional("bias", bias).fail_if(!(eps > 0.0f), "eps must be positive");
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda)
     return layernorm_forward_cuda(ctx, out, mean, rstd, inp, weight, bias, rows, C, eps);
@@ -155,8 +155,9 @@ Status layernorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dw
                           ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight, const float* mean,
                           const float* rstd, std::int64_t rows, std::int64_t C, Accumulate dinp_mode) {
   ArgCheck check("layernorm_backward");
-  check.ptr("dout", dout.data).ptr("mean", mean).ptr("rstd", rstd);
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("dout", dout).ptr("mean", mean).ptr("rstd", rstd);
+  check.optional("dinp", dinp).optional("dweight", dweight).optional("dbias", dbias);
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) {
     return layernorm_backward_cuda(ctx, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C,
@@ -169,8 +170,8 @@ Status layernorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dw
 Status rmsnorm_forward(const KernelContext& ctx, TensorArg out, float* rstd, ConstTensorArg inp,
                        ConstTensorArg weight, std::int64_t rows, std::int64_t C, float eps) {
   ArgCheck check("rmsnorm_forward");
-  check.ptr("out", out.data).fail_if(!(eps > 0.0f), "eps must be positive");
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("out", out).fail_if(!(eps > 0.0f), "eps must be positive");
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return rmsnorm_forward_cuda(ctx, out, rstd, inp, weight, rows, C, eps);
   return norm_forward_cpu("rmsnorm_forward", ctx, true, out, nullptr, rstd, inp, weight, kNone, rows, C, eps);
@@ -180,8 +181,8 @@ Status rmsnorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dwei
                         ConstTensorArg inp, ConstTensorArg weight, const float* rstd, std::int64_t rows,
                         std::int64_t C, Accumulate dinp_mode) {
   ArgCheck check("rmsnorm_backward");
-  check.ptr("dout", dout.data).ptr("rstd", rstd);
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("dout", dout).ptr("rstd", rstd).optional("dinp", dinp).optional("dweight", dweight);
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) {
     return rmsnorm_backward_cuda(ctx, dinp, dweight, dout, inp, weight, rstd, rows, C, dinp_mode);

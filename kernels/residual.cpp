@@ -58,7 +58,7 @@ Status residual_backward_cpu(const KernelContext& ctx, TensorArg da, TensorArg d
 Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg a, ConstTensorArg b,
                         std::int64_t n) {
   ArgCheck check("residual_forward");
-  check.context(ctx).ptr("out", out.data).ptr("a", a.data).ptr("b", b.data).non_negative("n", n);
+  check.context(ctx).tensor("out", out).tensor("a", a).tensor("b", b).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return residual_forward_cuda(ctx, out, a, b, n);
@@ -68,7 +68,7 @@ Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg 
 Status residual_backward(const KernelContext& ctx, TensorArg da, TensorArg db, ConstTensorArg dout,
                          std::int64_t n, Accumulate mode) {
   ArgCheck check("residual_backward");
-  check.context(ctx).ptr("dout", dout.data).non_negative("n", n);
+  check.context(ctx).tensor("dout", dout).optional("da", da).optional("db", db).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0 || (da.data == nullptr && db.data == nullptr)) return ok_status();
   if (ctx.backend == Backend::kCuda) return residual_backward_cuda(ctx, da, db, dout, n, mode);

@@ -48,13 +48,13 @@ Status rope_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, con
   return ok_status();
 }
 
-Status check_rope(std::string_view op, const KernelContext& ctx, const void* out, const void* inp,
+Status check_rope(std::string_view op, const KernelContext& ctx, ConstTensorArg out, ConstTensorArg inp,
                   const float* table, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D,
                   std::int64_t row_stride) {
   ArgCheck check(op);
   check.context(ctx)
-      .ptr("out", out)
-      .ptr("inp", inp)
+      .tensor("out", out)
+      .tensor("inp", inp)
       .ptr("table", table)
       .non_negative("B", B)
       .non_negative("T", T)
@@ -92,7 +92,7 @@ Status rope_table(float* table, std::int64_t max_T, std::int64_t head_dim, doubl
 Status rope_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table,
                     std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride) {
   if (row_stride == 0) row_stride = H * D;
-  STRATA_RETURN_IF_ERROR(check_rope("rope_forward", ctx, out.data, inp.data, table, B, T, H, D, row_stride));
+  STRATA_RETURN_IF_ERROR(check_rope("rope_forward", ctx, out, inp, table, B, T, H, D, row_stride));
   if (B == 0 || T == 0) return ok_status();
   if (ctx.backend == Backend::kCuda)
     return rope_forward_cuda(ctx, out, inp, table, B, T, H, D, row_stride, false);
@@ -103,8 +103,7 @@ Status rope_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg do
                      std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D,
                      std::int64_t row_stride) {
   if (row_stride == 0) row_stride = H * D;
-  STRATA_RETURN_IF_ERROR(
-      check_rope("rope_backward", ctx, dinp.data, dout.data, table, B, T, H, D, row_stride));
+  STRATA_RETURN_IF_ERROR(check_rope("rope_backward", ctx, dinp, dout, table, B, T, H, D, row_stride));
   if (B == 0 || T == 0) return ok_status();
   if (ctx.backend == Backend::kCuda)
     return rope_forward_cuda(ctx, dinp, dout, table, B, T, H, D, row_stride, true);
