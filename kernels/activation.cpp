@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/common.hpp"
+#include "kernels/cpu_math.hpp"
 #include "kernels/cuda_ops.hpp"
 
 namespace strata::kernels {
@@ -20,6 +21,46 @@ constexpr float kGeluCubic = 0.044715f;
 
 // ---- cpu kernels ----
 
+// x (n) <- gelu(x)
+STRATA_CPU_CLONES void gelu_rows(float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+    x[i] = 0.5f * v * (1.0f + tanh_f32(u));
+  }
+}
+
+// g (n) <- g · gelu'(x)
+STRATA_CPU_CLONES void gelu_grad_rows(float* g, const float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+    const float th = tanh_f32(u);
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
+    g[i] *= 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
+  }
+}
+
+// gu (2F) = [g | u]; the first F become silu(g)·u
+STRATA_CPU_CLONES void swiglu_row(float* gu, std::int64_t F) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < F; ++i) gu[i] = gu[i] * sigmoid_f32(gu[i]) * gu[F + i];
+}
+
+// gu (2F) = [g | u] becomes [dg | du] for dy (F)
+STRATA_CPU_CLONES void swiglu_grad_row(float* gu, const float* dy, std::int64_t F) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < F; ++i) {
+    const float g = gu[i];
+    const float u = gu[F + i];
+    const float sig = sigmoid_f32(g);
+    gu[i] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
+    gu[F + i] = dy[i] * g * sig;
+  }
+}
+
 Status gelu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, std::int64_t n) {
   const int threads = cpu_thread_count(ctx);
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
@@ -30,11 +71,7 @@ Status gelu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg 
     const std::int64_t offset = c * kChunk;
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(inp, offset, len, x);
-    for (std::int64_t i = 0; i < len; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      x[i] = 0.5f * v * (1.0f + std::tanh(u));
-    }
+    gelu_rows(x, len);
     store_f32(out, offset, len, x);
   }
   return ok_status();
@@ -48,18 +85,12 @@ Status gelu_backward_cpu(const KernelContext& ctx, TensorArg dinp, ConstTensorAr
 #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
   for (std::int64_t c = 0; c < chunks; ++c) {
     float* x = buf + omp_get_thread_num() * 2 * kChunk;  // (kChunk)
-    float* g = x + kChunk;                                // (kChunk)
+    float* g = x + kChunk;                               // (kChunk)
     const std::int64_t offset = c * kChunk;
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(inp, offset, len, x);
     load_f32(dout, offset, len, g);
-    for (std::int64_t i = 0; i < len; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float th = std::tanh(u);
-      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-      g[i] *= 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
-    }
+    gelu_grad_rows(g, x, len);
     store_f32(dinp, offset, len, g, mode);
   }
   return ok_status();
@@ -74,11 +105,7 @@ Status swiglu_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensorAr
   for (std::int64_t r = 0; r < rows; ++r) {
     float* gu = buf + omp_get_thread_num() * stripe;  // (2F) = [gate | up]
     load_f32(gate_up, r * 2 * F, 2 * F, gu);
-    for (std::int64_t i = 0; i < F; ++i) {
-      const float g = gu[i];
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      gu[i] = g * sig * gu[F + i];
-    }
+    swiglu_row(gu, F);
     store_f32(out, r * F, F, gu);
   }
   return ok_status();
@@ -92,16 +119,10 @@ Status swiglu_backward_cpu(const KernelContext& ctx, TensorArg dgate_up, ConstTe
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * F > kChunk)
   for (std::int64_t r = 0; r < rows; ++r) {
     float* gu = buf + omp_get_thread_num() * stripe;  // (2F) = [gate | up], becomes [dgate | dup]
-    float* dy = gu + 2 * F;                            // (F)
+    float* dy = gu + 2 * F;                           // (F)
     load_f32(gate_up, r * 2 * F, 2 * F, gu);
     load_f32(dout, r * F, F, dy);
-    for (std::int64_t i = 0; i < F; ++i) {
-      const float g = gu[i];
-      const float u = gu[F + i];
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      gu[i] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
-      gu[F + i] = dy[i] * g * sig;
-    }
+    swiglu_grad_row(gu, dy, F);
     store_f32(dgate_up, r * 2 * F, 2 * F, gu, mode);
   }
   return ok_status();
@@ -113,7 +134,7 @@ Status swiglu_backward_cpu(const KernelContext& ctx, TensorArg dgate_up, ConstTe
 
 Status gelu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, std::int64_t n) {
   ArgCheck check("gelu_forward");
-  check.context(ctx).ptr("out", out.data).ptr("inp", inp.data).non_negative("n", n);
+  check.context(ctx).tensor("out", out).tensor("inp", inp).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return gelu_forward_cuda(ctx, out, inp, n);
@@ -123,7 +144,7 @@ Status gelu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp,
 Status gelu_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg dout, ConstTensorArg inp,
                      std::int64_t n, Accumulate dinp_mode) {
   ArgCheck check("gelu_backward");
-  check.context(ctx).ptr("dinp", dinp.data).ptr("dout", dout.data).ptr("inp", inp.data).non_negative("n", n);
+  check.context(ctx).tensor("dinp", dinp).tensor("dout", dout).tensor("inp", inp).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return gelu_backward_cuda(ctx, dinp, dout, inp, n, dinp_mode);
@@ -133,25 +154,30 @@ Status gelu_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg do
 Status swiglu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg gate_up, std::int64_t rows,
                       std::int64_t F) {
   ArgCheck check("swiglu_forward");
-  check.context(ctx).ptr("out", out.data).ptr("gate_up", gate_up.data).non_negative("rows", rows).positive("F", F);
+  check.context(ctx)
+      .tensor("out", out)
+      .tensor("gate_up", gate_up)
+      .non_negative("rows", rows)
+      .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return swiglu_forward_cuda(ctx, out, gate_up, rows, F);
   return swiglu_forward_cpu(ctx, out, gate_up, rows, F);
 }
 
-Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout, ConstTensorArg gate_up,
-                       std::int64_t rows, std::int64_t F, Accumulate dinp_mode) {
+Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout,
+                       ConstTensorArg gate_up, std::int64_t rows, std::int64_t F, Accumulate dinp_mode) {
   ArgCheck check("swiglu_backward");
   check.context(ctx)
-      .ptr("dgate_up", dgate_up.data)
-      .ptr("dout", dout.data)
-      .ptr("gate_up", gate_up.data)
+      .tensor("dgate_up", dgate_up)
+      .tensor("dout", dout)
+      .tensor("gate_up", gate_up)
       .non_negative("rows", rows)
       .positive("F", F);
   STRATA_RETURN_IF_ERROR(check.status());
   if (rows == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return swiglu_backward_cuda(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
+  if (ctx.backend == Backend::kCuda)
+    return swiglu_backward_cuda(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
   return swiglu_backward_cpu(ctx, dgate_up, dout, gate_up, rows, F, dinp_mode);
 }
 

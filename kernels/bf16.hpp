@@ -1,8 +1,8 @@
 // bf16 <-> fp32 conversion on bit patterns, usable from host code and CUDA device code.
 // bf16 is the upper half of an fp32; narrowing rounds to nearest, ties to even, and keeps NaNs
 // quiet NaNs (a plain truncation would bias every rounding toward zero).
-// The dtype module (include/strata/dtype.hpp) will own the shared versions; these stay private
-// to the kernels until then.
+// Same rounding contract as strata/dtype.hpp (a test checks they agree bit for bit); these exist
+// because CUDA device code needs __host__ __device__ versions.
 #pragma once
 
 #include <cstdint>

@@ -8,12 +8,12 @@
 #include <cstdlib>
 #include <memory>
 
+#include "kernels/cpu_math.hpp"
 #include "kernels/cuda_ops.hpp"
 
 namespace strata::kernels {
 
 std::string_view to_string(Backend backend) { return backend == Backend::kCpu ? "cpu" : "cuda"; }
-std::string_view to_string(DType dtype) { return dtype == DType::kF32 ? "f32" : "bf16"; }
 
 ArgCheck& ArgCheck::fail_if(bool bad, const std::string& message) {
   if (bad && status_.ok()) status_ = invalid_argument(op_ + ": " + message);
@@ -22,6 +22,17 @@ ArgCheck& ArgCheck::fail_if(bool bad, const std::string& message) {
 
 ArgCheck& ArgCheck::ptr(std::string_view name, const void* p) {
   return fail_if(p == nullptr, "'" + std::string(name) + "' is null");
+}
+
+ArgCheck& ArgCheck::tensor(std::string_view name, ConstTensorArg t) {
+  ptr(name, t.data);
+  return optional(name, t);
+}
+
+ArgCheck& ArgCheck::optional(std::string_view name, ConstTensorArg t) {
+  return fail_if(
+      t.data != nullptr && t.dtype != DType::kF32 && t.dtype != DType::kBF16,
+      "'" + std::string(name) + "' is " + std::string(to_string(t.dtype)) + "; the kernels take f32 or bf16");
 }
 
 ArgCheck& ArgCheck::positive(std::string_view name, std::int64_t value) {
@@ -51,8 +62,8 @@ ArgCheck& ArgCheck::context(const KernelContext& ctx, bool needs_state) {
     fail_if(ctx.state == nullptr, "KernelContext::state is null (create one with KernelState::create)");
     fail_if(ctx.state != nullptr && ctx.state->backend() != ctx.backend,
             "KernelContext::state was created for backend " +
-                std::string(to_string(ctx.state ? ctx.state->backend() : ctx.backend)) + " but the context is " +
-                std::string(to_string(ctx.backend)));
+                std::string(to_string(ctx.state ? ctx.state->backend() : ctx.backend)) +
+                " but the context is " + std::string(to_string(ctx.backend)));
   }
   return *this;
 }
@@ -62,6 +73,8 @@ ArgCheck& ArgCheck::workspace(const KernelContext& ctx, std::uint64_t needed) {
   fail_if(ctx.workspace == nullptr || ctx.workspace_bytes < needed,
           "needs a workspace of " + std::to_string(needed) + " bytes but the context has " +
               std::to_string(ctx.workspace == nullptr ? 0 : ctx.workspace_bytes));
+  fail_if(reinterpret_cast<std::uintptr_t>(ctx.workspace) % 256 != 0,
+          "the workspace is not 256-byte aligned");
   return *this;
 }
 
@@ -69,7 +82,7 @@ int cpu_thread_count(const KernelContext& ctx) {
   return ctx.cpu_threads > 0 ? ctx.cpu_threads : omp_get_max_threads();
 }
 
-void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst) {
+STRATA_CPU_CLONES void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst) {
   if (t.dtype == DType::kF32) {
     const float* src = static_cast<const float*>(t.data) + offset;
     for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i];
@@ -79,7 +92,8 @@ void load_f32(ConstTensorArg t, std::int64_t offset, std::int64_t n, float* dst)
   }
 }
 
-void store_f32(TensorArg t, std::int64_t offset, std::int64_t n, const float* src, Accumulate mode) {
+STRATA_CPU_CLONES void store_f32(TensorArg t, std::int64_t offset, std::int64_t n, const float* src,
+                                 Accumulate mode) {
   const bool add = mode == Accumulate::kAdd;
   if (t.dtype == DType::kF32) {
     float* dst = static_cast<float*>(t.data) + offset;

@@ -21,9 +21,14 @@ class ArgCheck {
   explicit ArgCheck(std::string_view op) : op_(op) {}
 
   ArgCheck& ptr(std::string_view name, const void* p);
+  // A tensor that must be present, in a dtype the kernels take (f32 or bf16).
+  ArgCheck& tensor(std::string_view name, ConstTensorArg t);
+  // A tensor that may be absent (null); if present, in a dtype the kernels take.
+  ArgCheck& optional(std::string_view name, ConstTensorArg t);
   ArgCheck& positive(std::string_view name, std::int64_t value);
   ArgCheck& non_negative(std::string_view name, std::int64_t value);
-  ArgCheck& at_least(std::string_view name, std::int64_t value, std::string_view bound_name, std::int64_t bound);
+  ArgCheck& at_least(std::string_view name, std::int64_t value, std::string_view bound_name,
+                     std::int64_t bound);
   ArgCheck& same_dtype(std::string_view a_name, DType a, std::string_view b_name, DType b);
   ArgCheck& fail_if(bool bad, const std::string& message);
   // The context's backend is usable: a KernelState of the same backend when `needs_state`.

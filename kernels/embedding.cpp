@@ -18,8 +18,8 @@ Status check_tokens(std::string_view op, const std::int32_t* tokens, std::int64_
                     std::int64_t V) {
   for (std::int64_t i = 0; i < B * T; ++i) {
     if (tokens[i] < 0 || tokens[i] >= V) {
-      return invalid_argument(std::string(op) + ": token " + std::to_string(tokens[i]) + " at (b=" +
-                              std::to_string(i / T) + ", t=" + std::to_string(i % T) +
+      return invalid_argument(std::string(op) + ": token " + std::to_string(tokens[i]) +
+                              " at (b=" + std::to_string(i / T) + ", t=" + std::to_string(i % T) +
                               ") is outside the vocabulary [0, " + std::to_string(V) + ")");
     }
   }
@@ -28,8 +28,9 @@ Status check_tokens(std::string_view op, const std::int32_t* tokens, std::int64_
 
 // ---- cpu kernels ----
 
-Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens, ConstTensorArg wte,
-                             ConstTensorArg wpe, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t V) {
+Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                             ConstTensorArg wte, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                             std::int64_t C, std::int64_t V) {
   STRATA_RETURN_IF_ERROR(check_tokens("embedding_forward", tokens, B, T, V));
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = scratch_stripe(2 * C);
@@ -37,7 +38,7 @@ Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std:
 #pragma omp parallel for num_threads(threads) schedule(static) if (B * T * C > 8192)
   for (std::int64_t bt = 0; bt < B * T; ++bt) {
     float* row = buf + omp_get_thread_num() * stripe;  // (C)
-    float* pos = row + C;                               // (C)
+    float* pos = row + C;                              // (C)
     load_f32(wte, static_cast<std::int64_t>(tokens[bt]) * C, C, row);
     if (wpe.data != nullptr) {
       load_f32(wpe, (bt % T) * C, C, pos);
@@ -75,7 +76,7 @@ Status embedding_backward_cpu(const KernelContext& ctx, TensorArg dwte, TensorAr
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (n * C > 8192)
     for (std::int64_t r = 0; r < runs; ++r) {
       float* acc = buf + omp_get_thread_num() * stripe;  // (C)
-      float* row = acc + C;                               // (C)
+      float* row = acc + C;                              // (C)
       std::fill(acc, acc + C, 0.0f);
       for (std::uint32_t i = run_begin[r]; i < run_begin[r + 1]; ++i) {
         load_f32(dout, static_cast<std::int64_t>(keys[i] & 0xffffffffu) * C, C, row);
@@ -89,7 +90,7 @@ Status embedding_backward_cpu(const KernelContext& ctx, TensorArg dwte, TensorAr
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * C > 8192)
     for (std::int64_t t = 0; t < T; ++t) {
       float* acc = buf + omp_get_thread_num() * stripe;  // (C)
-      float* row = acc + C;                               // (C)
+      float* row = acc + C;                              // (C)
       std::fill(acc, acc + C, 0.0f);
       for (std::int64_t b = 0; b < B; ++b) {
         load_f32(dout, (b * T + t) * C, C, row);
@@ -101,8 +102,8 @@ Status embedding_backward_cpu(const KernelContext& ctx, TensorArg dwte, TensorAr
   return ok_status();
 }
 
-Status check_embedding(std::string_view op, const KernelContext& ctx, const std::int32_t* tokens, std::int64_t B,
-                       std::int64_t T, std::int64_t C, std::int64_t V) {
+Status check_embedding(std::string_view op, const KernelContext& ctx, const std::int32_t* tokens,
+                       std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t V) {
   ArgCheck check(op);
   check.context(ctx)
       .ptr("tokens", tokens)
@@ -118,11 +119,12 @@ Status check_embedding(std::string_view op, const KernelContext& ctx, const std:
 
 // ---- launchers ----
 
-Status embedding_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens, ConstTensorArg wte,
-                         ConstTensorArg wpe, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t V) {
+Status embedding_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                         ConstTensorArg wte, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                         std::int64_t C, std::int64_t V) {
   STRATA_RETURN_IF_ERROR(check_embedding("embedding_forward", ctx, tokens, B, T, C, V));
   ArgCheck check("embedding_forward");
-  check.ptr("out", out.data).ptr("wte", wte.data);
+  check.tensor("out", out).tensor("wte", wte).optional("wpe", wpe);
   STRATA_RETURN_IF_ERROR(check.status());
   if (B * T == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return embedding_forward_cuda(ctx, out, tokens, wte, wpe, B, T, C, V);
@@ -134,10 +136,14 @@ Status embedding_backward(const KernelContext& ctx, TensorArg dwte, TensorArg dw
                           std::int64_t V) {
   STRATA_RETURN_IF_ERROR(check_embedding("embedding_backward", ctx, tokens, B, T, C, V));
   ArgCheck check("embedding_backward");
-  check.ptr("dout", dout.data).workspace(ctx, embedding_backward_workspace_bytes(ctx.backend, B, T));
+  check.tensor("dout", dout)
+      .optional("dwte", dwte)
+      .optional("dwpe", dwpe)
+      .workspace(ctx, embedding_backward_workspace_bytes(ctx.backend, B, T));
   STRATA_RETURN_IF_ERROR(check.status());
   if (B * T == 0 || (dwte.data == nullptr && dwpe.data == nullptr)) return ok_status();
-  if (ctx.backend == Backend::kCuda) return embedding_backward_cuda(ctx, dwte, dwpe, dout, tokens, B, T, C, V);
+  if (ctx.backend == Backend::kCuda)
+    return embedding_backward_cuda(ctx, dwte, dwpe, dout, tokens, B, T, C, V);
   return embedding_backward_cpu(ctx, dwte, dwpe, dout, tokens, B, T, C, V);
 }
 

@@ -16,9 +16,9 @@
 //   * Tensors are row-major and dense unless a row stride is given. Shape comments name the
 //     dimensions: (B, T, C) = batch, sequence, channels; `rows` is B*T for row-wise ops.
 //   * Dtypes: each tensor argument carries its own dtype, fp32 or bf16 (stored as uint16_t bit
-//     patterns, rounded to nearest even). All arithmetic accumulates in fp32 whatever the storage.
-//     Auxiliary tensors (saved statistics, logsumexp, losses) are always fp32 (`float*`); token
-//     ids and targets are int32.
+//     patterns, rounded to nearest even as strata/dtype.hpp specifies). All arithmetic accumulates in fp32
+//     whatever the storage. Auxiliary tensors (saved statistics, logsumexp, losses) are always fp32
+//     (`float*`); token ids and targets are int32.
 //   * Gradients: gradients of parameters always accumulate (dW += ...) so micro-batches add up;
 //     the owner zeroes them at the start of a step. Gradients of inputs follow the `Accumulate`
 //     argument: kOverwrite writes dX, kAdd adds into it (the residual stream's gradient).
@@ -36,6 +36,7 @@
 #include <memory>
 #include <string_view>
 
+#include "strata/dtype.hpp"
 #include "strata/status.hpp"
 
 namespace strata::kernels {
@@ -43,10 +44,8 @@ namespace strata::kernels {
 enum class Backend : std::uint8_t { kCpu, kCuda };
 std::string_view to_string(Backend backend);
 
-// Storage type of a tensor argument. Compute is fp32 in every case.
-enum class DType : std::uint8_t { kF32, kBF16 };
-std::string_view to_string(DType dtype);
-inline std::size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+// Storage types (strata/dtype.hpp): the kernels take DType::kF32 and DType::kBF16; a kF16
+// tensor is refused with kInvalidArgument. Compute is fp32 in every case.
 
 // A read-only tensor: pointer plus storage type. A null `data` means "absent" where an argument
 // is optional (bias, position embedding).
@@ -90,7 +89,7 @@ struct KernelContext {
   Backend backend = Backend::kCpu;
   void* cuda_stream = nullptr;  // cudaStream_t (cuda); nullptr is the legacy default stream
   int cpu_threads = 0;          // OpenMP threads (cpu); 0 = omp_get_max_threads()
-  void* workspace = nullptr;    // device scratch (cuda), see the *_workspace_bytes functions
+  void* workspace = nullptr;    // device scratch (cuda), 256-byte aligned; see *_workspace_bytes
   std::uint64_t workspace_bytes = 0;
   KernelState* state = nullptr;  // required by matmul/gemm; must match `backend`
 };
@@ -99,8 +98,9 @@ struct KernelContext {
 // out (B,T,C) = wte[tokens[b,t]] (V,C) + wpe[t] (T,C); wpe may be absent (rotary models).
 // Tokens outside [0, V) are kInvalidArgument on cpu; on cuda they give NaN rows (the data loader
 // validates tokens; NaN makes a slip visible in the loss).
-Status embedding_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens, ConstTensorArg wte,
-                         ConstTensorArg wpe, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t V);
+Status embedding_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                         ConstTensorArg wte, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                         std::int64_t C, std::int64_t V);
 // dwte (V,C) += Σ over positions with that token of dout (B,T,C); dwpe (T,C) += Σ_b dout.
 // Each row is summed in fp32 and added once (one rounding for bf16 gradients).
 Status embedding_backward(const KernelContext& ctx, TensorArg dwte, TensorArg dwpe, ConstTensorArg dout,
@@ -111,15 +111,16 @@ std::uint64_t embedding_backward_workspace_bytes(Backend backend, std::int64_t B
 // ---- layernorm / rmsnorm ---------------------------------------------------------------------
 // LayerNorm: out (rows,C) = (inp - mean) * rstd * weight (C) + bias (C); bias may be absent.
 // Saves mean (rows) and rstd (rows) in fp32 when non-null (the backward needs them).
-Status layernorm_forward(const KernelContext& ctx, TensorArg out, float* mean, float* rstd, ConstTensorArg inp,
-                         ConstTensorArg weight, ConstTensorArg bias, std::int64_t rows, std::int64_t C, float eps);
+Status layernorm_forward(const KernelContext& ctx, TensorArg out, float* mean, float* rstd,
+                         ConstTensorArg inp, ConstTensorArg weight, ConstTensorArg bias, std::int64_t rows,
+                         std::int64_t C, float eps);
 // dinp (rows,C) (=|+=) ∂/∂inp; dweight (C) += ..., dbias (C) += Σ dout (dbias may be absent).
 Status layernorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dweight, TensorArg dbias,
                           ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight, const float* mean,
                           const float* rstd, std::int64_t rows, std::int64_t C, Accumulate dinp_mode);
 // RMSNorm: out (rows,C) = inp * rstd * weight (C), rstd = 1/sqrt(mean(inp²) + eps).
-Status rmsnorm_forward(const KernelContext& ctx, TensorArg out, float* rstd, ConstTensorArg inp, ConstTensorArg weight,
-                       std::int64_t rows, std::int64_t C, float eps);
+Status rmsnorm_forward(const KernelContext& ctx, TensorArg out, float* rstd, ConstTensorArg inp,
+                       ConstTensorArg weight, std::int64_t rows, std::int64_t C, float eps);
 Status rmsnorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dweight, ConstTensorArg dout,
                         ConstTensorArg inp, ConstTensorArg weight, const float* rstd, std::int64_t rows,
                         std::int64_t C, Accumulate dinp_mode);
@@ -129,9 +130,11 @@ enum class Transpose : std::uint8_t { kNo, kYes };
 
 // General GEMM, row-major: c (M,N) (=|+=) op(a) (M,K) · op(b) (K,N) + bias (N).
 // op(a) = a stored (M,K), or aᵀ with a stored (K,M); likewise b stored (K,N) or (N,K).
-// a and b share one dtype; c and bias may be either dtype. Accumulation is fp32.
+// a and b share one dtype; c and bias may be either dtype, except that cuda (cuBLASLt) needs an
+// fp32 c for fp32 inputs. Accumulation is fp32.
 Status gemm(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensorArg b, ConstTensorArg bias,
-            std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a, Transpose trans_b, Accumulate mode);
+            std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a, Transpose trans_b,
+            Accumulate mode);
 // Linear layer: out (M,N) = inp (M,K) · weight (N,K)ᵀ + bias (N); bias may be absent.
 Status matmul_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, ConstTensorArg weight,
                       ConstTensorArg bias, std::int64_t M, std::int64_t K, std::int64_t N);
@@ -148,7 +151,8 @@ std::uint64_t matmul_workspace_bytes(Backend backend);
 // Hkv < H; query head h reads kv head h / (H/Hkv)). Each tensor's tokens are `*_row_stride`
 // elements apart, so q, k and v can be slices of one packed (B,T,(H+2Hkv)·D) projection; 0 means
 // tight. out (B,T,H·D) is tight. lse (B,H,T) fp32 is the logsumexp of each row of scaled scores,
-// the only thing the backward keeps (it recomputes the probabilities).
+// the only thing the backward keeps (it recomputes the probabilities). All attention tensors
+// (q, k, v, out and in the backward dout, dq, dk, dv) share one dtype.
 struct AttentionShape {
   std::int64_t batch = 0;
   std::int64_t seq_len = 0;
@@ -160,12 +164,12 @@ struct AttentionShape {
   std::int64_t v_row_stride = 0;
   float scale = 0.0f;  // 0 = 1/sqrt(head_dim)
 };
-Status attention_forward(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q, ConstTensorArg k,
-                         ConstTensorArg v, const AttentionShape& shape);
+Status attention_forward(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q,
+                         ConstTensorArg k, ConstTensorArg v, const AttentionShape& shape);
 // dq, dk, dv are written (not accumulated) with the row strides of q, k, v.
-Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv, ConstTensorArg dout,
-                          ConstTensorArg q, ConstTensorArg k, ConstTensorArg v, ConstTensorArg out, const float* lse,
-                          const AttentionShape& shape);
+Status attention_backward(const KernelContext& ctx, TensorArg dq, TensorArg dk, TensorArg dv,
+                          ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k, ConstTensorArg v,
+                          ConstTensorArg out, const float* lse, const AttentionShape& shape);
 std::uint64_t attention_backward_workspace_bytes(Backend backend, const AttentionShape& shape);
 
 // ---- activations -----------------------------------------------------------------------------
@@ -179,8 +183,8 @@ Status gelu_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg do
 Status swiglu_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg gate_up, std::int64_t rows,
                       std::int64_t F);
 // dgate_up (rows, 2F) (=|+=) [∂/∂gate | ∂/∂up].
-Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout, ConstTensorArg gate_up,
-                       std::int64_t rows, std::int64_t F, Accumulate dinp_mode);
+Status swiglu_backward(const KernelContext& ctx, TensorArg dgate_up, ConstTensorArg dout,
+                       ConstTensorArg gate_up, std::int64_t rows, std::int64_t F, Accumulate dinp_mode);
 
 // ---- rotary position embedding ---------------------------------------------------------------
 // Fills `table` (host memory, max_T·D/2·2 floats) with (cos, sin) of t·θ^(-2i/D) for position
@@ -189,18 +193,19 @@ Status rope_table(float* table, std::int64_t max_T, std::int64_t head_dim, doubl
 // x (B,T,H,D) with tokens `row_stride` elements apart (0 = H·D): rotates each pair
 // (x[i], x[i+D/2]) by the angle of position t (the "rotate half" convention of GPT-NeoX and the
 // Hugging Face LLaMA). out may alias inp; both use row_stride. table from rope_table with max_T ≥ T.
-Status rope_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table, std::int64_t B,
-                    std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride);
+Status rope_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table,
+                    std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride);
 // The transpose: rotates dout back by the same angles. dinp may alias dout.
 Status rope_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg dout, const float* table,
                      std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride);
 
 // ---- residual --------------------------------------------------------------------------------
 // out (n) = a + b; out may alias a or b.
-Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg a, ConstTensorArg b, std::int64_t n);
+Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg a, ConstTensorArg b,
+                        std::int64_t n);
 // da (=|+=) dout and db (=|+=) dout; either may be absent.
-Status residual_backward(const KernelContext& ctx, TensorArg da, TensorArg db, ConstTensorArg dout, std::int64_t n,
-                         Accumulate mode);
+Status residual_backward(const KernelContext& ctx, TensorArg da, TensorArg db, ConstTensorArg dout,
+                         std::int64_t n, Accumulate mode);
 
 // ---- softmax + cross-entropy -----------------------------------------------------------------
 // logits (N, Vp) with the real vocabulary in the first V columns (Vp ≥ V lets the vocabulary be
@@ -213,8 +218,8 @@ Status cross_entropy_forward(const KernelContext& ctx, float* losses, float* lse
 // dlogits (N, Vp) = (softmax(logits) - onehot(target)) · dloss, padded columns zero.
 // dloss is the gradient of the total loss with respect to each row's loss (1/count for a mean).
 // dlogits may alias logits (in place, to save the (N,Vp) buffer).
-Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits, const float* lse,
-                              const std::int32_t* targets, float dloss, std::int64_t N, std::int64_t V,
-                              std::int64_t Vp);
+Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                              const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
+                              std::int64_t V, std::int64_t Vp);
 
 }  // namespace strata::kernels

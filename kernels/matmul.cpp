@@ -109,8 +109,8 @@ class CpuKernelState final : public KernelState {
 // ---- cpu kernels ----
 
 // K = 0: the product is empty, c (=|+=) bias.
-Status gemm_empty_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg bias, std::int64_t M, std::int64_t N,
-                      Accumulate mode) {
+Status gemm_empty_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg bias, std::int64_t M,
+                      std::int64_t N, Accumulate mode) {
   STRATA_ASSIGN_OR_RETURN(float* row, scratch("gemm", N, 0));
   if (bias.data != nullptr) {
     load_f32(bias, 0, N, row);
@@ -122,9 +122,9 @@ Status gemm_empty_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg bias
   return ok_status();
 }
 
-Status gemm_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensorArg b, ConstTensorArg bias,
-                std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a, Transpose trans_b,
-                Accumulate mode) {
+Status gemm_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensorArg b,
+                ConstTensorArg bias, std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a,
+                Transpose trans_b, Accumulate mode) {
   if (K == 0) return gemm_empty_cpu(ctx, c, bias, M, N, mode);
   auto& state = static_cast<CpuKernelState&>(*ctx.state);
   const GemmKey key{M, N, K, trans_a, trans_b, a.dtype, c.dtype, bias.dtype, bias.data != nullptr, mode};
@@ -148,7 +148,8 @@ Status gemm_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTe
     dnnl::memory c_mem(plan.c_md, engine, c.data);
     std::unordered_map<int, dnnl::memory> args{
         {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
-    if (bias.data != nullptr) args.emplace(DNNL_ARG_BIAS, dnnl::memory(plan.bias_md, engine, const_cast<void*>(bias.data)));
+    if (bias.data != nullptr)
+      args.emplace(DNNL_ARG_BIAS, dnnl::memory(plan.bias_md, engine, const_cast<void*>(bias.data)));
     // oneDNN's OpenMP runtime sizes its team from the calling thread's setting.
     omp_set_num_threads(threads);
     plan.primitive.execute(state.stream(), args);
@@ -156,8 +157,9 @@ Status gemm_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTe
     omp_set_num_threads(saved_threads);
   } catch (const dnnl::error& e) {
     omp_set_num_threads(saved_threads);
-    return internal_error("gemm (M=" + std::to_string(M) + ", N=" + std::to_string(N) + ", K=" + std::to_string(K) +
-                          ", " + std::string(to_string(a.dtype)) + "): oneDNN: " + e.what());
+    return internal_error("gemm (M=" + std::to_string(M) + ", N=" + std::to_string(N) +
+                          ", K=" + std::to_string(K) + ", " + std::string(to_string(a.dtype)) +
+                          "): oneDNN: " + e.what());
   }
   return ok_status();
 }
@@ -173,7 +175,7 @@ Status bias_backward_cpu(const KernelContext& ctx, TensorArg dbias, ConstTensorA
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * N > 8192)
   for (std::int64_t cc = 0; cc < chunks; ++cc) {
     float* acc = buf + omp_get_thread_num() * 2 * kCols;  // (kCols)
-    float* row = acc + kCols;                              // (kCols)
+    float* row = acc + kCols;                             // (kCols)
     const std::int64_t c0 = cc * kCols;
     const std::int64_t len = std::min(kCols, N - c0);
     std::fill(acc, acc + len, 0.0f);
@@ -199,16 +201,22 @@ Result<std::unique_ptr<KernelState>> make_cpu_kernel_state() {
 // ---- launchers ----
 
 Status gemm(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensorArg b, ConstTensorArg bias,
-            std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a, Transpose trans_b, Accumulate mode) {
+            std::int64_t M, std::int64_t N, std::int64_t K, Transpose trans_a, Transpose trans_b,
+            Accumulate mode) {
   ArgCheck check("gemm");
   check.context(ctx, true)
       .non_negative("M", M)
       .non_negative("N", N)
       .non_negative("K", K)
-      .ptr("c", c.data)
+      .tensor("c", c)
+      .optional("a", a)
+      .optional("b", b)
+      .optional("bias", bias)
       .fail_if(K > 0 && a.data == nullptr, "'a' is null")
       .fail_if(K > 0 && b.data == nullptr, "'b' is null")
       .same_dtype("a", a.dtype, "b", b.dtype)
+      .fail_if(ctx.backend == Backend::kCuda && a.dtype == DType::kF32 && c.dtype != DType::kF32,
+               "fp32 inputs need an fp32 output on cuda (cuBLASLt has no f32 x f32 -> bf16 GEMM)")
       .workspace(ctx, matmul_workspace_bytes(ctx.backend));
   STRATA_RETURN_IF_ERROR(check.status());
   if (M == 0 || N == 0) return ok_status();
@@ -219,8 +227,10 @@ Status gemm(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTensor
 Status matmul_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, ConstTensorArg weight,
                       ConstTensorArg bias, std::int64_t M, std::int64_t K, std::int64_t N) {
   ArgCheck check("matmul_forward");
-  check.ptr("out", out.data).ptr("inp", inp.data).ptr("weight", weight.data).same_dtype("inp", inp.dtype, "weight",
-                                                                                         weight.dtype);
+  check.tensor("out", out)
+      .tensor("inp", inp)
+      .tensor("weight", weight)
+      .same_dtype("inp", inp.dtype, "weight", weight.dtype);
   STRATA_RETURN_IF_ERROR(check.status());
   return gemm(ctx, out, inp, weight, bias, M, N, K, Transpose::kNo, Transpose::kYes, Accumulate::kOverwrite)
       .with_context("matmul_forward");
@@ -230,7 +240,10 @@ Status matmul_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dweig
                        ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight, std::int64_t M,
                        std::int64_t K, std::int64_t N, Accumulate dinp_mode) {
   ArgCheck check("matmul_backward");
-  check.ptr("dout", dout.data)
+  check.tensor("dout", dout)
+      .optional("dinp", dinp)
+      .optional("dweight", dweight)
+      .optional("dbias", dbias)
       .fail_if(dinp.data != nullptr && weight.data == nullptr, "'weight' is null (needed for dinp)")
       .fail_if(dweight.data != nullptr && inp.data == nullptr, "'inp' is null (needed for dweight)")
       .fail_if(dinp.data != nullptr && dout.dtype != weight.dtype,
@@ -244,14 +257,15 @@ Status matmul_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dweig
   STRATA_RETURN_IF_ERROR(check.status());
   if (dinp.data != nullptr) {
     // dinp (M,K) = dout (M,N) · weight (N,K)
-    STRATA_RETURN_IF_ERROR(gemm(ctx, dinp, dout, weight, kNone, M, K, N, Transpose::kNo, Transpose::kNo, dinp_mode)
-                               .with_context("matmul_backward dinp"));
+    STRATA_RETURN_IF_ERROR(
+        gemm(ctx, dinp, dout, weight, kNone, M, K, N, Transpose::kNo, Transpose::kNo, dinp_mode)
+            .with_context("matmul_backward dinp"));
   }
   if (dweight.data != nullptr) {
     // dweight (N,K) += doutᵀ (N,M) · inp (M,K)
-    STRATA_RETURN_IF_ERROR(gemm(ctx, dweight, dout, inp, kNone, N, K, M, Transpose::kYes, Transpose::kNo,
-                                Accumulate::kAdd)
-                               .with_context("matmul_backward dweight"));
+    STRATA_RETURN_IF_ERROR(
+        gemm(ctx, dweight, dout, inp, kNone, N, K, M, Transpose::kYes, Transpose::kNo, Accumulate::kAdd)
+            .with_context("matmul_backward dweight"));
   }
   if (dbias.data != nullptr && M > 0 && N > 0) {
     if (ctx.backend == Backend::kCuda) return bias_backward_cuda(ctx, dbias, dout, M, N);

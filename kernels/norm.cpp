@@ -62,10 +62,10 @@ Status norm_forward_cpu(std::string_view op, const KernelContext& ctx, bool rms,
   return ok_status();
 }
 
-Status norm_backward_cpu(std::string_view op, const KernelContext& ctx, bool rms, TensorArg dinp, TensorArg dweight,
-                         TensorArg dbias, ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight,
-                         const float* mean, const float* rstd, std::int64_t rows, std::int64_t C,
-                         Accumulate dinp_mode) {
+Status norm_backward_cpu(std::string_view op, const KernelContext& ctx, bool rms, TensorArg dinp,
+                         TensorArg dweight, TensorArg dbias, ConstTensorArg dout, ConstTensorArg inp,
+                         ConstTensorArg weight, const float* mean, const float* rstd, std::int64_t rows,
+                         std::int64_t C, Accumulate dinp_mode) {
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = scratch_stripe(3 * C);
   const std::int64_t block = rows_per_partial(rows);
@@ -78,10 +78,10 @@ Status norm_backward_cpu(std::string_view op, const KernelContext& ctx, bool rms
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * C > 8192)
   for (std::int64_t p = 0; p < partials; ++p) {
     float* x = buf + omp_get_thread_num() * stripe;  // (C) x, then x̂
-    float* dy = x + C;                                // (C)
-    float* dx = dy + C;                               // (C)
-    float* dw = part + p * 2 * C;                     // (C)
-    float* db = dw + C;                               // (C)
+    float* dy = x + C;                               // (C)
+    float* dx = dy + C;                              // (C)
+    float* dw = part + p * 2 * C;                    // (C)
+    float* db = dw + C;                              // (C)
     std::fill(dw, dw + 2 * C, 0.0f);
     for (std::int64_t r = p * block; r < std::min(rows, (p + 1) * block); ++r) {
       load_f32(inp, r * C, C, x);
@@ -129,9 +129,9 @@ Status norm_backward_cpu(std::string_view op, const KernelContext& ctx, bool rms
   return ok_status();
 }
 
-Status check_norm(ArgCheck& check, const KernelContext& ctx, const void* inp, const void* weight, std::int64_t rows,
-                  std::int64_t C) {
-  check.context(ctx).ptr("inp", inp).ptr("weight", weight).non_negative("rows", rows).positive("C", C);
+Status check_norm(ArgCheck& check, const KernelContext& ctx, ConstTensorArg inp, ConstTensorArg weight,
+                  std::int64_t rows, std::int64_t C) {
+  check.context(ctx).tensor("inp", inp).tensor("weight", weight).non_negative("rows", rows).positive("C", C);
   return check.status();
 }
 
@@ -139,13 +139,15 @@ Status check_norm(ArgCheck& check, const KernelContext& ctx, const void* inp, co
 
 // ---- launchers ----
 
-Status layernorm_forward(const KernelContext& ctx, TensorArg out, float* mean, float* rstd, ConstTensorArg inp,
-                         ConstTensorArg weight, ConstTensorArg bias, std::int64_t rows, std::int64_t C, float eps) {
+Status layernorm_forward(const KernelContext& ctx, TensorArg out, float* mean, float* rstd,
+                         ConstTensorArg inp, ConstTensorArg weight, ConstTensorArg bias, std::int64_t rows,
+                         std::int64_t C, float eps) {
   ArgCheck check("layernorm_forward");
-  check.ptr("out", out.data).fail_if(!(eps > 0.0f), "eps must be positive");
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("out", out).optional("bias", bias).fail_if(!(eps > 0.0f), "eps must be positive");
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return layernorm_forward_cuda(ctx, out, mean, rstd, inp, weight, bias, rows, C, eps);
+  if (ctx.backend == Backend::kCuda)
+    return layernorm_forward_cuda(ctx, out, mean, rstd, inp, weight, bias, rows, C, eps);
   return norm_forward_cpu("layernorm_forward", ctx, false, out, mean, rstd, inp, weight, bias, rows, C, eps);
 }
 
@@ -153,21 +155,23 @@ Status layernorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dw
                           ConstTensorArg dout, ConstTensorArg inp, ConstTensorArg weight, const float* mean,
                           const float* rstd, std::int64_t rows, std::int64_t C, Accumulate dinp_mode) {
   ArgCheck check("layernorm_backward");
-  check.ptr("dout", dout.data).ptr("mean", mean).ptr("rstd", rstd);
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("dout", dout).ptr("mean", mean).ptr("rstd", rstd);
+  check.optional("dinp", dinp).optional("dweight", dweight).optional("dbias", dbias);
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) {
-    return layernorm_backward_cuda(ctx, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C, dinp_mode);
+    return layernorm_backward_cuda(ctx, dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C,
+                                   dinp_mode);
   }
-  return norm_backward_cpu("layernorm_backward", ctx, false, dinp, dweight, dbias, dout, inp, weight, mean, rstd,
-                           rows, C, dinp_mode);
+  return norm_backward_cpu("layernorm_backward", ctx, false, dinp, dweight, dbias, dout, inp, weight, mean,
+                           rstd, rows, C, dinp_mode);
 }
 
-Status rmsnorm_forward(const KernelContext& ctx, TensorArg out, float* rstd, ConstTensorArg inp, ConstTensorArg weight,
-                       std::int64_t rows, std::int64_t C, float eps) {
+Status rmsnorm_forward(const KernelContext& ctx, TensorArg out, float* rstd, ConstTensorArg inp,
+                       ConstTensorArg weight, std::int64_t rows, std::int64_t C, float eps) {
   ArgCheck check("rmsnorm_forward");
-  check.ptr("out", out.data).fail_if(!(eps > 0.0f), "eps must be positive");
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("out", out).fail_if(!(eps > 0.0f), "eps must be positive");
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return rmsnorm_forward_cuda(ctx, out, rstd, inp, weight, rows, C, eps);
   return norm_forward_cpu("rmsnorm_forward", ctx, true, out, nullptr, rstd, inp, weight, kNone, rows, C, eps);
@@ -177,14 +181,14 @@ Status rmsnorm_backward(const KernelContext& ctx, TensorArg dinp, TensorArg dwei
                         ConstTensorArg inp, ConstTensorArg weight, const float* rstd, std::int64_t rows,
                         std::int64_t C, Accumulate dinp_mode) {
   ArgCheck check("rmsnorm_backward");
-  check.ptr("dout", dout.data).ptr("rstd", rstd);
-  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp.data, weight.data, rows, C));
+  check.tensor("dout", dout).ptr("rstd", rstd).optional("dinp", dinp).optional("dweight", dweight);
+  STRATA_RETURN_IF_ERROR(check_norm(check, ctx, inp, weight, rows, C));
   if (rows == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) {
     return rmsnorm_backward_cuda(ctx, dinp, dweight, dout, inp, weight, rstd, rows, C, dinp_mode);
   }
-  return norm_backward_cpu("rmsnorm_backward", ctx, true, dinp, dweight, kNoOutput, dout, inp, weight, nullptr, rstd,
-                           rows, C, dinp_mode);
+  return norm_backward_cpu("rmsnorm_backward", ctx, true, dinp, dweight, kNoOutput, dout, inp, weight,
+                           nullptr, rstd, rows, C, dinp_mode);
 }
 
 }  // namespace strata::kernels

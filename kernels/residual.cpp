@@ -23,7 +23,7 @@ Status residual_forward_cpu(const KernelContext& ctx, TensorArg out, ConstTensor
 #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
   for (std::int64_t c = 0; c < chunks; ++c) {
     float* x = buf + omp_get_thread_num() * 2 * kChunk;  // (kChunk)
-    float* y = x + kChunk;                                // (kChunk)
+    float* y = x + kChunk;                               // (kChunk)
     const std::int64_t offset = c * kChunk;
     const std::int64_t len = std::min(kChunk, n - offset);
     load_f32(a, offset, len, x);
@@ -55,19 +55,20 @@ Status residual_backward_cpu(const KernelContext& ctx, TensorArg da, TensorArg d
 
 // ---- launchers ----
 
-Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg a, ConstTensorArg b, std::int64_t n) {
+Status residual_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg a, ConstTensorArg b,
+                        std::int64_t n) {
   ArgCheck check("residual_forward");
-  check.context(ctx).ptr("out", out.data).ptr("a", a.data).ptr("b", b.data).non_negative("n", n);
+  check.context(ctx).tensor("out", out).tensor("a", a).tensor("b", b).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0) return ok_status();
   if (ctx.backend == Backend::kCuda) return residual_forward_cuda(ctx, out, a, b, n);
   return residual_forward_cpu(ctx, out, a, b, n);
 }
 
-Status residual_backward(const KernelContext& ctx, TensorArg da, TensorArg db, ConstTensorArg dout, std::int64_t n,
-                         Accumulate mode) {
+Status residual_backward(const KernelContext& ctx, TensorArg da, TensorArg db, ConstTensorArg dout,
+                         std::int64_t n, Accumulate mode) {
   ArgCheck check("residual_backward");
-  check.context(ctx).ptr("dout", dout.data).non_negative("n", n);
+  check.context(ctx).tensor("dout", dout).optional("da", da).optional("db", db).non_negative("n", n);
   STRATA_RETURN_IF_ERROR(check.status());
   if (n == 0 || (da.data == nullptr && db.data == nullptr)) return ok_status();
   if (ctx.backend == Backend::kCuda) return residual_backward_cuda(ctx, da, db, dout, n, mode);

@@ -18,8 +18,9 @@ namespace {
 // ---- cpu kernel ----
 
 // x (B,T,H,D), tokens row_stride apart. inverse = rotate by -a (the backward).
-Status rope_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table, std::int64_t B,
-                std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride, bool inverse) {
+Status rope_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table,
+                std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride,
+                bool inverse) {
   const int threads = cpu_thread_count(ctx);
   const std::int64_t half = D / 2;
   const std::size_t stripe = scratch_stripe(H * D);
@@ -47,12 +48,13 @@ Status rope_cpu(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, con
   return ok_status();
 }
 
-Status check_rope(std::string_view op, const KernelContext& ctx, const void* out, const void* inp, const float* table,
-                  std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride) {
+Status check_rope(std::string_view op, const KernelContext& ctx, ConstTensorArg out, ConstTensorArg inp,
+                  const float* table, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D,
+                  std::int64_t row_stride) {
   ArgCheck check(op);
   check.context(ctx)
-      .ptr("out", out)
-      .ptr("inp", inp)
+      .tensor("out", out)
+      .tensor("inp", inp)
       .ptr("table", table)
       .non_negative("B", B)
       .non_negative("T", T)
@@ -87,21 +89,24 @@ Status rope_table(float* table, std::int64_t max_T, std::int64_t head_dim, doubl
   return ok_status();
 }
 
-Status rope_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table, std::int64_t B,
-                    std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride) {
+Status rope_forward(const KernelContext& ctx, TensorArg out, ConstTensorArg inp, const float* table,
+                    std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride) {
   if (row_stride == 0) row_stride = H * D;
-  STRATA_RETURN_IF_ERROR(check_rope("rope_forward", ctx, out.data, inp.data, table, B, T, H, D, row_stride));
+  STRATA_RETURN_IF_ERROR(check_rope("rope_forward", ctx, out, inp, table, B, T, H, D, row_stride));
   if (B == 0 || T == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return rope_forward_cuda(ctx, out, inp, table, B, T, H, D, row_stride, false);
+  if (ctx.backend == Backend::kCuda)
+    return rope_forward_cuda(ctx, out, inp, table, B, T, H, D, row_stride, false);
   return rope_cpu(ctx, out, inp, table, B, T, H, D, row_stride, false);
 }
 
 Status rope_backward(const KernelContext& ctx, TensorArg dinp, ConstTensorArg dout, const float* table,
-                     std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D, std::int64_t row_stride) {
+                     std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t D,
+                     std::int64_t row_stride) {
   if (row_stride == 0) row_stride = H * D;
-  STRATA_RETURN_IF_ERROR(check_rope("rope_backward", ctx, dinp.data, dout.data, table, B, T, H, D, row_stride));
+  STRATA_RETURN_IF_ERROR(check_rope("rope_backward", ctx, dinp, dout, table, B, T, H, D, row_stride));
   if (B == 0 || T == 0) return ok_status();
-  if (ctx.backend == Backend::kCuda) return rope_forward_cuda(ctx, dinp, dout, table, B, T, H, D, row_stride, true);
+  if (ctx.backend == Backend::kCuda)
+    return rope_forward_cuda(ctx, dinp, dout, table, B, T, H, D, row_stride, true);
   return rope_cpu(ctx, dinp, dout, table, B, T, H, D, row_stride, true);
 }
 

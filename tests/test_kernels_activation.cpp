@@ -21,7 +21,8 @@ class ActivationTest : public ::testing::TestWithParam<DType> {};
 TEST_P(ActivationTest, GeluMatchesReferenceAtAwkwardSizes) {
   const DType dt = GetParam();
   ref::CpuContext cpu;
-  for (std::size_t n : {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
+  for (std::size_t n :
+       {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
     const Vec x = ref::as_stored(dt, ref::random_vec(n, 1, 3.0));
     const Vec dy = ref::as_stored(dt, ref::random_vec(n, 2));
     TestTensor tx = TestTensor::from(dt, x), ty(dt, n), tdy = TestTensor::from(dt, dy), tdx(dt, n);
@@ -38,8 +39,8 @@ TEST_P(ActivationTest, GeluMatchesReferenceAtAwkwardSizes) {
     // In place: dinp aliases dout, then accumulate a second time.
     STRATA_ASSERT_OK(gelu_backward(cpu.ctx, tdy.arg(), tdy.carg(), tx.carg(), n, Accumulate::kOverwrite));
     ref::expect_close(tdy.values(), dx, grad_tolerance(dt), "gelu backward in place");
-    STRATA_ASSERT_OK(gelu_backward(cpu.ctx, tdx.arg(), TestTensor::from(dt, dy).carg(), tx.carg(), n,
-                                   Accumulate::kAdd));
+    STRATA_ASSERT_OK(
+        gelu_backward(cpu.ctx, tdx.arg(), TestTensor::from(dt, dy).carg(), tx.carg(), n, Accumulate::kAdd));
     Vec twice(n);
     for (std::size_t i = 0; i < n; ++i) twice[i] = 2 * dx[i];
     ref::expect_close(tdx.values(), twice, grad_tolerance(dt), "gelu backward accumulate");
@@ -80,7 +81,8 @@ TEST(Activation, BackwardsMatchFiniteDifferences) {
       EXPECT_TRUE(gelu_forward(cpu.ctx, ty.arg(), tx.carg(), n).ok());
       return ref::dot(ty.values(), r);
     };
-    TestTensor tx = TestTensor::from(DType::kF32, x), tr = TestTensor::from(DType::kF32, r), tdx(DType::kF32, n);
+    TestTensor tx = TestTensor::from(DType::kF32, x), tr = TestTensor::from(DType::kF32, r),
+               tdx(DType::kF32, n);
     STRATA_ASSERT_OK(gelu_backward(cpu.ctx, tdx.arg(), tr.carg(), tx.carg(), n, Accumulate::kOverwrite));
     ref::expect_fd_match(loss, x, tdx.values(), "gelu");
   }
@@ -91,8 +93,10 @@ TEST(Activation, BackwardsMatchFiniteDifferences) {
       EXPECT_TRUE(swiglu_forward(cpu.ctx, ty.arg(), tgu.carg(), rows, F).ok());
       return ref::dot(ty.values(), Vec(r.begin(), r.begin() + rows * F));
     };
-    TestTensor tgu = TestTensor::from(DType::kF32, x), tr = TestTensor::from(DType::kF32, r), tdgu(DType::kF32, n);
-    STRATA_ASSERT_OK(swiglu_backward(cpu.ctx, tdgu.arg(), tr.carg(), tgu.carg(), rows, F, Accumulate::kOverwrite));
+    TestTensor tgu = TestTensor::from(DType::kF32, x), tr = TestTensor::from(DType::kF32, r),
+               tdgu(DType::kF32, n);
+    STRATA_ASSERT_OK(
+        swiglu_backward(cpu.ctx, tdgu.arg(), tr.carg(), tgu.carg(), rows, F, Accumulate::kOverwrite));
     ref::expect_fd_match(loss, x, tdgu.values(), "swiglu");
   }
 }
@@ -100,8 +104,8 @@ TEST(Activation, BackwardsMatchFiniteDifferences) {
 TEST(Activation, BadArgumentsAreNamed) {
   ref::CpuContext cpu;
   float x = 0;
-  STRATA_EXPECT_ERROR(gelu_backward(cpu.ctx, f32(&x), f32(&x), kNone, 1, Accumulate::kOverwrite), kInvalidArgument,
-                      "'inp' is null");
+  STRATA_EXPECT_ERROR(gelu_backward(cpu.ctx, f32(&x), f32(&x), kNone, 1, Accumulate::kOverwrite),
+                      kInvalidArgument, "'inp' is null");
   STRATA_EXPECT_ERROR(swiglu_forward(cpu.ctx, f32(&x), f32(&x), 1, 0), kInvalidArgument, "F = 0");
 }
 

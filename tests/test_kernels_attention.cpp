@@ -66,7 +66,8 @@ struct AttnRun {
 AttnRun run_attention(ref::CpuContext& cpu, DType dt, const AttnCase& c, const Vec& qkv, const Vec& dout) {
   const Layout l = layout_of(c);
   const std::size_t esz = dtype_size(dt);
-  TestTensor in = TestTensor::from(dt, qkv), grad(dt, l.total), out(dt, dout.size()), tdout = TestTensor::from(dt, dout);
+  TestTensor in = TestTensor::from(dt, qkv), grad(dt, l.total), out(dt, dout.size()),
+             tdout = TestTensor::from(dt, dout);
   std::vector<float> lse(static_cast<std::size_t>(c.B) * c.H * c.T);
   AttentionShape s;
   s.batch = c.B;
@@ -84,8 +85,8 @@ AttnRun run_attention(ref::CpuContext& cpu, DType dt, const AttnCase& c, const V
   EXPECT_TRUE(attention_forward(cpu.ctx, out.arg(), lse.data(), q, k, v, s).ok());
   EXPECT_TRUE(attention_backward(cpu.ctx, dq, dk, dv, tdout.carg(), q, k, v, out.carg(), lse.data(), s).ok());
   const Vec g = grad.values();
-  return {out.values(), Vec(lse.begin(), lse.end()), gather(g, l.q_off, l.qs, c, c.H), gather(g, l.k_off, l.ks, c, c.Hkv),
-          gather(g, l.v_off, l.vs, c, c.Hkv)};
+  return {out.values(), Vec(lse.begin(), lse.end()), gather(g, l.q_off, l.qs, c, c.H),
+          gather(g, l.k_off, l.ks, c, c.Hkv), gather(g, l.v_off, l.vs, c, c.Hkv)};
 }
 
 struct AttnRef {
@@ -94,11 +95,14 @@ struct AttnRef {
 
 AttnRef reference(const AttnCase& c, const Vec& qkv, const Vec& dout) {
   const Layout l = layout_of(c);
-  const Vec q(qkv.begin() + l.q_off, qkv.end()), k(qkv.begin() + l.k_off, qkv.end()), v(qkv.begin() + l.v_off, qkv.end());
-  const ref::AttnRefShape s{c.B, c.T, c.H, c.Hkv, c.D, l.qs, l.ks, l.vs, 1.0 / std::sqrt(static_cast<double>(c.D))};
+  const Vec q(qkv.begin() + l.q_off, qkv.end()), k(qkv.begin() + l.k_off, qkv.end()),
+      v(qkv.begin() + l.v_off, qkv.end());
+  const ref::AttnRefShape s{
+      c.B, c.T, c.H, c.Hkv, c.D, l.qs, l.ks, l.vs, 1.0 / std::sqrt(static_cast<double>(c.D))};
   const ref::AttnForward f = ref::attention_forward(q, k, v, s);
   const ref::AttnBackward g = ref::attention_backward(dout, q, k, v, s);
-  return {f.out, f.lse, gather(g.dq, 0, l.qs, c, c.H), gather(g.dk, 0, l.ks, c, c.Hkv), gather(g.dv, 0, l.vs, c, c.Hkv)};
+  return {f.out, f.lse, gather(g.dq, 0, l.qs, c, c.H), gather(g.dk, 0, l.ks, c, c.Hkv),
+          gather(g.dv, 0, l.vs, c, c.Hkv)};
 }
 
 class AttentionTest : public ::testing::TestWithParam<std::tuple<AttnCase, DType>> {};
@@ -158,7 +162,8 @@ TEST(Attention, Bf16AgreesWithFp32OnTheSameInputs) {
   const AttnCase c{1, 100, 2, 2, 64, true};
   const Layout l = layout_of(c);
   const Vec qkv = ref::as_stored(DType::kBF16, ref::random_vec(l.total, 5));
-  const Vec dout = ref::as_stored(DType::kBF16, ref::random_vec(static_cast<std::size_t>(c.T) * c.H * c.D, 6));
+  const Vec dout =
+      ref::as_stored(DType::kBF16, ref::random_vec(static_cast<std::size_t>(c.T) * c.H * c.D, 6));
   const AttnRun a = run_attention(cpu, DType::kF32, c, qkv, dout);
   const AttnRun b = run_attention(cpu, DType::kBF16, c, qkv, dout);
   ref::expect_close(b.out, a.out, ref::kBF16Tol, "out");
@@ -186,17 +191,23 @@ TEST(Attention, BadShapesAreNamed) {
   ref::CpuContext cpu;
   float x = 0, lse = 0;
   AttentionShape s{1, 1, 3, 2, 4};
-  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s), kInvalidArgument,
-                      "n_head = 3 is not a multiple of n_kv_head = 2");
+  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s),
+                      kInvalidArgument, "n_head = 3 is not a multiple of n_kv_head = 2");
   s = AttentionShape{1, 1, 2, 2, 4, 7};
-  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s), kInvalidArgument,
-                      "q_row_stride = 7 is less than n_head*head_dim = 8");
+  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s),
+                      kInvalidArgument, "q_row_stride = 7 is less than n_head*head_dim = 8");
   s = AttentionShape{1, 1, 2, 2, 0};
-  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s), kInvalidArgument,
-                      "head_dim = 0");
+  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), f32(&x), f32(&x), s),
+                      kInvalidArgument, "head_dim = 0");
   s = AttentionShape{1, 1, 1, 1, 4};
-  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), nullptr, f32(&x), f32(&x), f32(&x), s), kInvalidArgument,
-                      "'lse' is null");
+  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), nullptr, f32(&x), f32(&x), f32(&x), s),
+                      kInvalidArgument, "'lse' is null");
+  std::uint16_t h = 0;
+  STRATA_EXPECT_ERROR(attention_forward(cpu.ctx, f32(&x), &lse, f32(&x), bf16(&h), f32(&x), s),
+                      kInvalidArgument, "'q' is f32 but 'k' is bf16");
+  STRATA_EXPECT_ERROR(attention_backward(cpu.ctx, f32(&x), f32(&x), bf16(&h), f32(&x), f32(&x), f32(&x),
+                                         f32(&x), f32(&x), &lse, s),
+                      kInvalidArgument, "'q' is f32 but 'dv' is bf16");
 }
 
 }  // namespace

@@ -35,10 +35,10 @@ TEST_P(EmbeddingTest, ForwardAndBackwardMatchReference) {
     const Vec wpe = ref::as_stored(dt, ref::random_vec(static_cast<std::size_t>(c.T) * c.C, ++seed));
     const Vec dout = ref::as_stored(dt, ref::random_vec(static_cast<std::size_t>(n) * c.C, ++seed));
     TestTensor twte = TestTensor::from(dt, wte), twpe = TestTensor::from(dt, wpe), out(dt, dout.size());
-    STRATA_ASSERT_OK(embedding_forward(cpu.ctx, out.arg(), tok.data(), twte.carg(), c.wpe ? twpe.carg() : kNone, c.B,
-                                       c.T, c.C, c.V));
-    const std::string what = "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " C=" + std::to_string(c.C) +
-                             " V=" + std::to_string(c.V);
+    STRATA_ASSERT_OK(embedding_forward(cpu.ctx, out.arg(), tok.data(), twte.carg(),
+                                       c.wpe ? twpe.carg() : kNone, c.B, c.T, c.C, c.V));
+    const std::string what = "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
+                             " C=" + std::to_string(c.C) + " V=" + std::to_string(c.V);
     ref::expect_close(out.values(), ref::embedding_forward(tok, wte, c.wpe ? &wpe : nullptr, c.B, c.T, c.C),
                       ref::tolerance_for(dt), what + " forward");
 
@@ -91,7 +91,8 @@ TEST(Embedding, BackwardDoesNotDependOnTheThreadCount) {
   int i = 0;
   for (ref::CpuContext* cpu : {&one, &three}) {
     TestTensor dwte(DType::kBF16, V * C), tdout = TestTensor::from(DType::kBF16, dout);
-    STRATA_ASSERT_OK(embedding_backward(cpu->ctx, dwte.arg(), kNoOutput, tdout.carg(), tok.data(), B, T, C, V));
+    STRATA_ASSERT_OK(
+        embedding_backward(cpu->ctx, dwte.arg(), kNoOutput, tdout.carg(), tok.data(), B, T, C, V));
     results[i++] = dwte.values();
   }
   EXPECT_EQ(results[0], results[1]);
@@ -105,8 +106,8 @@ TEST(Embedding, OutOfRangeTokensAreNamed) {
                       kInvalidArgument, "token 9 at (b=1, t=0) is outside the vocabulary [0, 4)");
   STRATA_EXPECT_ERROR(embedding_backward(cpu.ctx, wte.arg(), kNoOutput, out.carg(), tok.data(), 2, 2, 3, 4),
                       kInvalidArgument, "token 9");
-  STRATA_EXPECT_ERROR(embedding_forward(cpu.ctx, out.arg(), nullptr, wte.carg(), kNone, 2, 2, 3, 4), kInvalidArgument,
-                      "'tokens' is null");
+  STRATA_EXPECT_ERROR(embedding_forward(cpu.ctx, out.arg(), nullptr, wte.carg(), kNone, 2, 2, 3, 4),
+                      kInvalidArgument, "'tokens' is null");
 }
 
 }  // namespace

@@ -42,14 +42,17 @@ TEST_P(GemmTest, EveryTransposeBiasAndAccumulateMatchesReference) {
             const Vec c0 = ref::as_stored(cdt, ref::random_vec(static_cast<std::size_t>(g.M) * g.N, ++seed));
             TestTensor ta_t = TestTensor::from(dt, a), tb_t = TestTensor::from(dt, b);
             TestTensor tbias = TestTensor::from(dt, bias), tc = TestTensor::from(cdt, c0);
-            STRATA_ASSERT_OK(gemm(cpu.ctx, tc.arg(), ta_t.carg(), tb_t.carg(), with_bias ? tbias.carg() : kNone, g.M,
-                                  g.N, g.K, ta ? Transpose::kYes : Transpose::kNo, tb ? Transpose::kYes : Transpose::kNo,
-                                  add ? Accumulate::kAdd : Accumulate::kOverwrite));
-            const Vec want = ref::gemm(a, b, with_bias ? &bias : nullptr, add ? &c0 : nullptr, g.M, g.N, g.K, ta, tb);
+            STRATA_ASSERT_OK(
+                gemm(cpu.ctx, tc.arg(), ta_t.carg(), tb_t.carg(), with_bias ? tbias.carg() : kNone, g.M, g.N,
+                     g.K, ta ? Transpose::kYes : Transpose::kNo, tb ? Transpose::kYes : Transpose::kNo,
+                     add ? Accumulate::kAdd : Accumulate::kOverwrite));
+            const Vec want =
+                ref::gemm(a, b, with_bias ? &bias : nullptr, add ? &c0 : nullptr, g.M, g.N, g.K, ta, tb);
             ref::expect_close(tc.values(), want, gemm_tolerance(cdt == DType::kF32 ? dt : cdt, g.K),
-                              "gemm M=" + std::to_string(g.M) + " N=" + std::to_string(g.N) + " K=" +
-                                  std::to_string(g.K) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
-                                  " bias=" + std::to_string(with_bias) + " add=" + std::to_string(add));
+                              "gemm M=" + std::to_string(g.M) + " N=" + std::to_string(g.N) +
+                                  " K=" + std::to_string(g.K) + " ta=" + std::to_string(ta) +
+                                  " tb=" + std::to_string(tb) + " bias=" + std::to_string(with_bias) +
+                                  " add=" + std::to_string(add));
           }
         }
       }
@@ -75,12 +78,12 @@ TEST_P(GemmTest, LinearForwardAndBackwardMatchReference) {
   const Vec dw0 = ref::random_vec(static_cast<std::size_t>(N) * K, 5);
   const Vec db0 = ref::random_vec(N, 6);
   TestTensor tdx(dt, static_cast<std::size_t>(M) * K), tdw = TestTensor::from(DType::kF32, dw0),
-      tdb = TestTensor::from(DType::kF32, db0);
+                                                       tdb = TestTensor::from(DType::kF32, db0);
   tdx.fill(7.0);
-  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdb.arg(), tdy.carg(), tx.carg(), tw.carg(), M, K, N,
-                                   Accumulate::kOverwrite));
-  ref::expect_close(tdx.values(), ref::gemm(dy, w, nullptr, nullptr, M, K, N, false, false), gemm_tolerance(dt, N),
-                    "dinp");
+  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdb.arg(), tdy.carg(), tx.carg(), tw.carg(),
+                                   M, K, N, Accumulate::kOverwrite));
+  ref::expect_close(tdx.values(), ref::gemm(dy, w, nullptr, nullptr, M, K, N, false, false),
+                    gemm_tolerance(dt, N), "dinp");
   const Vec dw0_stored = ref::as_stored(DType::kF32, dw0);
   ref::expect_close(tdw.values(), ref::gemm(dy, x, nullptr, &dw0_stored, N, K, M, true, false),
                     gemm_tolerance(dt, M), "dweight");
@@ -91,8 +94,8 @@ TEST_P(GemmTest, LinearForwardAndBackwardMatchReference) {
 
   // kAdd on dinp adds to what is there.
   const Vec dx_before = tdx.values();
-  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), kNoOutput, kNoOutput, tdy.carg(), tx.carg(), tw.carg(), M, K, N,
-                                   Accumulate::kAdd));
+  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), kNoOutput, kNoOutput, tdy.carg(), tx.carg(), tw.carg(),
+                                   M, K, N, Accumulate::kAdd));
   Vec twice(dx_before.size());
   for (std::size_t i = 0; i < twice.size(); ++i) twice[i] = 2 * dx_before[i];
   ref::expect_close(tdx.values(), twice, gemm_tolerance(dt, N), "dinp accumulate");
@@ -118,9 +121,10 @@ TEST(Matmul, BackwardMatchesFiniteDifferences) {
     return ref::dot(ty.values(), r);
   };
   TestTensor tx = TestTensor::from(DType::kF32, x), tw = TestTensor::from(DType::kF32, w);
-  TestTensor tr = TestTensor::from(DType::kF32, r), tdx(DType::kF32, nx), tdw(DType::kF32, nw), tdb(DType::kF32, N);
-  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdb.arg(), tr.carg(), tx.carg(), tw.carg(), M, K, N,
-                                   Accumulate::kOverwrite));
+  TestTensor tr = TestTensor::from(DType::kF32, r), tdx(DType::kF32, nx), tdw(DType::kF32, nw),
+             tdb(DType::kF32, N);
+  STRATA_ASSERT_OK(matmul_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdb.arg(), tr.carg(), tx.carg(), tw.carg(),
+                                   M, K, N, Accumulate::kOverwrite));
   Vec p = x, g = tdx.values();
   p.insert(p.end(), w.begin(), w.end());
   p.insert(p.end(), bias.begin(), bias.end());
@@ -136,7 +140,8 @@ TEST(Matmul, Bf16AgreesWithFp32OnTheSameInputs) {
   Vec out[2];
   int i = 0;
   for (DType dt : {DType::kF32, DType::kBF16}) {
-    TestTensor tx = TestTensor::from(dt, x), tw = TestTensor::from(dt, w), ty(dt, static_cast<std::size_t>(M) * N);
+    TestTensor tx = TestTensor::from(dt, x), tw = TestTensor::from(dt, w),
+               ty(dt, static_cast<std::size_t>(M) * N);
     STRATA_ASSERT_OK(matmul_forward(cpu.ctx, ty.arg(), tx.carg(), tw.carg(), kNone, M, K, N));
     out[i++] = ty.values();
   }
@@ -178,8 +183,8 @@ TEST(Matmul, BadArgumentsAreNamed) {
                       "KernelContext::state is null");
   STRATA_EXPECT_ERROR(matmul_forward(cpu.ctx, f32(&c), f32(&a), bf16(&hb), kNone, 1, 1, 1), kInvalidArgument,
                       "'inp' is f32 but 'weight' is bf16");
-  STRATA_EXPECT_ERROR(gemm(cpu.ctx, f32(&c), f32(&a), f32(&b), kNone, 1, -2, 1, Transpose::kNo, Transpose::kNo,
-                           Accumulate::kOverwrite),
+  STRATA_EXPECT_ERROR(gemm(cpu.ctx, f32(&c), f32(&a), f32(&b), kNone, 1, -2, 1, Transpose::kNo,
+                           Transpose::kNo, Accumulate::kOverwrite),
                       kInvalidArgument, "N = -2");
   STRATA_EXPECT_ERROR(matmul_backward(cpu.ctx, f32(&c), kNoOutput, kNoOutput, f32(&a), kNone, kNone, 1, 1, 1,
                                       Accumulate::kOverwrite),

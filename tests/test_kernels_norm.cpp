@@ -18,8 +18,9 @@ struct NormRun {
 };
 
 // Runs forward and backward of LayerNorm (rms = false) or RMSNorm on `cpu`.
-NormRun run_norm(ref::CpuContext& cpu, bool rms, DType dt, const Vec& x, const Vec& w, const Vec& b, const Vec& dy,
-                 int rows, int C, Accumulate mode = Accumulate::kOverwrite, const Vec* dx0 = nullptr) {
+NormRun run_norm(ref::CpuContext& cpu, bool rms, DType dt, const Vec& x, const Vec& w, const Vec& b,
+                 const Vec& dy, int rows, int C, Accumulate mode = Accumulate::kOverwrite,
+                 const Vec* dx0 = nullptr) {
   TestTensor tx = TestTensor::from(dt, x), tw = TestTensor::from(dt, w), tb = TestTensor::from(dt, b);
   TestTensor ty(dt, x.size()), tdy = TestTensor::from(dt, dy), tdx(dt, x.size());
   if (dx0 != nullptr) tdx.set(*dx0);
@@ -28,13 +29,13 @@ NormRun run_norm(ref::CpuContext& cpu, bool rms, DType dt, const Vec& x, const V
   NormRun r;
   if (rms) {
     EXPECT_TRUE(rmsnorm_forward(cpu.ctx, ty.arg(), rstd.data(), tx.carg(), tw.carg(), rows, C, kEps).ok());
-    EXPECT_TRUE(rmsnorm_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdy.carg(), tx.carg(), tw.carg(), rstd.data(), rows,
-                                 C, mode)
+    EXPECT_TRUE(rmsnorm_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdy.carg(), tx.carg(), tw.carg(), rstd.data(),
+                                 rows, C, mode)
                     .ok());
   } else {
-    EXPECT_TRUE(
-        layernorm_forward(cpu.ctx, ty.arg(), mean.data(), rstd.data(), tx.carg(), tw.carg(), tb.carg(), rows, C, kEps)
-            .ok());
+    EXPECT_TRUE(layernorm_forward(cpu.ctx, ty.arg(), mean.data(), rstd.data(), tx.carg(), tw.carg(),
+                                  tb.carg(), rows, C, kEps)
+                    .ok());
     EXPECT_TRUE(layernorm_backward(cpu.ctx, tdx.arg(), tdw.arg(), tdb.arg(), tdy.carg(), tx.carg(), tw.carg(),
                                    mean.data(), rstd.data(), rows, C, mode)
                     .ok());
@@ -112,8 +113,9 @@ TEST(Norm, BackwardMatchesFiniteDifferences) {
       if (rms) {
         EXPECT_TRUE(rmsnorm_forward(cpu.ctx, ty.arg(), nullptr, tx.carg(), tw.carg(), rows, C, kEps).ok());
       } else {
-        EXPECT_TRUE(
-            layernorm_forward(cpu.ctx, ty.arg(), nullptr, nullptr, tx.carg(), tw.carg(), tb.carg(), rows, C, kEps).ok());
+        EXPECT_TRUE(layernorm_forward(cpu.ctx, ty.arg(), nullptr, nullptr, tx.carg(), tw.carg(), tb.carg(),
+                                      rows, C, kEps)
+                        .ok());
       }
       return ref::dot(ty.values(), r);
     };
@@ -166,9 +168,10 @@ TEST(Norm, BadArgumentsAreNamed) {
                       kInvalidArgument, "'weight' is null");
   STRATA_EXPECT_ERROR(rmsnorm_forward(cpu.ctx, f32(&y), &s, f32(&x), f32(&w), 1, 0, kEps), kInvalidArgument,
                       "C = 0");
-  STRATA_EXPECT_ERROR(rmsnorm_forward(cpu.ctx, f32(&y), &s, f32(&x), f32(&w), 1, 1, 0.0f), kInvalidArgument, "eps");
-  STRATA_EXPECT_ERROR(layernorm_backward(cpu.ctx, f32(&y), f32(&y), kNoOutput, f32(&x), f32(&x), f32(&w), nullptr,
-                                         &s, 1, 1, Accumulate::kOverwrite),
+  STRATA_EXPECT_ERROR(rmsnorm_forward(cpu.ctx, f32(&y), &s, f32(&x), f32(&w), 1, 1, 0.0f), kInvalidArgument,
+                      "eps");
+  STRATA_EXPECT_ERROR(layernorm_backward(cpu.ctx, f32(&y), f32(&y), kNoOutput, f32(&x), f32(&x), f32(&w),
+                                         nullptr, &s, 1, 1, Accumulate::kOverwrite),
                       kInvalidArgument, "'mean' is null");
 }
 

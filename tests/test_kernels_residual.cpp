@@ -15,11 +15,13 @@ class ResidualTest : public ::testing::TestWithParam<DType> {};
 TEST_P(ResidualTest, ForwardMatchesReferenceAtAwkwardSizes) {
   const DType dt = GetParam();
   ref::CpuContext cpu;
-  for (std::size_t n : {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
+  for (std::size_t n :
+       {std::size_t{1}, std::size_t{17}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
     const Vec a = ref::as_stored(dt, ref::random_vec(n, 1));
     const Vec b = ref::as_stored(dt, ref::random_vec(n, 2));
     TestTensor ta = TestTensor::from(dt, a), tb = TestTensor::from(dt, b), out(dt, n);
-    STRATA_ASSERT_OK(residual_forward(cpu.ctx, out.arg(), ta.carg(), tb.carg(), static_cast<std::int64_t>(n)));
+    STRATA_ASSERT_OK(
+        residual_forward(cpu.ctx, out.arg(), ta.carg(), tb.carg(), static_cast<std::int64_t>(n)));
     Vec want(n);
     for (std::size_t i = 0; i < n; ++i) want[i] = a[i] + b[i];
     ref::expect_close(out.values(), want, ref::tolerance_for(dt), "residual_forward n=" + std::to_string(n));
@@ -77,7 +79,8 @@ TEST(Residual, BackwardMatchesFiniteDifferences) {
 
 TEST(Residual, ZeroSizeIsANoOpAndBadArgumentsAreNamed) {
   ref::CpuContext cpu;
-  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, kNoOutput, kNone, kNone, 0), kInvalidArgument, "'out' is null");
+  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, kNoOutput, kNone, kNone, 0), kInvalidArgument,
+                      "'out' is null");
   float x = 1.0f;
   STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), kNone, 1), kInvalidArgument, "'b' is null");
   STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), f32(&x), -1), kInvalidArgument, "n = -1");
@@ -85,6 +88,29 @@ TEST(Residual, ZeroSizeIsANoOpAndBadArgumentsAreNamed) {
   bad.cpu_threads = -3;
   STRATA_EXPECT_ERROR(residual_forward(bad, f32(&x), f32(&x), f32(&x), 1), kInvalidArgument, "cpu_threads");
   STRATA_EXPECT_OK(residual_forward(cpu.ctx, f32(&x), f32(&x), f32(&x), 0));
+  std::uint16_t half = 0;
+  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), ConstTensorArg{&half, DType::kF16}, 1),
+                      kInvalidArgument, "'b' is f16; the kernels take f32 or bf16");
+  STRATA_EXPECT_ERROR(residual_backward(cpu.ctx, TensorArg{&half, DType::kF16}, kNoOutput, f32(&x), 1,
+                                        Accumulate::kOverwrite),
+                      kInvalidArgument, "'da' is f16");
+}
+
+// The kernels' bf16 helpers (usable in CUDA device code) round exactly like strata/dtype.hpp.
+TEST(KernelBf16, HelpersMatchTheDtypeModule) {
+  std::mt19937 gen(3);
+  std::vector<std::uint32_t> bits = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+                                     0x7fc00001u, 0x7f800001u, 0x3f808000u, 0x3f818000u,
+                                     0x7f7fffffu, 0x00000001u, 0x3f7fffffu};
+  for (int i = 0; i < 100000; ++i) bits.push_back(gen());
+  for (std::uint32_t u : bits) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    ASSERT_EQ(f32_to_bf16_bits_rne(f), float_to_bf16_bits(f)) << std::hex << u;
+    const std::uint16_t h = static_cast<std::uint16_t>(u);
+    const float a = bf16_bits_to_f32(h), b = bf16_bits_to_float(h);
+    ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0) << std::hex << h;
+  }
 }
 
 TEST(Residual, CudaBackendWithoutCudaIsUnavailable) {

@@ -42,8 +42,9 @@ TEST_P(RopeTest, ForwardAndBackwardMatchReference) {
     STRATA_ASSERT_OK(rope_table(table.data(), c.T, c.D, kTheta));
     const std::size_t n = static_cast<std::size_t>(c.B) * c.T * c.stride;
     const Vec x = ref::as_stored(dt, ref::random_vec(n, 1));
-    const std::string what = "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) +
-                             " D=" + std::to_string(c.D) + " stride=" + std::to_string(c.stride);
+    const std::string what = "B=" + std::to_string(c.B) + " T=" + std::to_string(c.T) +
+                             " H=" + std::to_string(c.H) + " D=" + std::to_string(c.D) +
+                             " stride=" + std::to_string(c.stride);
     // Out of place into a copy (so the elements outside the heads keep their values), then in place.
     TestTensor tx = TestTensor::from(dt, x), ty = TestTensor::from(dt, x);
     STRATA_ASSERT_OK(rope_forward(cpu.ctx, ty.arg(), tx.carg(), table.data(), c.B, c.T, c.H, c.D, c.stride));
@@ -54,10 +55,11 @@ TEST_P(RopeTest, ForwardAndBackwardMatchReference) {
     // The backward rotates back: applied to the forward's fp32 output it returns the input.
     TestTensor tg = TestTensor::from(dt, x);
     STRATA_ASSERT_OK(rope_backward(cpu.ctx, tg.arg(), tg.carg(), table.data(), c.B, c.T, c.H, c.D, c.stride));
-    ref::expect_close(tg.values(), ref::rope(x, c.B, c.T, c.H, c.D, c.stride, kTheta, true), ref::tolerance_for(dt),
-                      what + " backward");
+    ref::expect_close(tg.values(), ref::rope(x, c.B, c.T, c.H, c.D, c.stride, kTheta, true),
+                      ref::tolerance_for(dt), what + " backward");
     if (dt == DType::kF32) {
-      STRATA_ASSERT_OK(rope_backward(cpu.ctx, ty.arg(), ty.carg(), table.data(), c.B, c.T, c.H, c.D, c.stride));
+      STRATA_ASSERT_OK(
+          rope_backward(cpu.ctx, ty.arg(), ty.carg(), table.data(), c.B, c.T, c.H, c.D, c.stride));
       ref::expect_close(ty.values(), x, ref::kF32Tol, what + " inverse");
     }
   }

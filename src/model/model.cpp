@@ -33,20 +33,16 @@ using kernels::TensorArg;
 
 namespace {
 
-kernels::DType kernel_dtype(DType d) {
-  return d == DType::kF32 ? kernels::DType::kF32 : kernels::DType::kBF16;
-}
-
 // A typed device pointer.
 struct Tensor {
   void* data = nullptr;
-  kernels::DType dtype = kernels::DType::kF32;
+  DType dtype = DType::kF32;
 
   TensorArg arg() const { return {data, dtype}; }
   ConstTensorArg carg() const { return {data, dtype}; }
   // The tensor starting `elems` elements further on.
   Tensor at(std::int64_t elems) const {
-    return {static_cast<char*>(data) + elems * static_cast<std::int64_t>(kernels::dtype_size(dtype)), dtype};
+    return {static_cast<char*>(data) + elems * static_cast<std::int64_t>(dtype_size(dtype)), dtype};
   }
 };
 
@@ -59,8 +55,8 @@ class Carver {
     used_ = align_up(used_ + std::max<std::uint64_t>(bytes, 1), kParamAlignment);
     return p;
   }
-  Tensor tensor(std::int64_t elems, kernels::DType dtype) {
-    return {take(static_cast<std::uint64_t>(elems) * kernels::dtype_size(dtype)), dtype};
+  Tensor tensor(std::int64_t elems, DType dtype) {
+    return {take(static_cast<std::uint64_t>(elems) * dtype_size(dtype)), dtype};
   }
   float* floats(std::int64_t n) { return static_cast<float*>(take(static_cast<std::uint64_t>(n) * 4)); }
   std::int32_t* ints(std::int64_t n) {
@@ -97,7 +93,7 @@ struct Model::Impl {
   Stream* stream = nullptr;
   Options options;
   std::unique_ptr<detail::KernelLauncher> launch;
-  kernels::DType wdt = kernels::DType::kF32;
+  DType wdt = DType::kF32;
   std::int64_t Bmax = 0, Tmax = 0;
   std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0;
   bool gpt2 = true;
@@ -131,7 +127,7 @@ struct Model::Impl {
   Tensor G(int i) const {
     if (grads == nullptr || i < 0) return {};
     return {reinterpret_cast<char*>(grads) + layout.params[static_cast<std::size_t>(i)].grad_offset,
-            kernels::DType::kF32};
+            DType::kF32};
   }
   BlockActs& acts(int layer) { return sets.size() == 1 ? sets[0] : sets[static_cast<std::size_t>(layer)]; }
 
@@ -252,7 +248,7 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   m.stream = &stream;
   m.options = options;
   m.gpt2 = cfg.kind == ModelKind::kGpt2;
-  m.wdt = kernel_dtype(cfg.dtype);
+  m.wdt = cfg.dtype;
   m.Bmax = options.max_batch;
   m.Tmax = options.max_seq_len > 0 ? options.max_seq_len : cfg.n_positions;
   if (m.Bmax < 1)

@@ -74,6 +74,7 @@ class TestTensor {
   TensorArg arg() { return {bytes_.data(), dtype_}; }
   ConstTensorArg carg() const { return {bytes_.data(), dtype_}; }
   void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
   std::size_t size() const { return n_; }
   std::size_t bytes() const { return n_ * dtype_size(dtype_); }
   DType dtype() const { return dtype_; }
@@ -127,8 +128,9 @@ inline void expect_close(const Vec& got, const Vec& want, Tolerance tol, const s
       worst = i;
     }
   }
-  EXPECT_EQ(failures, 0u) << what << ": " << failures << " of " << got.size() << " elements off; worst at " << worst
-                          << ": got " << got[worst] << ", want " << want[worst] << " (rms " << scale << ")";
+  EXPECT_EQ(failures, 0u) << what << ": " << failures << " of " << got.size() << " elements off; worst at "
+                          << worst << ": got " << got[worst] << ", want " << want[worst] << " (rms " << scale
+                          << ")";
 }
 
 // Σ a_i·b_i in double.
@@ -182,8 +184,8 @@ struct CpuContext {
 // ---- references ----
 
 // out (B,T,C) = wte[tok] + wpe[t]
-inline Vec embedding_forward(const std::vector<std::int32_t>& tok, const Vec& wte, const Vec* wpe, int B, int T,
-                             int C) {
+inline Vec embedding_forward(const std::vector<std::int32_t>& tok, const Vec& wte, const Vec* wpe, int B,
+                             int T, int C) {
   Vec out(static_cast<std::size_t>(B) * T * C);
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t)
@@ -192,8 +194,8 @@ inline Vec embedding_forward(const std::vector<std::int32_t>& tok, const Vec& wt
   return out;
 }
 
-inline void embedding_backward(Vec& dwte, Vec* dwpe, const Vec& dout, const std::vector<std::int32_t>& tok, int B,
-                               int T, int C) {
+inline void embedding_backward(Vec& dwte, Vec* dwpe, const Vec& dout, const std::vector<std::int32_t>& tok,
+                               int B, int T, int C) {
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t)
       for (int c = 0; c < C; ++c) {
@@ -219,7 +221,8 @@ inline NormForward norm_forward(bool rms_norm, const Vec& x, const Vec& w, const
     for (int c = 0; c < C; ++c) var += (x[r * C + c] - mu) * (x[r * C + c] - mu);
     var /= C;
     const double rs = 1.0 / std::sqrt(var + eps);
-    for (int c = 0; c < C; ++c) f.out[r * C + c] = (x[r * C + c] - mu) * rs * w[c] + (bias ? (*bias)[c] : 0.0);
+    for (int c = 0; c < C; ++c)
+      f.out[r * C + c] = (x[r * C + c] - mu) * rs * w[c] + (bias ? (*bias)[c] : 0.0);
     f.mean[r] = mu;
     f.rstd[r] = rs;
   }
@@ -255,13 +258,15 @@ inline NormBackward norm_backward(bool rms_norm, const Vec& dy, const Vec& x, co
 }
 
 // c (M,N) = op(a)·op(b) + bias (+ c0)
-inline Vec gemm(const Vec& a, const Vec& b, const Vec* bias, const Vec* c0, int M, int N, int K, bool ta, bool tb) {
+inline Vec gemm(const Vec& a, const Vec& b, const Vec* bias, const Vec* c0, int M, int N, int K, bool ta,
+                bool tb) {
   Vec c(static_cast<std::size_t>(M) * N);
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
       double s = bias ? (*bias)[n] : 0.0;
       if (c0) s += (*c0)[m * N + n];
-      for (int k = 0; k < K; ++k) s += (ta ? a[k * M + m] : a[m * K + k]) * (tb ? b[n * K + k] : b[k * N + n]);
+      for (int k = 0; k < K; ++k)
+        s += (ta ? a[k * M + m] : a[m * K + k]) * (tb ? b[n * K + k] : b[k * N + n]);
       c[m * N + n] = s;
     }
   return c;
@@ -289,7 +294,8 @@ inline AttnForward attention_forward(const Vec& q, const Vec& k, const Vec& v, c
         double mx = -1e300;
         for (int j = 0; j <= i; ++j) {
           double d = 0;
-          for (int e = 0; e < s.D; ++e) d += q[(b * s.T + i) * s.qs + h * s.D + e] * k[(b * s.T + j) * s.ks + kh * s.D + e];
+          for (int e = 0; e < s.D; ++e)
+            d += q[(b * s.T + i) * s.qs + h * s.D + e] * k[(b * s.T + j) * s.ks + kh * s.D + e];
           sc[j] = d * s.scale;
           mx = std::max(mx, sc[j]);
         }
@@ -401,8 +407,8 @@ struct CrossEntropy {
   Vec losses, lse, dlogits;
 };
 
-inline CrossEntropy cross_entropy(const Vec& logits, const std::vector<std::int32_t>& targets, double dloss, int N,
-                                  int V, int Vp) {
+inline CrossEntropy cross_entropy(const Vec& logits, const std::vector<std::int32_t>& targets, double dloss,
+                                  int N, int V, int Vp) {
   CrossEntropy ce{Vec(N), Vec(N), Vec(static_cast<std::size_t>(N) * Vp, 0.0)};
   for (int n = 0; n < N; ++n) {
     double mx = -1e300;

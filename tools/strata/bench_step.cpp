@@ -71,8 +71,8 @@ struct GemmTiming {
 // Times every GEMM of the step on `stream` (so it runs with the stream's compute threads).
 Status time_gemms(Device& device, Stream& stream, const ModelConfig& model, std::int64_t batch,
                   std::int64_t seq_len, int reps, std::vector<GemmTiming>* out) {
-  const kernels::DType wdt = model.dtype == DType::kBF16 ? kernels::DType::kBF16 : kernels::DType::kF32;
-  const std::uint64_t w = kernels::dtype_size(wdt);
+  const DType wdt = model.dtype;
+  const std::uint64_t w = dtype_size(wdt);
   std::uint64_t a_max = 0, b_max = 0, c_max = 0;
   for (const auto& g : model_gemms(model, batch, seq_len)) {
     a_max = std::max<std::uint64_t>(a_max, static_cast<std::uint64_t>(g.M * g.K) * w);
@@ -98,7 +98,7 @@ Status time_gemms(Device& device, Stream& stream, const ModelConfig& model, std:
     for (GemmTiming& t : *out) {
       const GemmShape& g = t.shape;
       // The weight gradient accumulates into fp32; the forward and input gradient write the working dtype.
-      const kernels::TensorArg cc{pc, g.accumulate ? kernels::DType::kF32 : wdt};
+      const kernels::TensorArg cc{pc, g.accumulate ? DType::kF32 : wdt};
       auto call = [&]() {
         return kernels::gemm(ctx, cc, {pa, wdt}, {pb, wdt}, kernels::kNone, g.M, g.N, g.K,
                              g.trans_a ? kernels::Transpose::kYes : kernels::Transpose::kNo,
