@@ -13,6 +13,7 @@
 // optimizer, gradient norm and clipping); the roofline is what the step would reach if all of
 // its FLOPs ran at GEMM speed.
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -122,6 +123,9 @@ Status time_gemms(Device& device, Stream& stream, const ModelConfig& model, std:
 }
 
 int bench_step(std::span<const std::string> argv) {
+  std::vector<std::string> self = {"step"};
+  self.insert(self.end(), argv.begin(), argv.end());
+  use_passive_openmp_wait("bench", self);
   const auto flags = all_flags();
   auto parsed = Args::parse(argv, flags);
   if (!parsed.ok()) return usage_error("bench step", parsed.status().message(), usage());
@@ -210,6 +214,7 @@ int bench_step(std::span<const std::string> argv) {
   out["benchmark"] = "step";
   out["device"] = (*device)->info().name;
   out["compute_threads"] = (*device)->info().compute_threads;
+  out["omp_wait_policy"] = std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "default";
   out["model"] = std::string(to_string(tc.model.kind));
   out["dtype"] = std::string(to_string(tc.model.dtype));
   out["layers"] = tc.model.n_layer;

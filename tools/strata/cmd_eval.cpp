@@ -43,6 +43,7 @@ int fail(const Status& s) {
 }
 
 int run_eval(std::span<const std::string> argv) {
+  use_passive_openmp_wait("eval", argv);
   auto parsed = Args::parse(argv, kFlags);
   if (!parsed.ok()) return usage_error("eval", parsed.status().message(), usage());
   const Args& args = *parsed;

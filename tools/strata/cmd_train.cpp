@@ -149,6 +149,7 @@ int fail(const Status& s) {
 }
 
 int run_train(std::span<const std::string> argv) {
+  use_passive_openmp_wait("train", argv);
   const auto flags = all_flags();
   auto parsed = Args::parse(argv, flags);
   if (!parsed.ok()) return usage_error("train", parsed.status().message(), train_usage());

@@ -2,7 +2,10 @@
 // device to run it on. Private to tools/strata.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -14,6 +17,24 @@
 #include "strata/options.hpp"
 
 namespace strata::cli {
+
+// The cpu backend's compute threads wait at OpenMP barriers many times per step. GNU OpenMP's
+// default is to spin first; when the cores are shared (other processes, or host-side work beside
+// the device threads) a spinning thread burns the time slice its partner needs, and a 2-thread
+// step measured 3-4x slower than a 1-thread one. Passive waiting costs a few microseconds per
+// parallel region on an idle machine. libgomp reads OMP_WAIT_POLICY once, when it is loaded, so
+// a command that trains re-executes itself once with OMP_WAIT_POLICY=passive unless the
+// variable is already set (an explicit setting is respected). Returns only if no re-exec happened.
+inline void use_passive_openmp_wait(std::string_view command, std::span<const std::string> args) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  if (::setenv("OMP_WAIT_POLICY", "passive", 0) != 0) return;
+  std::vector<std::string> words = {"strata", std::string(command)};
+  words.insert(words.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  ::execv("/proc/self/exe", argv.data());  // on failure: carry on with the spinning default
+}
 
 inline constexpr FlagSpec kModelFlags[] = {
     {"model", "gpt2|llama", "architecture (default gpt2)"},
