@@ -198,3 +198,31 @@ TEST(CliTrain, EvalChecksTheSequenceLengthAgainstTheModel) {
 
 }  // namespace
 }  // namespace strata::testing
+
+namespace strata::testing {
+namespace {
+
+TEST(CliBenchStep, PrintsThroughputAgainstTheRoofline) {
+  auto r = run_cli("bench step --json --layers 1 --width 64 --heads 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 "
+                   "--reps 1 --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  for (const char* key : {"tokens_per_s", "model_gflops_per_s", "matmul_roofline_gflops_per_s", "ratio", "step_ms"}) {
+    ASSERT_TRUE(j.contains(key)) << key;
+    EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  }
+  // 1 block: c_attn, c_proj, c_fc, mlp c_proj and the head, each forward / dinp / dweight.
+  EXPECT_EQ(j["gemms"].size(), 15u);
+  // Forward FLOPs ×3: 24·C² per token in the block, 2·C·V in the head, causal attention.
+  const double T = 32, B = 2, C = 64;
+  const double forward = 2 * B * T * 12 * C * C + 2 * B * T * C * 256 + B * 2 * 2 * 2 * 32 * T * (T + 1) / 2;
+  EXPECT_NEAR(j["model_gflops_per_step"].get<double>(), 3 * forward / 1e9, 1e-12);
+  EXPECT_NEAR(j["ratio"].get<double>(),
+              j["model_gflops_per_s"].get<double>() / j["matmul_roofline_gflops_per_s"].get<double>(), 1e-9);
+  auto bad = run_cli("bench step --width 0");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--width"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace strata::testing

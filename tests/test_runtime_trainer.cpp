@@ -191,6 +191,10 @@ TEST(Trainer, SteadyStateStepAllocatesNothing) {
   STRATA_EXPECT_OK(device->memory().is_valid());
   // Every planned region is in use: params, grads, master (bf16), exp_avg, exp_avg_sq.
   EXPECT_GE(arena1.live_bytes, 5 * (*trainer)->model().layout().grad_bytes / 2);
+  // The up-front estimate the CLI sizes the device with covers what the run really reserved.
+  auto estimate = Trainer::device_bytes(cfg);
+  ASSERT_TRUE(estimate.ok());
+  EXPECT_GE(*estimate, arena1.reserved_bytes);
 }
 
 TEST(Trainer, GradientAccumulationEqualsTheBigBatch) {
