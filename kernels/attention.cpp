@@ -5,9 +5,9 @@
 //   Dv_i = dO_i·O_i,  dP = dO·Vᵀ,  dS = P∘(dP - Dv),  dQ = s·dS·K,  dK = s·dSᵀ·Q,  dV = Pᵀ·dO.
 // The cpu kernels are blocked: a task owns a tile of 32 queries of one (b, h), walks the key
 // blocks of 64 up to the diagonal with an online softmax (running max m and sum l, rescaling the
-// accumulated output when the max grows), and writes O and lse. Key blocks are held transposed
-// (D, 64), so a query's 64 scores are vector FMAs across keys rather than 64 horizontal dot
-// products. The backward runs two passes so
+// accumulated output when the max grows), and writes O and lse. Keys are repacked once per call
+// as transposed (D, 64) blocks, so the scores of 4 queries against 64 keys are register-blocked
+// vector FMAs rather than horizontal dot products. The backward runs two passes so
 // no two threads ever add into the same row: pass 1 owns query tiles and computes Dv and dQ,
 // pass 2 owns key tiles of one kv head and sums dK and dV over every query that sees them (all
 // heads of its group). Both recompute P.
@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -73,11 +74,19 @@ std::size_t stripe_floats(std::int64_t D) {
   return c.used();
 }
 
-// Loads `rows` token rows of one head, times `scale`: row i of dst (rows, D) is token t0 + i.
+// Head dim padded to whole 16-float vectors: tile rows are `Dp` floats apart and the padding is
+// zero, so every product below runs on full vectors whatever D is.
+inline std::int64_t padded_dim(std::int64_t D) { return (D + 15) / 16 * 16; }
+inline std::int64_t round_up4(std::int64_t n) { return (n + 3) / 4 * 4; }
+
+// Loads `rows` token rows of one head, times `scale`, into dst (kQueryTile or kKeyTile rows,
+// Dp), zeroing the padding columns and the rows from `rows` to `capacity`.
 void load_rows(ConstTensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t b, std::int64_t t0,
-               std::int64_t rows, std::int64_t head, float* dst, float scale = 1.0f) {
+               std::int64_t rows, std::int64_t capacity, std::int64_t head, float* dst, float scale = 1.0f) {
+  const std::int64_t Dp = padded_dim(d.D);
+  std::fill(dst, dst + capacity * Dp, 0.0f);
   for (std::int64_t i = 0; i < rows; ++i) {
-    float* row = dst + i * d.D;
+    float* row = dst + i * Dp;
     load_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, row);
     if (scale != 1.0f) {
       for (std::int64_t e = 0; e < d.D; ++e) row[e] *= scale;
@@ -86,7 +95,7 @@ void load_rows(ConstTensorArg x, const AttnDims& d, std::int64_t stride, std::in
 }
 
 // Loads `rows` key rows of one head transposed: dst (D, kKeyTile), column j is token t0 + j;
-// columns from `rows` on are zero so full-width loops over a tile stay finite.
+// columns from `rows` on are zero.
 void load_rows_transposed(ConstTensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t b,
                           std::int64_t t0, std::int64_t rows, std::int64_t head, float* tmp, float* dst) {
   for (std::int64_t j = 0; j < kKeyTile; ++j) {
@@ -101,88 +110,203 @@ void load_rows_transposed(ConstTensorArg x, const AttnDims& d, std::int64_t stri
 
 void store_rows(TensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t b, std::int64_t t0,
                 std::int64_t rows, std::int64_t head, const float* src) {
+  const std::int64_t Dp = padded_dim(d.D);
   for (std::int64_t i = 0; i < rows; ++i) {
-    store_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, src + i * d.D);
+    store_f32(x, (b * d.T + t0 + i) * stride + head * d.D, d.D, src + i * Dp);
   }
 }
 
-// s (kKeyTile) = x (D) · kt (D, kKeyTile): one row of scores against a whole key tile, vectorized
-// across the keys (no horizontal sums).
-inline void row_times_tile(float* s, const float* x, const float* kt, std::int64_t D) {
-#pragma omp simd
-  for (std::int64_t j = 0; j < kKeyTile; ++j) s[j] = 0.0f;
-  for (std::int64_t e = 0; e < D; ++e) {
-    const float xe = x[e];
-    const float* row = kt + e * kKeyTile;
-#pragma omp simd
-    for (std::int64_t j = 0; j < kKeyTile; ++j) s[j] += xe * row[j];
+// The two small products the tiles are made of, register-blocked on GCC vectors of 16 floats
+// (lowered to whatever width the clone targets): 4 rows at a time, so each loaded vector feeds 4
+// FMAs and the accumulators stay in registers.
+// The helpers are internal and always inlined, so GCC's note that passing a 64-byte vector by
+// value has a different ABI without AVX-512 does not apply.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+using V16 = float __attribute__((vector_size(64)));
+STRATA_ALWAYS_INLINE V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+STRATA_ALWAYS_INLINE void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+
+// s (rows, kKeyTile) = x (rows, Dp) · kt (D, kKeyTile); rows a multiple of 4.
+STRATA_ALWAYS_INLINE void tile_scores(float* s, const float* x, std::int64_t rows, const float* kt,
+                                      std::int64_t D) {
+  const std::int64_t Dp = padded_dim(D);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += 4) {
+    V16 acc[4][4] = {};
+    for (std::int64_t e = 0; e < D; ++e) {
+      const float* k = kt + e * kKeyTile;
+      const V16 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const float xv = x[(r0 + r) * Dp + e];
+        acc[r][0] += xv * k0;
+        acc[r][1] += xv * k1;
+        acc[r][2] += xv * k2;
+        acc[r][3] += xv * k3;
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < 4; ++c) store16(s + (r0 + r) * kKeyTile + 16 * c, acc[r][c]);
+    }
   }
 }
 
-inline void axpy(float* y, float alpha, const float* x, std::int64_t n) {
-#pragma omp simd
-  for (std::int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+// y (rows, Dp) += P · x (n, Dp) with P(r, k) = p[r·rs + k·cs]; rows a multiple of 4.
+// (rs, cs) = (kKeyTile, 1) reads P as stored; (1, kKeyTile) reads it transposed (dV = Pᵀ·dO).
+STRATA_ALWAYS_INLINE void tile_accumulate(float* y, const float* p, std::int64_t rs, std::int64_t cs,
+                                          const float* x, std::int64_t n, std::int64_t rows,
+                                          std::int64_t Dp) {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += 4) {
+    std::int64_t c0 = 0;
+    for (; c0 + 32 <= Dp; c0 += 32) {
+      V16 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        acc[r][0] = load16(y + (r0 + r) * Dp + c0);
+        acc[r][1] = load16(y + (r0 + r) * Dp + c0 + 16);
+      }
+      for (std::int64_t k = 0; k < n; ++k) {
+        const V16 x0 = load16(x + k * Dp + c0), x1 = load16(x + k * Dp + c0 + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const float pv = p[(r0 + r) * rs + k * cs];
+          acc[r][0] += pv * x0;
+          acc[r][1] += pv * x1;
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        store16(y + (r0 + r) * Dp + c0, acc[r][0]);
+        store16(y + (r0 + r) * Dp + c0 + 16, acc[r][1]);
+      }
+    }
+    if (c0 < Dp) {  // one 16-wide column block left
+      V16 acc[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r] = load16(y + (r0 + r) * Dp + c0);
+      for (std::int64_t k = 0; k < n; ++k) {
+        const V16 x0 = load16(x + k * Dp + c0);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) acc[r] += p[(r0 + r) * rs + k * cs] * x0;
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) store16(y + (r0 + r) * Dp + c0, acc[r]);
+    }
+  }
 }
+
+#pragma GCC diagnostic pop
 
 // ---- cpu kernels ----
 
+// Per call, the operands are first repacked once into fp32 layouts the tiles can use directly
+// (a tile then touches no conversion code):
+//   transposed blocks: keys (or values) of every (b, kv head) as blocks of (D, kKeyTile); block
+//     (b, kh, kb) starts at ((b·Hkv + kh)·key_blocks + kb)·D·kKeyTile;
+//   row blocks: (b, head, t) rows of Dp floats, sequence padded to whole key tiles (Tp), padding
+//     zero; row (b, head, t) starts at ((b·heads + head)·Tp + t)·Dp.
+std::int64_t key_blocks(const AttnDims& d) { return (d.T + kKeyTile - 1) / kKeyTile; }
+std::int64_t padded_len(const AttnDims& d) { return key_blocks(d) * kKeyTile; }
+
+const float* key_block(const float* all, const AttnDims& d, std::int64_t b, std::int64_t kh,
+                       std::int64_t k0) {
+  return all + ((b * d.Hkv + kh) * key_blocks(d) + k0 / kKeyTile) * d.D * kKeyTile;
+}
+const float* row_block(const float* all, const AttnDims& d, std::int64_t heads, std::int64_t b,
+                       std::int64_t head, std::int64_t t0) {
+  return all + ((b * heads + head) * padded_len(d) + t0) * padded_dim(d.D);
+}
+std::size_t transposed_floats(const AttnDims& d) {
+  return static_cast<std::size_t>(d.B * d.Hkv * key_blocks(d) * d.D * kKeyTile);
+}
+std::size_t rows_floats(const AttnDims& d, std::int64_t heads) {
+  return static_cast<std::size_t>(d.B * heads * padded_len(d) * padded_dim(d.D));
+}
+
+void transpose_blocks(int threads, ConstTensorArg x, const AttnDims& d, std::int64_t stride,
+                      float* tmp_stripes, std::size_t stripe, float* all) {
+  const std::int64_t tasks = d.B * d.Hkv * key_blocks(d);
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const std::int64_t k0 = task % key_blocks(d) * kKeyTile, bkh = task / key_blocks(d);
+    load_rows_transposed(x, d, stride, bkh / d.Hkv, k0, std::min(kKeyTile, d.T - k0), bkh % d.Hkv,
+                         tmp_stripes + omp_get_thread_num() * stripe, all + task * d.D * kKeyTile);
+  }
+}
+
+// Rows of `heads` heads, times `scale`.
+void pack_rows(int threads, ConstTensorArg x, const AttnDims& d, std::int64_t stride, std::int64_t heads,
+               float scale, float* all) {
+  const std::int64_t tasks = d.B * heads * key_blocks(d);
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const std::int64_t t0 = task % key_blocks(d) * kKeyTile, bh = task / key_blocks(d);
+    load_rows(x, d, stride, bh / heads, t0, std::min(kKeyTile, d.T - t0), kKeyTile, bh % heads,
+              all + task * kKeyTile * padded_dim(d.D), scale);
+  }
+}
+
 struct ForwardBuffers {
-  float *q, *o, *kt, *v, *s, *m, *l, *tmp;
+  float *q, *o, *s, *m, *l;
   ForwardBuffers(Carve& c, std::int64_t D)
-      : q(c.take(kQueryTile * D)),  // (Bq, D), scaled
-        o(c.take(kQueryTile * D)),  // (Bq, D)
-        kt(c.take(D * kKeyTile)),   // (D, Bk)
-        v(c.take(kKeyTile * D)),    // (Bk, D)
-        s(c.take(kKeyTile)),        // (Bk)
-        m(c.take(kQueryTile)),      // (Bq)
-        l(c.take(kQueryTile)),      // (Bq)
-        tmp(c.take(D)) {}
+      : q(c.take(kQueryTile * padded_dim(D))),  // (Bq, Dp), scaled
+        o(c.take(kQueryTile * padded_dim(D))),  // (Bq, Dp)
+        s(c.take(kQueryTile * kKeyTile)),       // (Bq, Bk) scores, then P
+        m(c.take(kQueryTile)),                  // (Bq)
+        l(c.take(kQueryTile)) {}                // (Bq)
 };
 
-// One query tile of one (b, h): queries [t0, t0 + nq).
+// One query tile of one (b, h): queries [t0, t0 + nq). kt_all: transposed keys; v_all: value rows.
 STRATA_CPU_CLONES void attention_forward_tile(const AttnDims& d, TensorArg out, float* lse, ConstTensorArg q,
-                                              ConstTensorArg k, ConstTensorArg v, std::int64_t b,
+                                              const float* kt_all, const float* v_all, std::int64_t b,
                                               std::int64_t h, std::int64_t t0, std::int64_t nq,
                                               float* stripe) {
-  const std::int64_t D = d.D;
+  const std::int64_t D = d.D, Dp = padded_dim(D), rows = round_up4(nq);
   const std::int64_t kh = h / d.group;
   Carve carve(stripe);
   ForwardBuffers w(carve, D);
-  load_rows(q, d, d.qs, b, t0, nq, h, w.q, d.scale);
-  std::fill(w.o, w.o + nq * D, 0.0f);
-  std::fill(w.m, w.m + nq, -std::numeric_limits<float>::infinity());
-  std::fill(w.l, w.l + nq, 0.0f);
+  load_rows(q, d, d.qs, b, t0, nq, kQueryTile, h, w.q, d.scale);
+  std::fill(w.o, w.o + kQueryTile * Dp, 0.0f);
+  std::fill(w.m, w.m + kQueryTile, -std::numeric_limits<float>::infinity());
+  std::fill(w.l, w.l + kQueryTile, 0.0f);
   const std::int64_t key_end = t0 + nq;  // causal: the tile sees keys [0, key_end)
   for (std::int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const std::int64_t nk = std::min(kKeyTile, key_end - k0);
-    load_rows_transposed(k, d, d.ks, b, k0, nk, kh, w.tmp, w.kt);
-    load_rows(v, d, d.vs, b, k0, nk, kh, w.v);
-    for (std::int64_t i = 0; i < nq; ++i) {
-      const std::int64_t visible = std::min(nk, t0 + i - k0 + 1);
-      if (visible <= 0) continue;
-      row_times_tile(w.s, w.q + i * D, w.kt, D);
+    tile_scores(w.s, w.q, rows, key_block(kt_all, d, b, kh, k0), D);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* si = w.s + i * kKeyTile;
+      const std::int64_t visible = i < nq ? std::min(nk, t0 + i - k0 + 1) : 0;
+      if (visible <= 0) {
+        std::fill(si, si + kKeyTile, 0.0f);
+        continue;
+      }
       float block_max = -std::numeric_limits<float>::infinity();
-      for (std::int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, w.s[j]);
+      for (std::int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, si[j]);
       const float m_new = std::max(w.m[i], block_max);
       const float correction = exp_f32(w.m[i] - m_new);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (std::int64_t j = 0; j < kKeyTile; ++j) {
-        const float p = j < visible ? exp_f32(w.s[j] - m_new) : 0.0f;
-        w.s[j] = p;
+        const float p = j < visible ? exp_f32(si[j] - m_new) : 0.0f;
+        si[j] = p;
         sum += p;
       }
       w.l[i] = w.l[i] * correction + sum;
       w.m[i] = m_new;
-      float* oi = w.o + i * D;
+      float* oi = w.o + i * Dp;
 #pragma omp simd
-      for (std::int64_t e = 0; e < D; ++e) oi[e] *= correction;
-      for (std::int64_t j = 0; j < visible; ++j) axpy(oi, w.s[j], w.v + j * D, D);
+      for (std::int64_t e = 0; e < Dp; ++e) oi[e] *= correction;
     }
+    tile_accumulate(w.o, w.s, kKeyTile, 1, row_block(v_all, d, d.Hkv, b, kh, k0), nk, rows, Dp);
   }
   for (std::int64_t i = 0; i < nq; ++i) {
     const float inv = 1.0f / w.l[i];
-    for (std::int64_t e = 0; e < D; ++e) w.o[i * D + e] *= inv;
+    for (std::int64_t e = 0; e < D; ++e) w.o[i * Dp + e] *= inv;
     lse[(b * d.H + h) * d.T + t0 + i] = w.m[i] + std::log(w.l[i]);
   }
   store_rows(out, d, d.H * D, b, t0, nq, h, w.o);
@@ -190,9 +314,15 @@ STRATA_CPU_CLONES void attention_forward_tile(const AttnDims& d, TensorArg out, 
 
 Status attention_forward_cpu(const KernelContext& ctx, TensorArg out, float* lse, ConstTensorArg q,
                              ConstTensorArg k, ConstTensorArg v, const AttnDims& d) {
+  constexpr std::string_view kOp = "attention_forward";
   const int threads = cpu_thread_count(ctx);
-  const std::size_t stripe = stripe_floats<ForwardBuffers>(d.D);
-  STRATA_ASSIGN_OR_RETURN(float* buf, scratch("attention_forward", threads * stripe, 0));
+  const std::size_t stripe = std::max(stripe_floats<ForwardBuffers>(d.D), scratch_stripe(d.D));
+  STRATA_ASSIGN_OR_RETURN(float* buf, scratch(kOp, threads * stripe, 0));
+  STRATA_ASSIGN_OR_RETURN(float* kt_all, scratch(kOp, transposed_floats(d), 1));
+  STRATA_ASSIGN_OR_RETURN(float* v_all, scratch(kOp, rows_floats(d, d.Hkv), 2));
+  transpose_blocks(threads, k, d, d.ks, buf, stripe, kt_all);
+  pack_rows(threads, v, d, d.vs, d.Hkv, 1.0f, v_all);
+
   const std::int64_t q_tiles = (d.T + kQueryTile - 1) / kQueryTile;
   const std::int64_t tasks = d.B * d.H * q_tiles;
 #pragma omp parallel for num_threads(threads) schedule(dynamic) if (tasks > 1)
@@ -201,134 +331,123 @@ Status attention_forward_cpu(const KernelContext& ctx, TensorArg out, float* lse
     const std::int64_t qt = q_tiles - 1 - task % q_tiles;
     const std::int64_t bh = task / q_tiles;
     const std::int64_t t0 = qt * kQueryTile;
-    attention_forward_tile(d, out, lse, q, k, v, bh / d.H, bh % d.H, t0, std::min(kQueryTile, d.T - t0),
-                           buf + omp_get_thread_num() * stripe);
+    attention_forward_tile(d, out, lse, q, kt_all, v_all, bh / d.H, bh % d.H, t0,
+                           std::min(kQueryTile, d.T - t0), buf + omp_get_thread_num() * stripe);
   }
   return ok_status();
 }
 
 struct QueryPassBuffers {
-  float *q, *dout, *dq, *k, *kt, *vt, *s, *dp, *lse, *dv, *tmp;
+  float *q, *dout, *dq, *s, *dp, *lse, *dv;
   QueryPassBuffers(Carve& c, std::int64_t D)
-      : q(c.take(kQueryTile * D)),     // (Bq, D), scaled
-        dout(c.take(kQueryTile * D)),  // (Bq, D)
-        dq(c.take(kQueryTile * D)),    // (Bq, D)
-        k(c.take(kKeyTile * D)),       // (Bk, D)
-        kt(c.take(D * kKeyTile)),      // (D, Bk)
-        vt(c.take(D * kKeyTile)),      // (D, Bk)
-        s(c.take(kKeyTile)),           // (Bk) scores, then dS
-        dp(c.take(kKeyTile)),          // (Bk)
-        lse(c.take(kQueryTile)),       // (Bq)
-        dv(c.take(kQueryTile)),        // (Bq) Dv = dO·O
-        tmp(c.take(D)) {}
+      : q(c.take(kQueryTile * padded_dim(D))),     // (Bq, Dp), scaled
+        dout(c.take(kQueryTile * padded_dim(D))),  // (Bq, Dp)
+        dq(c.take(kQueryTile * padded_dim(D))),    // (Bq, Dp)
+        s(c.take(kQueryTile * kKeyTile)),          // (Bq, Bk) scores, then dS
+        dp(c.take(kQueryTile * kKeyTile)),         // (Bq, Bk)
+        lse(c.take(kQueryTile)),                   // (Bq)
+        dv(c.take(kQueryTile)) {}                  // (Bq) Dv = dO·O
+};
+
+// The operands of the backward, repacked once per call.
+struct BackwardPacks {
+  float* dvec;    // (B,H,T) Dv = dO·O, written by pass 1
+  float* kt_all;  // transposed key blocks
+  float* vt_all;  // transposed value blocks
+  float* k_all;   // key rows
+  float* q_all;   // query rows, scaled
+  float* do_all;  // dout rows
 };
 
 // Pass 1 of the backward: Dv and dQ for one query tile of one (b, h).
-STRATA_CPU_CLONES void attention_backward_query_tile(const AttnDims& d, TensorArg dq, float* dvec,
-                                                     ConstTensorArg dout, ConstTensorArg q, ConstTensorArg k,
-                                                     ConstTensorArg v, ConstTensorArg out, const float* lse,
+STRATA_CPU_CLONES void attention_backward_query_tile(const AttnDims& d, TensorArg dq,
+                                                     const BackwardPacks& packs, ConstTensorArg dout,
+                                                     ConstTensorArg q, ConstTensorArg out, const float* lse,
                                                      std::int64_t b, std::int64_t h, std::int64_t t0,
                                                      std::int64_t nq, float* stripe) {
-  const std::int64_t D = d.D;
+  const std::int64_t D = d.D, Dp = padded_dim(D), rows = round_up4(nq);
   const std::int64_t kh = h / d.group;
   const std::int64_t row0 = (b * d.H + h) * d.T + t0;  // index of (b, h, t0) in (B,H,T)
   Carve carve(stripe);
   QueryPassBuffers w(carve, D);
-  load_rows(q, d, d.qs, b, t0, nq, h, w.q, d.scale);
-  load_rows(dout, d, d.H * D, b, t0, nq, h, w.dout);
-  load_rows(out, d, d.H * D, b, t0, nq, h, w.dq);  // O, only to form Dv
+  load_rows(q, d, d.qs, b, t0, nq, kQueryTile, h, w.q, d.scale);
+  load_rows(dout, d, d.H * D, b, t0, nq, kQueryTile, h, w.dout);
+  load_rows(out, d, d.H * D, b, t0, nq, kQueryTile, h, w.dq);  // O, only to form Dv
   for (std::int64_t i = 0; i < nq; ++i) {
     float acc = 0.0f;
-    for (std::int64_t e = 0; e < D; ++e) acc += w.dout[i * D + e] * w.dq[i * D + e];
+    for (std::int64_t e = 0; e < D; ++e) acc += w.dout[i * Dp + e] * w.dq[i * Dp + e];
     w.dv[i] = acc;
     w.lse[i] = lse[row0 + i];
-    dvec[row0 + i] = acc;
+    packs.dvec[row0 + i] = acc;
   }
-  std::fill(w.dq, w.dq + nq * D, 0.0f);
+  std::fill(w.dq, w.dq + kQueryTile * Dp, 0.0f);
   const std::int64_t key_end = t0 + nq;
   for (std::int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
     const std::int64_t nk = std::min(kKeyTile, key_end - k0);
-    load_rows(k, d, d.ks, b, k0, nk, kh, w.k);
-    load_rows_transposed(k, d, d.ks, b, k0, nk, kh, w.tmp, w.kt);
-    load_rows_transposed(v, d, d.vs, b, k0, nk, kh, w.tmp, w.vt);
-    for (std::int64_t i = 0; i < nq; ++i) {
-      const std::int64_t visible = std::min(nk, t0 + i - k0 + 1);
-      if (visible <= 0) continue;
-      row_times_tile(w.s, w.q + i * D, w.kt, D);
-      row_times_tile(w.dp, w.dout + i * D, w.vt, D);
-      const float row_lse = w.lse[i], row_dv = w.dv[i];
+    tile_scores(w.s, w.q, rows, key_block(packs.kt_all, d, b, kh, k0), D);
+    tile_scores(w.dp, w.dout, rows, key_block(packs.vt_all, d, b, kh, k0), D);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* si = w.s + i * kKeyTile;
+      const float* dpi = w.dp + i * kKeyTile;
+      const std::int64_t visible = i < nq ? std::min(nk, t0 + i - k0 + 1) : 0;
+      const float row_lse = i < nq ? w.lse[i] : 0.0f, row_dv = i < nq ? w.dv[i] : 0.0f;
 #pragma omp simd
       for (std::int64_t j = 0; j < kKeyTile; ++j) {
-        const float p = j < visible ? exp_f32(w.s[j] - row_lse) : 0.0f;
-        w.s[j] = p * (w.dp[j] - row_dv);
+        const float p = j < visible ? exp_f32(si[j] - row_lse) : 0.0f;
+        si[j] = p * (dpi[j] - row_dv);
       }
-      float* dqi = w.dq + i * D;
-      for (std::int64_t j = 0; j < visible; ++j) axpy(dqi, w.s[j], w.k + j * D, D);
     }
+    tile_accumulate(w.dq, w.s, kKeyTile, 1, row_block(packs.k_all, d, d.Hkv, b, kh, k0), nk, rows, Dp);
   }
-  for (std::int64_t e = 0; e < nq * D; ++e) w.dq[e] *= d.scale;
+  for (std::int64_t e = 0; e < nq * Dp; ++e) w.dq[e] *= d.scale;
   store_rows(dq, d, d.qs, b, t0, nq, h, w.dq);
 }
 
 struct KeyPassBuffers {
-  float *kt, *vt, *dk, *dv, *q, *dout, *s, *dp, *lse, *dvec, *tmp;
+  float *dk, *dv, *s, *dp;
   KeyPassBuffers(Carve& c, std::int64_t D)
-      : kt(c.take(D * kKeyTile)),      // (D, Bk)
-        vt(c.take(D * kKeyTile)),      // (D, Bk)
-        dk(c.take(kKeyTile * D)),      // (Bk, D)
-        dv(c.take(kKeyTile * D)),      // (Bk, D)
-        q(c.take(kQueryTile * D)),     // (Bq, D), scaled
-        dout(c.take(kQueryTile * D)),  // (Bq, D)
-        s(c.take(kKeyTile)),           // (Bk) P
-        dp(c.take(kKeyTile)),          // (Bk) dP, then dS
-        lse(c.take(kQueryTile)),       // (Bq)
-        dvec(c.take(kQueryTile)),      // (Bq)
-        tmp(c.take(D)) {}
+      : dk(c.take(kKeyTile * padded_dim(D))),  // (Bk, Dp)
+        dv(c.take(kKeyTile * padded_dim(D))),  // (Bk, Dp)
+        s(c.take(kQueryTile * kKeyTile)),      // (Bq, Bk) P
+        dp(c.take(kQueryTile * kKeyTile)) {}   // (Bq, Bk) dP, then dS
 };
 
 // Pass 2 of the backward: dK and dV for one key tile of one (b, kv head).
 STRATA_CPU_CLONES void attention_backward_key_tile(const AttnDims& d, TensorArg dk, TensorArg dv,
-                                                   const float* dvec, ConstTensorArg dout, ConstTensorArg q,
-                                                   ConstTensorArg k, ConstTensorArg v, const float* lse,
+                                                   const BackwardPacks& packs, const float* lse,
                                                    std::int64_t b, std::int64_t kh, std::int64_t k0,
                                                    std::int64_t nk, float* stripe) {
-  const std::int64_t D = d.D;
+  const std::int64_t D = d.D, Dp = padded_dim(D);
   Carve carve(stripe);
   KeyPassBuffers w(carve, D);
-  load_rows_transposed(k, d, d.ks, b, k0, nk, kh, w.tmp, w.kt);
-  load_rows_transposed(v, d, d.vs, b, k0, nk, kh, w.tmp, w.vt);
-  std::fill(w.dk, w.dk + nk * D, 0.0f);
-  std::fill(w.dv, w.dv + nk * D, 0.0f);
+  const float* kt = key_block(packs.kt_all, d, b, kh, k0);
+  const float* vt = key_block(packs.vt_all, d, b, kh, k0);
+  std::fill(w.dk, w.dk + kKeyTile * Dp, 0.0f);
+  std::fill(w.dv, w.dv + kKeyTile * Dp, 0.0f);
   for (std::int64_t g = 0; g < d.group; ++g) {
     const std::int64_t h = kh * d.group + g;
     for (std::int64_t q0 = k0 / kQueryTile * kQueryTile; q0 < d.T; q0 += kQueryTile) {
-      const std::int64_t nq = std::min(kQueryTile, d.T - q0);
+      const std::int64_t nq = std::min(kQueryTile, d.T - q0), rows = round_up4(nq);
       const std::int64_t row0 = (b * d.H + h) * d.T + q0;
-      load_rows(q, d, d.qs, b, q0, nq, h, w.q, d.scale);
-      load_rows(dout, d, d.H * D, b, q0, nq, h, w.dout);
-      for (std::int64_t i = 0; i < nq; ++i) {
-        w.lse[i] = lse[row0 + i];
-        w.dvec[i] = dvec[row0 + i];
-      }
-      for (std::int64_t i = 0; i < nq; ++i) {
-        const std::int64_t visible = std::min(nk, q0 + i - k0 + 1);
-        if (visible <= 0) continue;
-        const float* qi = w.q + i * D;
-        const float* doi = w.dout + i * D;
-        row_times_tile(w.s, qi, w.kt, D);
-        row_times_tile(w.dp, doi, w.vt, D);
-        const float row_lse = w.lse[i], row_dv = w.dvec[i];
+      const float* qs = row_block(packs.q_all, d, d.H, b, h, q0);    // (rows, Dp), scaled
+      const float* dos = row_block(packs.do_all, d, d.H, b, h, q0);  // (rows, Dp)
+      tile_scores(w.s, qs, rows, kt, D);
+      tile_scores(w.dp, dos, rows, vt, D);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        float* si = w.s + i * kKeyTile;
+        float* dpi = w.dp + i * kKeyTile;
+        const std::int64_t visible = i < nq ? std::min(nk, q0 + i - k0 + 1) : 0;
+        const float row_lse = i < nq ? lse[row0 + i] : 0.0f, row_dv = i < nq ? packs.dvec[row0 + i] : 0.0f;
 #pragma omp simd
         for (std::int64_t j = 0; j < kKeyTile; ++j) {
-          const float p = j < visible ? exp_f32(w.s[j] - row_lse) : 0.0f;
-          w.s[j] = p;
-          w.dp[j] = p * (w.dp[j] - row_dv);
-        }
-        for (std::int64_t j = 0; j < visible; ++j) {
-          axpy(w.dv + j * D, w.s[j], doi, D);
-          axpy(w.dk + j * D, w.dp[j], qi, D);
+          const float p = j < visible ? exp_f32(si[j] - row_lse) : 0.0f;
+          si[j] = p;
+          dpi[j] = p * (dpi[j] - row_dv);
         }
       }
+      // dV_j += Σ_i P_ij·dO_i and dK_j += Σ_i dS_ij·(s·Q_i): P read transposed.
+      tile_accumulate(w.dv, w.s, 1, kKeyTile, dos, nq, kKeyTile, Dp);
+      tile_accumulate(w.dk, w.dp, 1, kKeyTile, qs, nq, kKeyTile, Dp);
     }
   }
   store_rows(dk, d, d.ks, b, k0, nk, kh, w.dk);
@@ -340,10 +459,21 @@ Status attention_backward_cpu(const KernelContext& ctx, TensorArg dq, TensorArg 
                               ConstTensorArg out, const float* lse, const AttnDims& d) {
   constexpr std::string_view kOp = "attention_backward";
   const int threads = cpu_thread_count(ctx);
-  const std::size_t stripe =
-      std::max(stripe_floats<QueryPassBuffers>(d.D), stripe_floats<KeyPassBuffers>(d.D));
+  const std::size_t stripe = std::max(
+      {stripe_floats<QueryPassBuffers>(d.D), stripe_floats<KeyPassBuffers>(d.D), scratch_stripe(d.D)});
+  BackwardPacks packs{};
   STRATA_ASSIGN_OR_RETURN(float* buf, scratch(kOp, threads * stripe, 0));
-  STRATA_ASSIGN_OR_RETURN(float* dvec, scratch(kOp, d.B * d.H * d.T, 1));  // (B,H,T) Dv
+  STRATA_ASSIGN_OR_RETURN(packs.dvec, scratch(kOp, d.B * d.H * d.T, 1));
+  STRATA_ASSIGN_OR_RETURN(packs.kt_all, scratch(kOp, transposed_floats(d), 2));
+  STRATA_ASSIGN_OR_RETURN(packs.vt_all, scratch(kOp, transposed_floats(d), 3));
+  STRATA_ASSIGN_OR_RETURN(packs.k_all, scratch(kOp, rows_floats(d, d.Hkv), 4));
+  STRATA_ASSIGN_OR_RETURN(packs.q_all, scratch(kOp, rows_floats(d, d.H), 5));
+  STRATA_ASSIGN_OR_RETURN(packs.do_all, scratch(kOp, rows_floats(d, d.H), 6));
+  transpose_blocks(threads, k, d, d.ks, buf, stripe, packs.kt_all);
+  transpose_blocks(threads, v, d, d.vs, buf, stripe, packs.vt_all);
+  pack_rows(threads, k, d, d.ks, d.Hkv, 1.0f, packs.k_all);
+  pack_rows(threads, q, d, d.qs, d.H, d.scale, packs.q_all);
+  pack_rows(threads, dout, d, d.H * d.D, d.H, 1.0f, packs.do_all);
 
   const std::int64_t q_tiles = (d.T + kQueryTile - 1) / kQueryTile;
   const std::int64_t q_tasks = d.B * d.H * q_tiles;
@@ -352,18 +482,18 @@ Status attention_backward_cpu(const KernelContext& ctx, TensorArg dq, TensorArg 
     const std::int64_t qt = q_tiles - 1 - task % q_tiles;
     const std::int64_t bh = task / q_tiles;
     const std::int64_t t0 = qt * kQueryTile;
-    attention_backward_query_tile(d, dq, dvec, dout, q, k, v, out, lse, bh / d.H, bh % d.H, t0,
+    attention_backward_query_tile(d, dq, packs, dout, q, out, lse, bh / d.H, bh % d.H, t0,
                                   std::min(kQueryTile, d.T - t0), buf + omp_get_thread_num() * stripe);
   }
 
-  const std::int64_t k_tiles = (d.T + kKeyTile - 1) / kKeyTile;
+  const std::int64_t k_tiles = key_blocks(d);
   const std::int64_t k_tasks = d.B * d.Hkv * k_tiles;
 #pragma omp parallel for num_threads(threads) schedule(dynamic) if (k_tasks > 1)
   for (std::int64_t task = 0; task < k_tasks; ++task) {
     const std::int64_t kt = task % k_tiles;  // early key tiles see the most queries: they go first
     const std::int64_t bkh = task / k_tiles;
     const std::int64_t k0 = kt * kKeyTile;
-    attention_backward_key_tile(d, dk, dv, dvec, dout, q, k, v, lse, bkh / d.Hkv, bkh % d.Hkv, k0,
+    attention_backward_key_tile(d, dk, dv, packs, lse, bkh / d.Hkv, bkh % d.Hkv, k0,
                                 std::min(kKeyTile, d.T - k0), buf + omp_get_thread_num() * stripe);
   }
   return ok_status();

@@ -64,7 +64,7 @@ void store_f32(TensorArg t, std::int64_t offset, std::int64_t n, const float* sr
 // independent buffers, so a kernel can hold several at once. Buffers grow on demand and are
 // kept for the thread's lifetime: the first step allocates, later steps do not. The pointer is
 // valid until the next call with the same slot on this thread. kOutOfMemory names `op`.
-inline constexpr int kScratchSlots = 6;
+inline constexpr int kScratchSlots = 8;
 Result<float*> scratch(std::string_view op, std::size_t n, int slot);
 
 // Rounds a per-thread stripe up to a whole number of cache lines.

@@ -13,6 +13,14 @@
 #include <cstdint>
 #include <cstring>
 
+// Helpers called from inside a clone must be inlined into it: an out-of-line helper is compiled
+// for the baseline ISA only, and would run there whatever the caller's level.
+#if defined(__GNUC__)
+#define STRATA_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define STRATA_ALWAYS_INLINE inline
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
 #define STRATA_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -22,7 +30,7 @@
 namespace strata::kernels {
 
 // e^x for x ≤ 88 (e^88 ≈ 1.7e38); exactly 0 below -87 (the smallest normal's range), NaN kept.
-inline float exp_f32(float x) {
+STRATA_ALWAYS_INLINE float exp_f32(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;
   constexpr float kLn2Lo = -2.12194440e-4f;
@@ -51,13 +59,13 @@ inline float exp_f32(float x) {
 // tanh through e^{2|u|}: tanh|u| = 1 - 2/(e^{2|u|} + 1), exactly ±1 from |u| = 9 on (as fp32
 // tanh is), so 1 - tanh² vanishes there as it should. Absolute error about 1e-7, which is what
 // GELU needs (it adds tanh to 1).
-inline float tanh_f32(float u) {
+STRATA_ALWAYS_INLINE float tanh_f32(float u) {
   const float a = u < 0.0f ? -u : u;
   const float e = exp_f32(2.0f * (a > 9.0f ? 9.0f : a));
   const float t = a >= 9.0f ? 1.0f : 1.0f - 2.0f / (e + 1.0f);
   return u < 0.0f ? -t : t;
 }
 
-inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+STRATA_ALWAYS_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
 
 }  // namespace strata::kernels

@@ -4,8 +4,8 @@
 //
 // Tolerance model: a kernel value `got` matches the reference `want` when
 //   |got - want| <= atol·scale + rtol·|want|,
-// where scale is the RMS of the reference tensor (so atol is relative to the tensor's size and
-// cancellation near zero does not fail a correct kernel). The reference runs on exactly the
+// where scale is the RMS of the reference tensor, or 1 if it is all zero (so atol is relative to
+// the tensor's size and cancellation near zero does not fail a correct kernel). The reference runs on exactly the
 // values the kernel saw (bf16 inputs are rounded before both run).
 #pragma once
 
@@ -114,7 +114,8 @@ inline double rms(const Vec& v) {
 // Expects got ≈ want elementwise under `tol`; reports the worst element.
 inline void expect_close(const Vec& got, const Vec& want, Tolerance tol, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
-  const double scale = std::max(rms(want), 1e-30);
+  // An all-zero reference has no scale of its own: atol is then absolute.
+  const double scale = rms(want) > 0 ? rms(want) : 1.0;
   std::size_t worst = 0;
   double worst_excess = -1e300;
   std::size_t failures = 0;
