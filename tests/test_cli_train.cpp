@@ -203,11 +203,13 @@ namespace strata::testing {
 namespace {
 
 TEST(CliBenchStep, PrintsThroughputAgainstTheRoofline) {
-  auto r = run_cli("bench step --json --layers 1 --width 64 --heads 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 "
-                   "--reps 1 --threads 1");
+  auto r = run_cli(
+      "bench step --json --layers 1 --width 64 --heads 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 "
+      "--reps 1 --threads 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
-  for (const char* key : {"tokens_per_s", "model_gflops_per_s", "matmul_roofline_gflops_per_s", "ratio", "step_ms"}) {
+  for (const char* key :
+       {"tokens_per_s", "model_gflops_per_s", "matmul_roofline_gflops_per_s", "ratio", "step_ms"}) {
     ASSERT_TRUE(j.contains(key)) << key;
     EXPECT_GT(j[key].get<double>(), 0.0) << key;
   }
@@ -222,6 +224,52 @@ TEST(CliBenchStep, PrintsThroughputAgainstTheRoofline) {
   auto bad = run_cli("bench step --width 0");
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("--width"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace strata::testing
+
+namespace strata::testing {
+namespace {
+
+// A GPT-2 BPE tokenizer from its two files: the byte alphabet plus a few merges (261 tokens).
+std::pair<std::string, std::string> tiny_bpe(const TempDir& dir) {
+  nlohmann::json vocab = nlohmann::json::object();
+  auto cp_utf8 = [](std::uint32_t cp) {
+    std::string s;
+    if (cp < 0x80) {
+      s += static_cast<char>(cp);
+    } else {
+      s += static_cast<char>(0xC0 | (cp >> 6));
+      s += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    return s;
+  };
+  int id = 0;
+  std::uint32_t next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool direct = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+    vocab[cp_utf8(direct ? static_cast<std::uint32_t>(b) : next++)] = id++;
+  }
+  for (const char* merged : {"th", "the", "\xc4\xa0t", "\xc4\xa0th", "\xc4\xa0the"}) vocab[merged] = id++;
+  return {
+      write_file(dir / "vocab.json", vocab.dump()),
+      write_file(dir / "merges.txt", "#version: 0.2\nt h\nth e\n\xc4\xa0 t\n\xc4\xa0t h\n\xc4\xa0th e\n")};
+}
+
+TEST(CliTrain, TrainsOnGpt2BpeTokens) {
+  TempDir dir;
+  const auto [vocab, merges] = tiny_bpe(dir);
+  std::string text;
+  for (int i = 0; i < 300; ++i) text += "the fox and the bird see the river " + std::to_string(i % 9) + ".\n";
+  const std::string data = write_file(dir / "t.txt", text);
+  auto r = run_cli("train " + kTiny + "--steps 3 --val-windows 2 --data " + data + " --vocab " + vocab +
+                   " --merges " + merges);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("vocab 261"), std::string::npos) << r.output;
+  auto missing = run_cli("train --vocab /nonexistent/vocab.json --merges " + merges);
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("/nonexistent/vocab.json"), std::string::npos) << missing.output;
 }
 
 }  // namespace
