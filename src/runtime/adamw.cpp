@@ -22,8 +22,9 @@ namespace {
 // One chunk [begin, end): the update, vectorised (compiled per x86-64 level, chosen at load
 // time); kWriteBf16 also writes the bf16 copy.
 template <bool kWriteBf16>
-STRATA_CPU_CLONES void adamw_chunk(const AdamBuffers& b, std::int64_t begin, std::int64_t end, float grad_scale, float l2, float beta1,
-                 float beta2, float bc2_sqrt, float eps, float step_size, float decay) {
+STRATA_CPU_CLONES void adamw_chunk(const AdamBuffers& b, std::int64_t begin, std::int64_t end,
+                                   float grad_scale, float l2, float beta1, float beta2, float bc2_sqrt,
+                                   float eps, float step_size, float decay) {
   float* __restrict master = b.master;
   const float* __restrict grad = b.grad;
   float* __restrict m1 = b.exp_avg;
@@ -46,7 +47,8 @@ STRATA_CPU_CLONES void adamw_chunk(const AdamBuffers& b, std::int64_t begin, std
 
 }  // namespace
 
-void adamw_update(const AdamHyper& h, std::int64_t step, float grad_scale, const AdamBuffers& b, int threads) {
+void adamw_update(const AdamHyper& h, std::int64_t step, float grad_scale, const AdamBuffers& b,
+                  int threads) {
   const float lr = static_cast<float>(h.lr);
   const float beta1 = static_cast<float>(h.beta1);
   const float beta2 = static_cast<float>(h.beta2);

@@ -13,9 +13,9 @@
 // optimizer, gradient norm and clipping); the roofline is what the step would reach if all of
 // its FLOPs ran at GEMM speed.
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <vector>
 
