@@ -191,7 +191,8 @@ class Model {
   // The persistent regions the model carves: "model.params" and, with grads, "model.grads".
   static std::vector<RegionSpec> regions(const ModelLayout& layout, const Options& options);
 
-  // Allocates everything (parameters zeroed; call initialize() or upload_param()).
+  // Allocates everything (parameters zeroed; call initialize() or upload_param()). The model
+  // keeps references to `device` and `stream` and returns its memory to them: destroy it first.
   static Result<std::unique_ptr<Model>> create(ModelLayout layout, Device& device, Stream& stream,
                                                const Options& options);
   ~Model();
