@@ -293,3 +293,66 @@ TEST(HuggingFaceReference, StrataLossEqualsAPlainHuggingFaceForward) {
 
 }  // namespace
 }  // namespace strata::testing
+
+namespace strata::testing {
+namespace {
+
+// A GPT-2 file as transformers' GPT2LMHeadModel state dicts often are: names under
+// "transformer.", an explicit (tied) lm_head.weight and the attention-mask buffers. It loads.
+TEST(HuggingFaceReference, LoadsGpt2FilesWithTheTransformerPrefixAndExtraBuffers) {
+  TempDir dir;
+  DeviceConfig dc;
+  dc.memory_bytes = 64ull << 20;
+  dc.pinned_bytes = 16ull << 20;
+  dc.compute_threads = 1;
+  auto device = Device::create(dc);
+  ASSERT_TRUE(device.ok());
+  TrainerConfig cfg;
+  cfg.model.n_layer = 2;
+  cfg.model.n_embd = 32;
+  cfg.model.n_head = 4;
+  cfg.model.n_positions = 16;
+  cfg.model.vocab_size = 256;
+  cfg.micro_batch = 2;
+  cfg.seq_len = 16;
+  auto trainer = Trainer::create(cfg, **device);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().to_string();
+  const std::string ours = (dir / "ours.safetensors").string();
+  STRATA_ASSERT_OK((*trainer)->save_weights(ours));
+  auto file = SafetensorsFile::open(ours);
+  ASSERT_TRUE(file.ok());
+  SafetensorsWriter writer;
+  std::vector<std::vector<char>> keep;
+  for (const auto& e : file->entries()) {
+    auto& bytes = keep.emplace_back(e.nbytes());
+    STRATA_ASSERT_OK(file->read(e.name, bytes.data(), bytes.size()));
+    STRATA_ASSERT_OK(writer.add("transformer." + e.name, e.dtype, e.shape, bytes.data(), bytes.size()));
+    if (e.name == "wte.weight")
+      STRATA_ASSERT_OK(writer.add("lm_head.weight", e.dtype, e.shape, bytes.data(), bytes.size()));
+  }
+  std::vector<char> mask(16 * 16, 1);
+  STRATA_ASSERT_OK(writer.add("transformer.h.0.attn.bias", "U8", {1, 1, 16, 16}, mask.data(), mask.size()));
+  for (const auto& [k, v] : file->metadata()) writer.set_metadata(k, v);
+  const std::string theirs = (dir / "theirs.safetensors").string();
+  STRATA_ASSERT_OK(writer.write(theirs));
+
+  const auto tokens = make_byte_tokenizer()->encode(builtin_corpus(2, 8000).validation);
+  auto own = (*trainer)->evaluate(tokens, 4);
+  ASSERT_TRUE(own.ok());
+  // A differently initialised trainer takes the weights from the rewritten file.
+  auto device2 = Device::create(dc);
+  ASSERT_TRUE(device2.ok());
+  cfg.seed = 999;
+  auto other = Trainer::create(cfg, **device2);
+  ASSERT_TRUE(other.ok());
+  auto before = (*other)->evaluate(tokens, 4);
+  ASSERT_TRUE(before.ok());
+  EXPECT_NE(before->loss, own->loss);
+  STRATA_ASSERT_OK((*other)->load_weights(theirs));
+  auto again = (*other)->evaluate(tokens, 4);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->loss, own->loss);
+}
+
+}  // namespace
+}  // namespace strata::testing
