@@ -288,6 +288,8 @@ class SwapStore {
   std::vector<TensorKey> keys() const;
   SwapStoreStats stats() const;
   const SwapStoreConfig& config() const;
+  // Whether every swap file is accessed with O_DIRECT (false where the file system refused it).
+  bool direct_io() const;
   // Checks the extent map against the free list: every byte of the files is either free or
   // held by exactly one version; the message names the first broken invariant.
   Status is_valid() const;

@@ -13,5 +13,9 @@ std::uint32_t crc32c_portable(const void* data, std::size_t bytes, std::uint32_t
 // Only call when crc32c_sse42_available().
 std::uint32_t crc32c_sse42(const void* data, std::size_t bytes, std::uint32_t crc);
 bool crc32c_sse42_available();
+// AVX-512 VPCLMULQDQ folding (four 512-bit accumulators), finished with the crc32 instruction.
+// Only call when crc32c_vpclmul_available().
+std::uint32_t crc32c_vpclmul(const void* data, std::size_t bytes, std::uint32_t crc);
+bool crc32c_vpclmul_available();
 
 }  // namespace strata::nvme_detail

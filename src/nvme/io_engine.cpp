@@ -193,15 +193,9 @@ class IoThread {
       for (auto& c : controls) c();
       controls.clear();
 
-      // With overlap_events off, a new batch starts only when the previous one has drained.
-      if (cfg.overlap_events || inflight_ == 0) {
-        while (!pending_.empty() && inflight_ < cfg.queue_depth) {
-          if (!start_piece(pending_.front(), comps)) break;
-          pending_.pop_front();
-          if (cfg.single_submit) queue_->flush(comps);
-        }
-      }
-      queue_->flush(comps);
+      fill(comps);
+      // No separate submit here when the thread is about to wait: the wait submits too
+      // (io_uring_submit_and_wait, one system call per round).
       if (!comps.empty()) {
         process(comps);
         continue;
@@ -225,6 +219,21 @@ class IoThread {
       waiting_.store(false, std::memory_order_relaxed);
       process(comps);
     }
+  }
+
+  // Hands pending pieces to the queue up to queue_depth; returns how many it started. With
+  // overlap_events off, a new batch starts only when the previous one has drained.
+  int fill(std::vector<Completion>& out) {
+    const AioConfig& cfg = engine_->config;
+    int started = 0;
+    if (!cfg.overlap_events && inflight_ > 0) return 0;
+    while (!pending_.empty() && inflight_ < cfg.queue_depth) {
+      if (!start_piece(pending_.front(), out)) break;
+      pending_.pop_front();
+      ++started;
+      if (cfg.single_submit) queue_->flush(out);
+    }
+    return started;
   }
 
   const IoFaults::Injected* injected(const Piece& p) const {
@@ -334,8 +343,12 @@ class IoThread {
     queue_->enqueue(s);
   }
 
+  // Settles completions: resubmits short and retryable ones, copies bounced reads out. The
+  // completion work of finished pieces (checksum hooks, handle callbacks) runs last, after the
+  // slots they freed have been refilled and submitted, so the device stays busy meanwhile.
   void process(std::vector<Completion>& comps) {
     const IoFaults* f = engine_->faults;
+    bool hooks = false;
     for (const Completion& c : comps) {
       Piece* p = c.piece;
       --inflight_;
@@ -360,15 +373,14 @@ class IoThread {
         continue;
       }
       if (res < 0) {
-        finish_piece(p, piece_errno(*p, static_cast<int>(-res)));
+        settle(p, piece_errno(*p, static_cast<int>(-res)));
         continue;
       }
       if (res == 0) {
-        finish_piece(
-            p, io_error(p->op == IoOp::kRead
-                            ? "read of " + piece_where(*p) + " hit the end of the file after " +
-                                  std::to_string(p->done) + " of " + std::to_string(p->length) + " bytes"
-                            : "write of " + piece_where(*p) + " made no progress"));
+        settle(p, io_error(p->op == IoOp::kRead
+                               ? "read of " + piece_where(*p) + " hit the end of the file after " +
+                                     std::to_string(p->done) + " of " + std::to_string(p->length) + " bytes"
+                               : "write of " + piece_where(*p) + " made no progress"));
         continue;
       }
       p->done += static_cast<std::uint64_t>(res);
@@ -381,9 +393,25 @@ class IoThread {
         continue;
       }
       if (p->bounce >= 0 && p->op == IoOp::kRead) std::memcpy(p->user, p->io, p->length);
-      finish_piece(p, ok_status());
+      hooks = hooks || static_cast<bool>(p->request->req.on_done);
+      settle(p, ok_status());
     }
     comps.clear();
+    if (finished_.empty()) return;
+    // Only worth a separate submit when completion work is heavy (hooks); otherwise the next
+    // wait submits the refill together.
+    if (hooks && fill(comps) > 0) queue_->flush(comps);
+    for (auto& [p, status] : finished_) finish_piece(p, status);
+    finished_.clear();
+  }
+
+  // A piece is done with the queue: its bounce buffer is free again; completion work follows.
+  void settle(Piece* p, Status status) {
+    if (p->bounce >= 0) {
+      free_bounces_.push_back(p->bounce);
+      p->bounce = -1;
+    }
+    finished_.emplace_back(p, std::move(status));
   }
 
   void finish_piece(Piece* p, const Status& error) {
@@ -425,6 +453,7 @@ class IoThread {
   std::vector<Bounce> bounces_;
   std::vector<int> free_bounces_;
   std::vector<Registered> registered_;  // sorted by base
+  std::vector<std::pair<Piece*, Status>> finished_;
 };
 
 namespace {

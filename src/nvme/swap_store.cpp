@@ -268,6 +268,8 @@ SwapStore::~SwapStore() {
 
 const SwapStoreConfig& SwapStore::config() const { return impl_->config; }
 
+bool SwapStore::direct_io() const { return impl_->engine->is_direct(impl_->file); }
+
 Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapStoreConfig& config) {
   STRATA_RETURN_IF_ERROR(config.validate());
   auto impl = std::make_unique<Impl>();
