@@ -101,10 +101,11 @@ class IoThread {
   void stop() {
     if (!thread_.joinable()) return;
     {
+      // Woken under the lock: the thread takes it before destroying the queue.
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
+      queue_->wake();
     }
-    queue_->wake();
     thread_.join();
   }
 
@@ -125,8 +126,8 @@ class IoThread {
     {
       std::lock_guard<std::mutex> lock(mu_);
       controls_.push_back([this, done, &fn] { done->set_value(fn(*this)); });
+      queue_->wake();
     }
-    queue_->wake();
     return fut.get();
   }
 
@@ -170,7 +171,9 @@ class IoThread {
     ready.set_value(s);
     if (!s.ok()) return;
     loop();
-    // Tear the ring down on its own thread before the memory registered with it goes away.
+    // Tear the ring down on its own thread before the memory registered with it goes away;
+    // under the lock, so that no wake() from stop() or control() is still using it.
+    std::lock_guard<std::mutex> lock(mu_);
     queue_.reset();
     bounces_.clear();
   }
