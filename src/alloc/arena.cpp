@@ -197,6 +197,23 @@ struct Arena::State {
     return result;
   }
 
+  // Where the top free block would begin after compact(): relocatable blocks slide down to the
+  // end of the highest fixed block, so it is that end plus the relocatable bytes above it.
+  std::uint64_t compacted_top() const {
+    std::uint64_t barrier = dyn_begin;
+    std::uint64_t relocatable_above = 0;
+    for (const auto& [off, b] : blocks) {
+      if (b.free) continue;
+      if (handles[b.handle].lifetime == Lifetime::kFixed) {
+        barrier = off + b.size;
+        relocatable_above = 0;
+      } else {
+        relocatable_above += b.size;
+      }
+    }
+    return barrier + relocatable_above;
+  }
+
   std::uint64_t planned_live() const {
     std::uint64_t total = 0;
     for (const auto& r : regions) total += r.spec.is_slots() ? r.held * r.spec.slot_bytes : r.used;
@@ -338,14 +355,12 @@ Result<ArenaHandle> Arena::allocate(std::uint64_t bytes, Lifetime lifetime, std:
   auto pick = [&]() { return s.free_index.lower_bound({size, 0}); };
   auto it = pick();
   const bool can_compact = s.relocatable_live > 0;
-  if (it != s.free_index.end() && s.cfg.compact_on_demand && can_compact && it->second + size > s.hwm) {
-    // Only the top block fits, so the high-water mark would rise. Compact first if the holes
-    // below the mark add up to enough.
-    std::uint64_t above = s.cfg.capacity - s.hwm;
-    if (s.free_total() - above >= size) {
-      STRATA_RETURN_IF_ERROR(s.compact());
-      it = pick();
-    }
+  if (it != s.free_index.end() && s.cfg.compact_on_demand && can_compact && it->second + size > s.hwm &&
+      s.compacted_top() + size <= s.hwm) {
+    // Only the top block fits, so the high-water mark would rise; compaction would make room
+    // below it instead.
+    STRATA_RETURN_IF_ERROR(s.compact());
+    it = pick();
   }
   if (it == s.free_index.end() && can_compact && s.free_total() >= size) {
     STRATA_RETURN_IF_ERROR(s.compact());
@@ -421,6 +436,11 @@ ArenaStats Arena::stats() const {
                                         : 1.0 - static_cast<double>(st.largest_free_block) /
                                                     static_cast<double>(st.free_bytes);
   return st;
+}
+
+void Arena::set_compact_on_demand(bool on) {
+  std::lock_guard lock(s_->mu);
+  s_->cfg.compact_on_demand = on;
 }
 
 void Arena::reset_peak() {
@@ -540,7 +560,9 @@ std::uint64_t ArenaBuffer::size() const {
 void ArenaBuffer::reset() {
   if (arena_ != nullptr) {
     Status s = arena_->free(handle_);
-    if (!s.ok()) STRATA_LOG(kError, kAlloc) << "freeing an arena buffer: " << s.to_string();
+    if (!s.ok()) {
+      STRATA_LOG(kError, kAlloc) << "freeing an arena buffer: " << s.to_string();
+    }
     arena_ = nullptr;
     handle_ = {};
   }
