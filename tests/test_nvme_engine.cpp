@@ -17,6 +17,7 @@
 #include "harness/harness.hpp"
 #include "nvme/faults.hpp"
 #include "strata/alloc.hpp"
+#include "strata/config.hpp"
 #include "strata/nvme.hpp"
 
 namespace strata {
@@ -32,7 +33,7 @@ std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-std::unique_ptr<IoEngine> make_engine(AioConfig cfg, const IoFaults* faults = nullptr,
+std::unique_ptr<IoEngine> make_engine(IoEngineConfig cfg, const IoFaults* faults = nullptr,
                                       PinnedPool* pool = nullptr) {
   auto e = IoFaults::create_engine(cfg, pool, faults);
   EXPECT_TRUE(e.ok()) << e.status().to_string();
@@ -56,8 +57,8 @@ struct OffsetBuffer {
 
 class EngineBackends : public ::testing::TestWithParam<IoBackendKind> {
  protected:
-  AioConfig config() const {
-    AioConfig c;
+  IoEngineConfig config() const {
+    IoEngineConfig c;
     c.backend = GetParam();
     c.block_size = 64 << 10;  // small blocks: multi-piece requests at test sizes
     c.queue_depth = 8;
@@ -107,7 +108,7 @@ TEST_P(EngineBackends, RoundTripsAwkwardSizesAndOffsets) {
 
 TEST_P(EngineBackends, ManyConcurrentRequestsFromSeveralThreads) {
   TempDir dir("strata-nvme");
-  AioConfig cfg = config();
+  IoEngineConfig cfg = config();
   cfg.intra_op_parallelism = 3;
   auto engine = make_engine(cfg);
   ASSERT_NE(engine, nullptr);
@@ -261,7 +262,7 @@ TEST_P(EngineBackends, WriteToAReadOnlyFileFailsWithEbadf) {
 TEST_P(EngineBackends, FullFileSystemSurfacesAndEarlierDataSurvives) {
   TempDir dir("strata-nvme");
   std::string path = (dir / "full").string();
-  AioConfig cfg = config();
+  IoEngineConfig cfg = config();
   int pipefd[2];
   ASSERT_EQ(::pipe(pipefd), 0);
   pid_t pid = ::fork();
@@ -324,7 +325,7 @@ INSTANTIATE_TEST_SUITE_P(Nvme, EngineBackends,
 TEST(Engine, SubmissionModesRoundTrip) {
   TempDir dir("strata-nvme");
   for (int mode = 0; mode < 3; ++mode) {
-    AioConfig cfg;
+    IoEngineConfig cfg;
     cfg.block_size = 16 << 10;
     cfg.queue_depth = 4;
     cfg.single_submit = mode == 1;
@@ -344,7 +345,7 @@ TEST(Engine, SubmissionModesRoundTrip) {
 
 TEST(Engine, CallbacksAndHooks) {
   TempDir dir("strata-nvme");
-  AioConfig cfg;
+  IoEngineConfig cfg;
   cfg.block_size = 16 << 10;
   auto engine = make_engine(cfg);
   ASSERT_NE(engine, nullptr);
@@ -392,7 +393,7 @@ TEST(Engine, CallbacksAndHooks) {
 
 TEST(Engine, InvalidRequestsFailBeforeAnyIo) {
   TempDir dir("strata-nvme");
-  auto engine = make_engine(AioConfig{});
+  auto engine = make_engine(IoEngineConfig{});
   ASSERT_NE(engine, nullptr);
   char b[16];
   STRATA_EXPECT_ERROR(engine->read(FileId{7}, 0, b, 16).wait(), kInvalidArgument, "not open");
@@ -409,7 +410,7 @@ TEST(Engine, PinnedPoolAndRegisteredMemoryUseFixedBuffers) {
   TempDir dir("strata-nvme");
   auto pool = PinnedPool::create_host(8 << 20);
   ASSERT_TRUE(pool.ok()) << pool.status().to_string();
-  AioConfig cfg;
+  IoEngineConfig cfg;
   cfg.backend = IoBackendKind::kIoUring;
   cfg.block_size = 64 << 10;
   auto engine = make_engine(cfg, nullptr, pool->get());
@@ -445,7 +446,7 @@ TEST(EngineFallback, NoIoUringFallsBackToLibaioThenPsync) {
   TempDir dir("strata-nvme");
   IoFaults faults;
   faults.uring_setup_errno = ENOSYS;
-  AioConfig cfg;
+  IoEngineConfig cfg;
   auto engine = make_engine(cfg, &faults);
   ASSERT_NE(engine, nullptr);
   EXPECT_EQ(engine->backend(), IoBackendKind::kLibaio);
@@ -468,7 +469,7 @@ TEST(EngineFallback, RefusedODirectGoesBuffered) {
   IoFaults faults;
   faults.refuse_direct = true;
   for (IoBackendKind kind : {IoBackendKind::kIoUring, IoBackendKind::kLibaio}) {
-    AioConfig cfg;
+    IoEngineConfig cfg;
     cfg.backend = kind;
     cfg.nvme_path = {dir.path().string()};
     cfg.block_size = 16 << 10;
@@ -494,7 +495,7 @@ TEST(EngineFallback, TmpfsWorksWhateverItSaysAboutODirect) {
   ::setenv("TMPDIR", "/dev/shm", 1);
   TempDir dir("strata-nvme");
   ::unsetenv("TMPDIR");
-  AioConfig cfg;
+  IoEngineConfig cfg;
   cfg.nvme_path = {dir.path().string()};
   auto engine = make_engine(cfg);
   ASSERT_NE(engine, nullptr);
@@ -509,24 +510,24 @@ TEST(EngineFallback, TmpfsWorksWhateverItSaysAboutODirect) {
 
 // ---- Config ------------------------------------------------------------------------------------
 
-TEST(AioConfig, ValidationNamesTheKey) {
-  AioConfig ok;
+TEST(IoEngineConfig, ValidationNamesTheKey) {
+  IoEngineConfig ok;
   STRATA_EXPECT_OK(ok.validate());
-  AioConfig c;
+  IoEngineConfig c;
   c.block_size = 1000;
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "aio.block_size");
-  c = AioConfig{};
+  c = IoEngineConfig{};
   c.queue_depth = 0;
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "aio.queue_depth");
-  c = AioConfig{};
+  c = IoEngineConfig{};
   c.intra_op_parallelism = 0;
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "aio.thread_count");
-  c = AioConfig{};
+  c = IoEngineConfig{};
   c.nvme_path = {"/a", ""};
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "aio.nvme_path[1]");
   c.nvme_path = {"/a", "/a/"};
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "listed twice");
-  c = AioConfig{};
+  c = IoEngineConfig{};
   c.sq_poll = true;
   c.backend = IoBackendKind::kPsync;
   STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "aio.sq_poll");
@@ -538,9 +539,47 @@ TEST(AioConfig, ValidationNamesTheKey) {
   STRATA_EXPECT_ERROR(IoEngine::create(c), kInvalidArgument, "aio.sq_poll");
 }
 
+TEST(IoEngineConfig, TakesTheLoadedAioSection) {
+  AioConfig aio;
+  aio.block_size = 4 << 20;
+  aio.queue_depth = 32;
+  aio.intra_op_parallelism = 2;
+  aio.single_submit = true;
+  aio.overlap_events = false;
+  aio.backend = AioBackend::kLibaio;
+  aio.nvme_path = {"/a", "/b"};
+  IoEngineConfig c = IoEngineConfig::from(aio);
+  EXPECT_EQ(c.block_size, 4u << 20);
+  EXPECT_EQ(c.queue_depth, 32u);
+  EXPECT_EQ(c.intra_op_parallelism, 2u);
+  EXPECT_TRUE(c.single_submit);
+  EXPECT_FALSE(c.overlap_events);
+  EXPECT_EQ(c.backend, IoBackendKind::kLibaio);
+  EXPECT_EQ(c.nvme_path, aio.nvme_path);
+  STRATA_EXPECT_OK(c.validate());
+  aio.queue_depth = -1;
+  STRATA_EXPECT_ERROR(IoEngineConfig::from(aio).validate(), kInvalidArgument, "aio.queue_depth");
+}
+
+TEST(Engine, DeepQueuesWork) {
+  TempDir dir("strata-nvme");
+  IoEngineConfig cfg;
+  cfg.block_size = 4096;
+  cfg.queue_depth = 5000;  // deeper than the submission ring: the ring is refilled as it drains
+  auto engine = make_engine(cfg);
+  ASSERT_NE(engine, nullptr);
+  auto f = engine->open((dir / "deep").string(), OpenMode::kCreate);
+  ASSERT_TRUE(f.ok());
+  auto data = random_bytes(24 << 20, 6);
+  STRATA_ASSERT_OK(engine->write(*f, 0, data.data(), data.size()).wait());
+  std::vector<unsigned char> back(data.size());
+  STRATA_ASSERT_OK(engine->read(*f, 0, back.data(), back.size()).wait());
+  EXPECT_EQ(back, data);
+}
+
 TEST(Engine, SqPollRoundTrips) {
   TempDir dir("strata-nvme");
-  AioConfig cfg;
+  IoEngineConfig cfg;
   cfg.backend = IoBackendKind::kIoUring;
   cfg.sq_poll = true;
   cfg.sq_poll_idle_ms = 10;

@@ -32,14 +32,14 @@ std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
-AioConfig small_blocks() {
-  AioConfig c;
+IoEngineConfig small_blocks() {
+  IoEngineConfig c;
   c.block_size = 64 << 10;
   c.queue_depth = 8;
   return c;
 }
 
-std::unique_ptr<IoEngine> engine_or_die(const AioConfig& cfg = small_blocks(),
+std::unique_ptr<IoEngine> engine_or_die(const IoEngineConfig& cfg = small_blocks(),
                                         const IoFaults* faults = nullptr) {
   auto e = IoFaults::create_engine(cfg, nullptr, faults);
   EXPECT_TRUE(e.ok()) << e.status().to_string();
@@ -447,7 +447,7 @@ TEST(SwapStore, AFileSystemTooSmallFailsAtOpen) {
 
 TEST(SwapStore, ConcurrentWritersAndReaders) {
   TempDir dir("strata-swap");
-  AioConfig acfg = small_blocks();
+  IoEngineConfig acfg = small_blocks();
   acfg.intra_op_parallelism = 2;
   auto engine = engine_or_die(acfg);
   ASSERT_NE(engine, nullptr);

@@ -35,6 +35,7 @@ namespace strata {
 
 class PinnedPool;
 class SwapStore;
+struct AioConfig;  // strata/config.hpp: the `aio` section as loaded from the config file
 
 namespace nvme_detail {
 struct IoState;
@@ -63,10 +64,10 @@ std::string_view to_string(IoBackendKind kind);
 // `aio.backend` and lists the accepted values.
 Result<IoBackendKind> parse_io_backend(std::string_view text);
 
-// The `aio` section of the config. The DeepSpeed keys mean what they mean in DeepSpeed; the
-// config loader fills this struct (mapping `thread_count` onto `intra_op_parallelism`) and calls
-// validate(). Strata's own keys sit beside them.
-struct AioConfig {
+// The engine's settings: the `aio` section of the config (DeepSpeed's keys, with DeepSpeed's
+// meaning, plus Strata's own), as plain data. IoEngineConfig::from() takes them from the loaded
+// config (strata/config.hpp); validate() checks every field.
+struct IoEngineConfig {
   // DeepSpeed keys.
   std::uint64_t block_size = 1u << 20;     // bytes per I/O piece; a multiple of 4096
   std::uint32_t queue_depth = 8;           // pieces in flight per I/O thread
@@ -82,6 +83,9 @@ struct AioConfig {
 
   // Checks every field; the message names the key as `aio.<key>` and what was expected.
   Status validate() const;
+  // The loaded `aio` section (block size, queue depth, threads, submission modes, backend,
+  // directories); the Strata-only fields keep their defaults.
+  static IoEngineConfig from(const AioConfig& aio);
 };
 
 // ---- The I/O engine --------------------------------------------------------------------------
@@ -158,7 +162,7 @@ class IoEngine {
   // Starts the I/O threads. Bounce buffers (for memory that is not 4 KiB aligned) come from
   // `pool` when given, else from AlignedBuffer; the pool's whole region is registered with
   // io_uring, so I/O on pool buffers uses fixed buffers. The pool must outlive the engine.
-  static Result<std::unique_ptr<IoEngine>> create(const AioConfig& config, PinnedPool* pool = nullptr);
+  static Result<std::unique_ptr<IoEngine>> create(const IoEngineConfig& config, PinnedPool* pool = nullptr);
   // Waits for all submitted I/O, stops the threads, closes the files.
   ~IoEngine();
   IoEngine(const IoEngine&) = delete;
@@ -166,7 +170,7 @@ class IoEngine {
 
   // The backend actually running (after any fallback).
   IoBackendKind backend() const;
-  const AioConfig& config() const;
+  const IoEngineConfig& config() const;
 
   Result<FileId> open(const std::string& path, OpenMode mode);
   // One logical file striped over `paths` (ideally on different devices): logical stripe s of
@@ -207,7 +211,7 @@ class IoEngine {
   explicit IoEngine(std::unique_ptr<Impl> impl);
   friend struct nvme_detail::IoFaults;
   friend class SwapStore;
-  static Result<std::unique_ptr<IoEngine>> create_with_faults(const AioConfig& config, PinnedPool* pool,
+  static Result<std::unique_ptr<IoEngine>> create_with_faults(const IoEngineConfig& config, PinnedPool* pool,
                                                               const nvme_detail::IoFaults* faults);
   std::unique_ptr<Impl> impl_;
 };

@@ -179,7 +179,7 @@ struct IoState {
 namespace strata {
 
 struct IoEngine::Impl {
-  AioConfig config;
+  IoEngineConfig config;
   IoBackendKind backend = IoBackendKind::kPsync;
   PinnedPool* pool = nullptr;
   const nvme_detail::IoFaults* faults = nullptr;

@@ -32,7 +32,7 @@ struct IoFaults {
   // this in a forked child). 0 = off.
   std::uint64_t kill_after_write_bytes = 0;
 
-  static Result<std::unique_ptr<IoEngine>> create_engine(const AioConfig& config, PinnedPool* pool,
+  static Result<std::unique_ptr<IoEngine>> create_engine(const IoEngineConfig& config, PinnedPool* pool,
                                                          const IoFaults* faults) {
     return IoEngine::create_with_faults(config, pool, faults);
   }

@@ -182,7 +182,7 @@ class IoThread {
     std::vector<Piece*> batch;
     std::vector<std::function<void()>> controls;
     std::vector<Completion> comps;
-    const AioConfig& cfg = engine_->config;
+    const IoEngineConfig& cfg = engine_->config;
     for (;;) {
       bool stopping;
       {
@@ -227,7 +227,7 @@ class IoThread {
   // Hands pending pieces to the queue up to queue_depth; returns how many it started. With
   // overlap_events off, a new batch starts only when the previous one has drained.
   int fill(std::vector<Completion>& out) {
-    const AioConfig& cfg = engine_->config;
+    const IoEngineConfig& cfg = engine_->config;
     int started = 0;
     if (!cfg.overlap_events && inflight_ > 0) return 0;
     while (!pending_.empty() && inflight_ < cfg.queue_depth) {
@@ -757,11 +757,11 @@ void IoEngine::Impl::stop_threads() {
 
 IoEngine::IoEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Result<std::unique_ptr<IoEngine>> IoEngine::create(const AioConfig& config, PinnedPool* pool) {
+Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineConfig& config, PinnedPool* pool) {
   return create_with_faults(config, pool, nullptr);
 }
 
-Result<std::unique_ptr<IoEngine>> IoEngine::create_with_faults(const AioConfig& config, PinnedPool* pool,
+Result<std::unique_ptr<IoEngine>> IoEngine::create_with_faults(const IoEngineConfig& config, PinnedPool* pool,
                                                                const nvme_detail::IoFaults* faults) {
   STRATA_RETURN_IF_ERROR(config.validate());
   auto impl = std::make_unique<Impl>();
@@ -838,7 +838,7 @@ IoEngine::~IoEngine() {
 }
 
 IoBackendKind IoEngine::backend() const { return impl_->backend; }
-const AioConfig& IoEngine::config() const { return impl_->config; }
+const IoEngineConfig& IoEngine::config() const { return impl_->config; }
 
 IoEngineStats IoEngine::stats() const {
   IoEngineStats s;

@@ -8,6 +8,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <vector>
 
@@ -32,8 +33,11 @@ class UringQueue final : public Queue {
     if (params.faults != nullptr && params.faults->uring_setup_errno != 0) {
       return unavailable("io_uring setup failed: " + errno_text(params.faults->uring_setup_errno));
     }
-    unsigned entries = 4;
-    while (entries < params.queue_depth + 2) entries <<= 1;
+    // At most queue_depth pieces and the wake-up read are outstanding: the CQ holds them all;
+    // the SQ may be smaller (get_sqe() submits when it is full).
+    unsigned cq_entries = 8;
+    while (cq_entries < params.queue_depth + 2) cq_entries <<= 1;
+    unsigned entries = std::min(cq_entries, 4096u);
     // Most capable setup first; older kernels reject the newer flags with EINVAL.
     std::vector<unsigned> attempts;
     if (params.sq_poll) {
@@ -44,11 +48,12 @@ class UringQueue final : public Queue {
     int r = -EINVAL;
     for (unsigned flags : attempts) {
       io_uring_params p{};
-      p.flags = flags;
+      p.flags = flags | IORING_SETUP_CQSIZE;
+      p.cq_entries = cq_entries;
       if (flags & IORING_SETUP_SQPOLL) p.sq_thread_idle = params.sq_poll_idle_ms;
       r = io_uring_queue_init_params(entries, &ring_, &p);
       if (r == 0) {
-        flags_ = flags;
+        flags_ = p.flags;
         break;
       }
       if (r != -EINVAL) break;

@@ -121,7 +121,7 @@ int bench_nvme(std::span<const std::string> argv) {
   }
   const bool verify = verify_text == "on";
 
-  AioConfig aio;
+  IoEngineConfig aio;
   aio.block_size = *block;
   aio.queue_depth = static_cast<std::uint32_t>(*depth);
   aio.intra_op_parallelism = static_cast<std::uint32_t>(*threads);
