@@ -72,24 +72,6 @@ std::vector<std::string> split_paths(const std::string& s) {
   return out;
 }
 
-// Page-locked memory for the window, 2 MiB aligned and (with `huge`) backed by transparent huge
-// pages: a 1 MiB transfer then spans one or two physically contiguous runs instead of 256
-// scattered pages, so the block layer neither splits it nor builds 256-entry scatter lists,
-// and io_uring registers it as a few large segments.
-Result<std::unique_ptr<PinnedPool>> map_pinned(std::uint64_t bytes, bool huge) {
-  constexpr std::uint64_t kHuge = 2u << 20;
-  bytes = align_up(bytes, kHuge);
-  std::uint64_t span = bytes + kHuge;
-  void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return out_of_memory("mmap of " + format_bytes(span) + " failed");
-  void* base = reinterpret_cast<void*>(align_up(reinterpret_cast<std::uintptr_t>(raw), kHuge));
-  if (huge) (void)::madvise(base, bytes, MADV_HUGEPAGE);       // advice only: 4 KiB pages otherwise
-  if (::mlock(base, bytes) != 0) std::memset(base, 0, bytes);  // at least fault it in
-  auto pool = PinnedPool::adopt(base, bytes, [raw, span](void*, std::uint64_t) { ::munmap(raw, span); });
-  if (!pool.ok()) ::munmap(raw, span);
-  return pool;
-}
-
 int fail(const Status& s) {
   std::fprintf(stderr, "strata bench nvme: %s\n", s.to_string().c_str());
   return kExitFailure;
@@ -164,8 +146,8 @@ int bench_nvme(std::span<const std::string> argv) {
     return usage_error("bench nvme", "--hugepages expects on or off, got '" + huge_text + "'", usage());
   }
   // The slots, plus room for the engine's bounce buffers (only used for unaligned memory).
-  auto pool = map_pinned(tensor * kSlots + aio.block_size * aio.queue_depth * aio.intra_op_parallelism,
-                         huge_text == "on");
+  auto pool = PinnedPool::create_host(tensor * kSlots + aio.block_size * aio.queue_depth * aio.intra_op_parallelism,
+                                        huge_text == "on");
   if (!pool.ok()) return fail(pool.status());
   auto engine = IoEngine::create(aio, pool->get());
   if (!engine.ok()) return fail(engine.status());
