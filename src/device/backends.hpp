@@ -2,6 +2,9 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "strata/device.hpp"
 
@@ -22,5 +25,51 @@ int default_compute_threads();
 }  // namespace strata
 
 namespace strata::detail {
+
+}  // namespace strata::detail
+
+namespace strata::detail {
+
+// The streams a device owns, shared by both backends: unique names, lifetime of the device,
+// and synchronize-all reporting the first error.
+template <typename StreamT>
+class StreamSet {
+ public:
+  // `make(name)` builds the stream (a Result<std::unique_ptr<StreamT>>).
+  template <typename Make>
+  Result<Stream*> add(const std::string& device_name, std::string name, Make make) {
+    std::lock_guard lock(mu_);
+    for (const auto& s : streams_) {
+      if (s->name() == name) return invalid_argument(device_name + ": a stream named '" + name + "' already exists");
+    }
+    Result<std::unique_ptr<StreamT>> made = make(std::move(name));
+    if (!made.ok()) return made.status();
+    streams_.push_back(std::move(made).value());
+    return static_cast<Stream*>(streams_.back().get());
+  }
+
+  Status synchronize_all() {
+    std::vector<StreamT*> streams;
+    {
+      std::lock_guard lock(mu_);
+      for (auto& s : streams_) streams.push_back(s.get());
+    }
+    Status first;
+    for (auto* s : streams) {
+      Status st = s->synchronize();
+      if (first.ok() && !st.ok()) first = st;
+    }
+    return first;
+  }
+
+  void clear() {
+    std::lock_guard lock(mu_);
+    streams_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<StreamT>> streams_;
+};
 
 }  // namespace strata::detail

@@ -314,29 +314,14 @@ class CpuDevice final : public Device {
   PinnedPool& pinned() override { return *pinned_; }
 
   Result<Stream*> create_stream(std::string name) override {
-    std::lock_guard lock(mu_);
-    for (const auto& s : streams_) {
-      if (s->name() == name) return invalid_argument(info_.name + ": a stream named '" + name + "' already exists");
-    }
-    streams_.push_back(std::make_unique<CpuStream>(this, std::move(name), info_.compute_threads));
-    return static_cast<Stream*>(streams_.back().get());
+    return streams_.add(info_.name, std::move(name), [this](std::string n) -> Result<std::unique_ptr<CpuStream>> {
+      return std::make_unique<CpuStream>(this, std::move(n), info_.compute_threads);
+    });
   }
 
   Result<std::unique_ptr<Event>> create_event() override { return std::unique_ptr<Event>(new CpuEvent()); }
 
-  Status synchronize() override {
-    std::vector<CpuStream*> streams;
-    {
-      std::lock_guard lock(mu_);
-      for (auto& s : streams_) streams.push_back(s.get());
-    }
-    Status first;
-    for (auto* s : streams) {
-      Status st = s->synchronize();
-      if (first.ok() && !st.ok()) first = st;
-    }
-    return first;
-  }
+  Status synchronize() override { return streams_.synchronize_all(); }
 
   DeviceStats stats() const override {
     DeviceStats st;
@@ -368,8 +353,7 @@ class CpuDevice final : public Device {
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<PinnedPool> pinned_;
   std::unique_ptr<CopyEngine> h2d_, d2h_;
-  std::mutex mu_;
-  std::vector<std::unique_ptr<CpuStream>> streams_;
+  StreamSet<CpuStream> streams_;
   std::atomic<std::uint64_t> raw_allocs_{0};
 };
 

@@ -235,15 +235,12 @@ class CudaDevice final : public Device {
   PinnedPool& pinned() override { return *pinned_; }
 
   Result<Stream*> create_stream(std::string name) override {
-    std::lock_guard lock(mu_);
-    for (const auto& s : streams_) {
-      if (s->name() == name) return invalid_argument(info_.name + ": a stream named '" + name + "' already exists");
-    }
-    cudaSetDevice(ordinal_);
-    cudaStream_t s = nullptr;
-    STRATA_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create '" + name + "'"));
-    streams_.push_back(std::make_unique<CudaStream>(this, ordinal_, std::move(name), s));
-    return static_cast<Stream*>(streams_.back().get());
+    return streams_.add(info_.name, std::move(name), [this](std::string n) -> Result<std::unique_ptr<CudaStream>> {
+      cudaSetDevice(ordinal_);
+      cudaStream_t s = nullptr;
+      STRATA_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream create '" + n + "'"));
+      return std::make_unique<CudaStream>(this, ordinal_, std::move(n), s);
+    });
   }
 
   Result<std::unique_ptr<Event>> create_event() override {
@@ -253,19 +250,7 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Event>(new CudaEvent(ordinal_, ev));
   }
 
-  Status synchronize() override {
-    std::vector<CudaStream*> streams;
-    {
-      std::lock_guard lock(mu_);
-      for (auto& s : streams_) streams.push_back(s.get());
-    }
-    Status first;
-    for (auto* s : streams) {
-      Status st = s->synchronize();
-      if (first.ok() && !st.ok()) first = st;
-    }
-    return first;
-  }
+  Status synchronize() override { return streams_.synchronize_all(); }
 
   DeviceStats stats() const override {
     DeviceStats st;
@@ -300,8 +285,7 @@ class CudaDevice final : public Device {
   cudaStream_t mover_stream_ = nullptr;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<PinnedPool> pinned_;
-  std::mutex mu_;
-  std::vector<std::unique_ptr<CudaStream>> streams_;
+  StreamSet<CudaStream> streams_;
   std::atomic<std::uint64_t> raw_allocs_{0};
 };
 
