@@ -28,6 +28,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "log level: error, warn, info, debug or trace"},
     {Option::kLogSubsys, "log_subsys", OptionKind::kString, "all",
      "subsystems to log: all, a list (ALLOC,NVME) or exclusions (^DEVICE)"},
+    {Option::kAdamIsa, "adam_isa", OptionKind::kString, "auto",
+     "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
 }};
 
 std::string lower(std::string_view s) {
@@ -169,6 +171,11 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
       break;
     case Option::kLogLevel:
       if (!parse_log_level(v.text).ok()) return fail("one of: error, warn, info, debug, trace");
+      break;
+    case Option::kAdamIsa:
+      if (v.text != "auto" && v.text != "avx512" && v.text != "avx2" && v.text != "scalar") {
+        return fail("one of: auto, avx512, avx2, scalar");
+      }
       break;
     default:
       break;
