@@ -122,6 +122,10 @@ class Arena {
   Status compact();
 
   ArenaStats stats() const;
+  // Turns compaction on demand (see Config::compact_on_demand) on or off. The owner turns it on
+  // only while no in-flight work can touch relocatable blocks (e.g. a synchronous replay).
+  void set_compact_on_demand(bool on);
+
   // Resets peak_live_bytes to the current live bytes (e.g. after warm-up).
   void reset_peak();
 

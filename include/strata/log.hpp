@@ -56,10 +56,11 @@ class LogLine {
 
 }  // namespace strata
 
+// Use braces around a STRATA_LOG under an `if`: the macro ends in an if/else.
 #define STRATA_LOG(level, subsys)                                                       \
-  if (!::strata::log_enabled(::strata::LogLevel::level, ::strata::Subsys::subsys)) {    \
-  } else                                                                                \
-    ::strata::LogLine(::strata::LogLevel::level, ::strata::Subsys::subsys).stream()
+    if (!::strata::log_enabled(::strata::LogLevel::level, ::strata::Subsys::subsys)) {  \
+    } else                                                                              \
+      ::strata::LogLine(::strata::LogLevel::level, ::strata::Subsys::subsys).stream()
 
 // Logs at most once per call site for the life of the process (fallback reasons and the like).
 #define STRATA_LOG_ONCE(level, subsys)                                                  \

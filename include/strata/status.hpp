@@ -95,6 +95,7 @@ class [[nodiscard]] Result {
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::get<0>(std::move(v_)); }
 
  private:
   std::variant<T, Status> v_;

@@ -1,0 +1,224 @@
+#include "strata/safetensors.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+namespace strata {
+namespace {
+
+constexpr std::uint64_t kMaxHeader = 100ull << 20;
+
+Status write_all(int fd, const void* data, std::uint64_t n, const std::string& path) {
+  auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, std::min<std::uint64_t>(n, 1ull << 30));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return io_error("writing '" + path + "': " + std::strerror(errno));
+    }
+    p += w;
+    n -= static_cast<std::uint64_t>(w);
+  }
+  return ok_status();
+}
+
+Status read_exact(int fd, void* dst, std::uint64_t n, std::uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t r = ::pread(fd, p, std::min<std::uint64_t>(n, 1ull << 30), static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return io_error("reading '" + path + "' at offset " + std::to_string(offset) + ": " + std::strerror(errno));
+    }
+    if (r == 0) return data_loss("'" + path + "' ends early at offset " + std::to_string(offset));
+    p += r;
+    n -= static_cast<std::uint64_t>(r);
+    offset += static_cast<std::uint64_t>(r);
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+std::uint64_t safetensors_dtype_size(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL") return 1;
+  return 0;
+}
+
+Status SafetensorsWriter::add(const std::string& name, const std::string& dtype, std::vector<std::int64_t> shape,
+                              const void* data, std::uint64_t nbytes) {
+  if (name.empty() || name == "__metadata__") return invalid_argument("safetensors: bad tensor name '" + name + "'");
+  for (const auto& t : tensors_) {
+    if (t.entry.name == name) return invalid_argument("safetensors: tensor '" + name + "' added twice");
+  }
+  std::uint64_t es = safetensors_dtype_size(dtype);
+  if (es == 0) return invalid_argument("safetensors: tensor '" + name + "' has unknown dtype '" + dtype + "'");
+  std::uint64_t numel = 1;
+  for (auto d : shape) {
+    if (d < 0) return invalid_argument("safetensors: tensor '" + name + "' has a negative dimension");
+    numel *= static_cast<std::uint64_t>(d);
+  }
+  if (numel * es != nbytes) {
+    return invalid_argument("safetensors: tensor '" + name + "' has " + std::to_string(nbytes) + " bytes but its shape needs " +
+                            std::to_string(numel * es));
+  }
+  Pending p;
+  p.entry.name = name;
+  p.entry.dtype = dtype;
+  p.entry.shape = std::move(shape);
+  p.entry.data_begin = tensors_.empty() ? 0 : tensors_.back().entry.data_end;
+  p.entry.data_end = p.entry.data_begin + nbytes;
+  p.data = data;
+  tensors_.push_back(std::move(p));
+  return ok_status();
+}
+
+Status SafetensorsWriter::write(const std::string& path) const {
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  for (const auto& t : tensors_) {
+    header[t.entry.name] = {{"dtype", t.entry.dtype}, {"shape", t.entry.shape},
+                            {"data_offsets", {t.entry.data_begin, t.entry.data_end}}};
+  }
+  std::string text = header.dump();
+  while (text.size() % 8 != 0) text += ' ';  // keeps the data section 8-byte aligned
+  std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return io_error("cannot create '" + tmp + "': " + std::strerror(errno));
+  std::uint64_t n = text.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  Status s = write_all(fd, len, 8, tmp);
+  if (s.ok()) s = write_all(fd, text.data(), text.size(), tmp);
+  for (const auto& t : tensors_) {
+    if (!s.ok()) break;
+    s = write_all(fd, t.data, t.entry.nbytes(), tmp);
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = io_error("fsync of '" + tmp + "': " + std::strerror(errno));
+  if (::close(fd) != 0 && s.ok()) s = io_error("closing '" + tmp + "': " + std::strerror(errno));
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = io_error("renaming '" + tmp + "' to '" + path + "': " + std::strerror(errno));
+  }
+  if (!s.ok()) ::unlink(tmp.c_str());
+  return s;
+}
+
+Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return not_found("weights file '" + path + "' cannot be opened: " + std::strerror(errno));
+  struct stat st {};
+  ::fstat(fd, &st);
+  const auto file_size = static_cast<std::uint64_t>(st.st_size);
+  auto fail = [&](const std::string& why) {
+    ::close(fd);
+    return invalid_argument("weights file '" + path + "' is not a valid safetensors file: " + why);
+  };
+  unsigned char len[8];
+  if (file_size < 8 || !read_exact(fd, len, 8, 0, path).ok()) return fail("shorter than its 8-byte header length");
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(len[i]) << (8 * i);
+  if (n > kMaxHeader || 8 + n > file_size) {
+    return fail("header length " + std::to_string(n) + " exceeds the file (" + std::to_string(file_size) + " bytes)");
+  }
+  std::string text(n, '\0');
+  if (!read_exact(fd, text.data(), n, 8, path).ok()) return fail("header cannot be read");
+  ::close(fd);
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    return invalid_argument("weights file '" + path + "': header is not valid JSON: " + e.what());
+  }
+  if (!header.is_object()) return invalid_argument("weights file '" + path + "': header is not a JSON object");
+  SafetensorsFile f;
+  f.path_ = path;
+  f.data_offset_ = 8 + n;
+  const std::uint64_t data_size = file_size - f.data_offset_;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& key = it.key();
+    const auto& v = it.value();
+    auto bad = [&](const std::string& why) {
+      return invalid_argument("weights file '" + path + "': tensor '" + key + "': " + why);
+    };
+    if (key == "__metadata__") {
+      if (!v.is_object()) return bad("__metadata__ must be an object of strings");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) return bad("__metadata__." + m.key() + " must be a string");
+        f.metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
+      return bad("expected an object with dtype, shape and data_offsets");
+    }
+    SafetensorsEntry e;
+    e.name = key;
+    if (!v["dtype"].is_string()) return bad("dtype must be a string");
+    e.dtype = v["dtype"].get<std::string>();
+    std::uint64_t es = safetensors_dtype_size(e.dtype);
+    if (es == 0) return bad("unknown dtype '" + e.dtype + "'");
+    if (!v["shape"].is_array()) return bad("shape must be an array");
+    std::uint64_t numel = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_integer() || d.get<std::int64_t>() < 0) return bad("shape entries must be non-negative integers");
+      e.shape.push_back(d.get<std::int64_t>());
+      numel *= static_cast<std::uint64_t>(e.shape.back());
+    }
+    const auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return bad("data_offsets must be [begin, end]");
+    }
+    e.data_begin = off[0].get<std::uint64_t>();
+    e.data_end = off[1].get<std::uint64_t>();
+    if (e.data_end < e.data_begin || e.data_end > data_size) {
+      return bad("data_offsets [" + std::to_string(e.data_begin) + ", " + std::to_string(e.data_end) +
+                 "] fall outside the data section (" + std::to_string(data_size) + " bytes)");
+    }
+    if (e.nbytes() != numel * es) {
+      return bad("shape needs " + std::to_string(numel * es) + " bytes but data_offsets span " + std::to_string(e.nbytes()));
+    }
+    f.entries_.push_back(std::move(e));
+  }
+  std::vector<const SafetensorsEntry*> sorted;
+  for (const auto& e : f.entries_) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->data_begin < b->data_begin; });
+  for (std::size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i]->data_begin < sorted[i - 1]->data_end) {
+      return invalid_argument("weights file '" + path + "': tensors '" + sorted[i - 1]->name + "' and '" + sorted[i]->name +
+                              "' overlap");
+    }
+  }
+  return f;
+}
+
+const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
+  for (const auto& e : entries_) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+Status SafetensorsFile::read(const std::string& name, void* dst, std::uint64_t nbytes) const {
+  const SafetensorsEntry* e = find(name);
+  if (e == nullptr) return not_found("weights file '" + path_ + "' has no tensor '" + name + "'");
+  if (e->nbytes() != nbytes) {
+    return invalid_argument("weights file '" + path_ + "': tensor '" + name + "' has " + std::to_string(e->nbytes()) +
+                            " bytes, " + std::to_string(nbytes) + " expected");
+  }
+  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return io_error("weights file '" + path_ + "' cannot be opened: " + std::strerror(errno));
+  Status s = read_exact(fd, dst, nbytes, data_offset_ + e->data_begin, path_);
+  ::close(fd);
+  return s;
+}
+
+}  // namespace strata

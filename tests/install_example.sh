@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the build into a scratch prefix, then builds and runs examples/hello_device against
+# the installed package with find_package(Strata) — what a user of the library does.
+set -euo pipefail
+build_dir="$1"
+source_dir="$2"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+cmake --install "$build_dir" --prefix "$scratch/prefix" >/dev/null
+cmake -S "$source_dir/examples/hello_device" -B "$scratch/example" -G Ninja \
+  -DCMAKE_PREFIX_PATH="$scratch/prefix" >/dev/null
+cmake --build "$scratch/example" >/dev/null
+"$scratch/example/hello_device"
+# pkg-config sees the package too.
+PKG_CONFIG_PATH="$scratch/prefix/lib/pkgconfig" pkg-config --cflags --libs strata | grep -q -- "-lstrata"

@@ -1,0 +1,148 @@
+// `strata config FILE [--json] [--data-parallel-size N]` run as a user would: exit codes and output.
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "harness/harness.hpp"
+#include "strata/options.hpp"
+
+namespace strata {
+namespace {
+
+using testing::run_cli;
+using testing::run_command;
+using testing::TempDir;
+using testing::write_file;
+
+constexpr const char* kGood = R"({
+  "train_batch_size": 32,
+  "gradient_accumulation_steps": 2,
+  "bf16": {"enabled": true},
+  "zero_optimization": {
+    "stage": 3,
+    "reduce_bucket_size": 5e7,
+    "offload_param": {"device": "nvme", "nvme_path": "/mnt/nvme0"},
+    "offload_optimizer": {"device": "cpu", "pin_memory": true}
+  },
+  "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "weight_decay": 0.1}},
+  "strata": {"device_memory": "1GiB"}
+})";
+
+// The CLI with no STRATA_<NAME> variable from the machine leaking in.
+testing::CommandResult run_clean(const std::string& env, const std::string& args) {
+  std::string unset;
+  for (const auto& d : option_table()) unset += " -u " + Options::env_name(d);
+  return run_command("env" + unset + " " + env + " " + std::string(STRATA_CLI_PATH) + " " + args);
+}
+
+TEST(CliConfig, ValidFilePrintsTheResolvedSettings) {
+  TempDir dir("strata-cli-config");
+  const std::string file = write_file(dir / "good.json", kGood);
+  auto r = run_clean("", "config " + file);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(file + ": valid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("zero_optimization.offload_param.device"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"nvme\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("zero_optimization.reduce_bucket_size"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("50000000"), std::string::npos) << r.output;
+  // Defaults are filled in, and strata options show their source.
+  EXPECT_NE(r.output.find("aio.queue_depth"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[config strata.device_memory]"), std::string::npos) << r.output;
+}
+
+TEST(CliConfig, JsonOutputIsAValidConfigItself) {
+  TempDir dir("strata-cli-config");
+  const std::string file = write_file(dir / "good.json", kGood);
+  auto r = run_clean("", "config " + file + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  EXPECT_EQ(j["zero_optimization"]["stage"], 3);
+  EXPECT_EQ(j["zero_optimization"]["overlap_comm"], true);  // stage 3's default
+  EXPECT_EQ(j["optimizer"]["type"], "AdamW");
+  EXPECT_EQ(j["strata"]["device_memory"], 1ull << 30);
+  EXPECT_TRUE(j["train_micro_batch_size_per_gpu"].is_null());
+  const std::string again = write_file(dir / "again.json", r.output);
+  auto r2 = run_clean("", "config " + again + " --json");
+  EXPECT_EQ(r2.exit_code, 0) << r2.output;
+  EXPECT_EQ(r2.output, r.output);
+}
+
+TEST(CliConfig, DataParallelSizeDerivesTheBatchSizes) {
+  TempDir dir("strata-cli-config");
+  const std::string file = write_file(dir / "good.json", kGood);
+  auto r = run_clean("", "config " + file + " --json --data-parallel-size 4");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["train_micro_batch_size_per_gpu"], 4);
+  auto bad = run_clean("", "config " + file + " --data-parallel-size 3");
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("train_batch_size (32) is not divisible"), std::string::npos) << bad.output;
+  auto zero = run_clean("", "config " + file + " --data-parallel-size 0");
+  EXPECT_EQ(zero.exit_code, 2) << zero.output;
+}
+
+TEST(CliConfig, EnvironmentOverridesTheFile) {
+  TempDir dir("strata-cli-config");
+  const std::string file = write_file(dir / "good.json", kGood);
+  auto r = run_clean("STRATA_DEVICE_MEMORY=3GiB", "config " + file + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["strata"]["device_memory"], 3ull << 30);
+  auto bad = run_clean("STRATA_DEVICE_MEMORY=lots", "config " + file);
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("STRATA_DEVICE_MEMORY"), std::string::npos) << bad.output;
+}
+
+TEST(CliConfig, InvalidFileListsEveryErrorAndExitsOne) {
+  TempDir dir("strata-cli-config");
+  const std::string file = write_file(dir / "bad.json", R"({
+  "zero_optimization": {"stage": 5, "offload_param": {"device": "gpu"}},
+  "optimizer": {"params": {"betas": [0.9, 1.5]}},
+  "train_batch_sise": 8
+})");
+  auto r = run_clean("", "config " + file);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  for (const char* needle : {": zero_optimization.stage: expected an integer in [0, 3], found 5",
+                             ": zero_optimization.offload_param.device: expected one of \"none\", \"cpu\", "
+                             "\"nvme\", found \"gpu\"",
+                             ": optimizer.params.betas[1]: expected a number in [0, 1), found 1.5",
+                             ": train_batch_sise: unknown key; did you mean 'train_batch_size'?"}) {
+    EXPECT_NE(r.output.find(file + needle), std::string::npos) << needle << "\n" << r.output;
+  }
+  EXPECT_EQ(r.output.find(": valid"), std::string::npos) << r.output;
+}
+
+TEST(CliConfig, InvalidJsonNamesLineAndColumn) {
+  TempDir dir("strata-cli-config");
+  const std::string file =
+      write_file(dir / "broken.json", "{\n  \"fp16\": {\n    \"enabled\": true,\n  }\n}\n");
+  auto r = run_clean("", "config " + file);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(file + ":4:3: invalid JSON"), std::string::npos) << r.output;
+}
+
+TEST(CliConfig, MissingFileExitsOne) {
+  TempDir dir("strata-cli-config");
+  auto r = run_clean("", "config " + (dir / "nope.json").string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("nope.json': No such file or directory"), std::string::npos) << r.output;
+}
+
+TEST(CliConfig, UsageErrorsExitTwo) {
+  auto none = run_cli("config");
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("no config FILE given"), std::string::npos) << none.output;
+  EXPECT_NE(none.output.find("usage: strata config FILE"), std::string::npos) << none.output;
+  auto flag = run_cli("config x.json --jsn");
+  EXPECT_EQ(flag.exit_code, 2) << flag.output;
+  EXPECT_NE(flag.output.find("unknown flag '--jsn'"), std::string::npos) << flag.output;
+  auto two = run_cli("config a.json b.json");
+  EXPECT_EQ(two.exit_code, 2) << two.output;
+  auto dp = run_cli("config a.json --data-parallel-size many");
+  EXPECT_EQ(dp.exit_code, 2) << dp.output;
+  auto help = run_cli("config --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  EXPECT_NE(help.output.find("--json"), std::string::npos) << help.output;
+}
+
+}  // namespace
+}  // namespace strata
