@@ -1,9 +1,11 @@
 // The DeepSpeed loss scaler: state machine transitions (hysteresis, window, floor, static scale),
-// fp16 JSON parsing and checkpoint state.
+// its settings from the config's fp16 section, and checkpoint state; optimizer hyperparameters
+// from the config's optimizer section.
 #include <cmath>
 #include <vector>
 
 #include "harness/harness.hpp"
+#include "strata/config.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
@@ -121,54 +123,77 @@ TEST(LossScaler, StaticScaleNeverMovesButStillSkipsOverflow) {
   }
 }
 
-TEST(LossScaler, ParsesDeepSpeedFp16Section) {
-  auto c = LossScalerConfig::from_json(R"({"enabled": true, "auto_cast": false, "loss_scale": 0,
-      "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 3,
-      "consecutive_hysteresis": true, "min_loss_scale": 0.5})");
-  ASSERT_TRUE(c.ok()) << c.status().to_string();
-  EXPECT_TRUE(c->enabled);
-  EXPECT_EQ(c->loss_scale, 0.0);
-  EXPECT_EQ(c->initial_scale_power, 12);
-  EXPECT_EQ(c->loss_scale_window, 500);
-  EXPECT_EQ(c->hysteresis, 3);
-  EXPECT_TRUE(c->consecutive_hysteresis);
-  EXPECT_EQ(c->min_loss_scale, 0.5);
-  // Defaults are DeepSpeed's.
-  auto d = LossScalerConfig::from_json("{}");
+TEST(LossScaler, ComesFromTheConfigsFp16Section) {
+  auto cfg = parse_config(R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+      "loss_scale_window": 500, "hysteresis": 3, "consecutive_hysteresis": true, "min_loss_scale": 0.5}})",
+                          "test.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  const LossScalerConfig c = LossScalerConfig::from_config(cfg->fp16);
+  EXPECT_TRUE(c.enabled);
+  EXPECT_EQ(c.loss_scale, 0.0);
+  EXPECT_EQ(c.initial_scale_power, 12);
+  EXPECT_EQ(c.loss_scale_window, 500);
+  EXPECT_EQ(c.hysteresis, 3);
+  EXPECT_TRUE(c.consecutive_hysteresis);
+  EXPECT_EQ(c.min_loss_scale, 0.5);
+  EXPECT_EQ(make(c).scale(), 4096.0);
+  // DeepSpeed's defaults when the section is absent.
+  auto d = parse_config("{}", "empty.json");
   ASSERT_TRUE(d.ok());
-  EXPECT_EQ(d->initial_scale_power, 16);
-  EXPECT_EQ(d->loss_scale_window, 1000);
-  EXPECT_EQ(d->hysteresis, 2);
-  EXPECT_EQ(d->min_loss_scale, 1.0);
-  EXPECT_EQ(make(*d).scale(), 65536.0);
-  // Whole-number floats are accepted where integers are expected (JSON writers emit 1000.0).
-  auto f = LossScalerConfig::from_json(R"({"loss_scale_window": 1000.0})");
-  ASSERT_TRUE(f.ok());
-  EXPECT_EQ(f->loss_scale_window, 1000);
+  const LossScalerConfig dc = LossScalerConfig::from_config(d->fp16);
+  EXPECT_EQ(dc.loss_scale_window, 1000);
+  EXPECT_EQ(dc.hysteresis, 2);
+  EXPECT_EQ(make(dc).scale(), 65536.0);
 }
 
-TEST(LossScaler, RejectsBadFp16Sections) {
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"loss_scale_windw\": 10}"), kInvalidArgument,
-                      "fp16.loss_scale_windw: unknown key");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"hysteresis\": \"2\"}"), kInvalidArgument,
+TEST(LossScaler, RejectsBadSettings) {
+  auto with = [](auto edit) {
+    LossScalerConfig c;
+    edit(c);
+    return LossScaler::create(c);
+  };
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) { c.hysteresis = 0; }), kInvalidArgument,
                       "fp16.hysteresis");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"hysteresis\": 1.5}"), kInvalidArgument,
-                      "fp16.hysteresis");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"hysteresis\": 0}"), kInvalidArgument,
-                      "fp16.hysteresis");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"loss_scale\": -1}"), kInvalidArgument,
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) { c.loss_scale = -1; }), kInvalidArgument,
                       "fp16.loss_scale");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"loss_scale_window\": 0}"), kInvalidArgument,
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) { c.loss_scale_window = 0; }), kInvalidArgument,
                       "fp16.loss_scale_window");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"initial_scale_power\": 200}"), kInvalidArgument,
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) { c.initial_scale_power = 200; }), kInvalidArgument,
                       "fp16.initial_scale_power");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"min_loss_scale\": 0}"), kInvalidArgument,
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) { c.min_loss_scale = 0; }), kInvalidArgument,
                       "fp16.min_loss_scale");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"initial_scale_power\": 0, \"min_loss_scale\": 4}"),
+  STRATA_EXPECT_ERROR(with([](LossScalerConfig& c) {
+                        c.initial_scale_power = 0;
+                        c.min_loss_scale = 4;
+                      }),
                       kInvalidArgument, "starts below");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"enabled\": 1}"), kInvalidArgument, "fp16.enabled");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("[1, 2]"), kInvalidArgument, "expected a JSON object");
-  STRATA_EXPECT_ERROR(LossScalerConfig::from_json("{\"loss_scale\": "), kInvalidArgument, "not valid JSON");
+}
+
+TEST(OptimizerHyperFromConfig, MapsDeepSpeedOptimizerSections) {
+  auto adam = parse_config(R"({"optimizer": {"type": "Adam", "params": {"lr": 0.002, "betas": [0.8, 0.99],
+      "eps": 1e-6, "weight_decay": 0.1}}})",
+                           "a.json");
+  ASSERT_TRUE(adam.ok()) << adam.status().to_string();
+  const OptimizerHyper h = OptimizerHyper::from_config(adam->optimizer);
+  EXPECT_EQ(h.kind, OptimizerKind::kAdamW);  // adam_w_mode defaults to true, as in DeepSpeed
+  EXPECT_EQ(h.lr, 0.002);
+  EXPECT_EQ(h.beta1, 0.8);
+  EXPECT_EQ(h.beta2, 0.99);
+  EXPECT_EQ(h.eps, 1e-6);
+  EXPECT_EQ(h.weight_decay, 0.1);
+  auto l2 = parse_config(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})", "b.json");
+  ASSERT_TRUE(l2.ok()) << l2.status().to_string();
+  EXPECT_EQ(OptimizerHyper::from_config(l2->optimizer).kind, OptimizerKind::kAdam);
+  auto lion = parse_config(R"({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})", "c.json");
+  ASSERT_TRUE(lion.ok()) << lion.status().to_string();
+  EXPECT_EQ(OptimizerHyper::from_config(lion->optimizer).kind, OptimizerKind::kLion);
+  STRATA_EXPECT_OK(OptimizerHyper::from_config(lion->optimizer).validate());
+  auto ada = parse_config(R"({"optimizer": {"type": "Adagrad"}})", "d.json");
+  ASSERT_TRUE(ada.ok()) << ada.status().to_string();
+  const OptimizerHyper a = OptimizerHyper::from_config(ada->optimizer);
+  EXPECT_EQ(a.kind, OptimizerKind::kAdagrad);
+  EXPECT_EQ(a.lr, 1e-2);
+  EXPECT_EQ(a.eps, 1e-10);
 }
 
 TEST(LossScaler, StateRoundTripsAndRestoreValidates) {

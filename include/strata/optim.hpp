@@ -33,6 +33,8 @@
 namespace strata {
 
 class Options;
+struct Fp16Config;       // config.hpp
+struct OptimizerConfig;  // config.hpp
 
 // ---- Element types and optimizer kinds ------------------------------------------------------
 
@@ -53,19 +55,22 @@ std::string_view to_string(OptimizerKind kind);
 // Case-insensitive: "adamw", "adam", "lion", "adagrad" (DeepSpeed's "AdamW" works).
 Result<OptimizerKind> parse_optimizer_kind(std::string_view text);
 
-// Hyperparameters of one parameter group. Defaults follow torch.optim for each kind
-// (see defaults()); fields that a kind does not use are ignored.
+// Hyperparameters of one parameter group. Defaults are DeepSpeed's for each kind (see defaults());
+// fields that a kind does not use are ignored.
 struct OptimizerHyper {
   OptimizerKind kind = OptimizerKind::kAdamW;
   double lr = 1e-3;
   double beta1 = 0.9;    // Adam/AdamW/Lion
-  double beta2 = 0.999;  // Adam/AdamW/Lion (Lion's default is 0.99)
+  double beta2 = 0.999;  // Adam/AdamW/Lion
   double eps = 1e-8;     // Adam/AdamW/Adagrad
   double weight_decay = 0.0;
   bool bias_correction = true;  // Adam/AdamW
   double lr_decay = 0.0;        // Adagrad: lr / (1 + (step - 1) * lr_decay)
 
   static OptimizerHyper defaults(OptimizerKind kind);
+  // From the config's `optimizer` section: "Adam" with adam_w_mode (the default) is AdamW,
+  // without it Adam with L2 weight decay.
+  static OptimizerHyper from_config(const OptimizerConfig& config);
   // Every field in range (lr >= 0, 0 <= beta < 1, eps >= 0, finite values); the error names the
   // field, e.g. "optimizer.beta2 = 1.5 is not in [0, 1)".
   Status validate() const;
@@ -187,9 +192,8 @@ struct LossScalerConfig {
   // instead of continuing at the floor.
   bool raise_error_at_min_scale = true;
 
-  // Parses the JSON object of DeepSpeed's "fp16" section. Unknown keys and wrong types are
-  // errors naming "fp16.<key>". "auto_cast" is accepted (it concerns the engine).
-  static Result<LossScalerConfig> from_json(std::string_view fp16_object);
+  // From the config's parsed `fp16` section (config.hpp), which carries the same keys.
+  static LossScalerConfig from_config(const Fp16Config& fp16);
   Status validate() const;
 };
 

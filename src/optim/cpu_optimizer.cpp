@@ -11,6 +11,7 @@
 #include <string>
 
 #include "optim/kernels.hpp"
+#include "strata/config.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
 #include "strata/options.hpp"
@@ -224,24 +225,38 @@ void round_with_isa(CpuIsa isa, const float* in, std::uint16_t* out, OptimDType 
 // ---- Hyperparameters --------------------------------------------------------------------------
 
 OptimizerHyper OptimizerHyper::defaults(OptimizerKind kind) {
-  OptimizerHyper h;
+  OptimizerHyper h;  // Adam/AdamW/Lion: lr 1e-3, betas (0.9, 0.999), no weight decay
   h.kind = kind;
-  switch (kind) {
-    case OptimizerKind::kAdamW:
-      h.weight_decay = 0.01;  // torch.optim.AdamW's default
+  if (kind == OptimizerKind::kLion) h.eps = 0.0;
+  if (kind == OptimizerKind::kAdagrad) {
+    h.lr = 1e-2;
+    h.eps = 1e-10;
+  }
+  return h;
+}
+
+OptimizerHyper OptimizerHyper::from_config(const OptimizerConfig& config) {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  switch (config.type) {
+    case OptimizerType::kAdam:
+      kind = config.adam_w_mode ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
       break;
-    case OptimizerKind::kAdam:
+    case OptimizerType::kAdamW:
+      kind = OptimizerKind::kAdamW;
       break;
-    case OptimizerKind::kLion:
-      h.lr = 1e-4;
-      h.beta2 = 0.99;
-      h.eps = 0.0;
+    case OptimizerType::kLion:
+      kind = OptimizerKind::kLion;
       break;
-    case OptimizerKind::kAdagrad:
-      h.lr = 1e-2;
-      h.eps = 1e-10;
+    case OptimizerType::kAdagrad:
+      kind = OptimizerKind::kAdagrad;
       break;
   }
+  OptimizerHyper h = defaults(kind);
+  h.lr = config.lr;
+  h.beta1 = config.betas[0];
+  h.beta2 = config.betas[1];
+  if (kind != OptimizerKind::kLion) h.eps = config.eps;
+  h.weight_decay = config.weight_decay;
   return h;
 }
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "strata/config.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
@@ -43,60 +44,15 @@ Status LossScalerConfig::validate() const {
   return ok_status();
 }
 
-Result<LossScalerConfig> LossScalerConfig::from_json(std::string_view fp16_object) {
-  using nlohmann::json;
-  json j = json::parse(fp16_object, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return invalid_argument("fp16: not valid JSON");
-  if (!j.is_object())
-    return invalid_argument("fp16: expected a JSON object, got " + std::string(j.type_name()));
+LossScalerConfig LossScalerConfig::from_config(const Fp16Config& fp16) {
   LossScalerConfig c;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& key = it.key();
-    const json& v = it.value();
-    auto want = [&](const char* what) {
-      return invalid_argument("fp16." + key + ": expected " + what + ", got " + v.dump());
-    };
-    auto as_int = [&](int& out) -> Status {
-      if (v.is_number_integer() || v.is_number_unsigned()) {
-        const auto x = v.get<long long>();
-        if (x < -(1LL << 30) || x > (1LL << 30)) return want("an integer of reasonable size");
-        out = static_cast<int>(x);
-        return ok_status();
-      }
-      if (v.is_number_float() && v.get<double>() == std::floor(v.get<double>()) &&
-          std::fabs(v.get<double>()) < 1e9) {
-        out = static_cast<int>(v.get<double>());
-        return ok_status();
-      }
-      return want("an integer");
-    };
-    if (key == "enabled") {
-      if (!v.is_boolean()) return want("true or false");
-      c.enabled = v.get<bool>();
-    } else if (key == "auto_cast") {
-      if (!v.is_boolean()) return want("true or false");  // the engine's concern, accepted here
-    } else if (key == "loss_scale") {
-      if (!v.is_number()) return want("a number");
-      c.loss_scale = v.get<double>();
-    } else if (key == "initial_scale_power") {
-      STRATA_RETURN_IF_ERROR(as_int(c.initial_scale_power));
-    } else if (key == "loss_scale_window") {
-      STRATA_RETURN_IF_ERROR(as_int(c.loss_scale_window));
-    } else if (key == "hysteresis") {
-      STRATA_RETURN_IF_ERROR(as_int(c.hysteresis));
-    } else if (key == "consecutive_hysteresis") {
-      if (!v.is_boolean()) return want("true or false");
-      c.consecutive_hysteresis = v.get<bool>();
-    } else if (key == "min_loss_scale") {
-      if (!v.is_number()) return want("a number");
-      c.min_loss_scale = v.get<double>();
-    } else {
-      return invalid_argument("fp16." + key +
-                              ": unknown key (known: enabled, auto_cast, loss_scale, initial_scale_power, "
-                              "loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale)");
-    }
-  }
-  STRATA_RETURN_IF_ERROR(c.validate());
+  c.enabled = fp16.enabled;
+  c.loss_scale = fp16.loss_scale;
+  c.initial_scale_power = fp16.initial_scale_power;
+  c.loss_scale_window = fp16.loss_scale_window;
+  c.hysteresis = fp16.hysteresis;
+  c.consecutive_hysteresis = fp16.consecutive_hysteresis;
+  c.min_loss_scale = fp16.min_loss_scale;
   return c;
 }
 
