@@ -277,7 +277,8 @@ void fill_grads(State& s, int t) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::uniform_real_distribution<float> expo(-4.0f, 1.0f);
     g.resize(s.n);
-    for (std::size_t i = 0; i < s.n; ++i) g[i] = static_cast<float>(64.0 * std::pow(10.0f, expo(rng)) * normal(rng));
+    for (std::size_t i = 0; i < s.n; ++i)
+      g[i] = static_cast<float>(64.0 * std::pow(10.0f, expo(rng)) * normal(rng));
   }
   for (std::size_t i = 0; i < s.n; ++i) s.set_grad(i, g[i]);
 }

@@ -190,16 +190,14 @@ void parallel_ranges(std::size_t n, int threads, std::size_t granule,
     fn(ctx, 0, n);
     return;
   }
-  const std::size_t units = (n + granule - 1) / granule;
-#pragma omp parallel num_threads(team)
-  {
-    // The runtime may give fewer threads than asked (nested regions, limits): split by what we got.
-    const std::size_t id = static_cast<std::size_t>(omp_get_thread_num());
-    const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
-    const std::size_t begin = std::min(n, units * id / nt * granule);
-    const std::size_t end = std::min(n, units * (id + 1) / nt * granule);
-    if (begin < end) fn(ctx, begin, end);
-  }
+  // Chunks handed out dynamically, about 16 per thread: the host cores are shared (device
+  // compute threads, I/O, other processes), and a thread that loses its core for a while must
+  // not hold up the whole update. Results do not depend on the split (elements are independent).
+  const std::size_t target = std::max(kMinElementsPerThread, n / (static_cast<std::size_t>(team) * 16));
+  const std::size_t chunk = (target + granule - 1) / granule * granule;
+  const std::size_t chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+  for (std::size_t c = 0; c < chunks; ++c) fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
 }
 
 void stream_parallel(CpuIsa isa, int threads, const StreamArgs& a, std::size_t n) {

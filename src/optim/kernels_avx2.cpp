@@ -15,7 +15,7 @@ namespace strata::optim_detail {
 namespace {
 
 // 8 x uint32 (each <= 0xffff) -> 8 x uint16.
-inline __m128i narrow_u32(__m256i x) {
+inline __attribute__((always_inline)) __m128i narrow_u32(__m256i x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
@@ -24,70 +24,64 @@ struct Ops {
   using I = __m256i;
   static constexpr std::size_t kW = 8;
 
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  __attribute__((always_inline)) static V set1(float x) { return _mm256_set1_ps(x); }
+  __attribute__((always_inline)) static V load(const float* p) { return _mm256_loadu_ps(p); }
+  __attribute__((always_inline)) static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
 
-  static V load_bf16(const std::uint16_t* p) {
+  __attribute__((always_inline)) static V load_bf16(const std::uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static __m256i nan_mask(__m256i u) {
-    // Both sides are below 2^31, so the signed compare is an unsigned one.
-    return _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                              _mm256_set1_epi32(0x7f800000));
+  __attribute__((always_inline)) static __m256i nan_mask(V x) {
+    return _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
-  static void store_bf16(std::uint16_t* p, V x) {
+  __attribute__((always_inline)) static void store_bf16(std::uint16_t* p, V x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     const __m256i rounded =
         _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     narrow_u32(_mm256_blendv_epi8(rounded, quiet, nan_mask(u))));
+                     narrow_u32(_mm256_blendv_epi8(rounded, quiet, nan_mask(x))));
   }
-  static void store_bf16_stochastic(std::uint16_t* p, V x, I noise) {
+  __attribute__((always_inline)) static void store_bf16_stochastic(std::uint16_t* p, V x, I noise) {
     const __m256i u = _mm256_castps_si256(x);
-    const __m256i rounded =
-        _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(noise, _mm256_set1_epi32(0xffff))), 16);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, noise), 16);
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     narrow_u32(_mm256_blendv_epi8(rounded, quiet, nan_mask(u))));
+                     narrow_u32(_mm256_blendv_epi8(rounded, quiet, nan_mask(x))));
   }
-  static void store_bf16_truncate(std::uint16_t* p, V x) {
+  __attribute__((always_inline)) static void store_bf16_truncate(std::uint16_t* p, V x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      narrow_u32(_mm256_srli_epi32(_mm256_castps_si256(x), 16)));
   }
-  static V load_f16(const std::uint16_t* p) {
+  __attribute__((always_inline)) static V load_f16(const std::uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_f16(std::uint16_t* p, V x) {
+  __attribute__((always_inline)) static void store_f16(std::uint16_t* p, V x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm256_div_ps(a, b); }
-  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V sign(V x) {
+  __attribute__((always_inline)) static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  __attribute__((always_inline)) static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  __attribute__((always_inline)) static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  __attribute__((always_inline)) static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  __attribute__((always_inline)) static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  __attribute__((always_inline)) static V sign(V x) {
     const V zero = _mm256_setzero_ps();
     V r = _mm256_blendv_ps(x, _mm256_set1_ps(1.0f), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
     return _mm256_blendv_ps(r, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
   }
 
-  static I noise(std::uint32_t base, std::uint32_t index) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), iota),
-                                 _mm256_set1_epi32(static_cast<int>(base)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  __attribute__((always_inline)) static I noise(std::uint32_t base, std::uint32_t index) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(static_cast<int>(kNoiseMul1)));
+    __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index * kNoiseMul1)), step);
+    x = _mm256_xor_si256(x, _mm256_set1_epi32(static_cast<int>(base)));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kNoiseMul2)));
+    return _mm256_srli_epi32(x, 16);
   }
-  static I shr16(I x) { return _mm256_srli_epi32(x, 16); }
 };
 
 #include "optim/kernel_body.inc"

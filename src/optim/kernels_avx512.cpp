@@ -12,83 +12,125 @@
 // GCC 12 reports its own _mm512_undefined_* placeholders in avx512fintrin.h as maybe-uninitialized.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 
 namespace strata::optim_detail {
 namespace {
 
+// 32 lanes as two zmm halves: elements i..i+15 in `lo`, i+16..i+31 in `hi`. Working on 32 at a
+// time lets one 64-byte store carry 32 bf16 results (one two-source word permute packs the high
+// halves of both), which matters because the update runs close to the memory bandwidth.
+struct V32 {
+  __m512 lo, hi;
+};
+struct I32 {
+  __m512i lo, hi;
+};
+
+// Word j of the result is the high word of dword j of (a, b) taken as one 32-dword vector.
+inline __attribute__((always_inline)) __m512i pack_high_words(__m512i a, __m512i b) {
+  // _mm512_set_epi16 lists words from the highest down: word j holds 2j + 1.
+  const __m512i idx = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                       27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_permutex2var_epi16(a, idx, b);
+}
+
+// fp32 -> bf16 round to nearest even, still in the high word of each dword (numerics.hpp
+// f32_to_bf16): NaN lanes get the quiet bit instead of a rounding increment.
+inline __attribute__((always_inline)) __m512i round_bf16_high(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+}
+
+// Stochastic: add 16 bits of noise below the kept half (numerics.hpp f32_to_bf16_stochastic).
+inline __attribute__((always_inline)) __m512i round_bf16_stochastic_high(__m512 x, __m512i noise) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i r = _mm512_add_epi32(u, noise);
+  return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+}
+
+inline __attribute__((always_inline)) __m512 widen_bf16(const std::uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+inline __attribute__((always_inline)) __m512i noise16(std::uint32_t base, std::uint32_t index,
+                                                      int first_lane) {
+  const __m512i lanes = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(first_lane));
+  const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(kNoiseMul1)));
+  __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index * kNoiseMul1)), offsets);
+  x = _mm512_xor_si512(x, _mm512_set1_epi32(static_cast<int>(base)));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kNoiseMul2)));
+  return _mm512_srli_epi32(x, 16);
+}
+
 struct Ops {
-  using V = __m512;
-  using I = __m512i;
-  static constexpr std::size_t kW = 16;
+  using V = V32;
+  using I = I32;
+  static constexpr std::size_t kW = 32;
 
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-
-  static V load_bf16(const std::uint16_t* p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  __attribute__((always_inline)) static V set1(float x) {
+    const __m512 v = _mm512_set1_ps(x);
+    return {v, v};
   }
-  // Nearest even, NaN quieted (numerics.hpp f32_to_bf16).
-  static __m256i to_bf16(V x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+  __attribute__((always_inline)) static V load(const float* p) {
+    return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)};
   }
-  static void store_bf16(std::uint16_t* p, V x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
+  __attribute__((always_inline)) static void store(float* p, V x) {
+    _mm512_storeu_ps(p, x.lo);
+    _mm512_storeu_ps(p + 16, x.hi);
   }
-  static void store_bf16_stochastic(std::uint16_t* p, V x, I noise) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff))), 16);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+  __attribute__((always_inline)) static V load_bf16(const std::uint16_t* p) {
+    return {widen_bf16(p), widen_bf16(p + 16)};
   }
-  static void store_bf16_truncate(std::uint16_t* p, V x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+  __attribute__((always_inline)) static void store_bf16(std::uint16_t* p, V x) {
+    _mm512_storeu_si512(p, pack_high_words(round_bf16_high(x.lo), round_bf16_high(x.hi)));
   }
-  static V load_f16(const std::uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  __attribute__((always_inline)) static void store_bf16_stochastic(std::uint16_t* p, V x, I noise) {
+    _mm512_storeu_si512(p, pack_high_words(round_bf16_stochastic_high(x.lo, noise.lo),
+                                           round_bf16_stochastic_high(x.hi, noise.hi)));
   }
-  static void store_f16(std::uint16_t* p, V x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __attribute__((always_inline)) static void store_bf16_truncate(std::uint16_t* p, V x) {
+    _mm512_storeu_si512(p, pack_high_words(_mm512_castps_si512(x.lo), _mm512_castps_si512(x.hi)));
+  }
+  __attribute__((always_inline)) static V load_f16(const std::uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)))};
+  }
+  __attribute__((always_inline)) static void store_f16(std::uint16_t* p, V x) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.lo, kRound));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_cvtps_ph(x.hi, kRound));
   }
 
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V div(V a, V b) { return _mm512_div_ps(a, b); }
-  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V sign(V x) {
-    const V zero = _mm512_setzero_ps();
-    V r = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+  __attribute__((always_inline)) static V add(V a, V b) {
+    return {_mm512_add_ps(a.lo, b.lo), _mm512_add_ps(a.hi, b.hi)};
+  }
+  __attribute__((always_inline)) static V mul(V a, V b) {
+    return {_mm512_mul_ps(a.lo, b.lo), _mm512_mul_ps(a.hi, b.hi)};
+  }
+  __attribute__((always_inline)) static V div(V a, V b) {
+    return {_mm512_div_ps(a.lo, b.lo), _mm512_div_ps(a.hi, b.hi)};
+  }
+  __attribute__((always_inline)) static V sqrt(V a) { return {_mm512_sqrt_ps(a.lo), _mm512_sqrt_ps(a.hi)}; }
+  __attribute__((always_inline)) static V fma(V a, V b, V c) {
+    return {_mm512_fmadd_ps(a.lo, b.lo, c.lo), _mm512_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+  __attribute__((always_inline)) static __m512 sign1(__m512 x) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 r = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
     return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
   }
+  __attribute__((always_inline)) static V sign(V x) { return {sign1(x.lo), sign1(x.hi)}; }
 
-  static I noise(std::uint32_t base, std::uint32_t index) {
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i x = _mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)), iota),
-                                 _mm512_set1_epi32(static_cast<int>(base)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  __attribute__((always_inline)) static I noise(std::uint32_t base, std::uint32_t index) {
+    return {noise16(base, index, 0), noise16(base, index, 16)};
   }
-  static I shr16(I x) { return _mm512_srli_epi32(x, 16); }
 };
 
 #include "optim/kernel_body.inc"
@@ -118,19 +160,22 @@ double scan_range_avx512(void* grad, OptimDType dtype, std::size_t begin, std::s
   for (; i + 16 <= end; i += 16) {
     __m512 y;
     if (dtype == OptimDType::kF32) {
-      y = _mm512_mul_ps(Ops::load(f32 + i), s);
-      if (write_back) Ops::store(f32 + i, y);
+      y = _mm512_mul_ps(_mm512_loadu_ps(f32 + i), s);
+      if (write_back) _mm512_storeu_ps(f32 + i, y);
     } else if (dtype == OptimDType::kBF16) {
-      y = _mm512_mul_ps(Ops::load_bf16(u16 + i), s);
+      y = _mm512_mul_ps(widen_bf16(u16 + i), s);
       if (write_back) {
-        Ops::store_bf16(u16 + i, y);
-        y = Ops::load_bf16(u16 + i);  // the norm is of what the update will read
+        const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high(y), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u16 + i), h);
+        y = widen_bf16(u16 + i);  // the norm is of what the update will read
       }
     } else {
-      y = _mm512_mul_ps(Ops::load_f16(u16 + i), s);
+      const auto* h = reinterpret_cast<__m256i*>(u16 + i);
+      y = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(h)), s);
       if (write_back) {
-        Ops::store_f16(u16 + i, y);
-        y = Ops::load_f16(u16 + i);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(u16 + i),
+                            _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        y = _mm512_cvtph_ps(_mm256_loadu_si256(h));
       }
     }
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(y));

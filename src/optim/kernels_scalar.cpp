@@ -35,8 +35,7 @@ struct Ops {
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V sign(V x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
 
-  static I noise(std::uint32_t base, std::uint32_t index) { return mix32(index ^ base); }
-  static I shr16(I x) { return x >> 16; }
+  static I noise(std::uint32_t base, std::uint32_t index) { return rounding_noise(base, index); }
 };
 
 #include "optim/kernel_body.inc"

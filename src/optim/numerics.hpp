@@ -47,12 +47,12 @@ STRATA_HD std::uint16_t f32_to_bf16(float f) {
   return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Stochastic rounding: add 16 random bits below the kept part, then truncate. Unbiased in
+// Stochastic rounding: add 16 random bits (noise16 < 2^16) below the kept part, then truncate. Unbiased in
 // expectation, which is what keeps slowly moving bf16 moments from stalling.
 STRATA_HD std::uint16_t f32_to_bf16_stochastic(float f, std::uint32_t noise16) {
   const std::uint32_t u = f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<std::uint16_t>((u + (noise16 & 0xffffu)) >> 16);
+  return static_cast<std::uint16_t>((u + noise16) >> 16);
 }
 
 STRATA_HD float bf16_to_f32(std::uint16_t h) { return bits_f32(static_cast<std::uint32_t>(h) << 16); }
@@ -100,9 +100,16 @@ STRATA_HD float f16_to_f32(std::uint16_t h) {
   return bits_f32(sign | (e << 23) | ((mant & 0x3ffu) << 13));
 }
 
-// The stochastic-rounding key of an element: a 32-bit mix of (element index, step, seed).
-// Elements 2^32 apart share a stream, which is harmless for rounding noise. The per-call part
-// (step, seed) is folded into `base` once; per element it is one xor and the finaliser.
+// The stochastic-rounding noise of an element: 16 bits from a hash of (element index, step,
+// seed). The per-call part (step, seed) is mixed once into `base`; per element it is
+// ((index * K1) ^ base) * K2, of which the top 16 bits are used (the top bits of a product depend
+// on every bit of its input). Two multiplies and a shift per vector: the bf16-moment update runs
+// close to the memory bandwidth, so the hash has to be cheap. Elements 2^32 apart share a stream,
+// which is harmless for rounding noise. m and v of an element use the same noise; each is still
+// rounded without bias.
+inline constexpr std::uint32_t kNoiseMul1 = 0x9e3779b1u;
+inline constexpr std::uint32_t kNoiseMul2 = 0x85ebca6bu;
+
 STRATA_HD std::uint32_t mix32(std::uint32_t x) {
   x ^= x >> 16;
   x *= 0x85ebca6bu;
@@ -114,9 +121,8 @@ STRATA_HD std::uint32_t mix32(std::uint32_t x) {
 STRATA_HD std::uint32_t rounding_base(std::int64_t step, std::uint32_t seed) {
   return mix32(static_cast<std::uint32_t>(step) * 0x9e3779b9u ^ mix32(seed + 0x632be5abu));
 }
-// Low 16 bits round exp_avg, high 16 bits round exp_avg_sq.
 STRATA_HD std::uint32_t rounding_noise(std::uint32_t base, std::uint64_t index) {
-  return mix32(static_cast<std::uint32_t>(index) ^ base);
+  return (((static_cast<std::uint32_t>(index) * kNoiseMul1) ^ base) * kNoiseMul2) >> 16;
 }
 
 // Everything the update needs per step, computed once in double and rounded to fp32, so every
