@@ -31,6 +31,9 @@ constexpr FlagSpec kFlags[] = {
     {"reps", "R", "timed repetitions per variant; the median is reported (default 7)"},
     {"threads", "T", "OpenMP threads (default: host_threads if set, else every core)"},
     {"isa", "ISA", "auto, avx512, avx2 or scalar (default: the adam_isa tunable)"},
+    {"clock", "wall|cpu",
+     "time by the wall clock (default) or by the process's CPU time; with --threads 1, cpu "
+     "is the time the thread actually ran, for machines shared with other work"},
     {"help", "", "show this help"},
 };
 
@@ -93,7 +96,8 @@ float pseudo(std::uint64_t i, std::uint32_t salt) {
          1.0f;
 }
 
-Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::size_t n, int reps) {
+Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::size_t n, int reps,
+                            bool cpu_clock) {
   const std::size_t gsize = size_of(var.grad);
   const std::size_t msize = size_of(var.moments);
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer master, AlignedBuffer::allocate(n * 4));
@@ -160,15 +164,16 @@ Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::si
     for (int k = 0; k < 2; ++k) {
       const double cpu0 = process_cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
-      if ((k == 0) == (r % 2 == 0)) {
+      const bool update_turn = (k == 0) == (r % 2 == 0);
+      if (update_turn) {
         STRATA_RETURN_IF_ERROR(opt.update(hyper, ++step, 1.0f, b));
-        tu = seconds_since(t0);
-        if (r > 0) shares.push_back((process_cpu_seconds() - cpu0) / (tu * opt.threads()));
       } else {
         optim_detail::stream_parallel(opt.isa(), opt.threads(), s, n);
-        tr = seconds_since(t0);
-        if (r > 0) shares.push_back((process_cpu_seconds() - cpu0) / (tr * opt.threads()));
       }
+      const double wall = seconds_since(t0);
+      const double cpu = process_cpu_seconds() - cpu0;
+      if (r > 0) shares.push_back(cpu / (wall * opt.threads()));
+      (update_turn ? tu : tr) = cpu_clock ? cpu / opt.threads() : wall;
     }
     if (r > 0) {
       t_update.push_back(tu);
@@ -209,6 +214,10 @@ int bench_adam(std::span<const std::string> argv) {
   if (*params < 1) return usage_error("bench adam", "--params must be at least 1", usage());
   if (*reps < 1 || *reps > 1000) return usage_error("bench adam", "--reps must be in [1, 1000]", usage());
   if (*threads_flag < 0) return usage_error("bench adam", "--threads must be >= 1", usage());
+  const std::string clock = args.get("clock").value_or("wall");
+  if (clock != "wall" && clock != "cpu")
+    return usage_error("bench adam", "--clock must be wall or cpu", usage());
+  const bool cpu_clock = clock == "cpu";
 
   Options options;
   if (Status s = options.load_env(); !s.ok()) {
@@ -245,10 +254,11 @@ int bench_adam(std::span<const std::string> argv) {
   out["isa"] = std::string(to_string(opt->isa()));
   out["threads"] = opt->threads();
   out["reps"] = *reps;
+  out["clock"] = clock;
   out["variants"] = nlohmann::json::array();
   double base_mparams = 0;
   for (const Variant& var : kVariants) {
-    auto f = run_variant(var, *opt, n, static_cast<int>(*reps));
+    auto f = run_variant(var, *opt, n, static_cast<int>(*reps), cpu_clock);
     if (!f.ok()) {
       std::fprintf(stderr, "strata bench adam: %s: %s\n", var.name, f.status().to_string().c_str());
       return kExitFailure;
