@@ -61,6 +61,9 @@ TEST(Options, EnvironmentOverridesAndBadValuesNameTheVariable) {
   ::setenv("STRATA_DEVICE_MEMORY", "lots", 1);
   STRATA_EXPECT_ERROR(o.load_env(), kInvalidArgument, "STRATA_DEVICE_MEMORY");
   ::unsetenv("STRATA_DEVICE_MEMORY");
+  ::setenv("STRATA_DTYPE_ISA", "sse9", 1);
+  STRATA_EXPECT_ERROR(o.load_env(), kInvalidArgument, "STRATA_DTYPE_ISA");
+  ::unsetenv("STRATA_DTYPE_ISA");
   ::setenv("STRATA_DEVICE", "tpu", 1);
   STRATA_EXPECT_ERROR(o.load_env(), kInvalidArgument, "one of: cpu, cuda");
   ::unsetenv("STRATA_DEVICE");

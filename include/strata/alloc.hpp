@@ -175,8 +175,9 @@ class PinnedPool {
   // Takes ownership of [base, base+bytes) (already page-locked by the caller, e.g. cudaHostAlloc).
   static Result<std::unique_ptr<PinnedPool>> adopt(void* base, std::uint64_t bytes, ReleaseFn release);
   // Maps and mlock()s `bytes` of host memory itself (used by the cpu backend and by tools that
-  // run without a device). If the lock limit refuses, the memory stays pageable and locked() is false.
-  static Result<std::unique_ptr<PinnedPool>> create_host(std::uint64_t bytes);
+  // run without a device), 2 MiB aligned and, with `huge_pages`, advised onto transparent huge
+  // pages. If the lock limit refuses, the memory is faulted in but pageable and locked() is false.
+  static Result<std::unique_ptr<PinnedPool>> create_host(std::uint64_t bytes, bool huge_pages = true);
 
   ~PinnedPool();
   PinnedPool(const PinnedPool&) = delete;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "strata/dtype.hpp"
 #include "strata/log.hpp"
 
 namespace strata {
@@ -28,6 +29,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "log level: error, warn, info, debug or trace"},
     {Option::kLogSubsys, "log_subsys", OptionKind::kString, "all",
      "subsystems to log: all, a list (ALLOC,NVME) or exclusions (^DEVICE)"},
+    {Option::kDtypeIsa, "dtype_isa", OptionKind::kString, "auto",
+     "SIMD path for bulk dtype conversion: auto (the best this CPU has), scalar, avx2 or avx512"},
     {Option::kAdamIsa, "adam_isa", OptionKind::kString, "auto",
      "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
 }};
@@ -172,10 +175,11 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
     case Option::kLogLevel:
       if (!parse_log_level(v.text).ok()) return fail("one of: error, warn, info, debug, trace");
       break;
+    case Option::kDtypeIsa:
+      if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
+      break;
     case Option::kAdamIsa:
-      if (v.text != "auto" && v.text != "avx512" && v.text != "avx2" && v.text != "scalar") {
-        return fail("one of: auto, avx512, avx2, scalar");
-      }
+      if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
       break;
     default:
       break;

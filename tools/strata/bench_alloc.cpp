@@ -390,8 +390,11 @@ int bench_alloc(std::span<const std::string> argv) {
       {"bytes_moved", arena.bytes_moved},
       {"baseline_peak_live_bytes", sys.peak_live},
       {"baseline_reserved_bytes", sys.reserved},
-      {"baseline_reserved_over_peak_live", static_cast<double>(sys.reserved) / static_cast<double>(sys.peak_live)},
+      {"baseline_reserved_over_peak_live",
+       sys.reserved > 0 ? static_cast<double>(sys.reserved) / static_cast<double>(sys.peak_live) : 0.0},
       {"baseline_os_allocs_after_warmup", sys.os_allocs_after_warmup},
+      // mallinfo2 reports nothing when malloc is replaced (sanitizers, preloaded allocators).
+      {"baseline_measured", sys.reserved > 0},
   };
   std::printf("%s\n", out.dump(2).c_str());
   return kExitOk;

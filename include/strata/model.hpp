@@ -1,0 +1,289 @@
+// Built-in GPT models: GPT-2 style (learned positions, LayerNorm, GELU, tied embeddings) and
+// LLaMA style (RMSNorm, rotary positions, SwiGLU, untied head), at any size a ModelConfig names.
+//
+// A model is a sequence of modules (the embedding, one per transformer block, the head). Every
+// module declares its parameters in a descriptor table (ParamDesc: name, shape, dtype, weight
+// decay, tied-with, initialisation, the Hugging Face tensors it exports as). Everything that
+// places, initialises, optimises, saves or loads parameters walks that table; no code picks a
+// parameter out by its position. A module's own parameters are contiguous in the parameter
+// region, in declaration order, so a later offload engine can fetch a module as one range.
+//
+// Memory: a Model lives on a strata::Device. Its parameters and gradients are carved from two
+// persistent arena regions planned up front from the table ("model.params", "model.grads");
+// activations, activation gradients and token/loss buffers are dynamic arena blocks allocated
+// once at create() for the largest batch and sequence length it will see, then reused, so a
+// steady-state step allocates nothing. Host token batches and loss read-back go through pinned
+// buffers from the device's pool.
+//
+// Ordering: every method that computes enqueues its work on the model's stream and returns
+// without waiting (kernels run in stream order: on the cpu backend as host functions on the
+// stream's worker, on cuda as launches on the stream). Errors inside enqueued work surface at the
+// stream's next synchronize(). A Model is used from one host thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/alloc.hpp"
+#include "strata/dtype.hpp"
+#include "strata/status.hpp"
+
+namespace strata {
+
+class Device;
+class Stream;
+
+enum class ModelKind : std::uint8_t { kGpt2, kLlama };
+std::string_view to_string(ModelKind kind);  // "gpt2", "llama"
+Result<ModelKind> parse_model_kind(std::string_view text);
+
+struct ModelConfig {
+  ModelKind kind = ModelKind::kGpt2;
+  std::int64_t n_layer = 4;
+  std::int64_t n_head = 4;
+  std::int64_t n_kv_head = 0;      // LLaMA grouped-query heads; 0 = n_head (GPT-2 requires 0 or n_head)
+  std::int64_t n_embd = 128;       // width C; head_dim = n_embd / n_head
+  std::int64_t n_positions = 256;  // context length: the longest sequence the model accepts
+  std::int64_t vocab_size = 256;
+  std::int64_t ffn_hidden = 0;  // 0 = 4·C (GPT-2) or 8/3·C rounded up to a multiple of 64 (LLaMA)
+  std::int64_t vocab_multiple =
+      64;  // the head's rows are padded to a multiple of this (no padding if vocab ≤ it)
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  // Storage of working parameters and activations: kF32 or kBF16 (statistics, losses and
+  // parameter gradients are always fp32; arithmetic always accumulates in fp32).
+  DType dtype = DType::kF32;
+  bool activation_checkpointing = false;  // keep only each block's input; recompute the block in backward
+  double init_std = 0.02;
+
+  std::int64_t head_dim() const { return n_head > 0 ? n_embd / n_head : 0; }
+  std::int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  std::int64_t ffn() const;
+  std::int64_t padded_vocab() const;
+  // Every field in range and consistent; the error names the field ("n_embd = 100 is not a
+  // multiple of n_head = 3").
+  Status validate() const;
+};
+
+// The model config as the Hugging Face config.json of the matching architecture (GPT2LMHeadModel:
+// n_layer, n_head, n_embd, n_positions, vocab_size, ...; LlamaForCausalLM: num_hidden_layers,
+// hidden_size, intermediate_size, ...), plus "torch_dtype".
+std::string hf_config_json(const ModelConfig& config);
+// The inverse; accepts either architecture's keys. `source` prefixes errors.
+Result<ModelConfig> model_config_from_hf_json(std::string_view json, std::string_view source);
+
+// ---- The descriptor table ----------------------------------------------------------------------
+
+enum class ModuleKind : std::uint8_t { kEmbedding, kBlock, kHead };
+std::string_view to_string(ModuleKind kind);
+
+enum class InitKind : std::uint8_t { kNormal, kZeros, kOnes };
+struct ParamInit {
+  InitKind kind = InitKind::kZeros;
+  double std = 0.0;  // kNormal: N(0, std²)
+};
+
+// One Hugging Face tensor a parameter is saved as: rows [row_begin, row_begin + rows) of the
+// parameter (its first dimension), transposed when HF stores it the other way round (GPT-2's
+// Conv1D weights are (in, out); ours are (out, in) like nn.Linear).
+struct ExportSlice {
+  std::string name;
+  std::int64_t row_begin = 0;
+  std::int64_t rows = 0;
+  bool transpose = false;
+};
+
+struct ParamDesc {
+  std::string name;                 // unique in the model, e.g. "h.3.attn.c_attn.weight"
+  std::vector<std::int64_t> shape;  // storage shape, row-major; linear weights are (out, in)
+  DType dtype = DType::kF32;        // working dtype (gradients are fp32)
+  bool weight_decay = false;        // matrices decay; biases, norms and position tables do not
+  int tied_with = -1;               // index of the parameter whose storage and gradient this one shares
+  int module = -1;                  // index of the owning module
+  ParamInit init;
+  std::vector<ExportSlice> exports;  // empty for a tied alias (its target exports)
+  std::uint64_t param_offset = 0;    // bytes into the params region (a tied alias: its target's)
+  std::uint64_t grad_offset = 0;     // bytes into the grads region
+
+  std::int64_t numel() const;
+  bool owns_storage() const { return tied_with < 0; }
+};
+
+struct ModuleDesc {
+  std::string name;  // "embedding", "h.3" / "layers.3", "head"
+  ModuleKind kind = ModuleKind::kBlock;
+  int layer = -1;           // block index for kBlock
+  std::vector<int> params;  // indices into ModelLayout::params, declaration order
+  // The bytes of the module's own parameters / gradients in their regions (tied aliases excluded).
+  std::uint64_t param_begin = 0, param_end = 0;
+  std::uint64_t grad_begin = 0, grad_end = 0;
+};
+
+struct ModelLayout {
+  ModelConfig config;
+  std::vector<ParamDesc> params;
+  std::vector<ModuleDesc> modules;
+  std::uint64_t param_bytes = 0;  // size of the params region
+  std::uint64_t grad_bytes = 0;   // size of the grads region
+
+  // Elements with their own storage (a tied alias counts once).
+  std::int64_t num_parameters() const;
+  // Index of the parameter named `name`, or -1.
+  int find(std::string_view name) const;
+  // Checks the table: unique names, offsets inside the regions and non-overlapping, tied aliases
+  // pointing at an owning parameter of the same shape, module ranges covering their parameters.
+  Status is_valid() const;
+};
+
+// Every parameter offset is a multiple of this (the arena's default alignment).
+inline constexpr std::uint64_t kParamAlignment = 256;
+
+Result<ModelLayout> describe_model(const ModelConfig& config);
+
+// Floating-point operations of one training step (forward + backward = 3 × forward) over
+// `batch` sequences of `seq_len` tokens: every matmul 2·M·N·K, plus causal attention
+// 2·2·B·H·D·T(T+1)/2 (scores and weighted sum over the keys each query sees). Elementwise ops are
+// not counted. forward_only gives the forward pass alone.
+double model_flops(const ModelConfig& config, std::int64_t batch, std::int64_t seq_len,
+                   bool forward_only = false);
+
+// One GEMM of a model step, as the kernels' gemm() is called: c (M,N) = op(a) (M,K)·op(b) (K,N).
+struct GemmShape {
+  std::string what;  // "h.*.attn.c_attn forward", ...
+  std::int64_t M = 0, N = 0, K = 0;
+  bool trans_a = false, trans_b = false;
+  bool accumulate = false;
+  int count = 1;  // how many times per step (layers)
+};
+// The GEMMs of one training step (forward and backward), for roofline measurements.
+std::vector<GemmShape> model_gemms(const ModelConfig& config, std::int64_t batch, std::int64_t seq_len);
+
+// Deterministic initial values of parameter `index` (N(0, std²) from a per-parameter stream keyed
+// by (seed, index), zeros or ones), elements [begin, begin + n) of its row-major storage.
+void init_values(const ModelLayout& layout, int index, std::uint64_t seed, std::int64_t begin, std::int64_t n,
+                 float* out);
+
+// ---- The model on a device -------------------------------------------------------------------
+
+struct LossSum {
+  double sum = 0.0;        // Σ of per-token cross-entropy (nats) over rows with a target ≥ 0
+  std::int64_t count = 0;  // those rows
+};
+
+class Model {
+ public:
+  struct Options {
+    std::int64_t max_batch = 1;    // buffers are sized for this many sequences ...
+    std::int64_t max_seq_len = 0;  // ... of this many tokens (0 = n_positions)
+    bool with_grads = true;        // false: forward only (evaluation)
+    // true: create() plans the device arena with the model's regions plus `extra_regions`.
+    // false: the caller already planned it, including regions(); see Trainer.
+    bool plan_arena = true;
+    std::vector<RegionSpec> extra_regions;
+    int loss_slots = 1;  // pinned read-back slots for per-token losses (one per micro-batch)
+  };
+
+  // The persistent regions the model carves: "model.params" and, with grads, "model.grads".
+  static std::vector<RegionSpec> regions(const ModelLayout& layout, const Options& options);
+
+  // Allocates everything (parameters zeroed; call initialize() or upload_param()). The model
+  // keeps references to `device` and `stream` and returns its memory to them: destroy it first.
+  static Result<std::unique_ptr<Model>> create(ModelLayout layout, Device& device, Stream& stream,
+                                               const Options& options);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelLayout& layout() const;
+  const ModelConfig& config() const { return layout().config; }
+  Device& device();
+  Stream& stream();
+
+  // Device pointers (valid for the model's life). A tied alias returns its target's storage.
+  void* param_data(int index) const;
+  float* grad_data(int index) const;  // nullptr without grads
+  void* params_base() const;          // the whole params region
+  float* grads_base() const;
+
+  // Writes parameter `index` from host fp32 values (numel of them), rounded to the working dtype,
+  // through pinned staging. Enqueued; `values` may be reused when the call returns.
+  Status upload_param(int index, std::span<const float> values);
+  // Fills every owning parameter from init_values(seed).
+  Status initialize(std::uint64_t seed);
+  // Synchronizes the stream, then copies parameter `index` (working dtype, widened) or its
+  // gradient to the host.
+  Result<std::vector<float>> download_param(int index);
+  Result<std::vector<float>> download_grad(int index);
+  // Raw working-dtype bytes of parameter `index` (synchronizes).
+  Status download_param_bytes(int index, void* dst, std::uint64_t bytes);
+
+  // Copies B·T inputs and targets (row-major (B,T); a negative target ignores its row) to the
+  // device through pinned staging. B ≤ max_batch, T ≤ max_seq_len.
+  Status set_batch(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                   std::int64_t B, std::int64_t T);
+  // Forward over the current batch up to the per-token losses. With for_backward, keeps what
+  // backward() needs (all block activations, or only block inputs with activation checkpointing).
+  Status forward(bool for_backward);
+  // Backward of the last forward(for_backward = true): parameter gradients accumulate (+=) into
+  // the grads region. `dloss` is ∂(total loss)/∂(each token's loss), e.g. 1/(tokens per step).
+  Status backward(float dloss);
+  // Zeroes the grads region (enqueued).
+  Status zero_grads();
+  // Copies the last forward's per-token losses into pinned slot `slot` (enqueued) ...
+  Status copy_losses(int slot);
+  // ... and sums them once the stream has passed that copy (synchronize first).
+  LossSum loss_sum(int slot) const;
+
+  // Device bytes of activations + activation gradients + io buffers allocated at create().
+  std::uint64_t activation_bytes() const;
+
+ private:
+  struct Impl;
+  explicit Model(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- Weight files (safetensors) ----------------------------------------------------------------
+//
+// Two layouts of the same parameters:
+//  * kHuggingFace: the export slices of the descriptor table under Hugging Face names and layouts
+//    (GPT-2: wte.weight, h.{i}.attn.c_attn.weight as Conv1D (in, out), ...; LLaMA:
+//    model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight, ...), vocabulary padding
+//    dropped, the Hugging Face config.json (hf_config_json) in the metadata under "config" and
+//    "format": "pt". Loads in transformers as it is.
+//  * kNative: one tensor per owning parameter under its descriptor name, in storage layout
+//    (linear weights (out, in), fused qkv / gate_up, padded vocabulary), metadata "format":
+//    "strata" and the full ModelConfig under "strata_model". What a training run saves.
+// Tensors are written in the working dtype (F32 or BF16). Writes are atomic (safetensors.hpp).
+enum class WeightFormat : std::uint8_t { kHuggingFace, kNative };
+
+// The full config as JSON (every ModelConfig field) and back; errors name `source` and the key.
+std::string model_config_to_json(const ModelConfig& config);
+Result<ModelConfig> model_config_from_json(std::string_view json, std::string_view source);
+
+// Supplies parameter `index`'s values (fp32, storage layout) for writing.
+using ParamSource = std::function<Status(int index, std::vector<float>& values)>;
+// Receives parameter `index`'s values (fp32, storage layout) when reading.
+using ParamSink = std::function<Status(int index, std::span<const float> values)>;
+
+// Writes every owning parameter of `layout` to `path` in `format`, stored as `dtype`.
+Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
+                     const ParamSource& source);
+// The model's working weights (synchronizes its stream), in the model's dtype.
+Status save_weights(Model& model, const std::string& path, WeightFormat format);
+// The model config a weights file of either format carries. Errors name the path.
+Result<ModelConfig> read_weights_config(const std::string& path);
+// Reads every owning parameter of `layout` from a file of either format (F32, BF16 or F16
+// tensors; GPT-2 names may carry a "transformer." prefix) and hands its values to `sink`, one
+// parameter at a time; padded vocabulary rows are zero. Missing tensors and shape mismatches
+// are errors naming the tensor and the file.
+Status read_weights(const ModelLayout& layout, const std::string& path, const ParamSink& sink);
+// Loads a weights file into the model's working weights (the file must describe the same shapes).
+Status load_weights(Model& model, const std::string& path);
+
+}  // namespace strata

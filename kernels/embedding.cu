@@ -1,0 +1,165 @@
+// Token and position embedding on CUDA (the formulas are in embedding.cpp).
+// Forward: one thread per output element. Out-of-range tokens give NaN rows (no device-side
+// error channel; the data loader validates tokens and NaN makes a slip visible in the loss).
+// Backward: like the cpu path, deterministic without atomics: keys token<<32 | position are
+// radix-sorted (CUB, in the caller's workspace), then one block per run of equal tokens sums
+// that token's rows in position order in fp32 and adds the sum to dwte once. dwpe[t] sums the
+// B rows of position t in order.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda_common.cuh"
+#include "kernels/cuda_ops.hpp"
+
+namespace strata::kernels {
+namespace {
+
+using namespace cuda;
+
+constexpr int kThreads = 256;
+
+// ---- kernels ----
+
+template <class TO, class TW, class TP>
+__global__ void embedding_forward_kernel(TO* out, const std::int32_t* tokens, const TW* wte, const TP* wpe,
+                                         std::int64_t BT, std::int64_t T, std::int64_t C, std::int64_t V) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < BT * C;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t bt = i / C, c = i % C;
+    const std::int32_t tok = tokens[bt];
+    float v = (tok >= 0 && tok < V) ? to_f32(wte[static_cast<std::int64_t>(tok) * C + c]) : NAN;
+    if (wpe != nullptr) v += to_f32(wpe[(bt % T) * C + c]);
+    out[i] = from_f32<TO>(v);
+  }
+}
+
+// keys[i] = token << 32 | i; out-of-range tokens sort last as token V and are skipped.
+__global__ void embedding_keys_kernel(std::uint64_t* keys, const std::int32_t* tokens, std::int64_t n,
+                                      std::int64_t V) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int32_t tok = tokens[i];
+    const std::uint64_t t =
+        (tok >= 0 && tok < V) ? static_cast<std::uint64_t>(tok) : static_cast<std::uint64_t>(V);
+    keys[i] = (t << 32) | static_cast<std::uint64_t>(i);
+  }
+}
+
+// grid (n sorted positions, column chunks): the block at the start of a run of equal tokens sums
+// the run's dout rows for its columns; blocks elsewhere in a run exit at once.
+template <class TG, class TD>
+__global__ void embedding_wte_backward_kernel(TG* dwte, const TD* dout, const std::uint64_t* sorted,
+                                              std::int64_t n, std::int64_t C, std::int64_t V) {
+  const std::int64_t i = blockIdx.x;
+  const std::uint64_t tok = sorted[i] >> 32;
+  if (tok >= static_cast<std::uint64_t>(V)) return;
+  if (i > 0 && (sorted[i - 1] >> 32) == tok) return;
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = 0.0f;
+  for (std::int64_t j = i; j < n && (sorted[j] >> 32) == tok; ++j) {
+    acc += to_f32(dout[static_cast<std::int64_t>(sorted[j] & 0xffffffffu) * C + c]);
+  }
+  store(dwte, static_cast<std::int64_t>(tok) * C + c, acc, true);
+}
+
+template <class TG, class TD>
+__global__ void embedding_wpe_backward_kernel(TG* dwpe, const TD* dout, std::int64_t B, std::int64_t T,
+                                              std::int64_t C) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < T * C;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (std::int64_t b = 0; b < B; ++b) acc += to_f32(dout[b * T * C + i]);
+    store(dwpe, i, acc, true);
+  }
+}
+
+// Workspace layout: keys (n), sorted keys (n), then CUB's temporary storage.
+struct SortWorkspace {
+  std::size_t keys_bytes = 0;
+  std::size_t cub_bytes = 0;
+  cudaError_t status = cudaSuccess;
+};
+
+SortWorkspace sort_workspace(std::int64_t n) {
+  SortWorkspace w;
+  w.keys_bytes = (static_cast<std::size_t>(n) * sizeof(std::uint64_t) + 255) / 256 * 256;
+  w.status = cub::DeviceRadixSort::SortKeys(nullptr, w.cub_bytes, static_cast<const std::uint64_t*>(nullptr),
+                                            static_cast<std::uint64_t*>(nullptr), static_cast<int>(n));
+  return w;
+}
+
+}  // namespace
+
+// ---- launchers ----
+
+Status embedding_forward_cuda(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                              ConstTensorArg wte, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                              std::int64_t C, std::int64_t V) {
+  const std::int64_t BT = B * T;
+  dispatch(out.dtype, [&](auto to) {
+    dispatch(wte.dtype, [&](auto tw) {
+      dispatch(wpe.dtype, [&](auto tp) {
+        using TO = typename decltype(to)::type;
+        using TW = typename decltype(tw)::type;
+        using TP = typename decltype(tp)::type;
+        embedding_forward_kernel<<<grid_for(BT * C, kThreads), kThreads, 0, stream_of(ctx)>>>(
+            typed<TO>(out), tokens, typed<TW>(wte), typed<TP>(wpe), BT, T, C, V);
+      });
+    });
+  });
+  return launch_status("embedding_forward");
+}
+
+std::uint64_t embedding_backward_workspace_bytes_cuda(std::int64_t B, std::int64_t T) {
+  const SortWorkspace w = sort_workspace(B * T);
+  return 2 * w.keys_bytes + w.cub_bytes;
+}
+
+Status embedding_backward_cuda(const KernelContext& ctx, TensorArg dwte, TensorArg dwpe, ConstTensorArg dout,
+                               const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
+                               std::int64_t V) {
+  const std::int64_t n = B * T;
+  cudaStream_t stream = stream_of(ctx);
+  if (dwte.data != nullptr) {
+    SortWorkspace w = sort_workspace(n);
+    if (w.status != cudaSuccess) {
+      return device_error(std::string("embedding_backward: sizing the token sort: ") +
+                          cudaGetErrorString(w.status));
+    }
+    auto* base = static_cast<unsigned char*>(ctx.workspace);
+    auto* keys = reinterpret_cast<std::uint64_t*>(base);
+    auto* sorted = reinterpret_cast<std::uint64_t*>(base + w.keys_bytes);
+    void* cub_temp = base + 2 * w.keys_bytes;
+    embedding_keys_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(keys, tokens, n, V);
+    STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));
+    const cudaError_t err = cub::DeviceRadixSort::SortKeys(cub_temp, w.cub_bytes, keys, sorted,
+                                                           static_cast<int>(n), 0, 64, stream);
+    if (err != cudaSuccess) {
+      return device_error(std::string("embedding_backward: token sort: ") + cudaGetErrorString(err));
+    }
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((C + kThreads - 1) / kThreads));
+    dispatch(dwte.dtype, [&](auto tg) {
+      dispatch(dout.dtype, [&](auto td) {
+        using TG = typename decltype(tg)::type;
+        using TD = typename decltype(td)::type;
+        embedding_wte_backward_kernel<<<grid, kThreads, 0, stream>>>(typed<TG>(dwte), typed<TD>(dout), sorted,
+                                                                     n, C, V);
+      });
+    });
+    STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));
+  }
+  if (dwpe.data != nullptr) {
+    dispatch(dwpe.dtype, [&](auto tg) {
+      dispatch(dout.dtype, [&](auto td) {
+        using TG = typename decltype(tg)::type;
+        using TD = typename decltype(td)::type;
+        embedding_wpe_backward_kernel<<<grid_for(T * C, kThreads), kThreads, 0, stream>>>(
+            typed<TG>(dwpe), typed<TD>(dout), B, T, C);
+      });
+    });
+    STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));
+  }
+  return ok_status();
+}
+
+}  // namespace strata::kernels

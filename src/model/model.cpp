@@ -1,0 +1,796 @@
+// The model on a device: parameter/gradient placement from the descriptor table, activation
+// buffers, and the forward and backward passes of the GPT-2 and LLaMA blocks as kernel calls in
+// stream order.
+//
+// Activation memory, per token (C = width, Q = fused qkv width, F = ffn width):
+//   residual stream x_0 .. x_L: (L+1)·C, always kept (a block's input is its checkpoint);
+//   per block set: norm1 C, qkv Q, attention out C, mid-residual C, norm2 C, ff1 (GELU input /
+//     SwiGLU gate|up) 4C | 2F, ff2 (GELU output / SwiGLU output) 4C | F, plus fp32 statistics;
+//     L sets, or one shared set with activation checkpointing (block l is recomputed into it just
+//     before its backward);
+//   head: final norm C, logits Vp (its gradient overwrites it in place), loss and lse.
+// Activation gradients need one set shared by all blocks: the residual-stream gradient (updated
+// in place: every op that feeds the residual adds its input gradient into it), and scratch for
+// the norm, qkv, attention and MLP gradients.
+#include "strata/model.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels/bf16.hpp"
+#include "model/launcher.hpp"
+#include "model/staging.hpp"
+#include "strata/device.hpp"
+#include "strata/log.hpp"
+
+namespace strata {
+
+using kernels::Accumulate;
+using kernels::ConstTensorArg;
+using kernels::KernelContext;
+using kernels::TensorArg;
+
+namespace {
+
+// A typed device pointer.
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+
+  TensorArg arg() const { return {data, dtype}; }
+  ConstTensorArg carg() const { return {data, dtype}; }
+  // The tensor starting `elems` elements further on.
+  Tensor at(std::int64_t elems) const {
+    return {static_cast<char*>(data) + elems * static_cast<std::int64_t>(dtype_size(dtype)), dtype};
+  }
+};
+
+// Carves one arena block into aligned sub-buffers. First pass (base == nullptr) only measures.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  void* take(std::uint64_t bytes) {
+    void* p = base_ == nullptr ? nullptr : base_ + used_;
+    used_ = align_up(used_ + std::max<std::uint64_t>(bytes, 1), kParamAlignment);
+    return p;
+  }
+  Tensor tensor(std::int64_t elems, DType dtype) {
+    return {take(static_cast<std::uint64_t>(elems) * dtype_size(dtype)), dtype};
+  }
+  float* floats(std::int64_t n) { return static_cast<float*>(take(static_cast<std::uint64_t>(n) * 4)); }
+  std::int32_t* ints(std::int64_t n) {
+    return static_cast<std::int32_t*>(take(static_cast<std::uint64_t>(n) * 4));
+  }
+  std::uint64_t used() const { return used_; }
+
+ private:
+  char* base_;
+  std::uint64_t used_ = 0;
+};
+
+// The activations one block keeps for its backward.
+struct BlockActs {
+  Tensor norm1, qkv, atty, res2, norm2, ff1, ff2;
+  float *mean1 = nullptr, *rstd1 = nullptr, *mean2 = nullptr, *rstd2 = nullptr, *lse = nullptr;
+};
+
+// A block's parameters, bound by name from the descriptor table (-1 where the kind has none).
+struct BlockParams {
+  int norm1_w = -1, norm1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
+  int norm2_w = -1, norm2_b = -1, fc_w = -1, fc_b = -1, fcproj_w = -1, fcproj_b = -1;
+};
+
+struct EmbedHeadParams {
+  int wte = -1, wpe = -1, norm_w = -1, norm_b = -1, lm_head = -1;
+};
+
+}  // namespace
+
+struct Model::Impl {
+  ModelLayout layout;
+  Device* device = nullptr;
+  Stream* stream = nullptr;
+  Options options;
+  std::unique_ptr<detail::KernelLauncher> launch;
+  DType wdt = DType::kF32;
+  std::int64_t Bmax = 0, Tmax = 0;
+  std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0;
+  bool gpt2 = true;
+
+  char* params = nullptr;
+  float* grads = nullptr;
+  EmbedHeadParams eh;
+  std::vector<BlockParams> blocks;
+
+  ArenaBuffer act_block, grad_block, io_block;
+  std::vector<Tensor> resid;    // L+1 of (Bmax·Tmax, C)
+  std::vector<BlockActs> sets;  // L, or 1 with checkpointing
+  Tensor final_norm, logits;
+  float *final_mean = nullptr, *final_rstd = nullptr, *losses = nullptr, *ce_lse = nullptr;
+  std::int32_t *tokens = nullptr, *targets = nullptr;
+  float* rope = nullptr;
+  Tensor dres, dln, dqkv, datty, dff1, dff2;
+
+  ArenaBuffer pinned_tokens, pinned_losses;
+  std::unique_ptr<detail::HostStager> stager;
+  std::unique_ptr<Event> tokens_copied;
+  std::vector<std::int64_t> slot_rows, slot_counts;
+
+  std::int64_t B = 0, T = 0, target_count = 0;
+  bool have_batch = false;
+  bool forward_saved = false;  // the last forward kept what backward needs
+  int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
+
+  Tensor P(int i) const { return {params + layout.params[static_cast<std::size_t>(i)].param_offset, wdt}; }
+  ConstTensorArg Pc(int i) const { return i < 0 ? kernels::kNone : P(i).carg(); }
+  Tensor G(int i) const {
+    if (grads == nullptr || i < 0) return {};
+    return {reinterpret_cast<char*>(grads) + layout.params[static_cast<std::size_t>(i)].grad_offset,
+            DType::kF32};
+  }
+  BlockActs& acts(int layer) { return sets.size() == 1 ? sets[0] : sets[static_cast<std::size_t>(layer)]; }
+
+  Status bind_params();
+  void carve_activations(Carver& c, bool with_grads);
+  Status block_forward(int l, const BlockActs& A, bool recompute);
+  Status block_backward(int l, const BlockActs& A);
+  Status forward(bool for_backward);
+  Status backward(float dloss);
+};
+
+// ---- construction ----------------------------------------------------------------------------
+
+Status Model::Impl::bind_params() {
+  auto need = [&](const std::string& name, int* slot) -> Status {
+    *slot = layout.find(name);
+    if (*slot < 0) return internal_error("model: the layout has no parameter '" + name + "'");
+    return ok_status();
+  };
+  blocks.resize(static_cast<std::size_t>(layout.config.n_layer));
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(need("wte.weight", &eh.wte));
+    STRATA_RETURN_IF_ERROR(need("wpe.weight", &eh.wpe));
+    STRATA_RETURN_IF_ERROR(need("ln_f.weight", &eh.norm_w));
+    STRATA_RETURN_IF_ERROR(need("ln_f.bias", &eh.norm_b));
+    STRATA_RETURN_IF_ERROR(need("lm_head.weight", &eh.lm_head));
+    for (std::size_t l = 0; l < blocks.size(); ++l) {
+      const std::string h = "h." + std::to_string(l) + ".";
+      BlockParams& b = blocks[l];
+      STRATA_RETURN_IF_ERROR(need(h + "ln_1.weight", &b.norm1_w));
+      STRATA_RETURN_IF_ERROR(need(h + "ln_1.bias", &b.norm1_b));
+      STRATA_RETURN_IF_ERROR(need(h + "attn.c_attn.weight", &b.qkv_w));
+      STRATA_RETURN_IF_ERROR(need(h + "attn.c_attn.bias", &b.qkv_b));
+      STRATA_RETURN_IF_ERROR(need(h + "attn.c_proj.weight", &b.proj_w));
+      STRATA_RETURN_IF_ERROR(need(h + "attn.c_proj.bias", &b.proj_b));
+      STRATA_RETURN_IF_ERROR(need(h + "ln_2.weight", &b.norm2_w));
+      STRATA_RETURN_IF_ERROR(need(h + "ln_2.bias", &b.norm2_b));
+      STRATA_RETURN_IF_ERROR(need(h + "mlp.c_fc.weight", &b.fc_w));
+      STRATA_RETURN_IF_ERROR(need(h + "mlp.c_fc.bias", &b.fc_b));
+      STRATA_RETURN_IF_ERROR(need(h + "mlp.c_proj.weight", &b.fcproj_w));
+      STRATA_RETURN_IF_ERROR(need(h + "mlp.c_proj.bias", &b.fcproj_b));
+    }
+  } else {
+    STRATA_RETURN_IF_ERROR(need("model.embed_tokens.weight", &eh.wte));
+    STRATA_RETURN_IF_ERROR(need("model.norm.weight", &eh.norm_w));
+    STRATA_RETURN_IF_ERROR(need("lm_head.weight", &eh.lm_head));
+    for (std::size_t l = 0; l < blocks.size(); ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      BlockParams& b = blocks[l];
+      STRATA_RETURN_IF_ERROR(need(p + "input_layernorm.weight", &b.norm1_w));
+      STRATA_RETURN_IF_ERROR(need(p + "self_attn.qkv_proj.weight", &b.qkv_w));
+      STRATA_RETURN_IF_ERROR(need(p + "self_attn.o_proj.weight", &b.proj_w));
+      STRATA_RETURN_IF_ERROR(need(p + "post_attention_layernorm.weight", &b.norm2_w));
+      STRATA_RETURN_IF_ERROR(need(p + "mlp.gate_up_proj.weight", &b.fc_w));
+      STRATA_RETURN_IF_ERROR(need(p + "mlp.down_proj.weight", &b.fcproj_w));
+    }
+  }
+  return ok_status();
+}
+
+void Model::Impl::carve_activations(Carver& c, bool with_grads) {
+  const std::int64_t N = Bmax * Tmax;
+  const std::int64_t L = layout.config.n_layer;
+  const std::int64_t ff1 = gpt2 ? F : 2 * F;
+  resid.clear();
+  for (std::int64_t l = 0; l <= L; ++l) resid.push_back(c.tensor(N * C, wdt));
+  const bool shared = layout.config.activation_checkpointing || !with_grads;
+  sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
+  for (auto& a : sets) {
+    a.norm1 = c.tensor(N * C, wdt);
+    a.qkv = c.tensor(N * Q, wdt);
+    a.atty = c.tensor(N * H * D, wdt);
+    a.res2 = c.tensor(N * C, wdt);
+    a.norm2 = c.tensor(N * C, wdt);
+    a.ff1 = c.tensor(N * ff1, wdt);
+    a.ff2 = c.tensor(N * F, wdt);
+    a.mean1 = gpt2 ? c.floats(N) : nullptr;
+    a.rstd1 = c.floats(N);
+    a.mean2 = gpt2 ? c.floats(N) : nullptr;
+    a.rstd2 = c.floats(N);
+    a.lse = c.floats(N * H);
+  }
+  final_norm = c.tensor(N * C, wdt);
+  final_mean = gpt2 ? c.floats(N) : nullptr;
+  final_rstd = c.floats(N);
+  logits = c.tensor(N * Vp, wdt);
+  losses = c.floats(N);
+  ce_lse = c.floats(N);
+}
+
+std::vector<RegionSpec> Model::regions(const ModelLayout& layout, const Options& options) {
+  std::vector<RegionSpec> r;
+  r.push_back(RegionSpec{"model.params", std::max<std::uint64_t>(layout.param_bytes, kParamAlignment), 0, 0});
+  if (options.with_grads) {
+    r.push_back(RegionSpec{"model.grads", std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment), 0, 0});
+  }
+  return r;
+}
+
+Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Model::~Model() {
+  if (impl_ && impl_->stream != nullptr) {
+    Status s = impl_->stream->synchronize();
+    if (!s.ok()) {
+      STRATA_LOG(kWarn, kModel) << "model: unreported stream error at destruction: " << s.to_string();
+    }
+  }
+}
+
+Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device, Stream& stream,
+                                             const Options& options) {
+  STRATA_RETURN_IF_ERROR(layout.is_valid());
+  const ModelConfig& cfg = layout.config;
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  m.device = &device;
+  m.stream = &stream;
+  m.options = options;
+  m.gpt2 = cfg.kind == ModelKind::kGpt2;
+  m.wdt = cfg.dtype;
+  m.Bmax = options.max_batch;
+  m.Tmax = options.max_seq_len > 0 ? options.max_seq_len : cfg.n_positions;
+  if (m.Bmax < 1)
+    return invalid_argument("model: max_batch = " + std::to_string(m.Bmax) + " must be at least 1");
+  if (m.Tmax > cfg.n_positions) {
+    return invalid_argument("model: max_seq_len = " + std::to_string(m.Tmax) +
+                            " exceeds the context length n_positions = " + std::to_string(cfg.n_positions));
+  }
+  if (options.loss_slots < 1) return invalid_argument("model: loss_slots must be at least 1");
+  m.C = cfg.n_embd;
+  m.H = cfg.n_head;
+  m.Hkv = cfg.kv_heads();
+  m.D = cfg.head_dim();
+  m.F = cfg.ffn();
+  m.Q = (m.H + 2 * m.Hkv) * m.D;
+  m.V = cfg.vocab_size;
+  m.Vp = cfg.padded_vocab();
+  m.layout = std::move(layout);
+  STRATA_RETURN_IF_ERROR(m.bind_params());
+
+  Arena& arena = device.memory();
+  if (options.plan_arena) {
+    std::vector<RegionSpec> plan = regions(m.layout, options);
+    plan.insert(plan.end(), options.extra_regions.begin(), options.extra_regions.end());
+    STRATA_RETURN_IF_ERROR(arena.plan(plan).with_context("model: planning device memory"));
+  }
+  STRATA_ASSIGN_OR_RETURN(
+      std::uint64_t poff,
+      arena.allocate_persistent("model.params", std::max<std::uint64_t>(m.layout.param_bytes, 1)));
+  m.params = static_cast<char*>(arena.base()) + poff;
+  if (options.with_grads) {
+    STRATA_ASSIGN_OR_RETURN(
+        std::uint64_t goff,
+        arena.allocate_persistent("model.grads", std::max<std::uint64_t>(m.layout.grad_bytes, 1)));
+    m.grads = reinterpret_cast<float*>(static_cast<char*>(arena.base()) + goff);
+  }
+
+  // Activations: measure, allocate once, carve.
+  {
+    Carver measure(nullptr);
+    m.carve_activations(measure, options.with_grads);
+    STRATA_ASSIGN_OR_RETURN(m.act_block, device.allocate(measure.used(), "model.activations"));
+    Carver carve(static_cast<char*>(m.act_block.data()));
+    m.carve_activations(carve, options.with_grads);
+  }
+  const std::int64_t N = m.Bmax * m.Tmax;
+  if (options.with_grads) {
+    auto carve_grads = [&](Carver& c) {
+      m.dres = c.tensor(N * m.C, m.wdt);
+      m.dln = c.tensor(N * m.C, m.wdt);
+      m.dqkv = c.tensor(N * m.Q, m.wdt);
+      m.datty = c.tensor(N * m.H * m.D, m.wdt);
+      m.dff1 = c.tensor(N * (m.gpt2 ? m.F : 2 * m.F), m.wdt);
+      m.dff2 = c.tensor(N * m.F, m.wdt);
+    };
+    Carver measure(nullptr);
+    carve_grads(measure);
+    STRATA_ASSIGN_OR_RETURN(m.grad_block, device.allocate(measure.used(), "model.activation_grads"));
+    Carver carve(static_cast<char*>(m.grad_block.data()));
+    carve_grads(carve);
+  }
+  const std::int64_t rope_floats = m.gpt2 ? 0 : m.Tmax * m.D;
+  {
+    auto carve_io = [&](Carver& c) {
+      m.tokens = c.ints(N);
+      m.targets = c.ints(N);
+      m.rope = rope_floats > 0 ? c.floats(rope_floats) : nullptr;
+    };
+    Carver measure(nullptr);
+    carve_io(measure);
+    STRATA_ASSIGN_OR_RETURN(m.io_block, device.allocate(measure.used(), "model.io"));
+    Carver carve(static_cast<char*>(m.io_block.data()));
+    carve_io(carve);
+  }
+
+  // Pinned staging: token batches, per-slot losses, and a parameter staging buffer.
+  PinnedPool& pinned = device.pinned();
+  STRATA_ASSIGN_OR_RETURN(m.pinned_tokens,
+                          pinned.allocate(static_cast<std::uint64_t>(2 * N) * 4, "model.tokens"));
+  STRATA_ASSIGN_OR_RETURN(
+      m.pinned_losses,
+      pinned.allocate(static_cast<std::uint64_t>(N * options.loss_slots) * 4, "model.losses"));
+  std::uint64_t largest = static_cast<std::uint64_t>(rope_floats) * 4;
+  for (const auto& p : m.layout.params)
+    largest = std::max(largest, static_cast<std::uint64_t>(p.numel()) * 4);
+  STRATA_ASSIGN_OR_RETURN(
+      m.stager, detail::HostStager::create(device, stream, std::min<std::uint64_t>(largest, 16u << 20),
+                                           "model.staging"));
+  STRATA_ASSIGN_OR_RETURN(m.tokens_copied, device.create_event());
+  m.slot_rows.assign(static_cast<std::size_t>(options.loss_slots), 0);
+  m.slot_counts.assign(static_cast<std::size_t>(options.loss_slots), 0);
+
+  std::uint64_t workspace = 0;
+  if (device.kind() == DeviceKind::kCuda) {
+    kernels::AttentionShape shape{m.Bmax, m.Tmax, m.H, m.Hkv, m.D, m.Q, m.Q, m.Q, 0.0f};
+    workspace =
+        std::max({kernels::matmul_workspace_bytes(kernels::Backend::kCuda),
+                  kernels::attention_backward_workspace_bytes(kernels::Backend::kCuda, shape),
+                  kernels::embedding_backward_workspace_bytes(kernels::Backend::kCuda, m.Bmax, m.Tmax)});
+  }
+  STRATA_ASSIGN_OR_RETURN(m.launch, detail::KernelLauncher::create(device, stream, workspace));
+
+  // Parameters and gradients start at zero (the arena's pages are not guaranteed to be).
+  STRATA_RETURN_IF_ERROR(stream.memset_async(m.params, 0, m.layout.param_bytes));
+  if (m.grads != nullptr) STRATA_RETURN_IF_ERROR(stream.memset_async(m.grads, 0, m.layout.grad_bytes));
+  if (rope_floats > 0) {
+    std::vector<float> table(static_cast<std::size_t>(rope_floats));
+    STRATA_RETURN_IF_ERROR(kernels::rope_table(table.data(), m.Tmax, m.D, cfg.rope_theta));
+    STRATA_RETURN_IF_ERROR(m.stager->upload(m.rope, table.data(), table.size() * 4));
+  }
+  STRATA_RETURN_IF_ERROR(stream.synchronize());
+  return std::unique_ptr<Model>(new Model(std::move(impl)));
+}
+
+// ---- accessors and host transfers --------------------------------------------------------------
+
+const ModelLayout& Model::layout() const { return impl_->layout; }
+Device& Model::device() { return *impl_->device; }
+Stream& Model::stream() { return *impl_->stream; }
+void* Model::param_data(int index) const { return impl_->P(index).data; }
+float* Model::grad_data(int index) const { return static_cast<float*>(impl_->G(index).data); }
+void* Model::params_base() const { return impl_->params; }
+float* Model::grads_base() const { return impl_->grads; }
+
+std::uint64_t Model::activation_bytes() const {
+  return impl_->act_block.size() + (impl_->grad_block ? impl_->grad_block.size() : 0) +
+         impl_->io_block.size();
+}
+
+Status Model::upload_param(int index, std::span<const float> values) {
+  Impl& m = *impl_;
+  if (index < 0 || index >= static_cast<int>(m.layout.params.size())) {
+    return invalid_argument("upload_param: no parameter with index " + std::to_string(index));
+  }
+  const ParamDesc& p = m.layout.params[static_cast<std::size_t>(index)];
+  if (static_cast<std::int64_t>(values.size()) != p.numel()) {
+    return invalid_argument("upload_param '" + p.name + "': got " + std::to_string(values.size()) +
+                            " values for " + std::to_string(p.numel()) + " elements");
+  }
+  char* dst = static_cast<char*>(m.P(index).data);
+  if (p.dtype == DType::kF32) return m.stager->upload(dst, values.data(), values.size() * 4);
+  return m.stager->upload(dst, values.size() * 2, [&](void* chunk, std::uint64_t offset, std::uint64_t n) {
+    auto* out = static_cast<std::uint16_t*>(chunk);
+    const float* in = values.data() + offset / 2;
+    for (std::uint64_t i = 0; i < n / 2; ++i) out[i] = kernels::f32_to_bf16_bits_rne(in[i]);
+  });
+}
+
+Status Model::initialize(std::uint64_t seed) {
+  std::vector<float> values;
+  for (std::size_t i = 0; i < impl_->layout.params.size(); ++i) {
+    const ParamDesc& p = impl_->layout.params[i];
+    if (!p.owns_storage()) continue;
+    values.resize(static_cast<std::size_t>(p.numel()));
+    init_values(impl_->layout, static_cast<int>(i), seed, 0, p.numel(), values.data());
+    STRATA_RETURN_IF_ERROR(upload_param(static_cast<int>(i), values));
+  }
+  return impl_->stream->synchronize();
+}
+
+Status Model::download_param_bytes(int index, void* dst, std::uint64_t bytes) {
+  Impl& m = *impl_;
+  if (index < 0 || index >= static_cast<int>(m.layout.params.size())) {
+    return invalid_argument("download_param: no parameter with index " + std::to_string(index));
+  }
+  const ParamDesc& p = m.layout.params[static_cast<std::size_t>(index)];
+  if (bytes != static_cast<std::uint64_t>(p.numel()) * dtype_size(p.dtype)) {
+    return invalid_argument("download_param '" + p.name + "': buffer of " + std::to_string(bytes) + " bytes");
+  }
+  return m.stager->download(dst, m.P(index).data, bytes);
+}
+
+Result<std::vector<float>> Model::download_param(int index) {
+  Impl& m = *impl_;
+  if (index < 0 || index >= static_cast<int>(m.layout.params.size())) {
+    return invalid_argument("download_param: no parameter with index " + std::to_string(index));
+  }
+  const ParamDesc& p = m.layout.params[static_cast<std::size_t>(index)];
+  std::vector<float> out(static_cast<std::size_t>(p.numel()));
+  if (p.dtype == DType::kF32) {
+    STRATA_RETURN_IF_ERROR(download_param_bytes(index, out.data(), out.size() * 4));
+  } else {
+    std::vector<std::uint16_t> raw(out.size());
+    STRATA_RETURN_IF_ERROR(download_param_bytes(index, raw.data(), raw.size() * 2));
+    for (std::size_t i = 0; i < raw.size(); ++i) out[i] = kernels::bf16_bits_to_f32(raw[i]);
+  }
+  return out;
+}
+
+Result<std::vector<float>> Model::download_grad(int index) {
+  Impl& m = *impl_;
+  if (m.grads == nullptr)
+    return failed_precondition("download_grad: the model was created without gradients");
+  if (index < 0 || index >= static_cast<int>(m.layout.params.size())) {
+    return invalid_argument("download_grad: no parameter with index " + std::to_string(index));
+  }
+  std::vector<float> out(static_cast<std::size_t>(m.layout.params[static_cast<std::size_t>(index)].numel()));
+  STRATA_RETURN_IF_ERROR(m.stager->download(out.data(), m.G(index).data, out.size() * 4));
+  return out;
+}
+
+Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                        std::int64_t B, std::int64_t T) {
+  Impl& m = *impl_;
+  if (B < 1 || B > m.Bmax || T < 1 || T > m.Tmax) {
+    return invalid_argument("set_batch: batch (" + std::to_string(B) + ", " + std::to_string(T) +
+                            ") is outside the model's buffers (" + std::to_string(m.Bmax) + ", " +
+                            std::to_string(m.Tmax) + ")");
+  }
+  const auto n = static_cast<std::size_t>(B * T);
+  if (inputs.size() != n || targets.size() != n) {
+    return invalid_argument("set_batch: expected " + std::to_string(n) + " inputs and targets, got " +
+                            std::to_string(inputs.size()) + " and " + std::to_string(targets.size()));
+  }
+  std::int64_t count = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (inputs[i] < 0 || inputs[i] >= m.V) {
+      return invalid_argument("set_batch: input token " + std::to_string(inputs[i]) + " at position " +
+                              std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(m.V) +
+                              ")");
+    }
+    if (targets[i] >= m.V) {
+      return invalid_argument("set_batch: target " + std::to_string(targets[i]) + " at position " +
+                              std::to_string(i) + " is outside the vocabulary [0, " + std::to_string(m.V) +
+                              ")");
+    }
+    count += targets[i] >= 0 ? 1 : 0;
+  }
+  // The previous batch's copies out of the pinned buffer must be done before it is overwritten.
+  STRATA_RETURN_IF_ERROR(m.tokens_copied->synchronize());
+  auto* pin = static_cast<std::int32_t*>(m.pinned_tokens.data());
+  std::memcpy(pin, inputs.data(), n * 4);
+  std::memcpy(pin + n, targets.data(), n * 4);
+  STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.tokens, pin, n * 4, CopyKind::kHostToDevice));
+  STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.targets, pin + n, n * 4, CopyKind::kHostToDevice));
+  STRATA_RETURN_IF_ERROR(m.stream->record(*m.tokens_copied));
+  m.B = B;
+  m.T = T;
+  m.target_count = count;
+  m.have_batch = true;
+  m.forward_saved = false;
+  return ok_status();
+}
+
+Status Model::copy_losses(int slot) {
+  Impl& m = *impl_;
+  if (slot < 0 || slot >= m.options.loss_slots)
+    return invalid_argument("copy_losses: no slot " + std::to_string(slot));
+  if (!m.have_batch) return failed_precondition("copy_losses: no batch has been set");
+  const std::int64_t N = m.Bmax * m.Tmax;
+  float* dst = static_cast<float*>(m.pinned_losses.data()) + slot * N;
+  m.slot_rows[static_cast<std::size_t>(slot)] = m.B * m.T;
+  m.slot_counts[static_cast<std::size_t>(slot)] = m.target_count;
+  return m.stream->copy_async(dst, m.losses, static_cast<std::uint64_t>(m.B * m.T) * 4,
+                              CopyKind::kDeviceToHost);
+}
+
+LossSum Model::loss_sum(int slot) const {
+  const Impl& m = *impl_;
+  LossSum s;
+  if (slot < 0 || slot >= m.options.loss_slots) return s;
+  const float* src = static_cast<const float*>(m.pinned_losses.data()) + slot * m.Bmax * m.Tmax;
+  const std::int64_t rows = m.slot_rows[static_cast<std::size_t>(slot)];
+  for (std::int64_t i = 0; i < rows; ++i) s.sum += static_cast<double>(src[i]);  // ignored rows are 0
+  s.count = m.slot_counts[static_cast<std::size_t>(slot)];
+  return s;
+}
+
+Status Model::zero_grads() {
+  if (impl_->grads == nullptr)
+    return failed_precondition("zero_grads: the model was created without gradients");
+  return impl_->stream->memset_async(impl_->grads, 0, impl_->layout.grad_bytes);
+}
+
+Status Model::forward(bool for_backward) {
+  if (!impl_->have_batch) return failed_precondition("forward: no batch has been set (call set_batch)");
+  if (for_backward && impl_->grads == nullptr) {
+    return failed_precondition("forward(for_backward): the model was created without gradients");
+  }
+  return impl_->forward(for_backward);
+}
+
+Status Model::backward(float dloss) {
+  if (!impl_->forward_saved) {
+    return failed_precondition(
+        "backward: the last forward() did not keep activations (call forward(true) first)");
+  }
+  return impl_->backward(dloss);
+}
+
+// ---- the passes --------------------------------------------------------------------------------
+
+Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
+  const BlockParams& p = blocks[static_cast<std::size_t>(l)];
+  detail::KernelLauncher& k = *launch;
+  const std::int64_t N = B * T, BT = B * T;
+  const Tensor x = resid[static_cast<std::size_t>(l)];
+  const Tensor out = resid[static_cast<std::size_t>(l) + 1];
+  const float eps = static_cast<float>(layout.config.norm_eps);
+  const std::int64_t C_ = C, Q_ = Q, F_ = F, H_ = H, Hkv_ = Hkv, D_ = D, B_ = B, T_ = T;
+  const auto norm_w1 = P(p.norm1_w).carg(), norm_b1 = Pc(p.norm1_b), norm_w2 = P(p.norm2_w).carg(),
+             norm_b2 = Pc(p.norm2_b);
+  const auto qkv_w = P(p.qkv_w).carg(), qkv_b = Pc(p.qkv_b), proj_w = P(p.proj_w).carg(),
+             proj_b = Pc(p.proj_b);
+  const auto fc_w = P(p.fc_w).carg(), fc_b = Pc(p.fc_b), fcproj_w = P(p.fcproj_w).carg(),
+             fcproj_b = Pc(p.fcproj_b);
+  const float* rope_table = rope;
+
+  // Attention sublayer: norm, fused qkv projection, (rotary), causal attention.
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("ln_1", [=](const KernelContext& ctx) {
+      return kernels::layernorm_forward(ctx, A.norm1.arg(), A.mean1, A.rstd1, x.carg(), norm_w1, norm_b1, N,
+                                        C_, eps);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("input_layernorm", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_forward(ctx, A.norm1.arg(), A.rstd1, x.carg(), norm_w1, N, C_, eps);
+    }));
+  }
+  STRATA_RETURN_IF_ERROR(k.run("qkv", [=](const KernelContext& ctx) {
+    return kernels::matmul_forward(ctx, A.qkv.arg(), A.norm1.carg(), qkv_w, qkv_b, N, C_, Q_);
+  }));
+  if (!gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("rope q,k", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          kernels::rope_forward(ctx, A.qkv.arg(), A.qkv.carg(), rope_table, B_, T_, H_, D_, Q_));
+      const Tensor kpart = A.qkv.at(H_ * D_);
+      return kernels::rope_forward(ctx, kpart.arg(), kpart.carg(), rope_table, B_, T_, Hkv_, D_, Q_);
+    }));
+  }
+  const kernels::AttentionShape shape{B_, T_, H_, Hkv_, D_, Q_, Q_, Q_, 0.0f};
+  STRATA_RETURN_IF_ERROR(k.run("attention", [=](const KernelContext& ctx) {
+    return kernels::attention_forward(ctx, A.atty.arg(), A.lse, A.qkv.carg(), A.qkv.at(H_ * D_).carg(),
+                                      A.qkv.at((H_ + Hkv_) * D_).carg(), shape);
+  }));
+  // res2 = x + atty·Wprojᵀ (+ b)
+  STRATA_RETURN_IF_ERROR(k.run("attn proj + residual", [=](const KernelContext& ctx) -> Status {
+    STRATA_RETURN_IF_ERROR(
+        kernels::matmul_forward(ctx, A.res2.arg(), A.atty.carg(), proj_w, proj_b, N, H_ * D_, C_));
+    return kernels::residual_forward(ctx, A.res2.arg(), A.res2.carg(), x.carg(), BT * C_);
+  }));
+  // MLP sublayer.
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("ln_2", [=](const KernelContext& ctx) {
+      return kernels::layernorm_forward(ctx, A.norm2.arg(), A.mean2, A.rstd2, A.res2.carg(), norm_w2, norm_b2,
+                                        N, C_, eps);
+    }));
+    STRATA_RETURN_IF_ERROR(k.run("c_fc + gelu", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          kernels::matmul_forward(ctx, A.ff1.arg(), A.norm2.carg(), fc_w, fc_b, N, C_, F_));
+      return kernels::gelu_forward(ctx, A.ff2.arg(), A.ff1.carg(), N * F_);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("post_attention_layernorm", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_forward(ctx, A.norm2.arg(), A.rstd2, A.res2.carg(), norm_w2, N, C_, eps);
+    }));
+    STRATA_RETURN_IF_ERROR(k.run("gate_up + swiglu", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          kernels::matmul_forward(ctx, A.ff1.arg(), A.norm2.carg(), fc_w, kernels::kNone, N, C_, 2 * F_));
+      return kernels::swiglu_forward(ctx, A.ff2.arg(), A.ff1.carg(), N, F_);
+    }));
+  }
+  if (recompute) return ok_status();  // the block's output (the next residual) is kept already
+  // out = res2 + ff2·Wᵀ (+ b)
+  return k.run("mlp proj + residual", [=](const KernelContext& ctx) -> Status {
+    STRATA_RETURN_IF_ERROR(
+        kernels::matmul_forward(ctx, out.arg(), A.ff2.carg(), fcproj_w, fcproj_b, N, F_, C_));
+    return kernels::residual_forward(ctx, out.arg(), out.carg(), A.res2.carg(), BT * C_);
+  });
+}
+
+// Backward of block l. On entry dres holds ∂L/∂(block output); on exit ∂L/∂(block input).
+Status Model::Impl::block_backward(int l, const BlockActs& A) {
+  const BlockParams& p = blocks[static_cast<std::size_t>(l)];
+  detail::KernelLauncher& k = *launch;
+  const std::int64_t N = B * T;
+  const Tensor x = resid[static_cast<std::size_t>(l)];
+  const std::int64_t C_ = C, Q_ = Q, F_ = F, H_ = H, Hkv_ = Hkv, D_ = D, B_ = B, T_ = T;
+  const Tensor dres_ = dres, dln_ = dln, dqkv_ = dqkv, datty_ = datty, dff1_ = dff1, dff2_ = dff2;
+  const auto norm_w1 = P(p.norm1_w).carg(), norm_w2 = P(p.norm2_w).carg();
+  const auto qkv_w = P(p.qkv_w).carg(), proj_w = P(p.proj_w).carg(), fc_w = P(p.fc_w).carg(),
+             fcproj_w = P(p.fcproj_w).carg();
+  const Tensor g_norm_w1 = G(p.norm1_w), g_norm_b1 = G(p.norm1_b), g_norm_w2 = G(p.norm2_w),
+               g_norm_b2 = G(p.norm2_b);
+  const Tensor g_qkv_w = G(p.qkv_w), g_qkv_b = G(p.qkv_b), g_proj_w = G(p.proj_w), g_proj_b = G(p.proj_b);
+  const Tensor g_fc_w = G(p.fc_w), g_fc_b = G(p.fc_b), g_fcproj_w = G(p.fcproj_w), g_fcproj_b = G(p.fcproj_b);
+  const float* rope_table = rope;
+
+  // MLP sublayer. out = res2 + ff2·Wᵀ: ∂res2 is dres itself (kept in place), ∂ff2 = dres·W.
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("c_proj backward + gelu backward", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(kernels::matmul_backward(ctx, dff1_.arg(), g_fcproj_w.arg(), g_fcproj_b.arg(),
+                                                      dres_.carg(), A.ff2.carg(), fcproj_w, N, F_, C_,
+                                                      Accumulate::kOverwrite));
+      return kernels::gelu_backward(ctx, dff1_.arg(), dff1_.carg(), A.ff1.carg(), N * F_,
+                                    Accumulate::kOverwrite);
+    }));
+    STRATA_RETURN_IF_ERROR(k.run("c_fc backward", [=](const KernelContext& ctx) {
+      return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), g_fc_b.arg(), dff1_.carg(),
+                                      A.norm2.carg(), fc_w, N, C_, F_, Accumulate::kOverwrite);
+    }));
+    STRATA_RETURN_IF_ERROR(k.run("ln_2 backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), g_norm_b2.arg(), dln_.carg(),
+                                         A.res2.carg(), norm_w2, A.mean2, A.rstd2, N, C_, Accumulate::kAdd);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(
+        k.run("down_proj backward + swiglu backward", [=](const KernelContext& ctx) -> Status {
+          STRATA_RETURN_IF_ERROR(kernels::matmul_backward(ctx, dff2_.arg(), g_fcproj_w.arg(),
+                                                          kernels::kNoOutput, dres_.carg(), A.ff2.carg(),
+                                                          fcproj_w, N, F_, C_, Accumulate::kOverwrite));
+          return kernels::swiglu_backward(ctx, dff1_.arg(), dff2_.carg(), A.ff1.carg(), N, F_,
+                                          Accumulate::kOverwrite);
+        }));
+    STRATA_RETURN_IF_ERROR(k.run("gate_up backward", [=](const KernelContext& ctx) {
+      return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), kernels::kNoOutput, dff1_.carg(),
+                                      A.norm2.carg(), fc_w, N, C_, 2 * F_, Accumulate::kOverwrite);
+    }));
+    STRATA_RETURN_IF_ERROR(k.run("post_attention_layernorm backward", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), dln_.carg(), A.res2.carg(), norm_w2,
+                                       A.rstd2, N, C_, Accumulate::kAdd);
+    }));
+  }
+  // Attention sublayer. res2 = x + atty·Wᵀ.
+  STRATA_RETURN_IF_ERROR(k.run("attn proj backward", [=](const KernelContext& ctx) {
+    return kernels::matmul_backward(ctx, datty_.arg(), g_proj_w.arg(), g_proj_b.arg(), dres_.carg(),
+                                    A.atty.carg(), proj_w, N, H_ * D_, C_, Accumulate::kOverwrite);
+  }));
+  const kernels::AttentionShape shape{B_, T_, H_, Hkv_, D_, Q_, Q_, Q_, 0.0f};
+  STRATA_RETURN_IF_ERROR(k.run("attention backward", [=](const KernelContext& ctx) {
+    return kernels::attention_backward(ctx, dqkv_.arg(), dqkv_.at(H_ * D_).arg(),
+                                       dqkv_.at((H_ + Hkv_) * D_).arg(), datty_.carg(), A.qkv.carg(),
+                                       A.qkv.at(H_ * D_).carg(), A.qkv.at((H_ + Hkv_) * D_).carg(),
+                                       A.atty.carg(), A.lse, shape);
+  }));
+  if (!gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("rope backward", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          kernels::rope_backward(ctx, dqkv_.arg(), dqkv_.carg(), rope_table, B_, T_, H_, D_, Q_));
+      const Tensor kpart = dqkv_.at(H_ * D_);
+      return kernels::rope_backward(ctx, kpart.arg(), kpart.carg(), rope_table, B_, T_, Hkv_, D_, Q_);
+    }));
+  }
+  STRATA_RETURN_IF_ERROR(k.run("qkv backward", [=](const KernelContext& ctx) {
+    return kernels::matmul_backward(ctx, dln_.arg(), g_qkv_w.arg(), g_qkv_b.arg(), dqkv_.carg(),
+                                    A.norm1.carg(), qkv_w, N, C_, Q_, Accumulate::kOverwrite);
+  }));
+  if (gpt2) {
+    return k.run("ln_1 backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), g_norm_b1.arg(), dln_.carg(),
+                                         x.carg(), norm_w1, A.mean1, A.rstd1, N, C_, Accumulate::kAdd);
+    });
+  }
+  return k.run("input_layernorm backward", [=](const KernelContext& ctx) {
+    return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), dln_.carg(), x.carg(), norm_w1,
+                                     A.rstd1, N, C_, Accumulate::kAdd);
+  });
+}
+
+Status Model::Impl::forward(bool for_backward) {
+  detail::KernelLauncher& k = *launch;
+  const std::int64_t N = B * T, B_ = B, T_ = T, C_ = C, V_ = V, Vp_ = Vp;
+  const int L = static_cast<int>(layout.config.n_layer);
+  const float eps = static_cast<float>(layout.config.norm_eps);
+  const std::int32_t* tok = tokens;
+  const std::int32_t* tgt = targets;
+  const Tensor x0 = resid[0], xL = resid[static_cast<std::size_t>(L)];
+  const auto wte = P(eh.wte).carg(), wpe = Pc(eh.wpe), lm_head = P(eh.lm_head).carg();
+  const auto norm_w = P(eh.norm_w).carg(), norm_b = Pc(eh.norm_b);
+  const Tensor fn = final_norm, lg = logits;
+  float *fmean = final_mean, *frstd = final_rstd, *loss = losses, *lse = ce_lse;
+
+  STRATA_RETURN_IF_ERROR(k.run("embedding", [=](const KernelContext& ctx) {
+    return kernels::embedding_forward(ctx, x0.arg(), tok, wte, wpe, B_, T_, C_, Vp_);
+  }));
+  for (int l = 0; l < L; ++l) STRATA_RETURN_IF_ERROR(block_forward(l, acts(l), false));
+  cached_block = L - 1;
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("ln_f", [=](const KernelContext& ctx) {
+      return kernels::layernorm_forward(ctx, fn.arg(), fmean, frstd, xL.carg(), norm_w, norm_b, N, C_, eps);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("norm", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_forward(ctx, fn.arg(), frstd, xL.carg(), norm_w, N, C_, eps);
+    }));
+  }
+  STRATA_RETURN_IF_ERROR(k.run("lm_head + cross-entropy", [=](const KernelContext& ctx) -> Status {
+    STRATA_RETURN_IF_ERROR(
+        kernels::matmul_forward(ctx, lg.arg(), fn.carg(), lm_head, kernels::kNone, N, C_, Vp_));
+    return kernels::cross_entropy_forward(ctx, loss, lse, lg.carg(), tgt, N, V_, Vp_);
+  }));
+  forward_saved = for_backward;
+  return ok_status();
+}
+
+Status Model::Impl::backward(float dloss) {
+  detail::KernelLauncher& k = *launch;
+  const std::int64_t N = B * T, B_ = B, T_ = T, C_ = C, V_ = V, Vp_ = Vp;
+  const int L = static_cast<int>(layout.config.n_layer);
+  const std::int32_t* tok = tokens;
+  const std::int32_t* tgt = targets;
+  const Tensor xL = resid[static_cast<std::size_t>(L)];
+  const auto lm_head = P(eh.lm_head).carg(), norm_w = P(eh.norm_w).carg();
+  const Tensor g_lm_head = G(eh.lm_head), g_norm_w = G(eh.norm_w), g_norm_b = G(eh.norm_b);
+  const Tensor g_wte = G(eh.wte), g_wpe = G(eh.wpe);
+  const Tensor fn = final_norm, lg = logits, dres_ = dres, dln_ = dln;
+  const float *fmean = final_mean, *frstd = final_rstd, *lse = ce_lse;
+
+  // Head: the logits' gradient overwrites the logits.
+  STRATA_RETURN_IF_ERROR(
+      k.run("cross-entropy backward + lm_head backward", [=](const KernelContext& ctx) -> Status {
+        STRATA_RETURN_IF_ERROR(
+            kernels::cross_entropy_backward(ctx, lg.arg(), lg.carg(), lse, tgt, dloss, N, V_, Vp_));
+        return kernels::matmul_backward(ctx, dln_.arg(), g_lm_head.arg(), kernels::kNoOutput, lg.carg(),
+                                        fn.carg(), lm_head, N, C_, Vp_, Accumulate::kOverwrite);
+      }));
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("ln_f backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w.arg(), g_norm_b.arg(), dln_.carg(),
+                                         xL.carg(), norm_w, fmean, frstd, N, C_, Accumulate::kOverwrite);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("norm backward", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w.arg(), dln_.carg(), xL.carg(), norm_w,
+                                       frstd, N, C_, Accumulate::kOverwrite);
+    }));
+  }
+  const bool checkpointing = sets.size() == 1 && L > 1;
+  for (int l = L - 1; l >= 0; --l) {
+    BlockActs& A = acts(l);
+    if (checkpointing && cached_block != l) {
+      STRATA_RETURN_IF_ERROR(block_forward(l, A, true));
+      cached_block = l;
+    }
+    STRATA_RETURN_IF_ERROR(block_backward(l, A));
+  }
+  STRATA_RETURN_IF_ERROR(k.run("embedding backward", [=](const KernelContext& ctx) {
+    return kernels::embedding_backward(ctx, g_wte.arg(), g_wpe.arg(), dres_.carg(), tok, B_, T_, C_, Vp_);
+  }));
+  // Backward consumed the saved activations (the logits hold their gradient now).
+  forward_saved = false;
+  return ok_status();
+}
+
+}  // namespace strata

@@ -1,0 +1,230 @@
+// Weight files: Hugging Face safetensors (the export slices of the descriptor table: row ranges
+// of a parameter under HF names, transposed where HF keeps the other layout, GPT-2's Conv1D)
+// and Strata's native layout (one tensor per parameter, storage layout). See model.hpp.
+#include <cstring>
+#include <vector>
+
+#include "kernels/bf16.hpp"
+#include "strata/device.hpp"
+#include "strata/log.hpp"
+#include "strata/model.hpp"
+#include "strata/safetensors.hpp"
+
+namespace strata {
+namespace {
+
+constexpr const char* kNativeFormat = "strata";
+
+// The HF shape of an export slice of `p`.
+std::vector<std::int64_t> slice_shape(const ParamDesc& p, const ExportSlice& e) {
+  if (p.shape.size() == 1) return {e.rows};
+  const std::int64_t cols = p.numel() / p.shape[0];
+  return e.transpose ? std::vector<std::int64_t>{cols, e.rows} : std::vector<std::int64_t>{e.rows, cols};
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
+float f16_to_f32(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t man = h & 0x3ffu;
+  std::uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13) | (man != 0 ? 0x00400000u : 0u);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Reads a tensor of the file as fp32 values.
+Status read_f32(const SafetensorsFile& file, const SafetensorsEntry& entry, std::vector<char>& raw,
+                std::vector<float>& out) {
+  const std::uint64_t es = safetensors_dtype_size(entry.dtype);
+  const std::uint64_t n = es == 0 ? 0 : entry.nbytes() / es;
+  if (entry.dtype != "F32" && entry.dtype != "BF16" && entry.dtype != "F16") {
+    return invalid_argument("weights file '" + file.path() + "': tensor '" + entry.name + "' has dtype " +
+                            entry.dtype + " (expected F32, BF16 or F16)");
+  }
+  raw.resize(entry.nbytes());
+  STRATA_RETURN_IF_ERROR(file.read(entry.name, raw.data(), raw.size()));
+  out.resize(n);
+  if (entry.dtype == "F32") {
+    std::memcpy(out.data(), raw.data(), raw.size());
+    return ok_status();
+  }
+  const bool bf = entry.dtype == "BF16";
+  for (std::uint64_t k = 0; k < n; ++k) {
+    std::uint16_t h;
+    std::memcpy(&h, raw.data() + k * 2, 2);
+    out[k] = bf ? kernels::bf16_bits_to_f32(h) : f16_to_f32(h);
+  }
+  return ok_status();
+}
+
+bool is_native(const SafetensorsFile& file) {
+  auto it = file.metadata().find("format");
+  return it != file.metadata().end() && it->second == kNativeFormat;
+}
+
+// A tensor in an HF file: its exact name, or (GPT-2) with the "transformer." prefix that
+// GPT2LMHeadModel state dicts carry.
+const SafetensorsEntry* find_hf(const SafetensorsFile& file, const ModelLayout& layout,
+                                const std::string& name) {
+  if (const auto* e = file.find(name)) return e;
+  if (layout.config.kind == ModelKind::kGpt2) return file.find("transformer." + name);
+  return nullptr;
+}
+
+}  // namespace
+
+Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
+                     const ParamSource& source) {
+  const bool bf16 = dtype == DType::kBF16;
+  const std::uint64_t esize = bf16 ? 2 : 4;
+  SafetensorsWriter writer;
+  // The writer copies nothing: every tensor's bytes stay here until write().
+  std::vector<std::vector<char>> storage;
+  std::vector<float> values;
+  auto store = [&](std::vector<char>& out, std::size_t at, float v) {
+    if (bf16) {
+      const std::uint16_t h = kernels::f32_to_bf16_bits_rne(v);
+      std::memcpy(out.data() + at * 2, &h, 2);
+    } else {
+      std::memcpy(out.data() + at * 4, &v, 4);
+    }
+  };
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const ParamDesc& p = layout.params[i];
+    if (!p.owns_storage()) continue;
+    values.assign(static_cast<std::size_t>(p.numel()), 0.0f);
+    STRATA_RETURN_IF_ERROR(source(static_cast<int>(i), values));
+    if (values.size() != static_cast<std::size_t>(p.numel())) {
+      return internal_error("write_weights: parameter '" + p.name + "' came back with the wrong size");
+    }
+    if (format == WeightFormat::kNative) {
+      std::vector<char>& out = storage.emplace_back(values.size() * esize);
+      for (std::size_t k = 0; k < values.size(); ++k) store(out, k, values[k]);
+      STRATA_RETURN_IF_ERROR(writer.add(p.name, bf16 ? "BF16" : "F32", p.shape, out.data(), out.size()));
+      continue;
+    }
+    const std::int64_t cols = p.numel() / p.shape[0];
+    for (const ExportSlice& e : p.exports) {
+      std::vector<char>& out = storage.emplace_back(static_cast<std::size_t>(e.rows * cols) * esize);
+      const float* src = values.data() + e.row_begin * cols;
+      for (std::int64_t r = 0; r < e.rows; ++r) {
+        for (std::int64_t c = 0; c < cols; ++c) {
+          // (rows, cols) as stored, or transposed to (cols, rows).
+          const std::int64_t at = e.transpose ? c * e.rows + r : r * cols + c;
+          store(out, static_cast<std::size_t>(at), src[r * cols + c]);
+        }
+      }
+      STRATA_RETURN_IF_ERROR(
+          writer.add(e.name, bf16 ? "BF16" : "F32", slice_shape(p, e), out.data(), out.size()));
+    }
+  }
+  ModelConfig stored = layout.config;
+  stored.dtype = dtype;
+  if (format == WeightFormat::kNative) {
+    writer.set_metadata("format", kNativeFormat);
+    writer.set_metadata("strata_model", model_config_to_json(stored));
+  } else {
+    writer.set_metadata("format", "pt");  // transformers refuses files without it
+  }
+  writer.set_metadata("config", hf_config_json(stored));
+  writer.set_metadata("producer", "strata");
+  Status s = writer.write(path);
+  if (!s.ok()) return s.with_context("saving weights to '" + path + "'");
+  return ok_status();
+}
+
+Status save_weights(Model& model, const std::string& path, WeightFormat format) {
+  return write_weights(model.layout(), path, format, model.config().dtype,
+                       [&](int index, std::vector<float>& values) -> Status {
+                         STRATA_ASSIGN_OR_RETURN(values, model.download_param(index));
+                         return ok_status();
+                       });
+}
+
+Result<ModelConfig> read_weights_config(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::open(path));
+  const auto& meta = file.metadata();
+  if (is_native(file)) {
+    auto it = meta.find("strata_model");
+    if (it == meta.end())
+      return invalid_argument("weights file '" + path + "' has format strata but no strata_model");
+    return model_config_from_json(it->second, "weights file '" + path + "': __metadata__.strata_model");
+  }
+  auto it = meta.find("config");
+  if (it == meta.end()) {
+    return invalid_argument("weights file '" + path +
+                            "' has no model config (a JSON string under \"config\" in __metadata__)");
+  }
+  return model_config_from_hf_json(it->second, "weights file '" + path + "': __metadata__.config");
+}
+
+Status read_weights(const ModelLayout& layout, const std::string& path, const ParamSink& sink) {
+  STRATA_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::open(path));
+  const bool native = is_native(file);
+  std::vector<float> values, slice;
+  std::vector<char> raw;
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const ParamDesc& p = layout.params[i];
+    if (!p.owns_storage()) continue;
+    const std::int64_t cols = p.numel() / p.shape[0];
+    if (native) {
+      const SafetensorsEntry* entry = file.find(p.name);
+      if (entry == nullptr) return not_found("weights file '" + path + "' has no tensor '" + p.name + "'");
+      if (entry->shape != p.shape) {
+        return invalid_argument("weights file '" + path + "': tensor '" + p.name + "' has shape " +
+                                shape_text(entry->shape) + ", the model config needs " + shape_text(p.shape));
+      }
+      STRATA_RETURN_IF_ERROR(read_f32(file, *entry, raw, values));
+      STRATA_RETURN_IF_ERROR(sink(static_cast<int>(i), values));
+      continue;
+    }
+    values.assign(static_cast<std::size_t>(p.numel()), 0.0f);  // padded vocabulary rows stay zero
+    for (const ExportSlice& e : p.exports) {
+      const SafetensorsEntry* entry = find_hf(file, layout, e.name);
+      if (entry == nullptr) return not_found("weights file '" + path + "' has no tensor '" + e.name + "'");
+      const std::vector<std::int64_t> want = slice_shape(p, e);
+      if (entry->shape != want) {
+        return invalid_argument("weights file '" + path + "': tensor '" + entry->name + "' has shape " +
+                                shape_text(entry->shape) + ", the model config needs " + shape_text(want));
+      }
+      STRATA_RETURN_IF_ERROR(read_f32(file, *entry, raw, slice));
+      float* dst = values.data() + e.row_begin * cols;
+      for (std::int64_t r = 0; r < e.rows; ++r) {
+        for (std::int64_t c = 0; c < cols; ++c) {
+          dst[r * cols + c] = slice[static_cast<std::size_t>(e.transpose ? c * e.rows + r : r * cols + c)];
+        }
+      }
+    }
+    STRATA_RETURN_IF_ERROR(sink(static_cast<int>(i), values));
+  }
+  return ok_status();
+}
+
+Status load_weights(Model& model, const std::string& path) {
+  STRATA_RETURN_IF_ERROR(read_weights(model.layout(), path, [&](int index, std::span<const float> values) {
+    return model.upload_param(index, values);
+  }));
+  return model.stream().synchronize();
+}
+
+}  // namespace strata

@@ -1,0 +1,41 @@
+// Fault injection for the I/O engine's tests: make a backend unavailable, refuse O_DIRECT,
+// shorten completions, fail chosen pieces with an errno, or kill the process mid-write. The
+// test owns the IoFaults object; it must outlive the engine. Never used outside tests.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/nvme.hpp"
+
+namespace strata::nvme_detail {
+
+struct IoFaults {
+  int uring_setup_errno = 0;   // io_uring setup fails with this errno (e.g. ENOSYS: no io_uring)
+  int aio_setup_errno = 0;     // io_setup fails with this errno
+  bool refuse_direct = false;  // open(O_DIRECT) fails with EINVAL, as on a file system without it
+  // Every completion of more than this many bytes reports only this many (a short read or
+  // write); the engine must resubmit the remainder. 0 = off.
+  std::uint64_t max_transfer = 0;
+  // A piece of `op` on a file whose path contains `path_contains` and whose range covers
+  // file offset `offset` completes with -err instead of being submitted.
+  struct Injected {
+    IoOp op = IoOp::kRead;
+    std::string path_contains;
+    std::uint64_t offset = 0;
+    int err = 0;
+  };
+  std::vector<Injected> errors;
+  // SIGKILL the whole process once this many bytes of writes have completed (crash tests run
+  // this in a forked child). 0 = off.
+  std::uint64_t kill_after_write_bytes = 0;
+
+  static Result<std::unique_ptr<IoEngine>> create_engine(const IoEngineConfig& config, PinnedPool* pool,
+                                                         const IoFaults* faults) {
+    return IoEngine::create_with_faults(config, pool, faults);
+  }
+};
+
+}  // namespace strata::nvme_detail

@@ -1,0 +1,220 @@
+// The descriptor table of the built-in models: parameter counts, names, flags, ties, module
+// ranges, initialisation, configs and the FLOP formula. No device needed.
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "harness/harness.hpp"
+#include "strata/model.hpp"
+
+namespace strata::testing {
+namespace {
+
+ModelConfig gpt2(std::int64_t L, std::int64_t C, std::int64_t H, std::int64_t V, std::int64_t P) {
+  ModelConfig c;
+  c.kind = ModelKind::kGpt2;
+  c.n_layer = L;
+  c.n_embd = C;
+  c.n_head = H;
+  c.vocab_size = V;
+  c.n_positions = P;
+  return c;
+}
+
+ModelConfig llama(std::int64_t L, std::int64_t C, std::int64_t H, std::int64_t Hkv, std::int64_t V) {
+  ModelConfig c;
+  c.kind = ModelKind::kLlama;
+  c.n_layer = L;
+  c.n_embd = C;
+  c.n_head = H;
+  c.n_kv_head = Hkv;
+  c.vocab_size = V;
+  c.n_positions = 64;
+  return c;
+}
+
+TEST(ModelLayout, Gpt2CountsNamesFlagsAndTies) {
+  const ModelConfig c = gpt2(3, 48, 4, 300, 40);  // vocab 300 pads to 320
+  auto layout = describe_model(c);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  const std::int64_t C = 48, L = 3, V = 300, Vp = 320, P = 40;
+  EXPECT_EQ(c.padded_vocab(), Vp);
+  // wte (padded) + wpe + per block (12C² + 13C) + ln_f; the tied head adds nothing.
+  EXPECT_EQ(layout->num_parameters(), Vp * C + P * C + L * (12 * C * C + 13 * C) + 2 * C);
+  EXPECT_EQ(layout->modules.size(), static_cast<std::size_t>(L + 2));
+  EXPECT_EQ(layout->modules.front().kind, ModuleKind::kEmbedding);
+  EXPECT_EQ(layout->modules.back().kind, ModuleKind::kHead);
+  STRATA_EXPECT_OK(layout->is_valid());
+
+  const int wte = layout->find("wte.weight");
+  const int head = layout->find("lm_head.weight");
+  ASSERT_GE(wte, 0);
+  ASSERT_GE(head, 0);
+  EXPECT_EQ(layout->params[static_cast<std::size_t>(head)].tied_with, wte);
+  EXPECT_EQ(layout->params[static_cast<std::size_t>(head)].param_offset,
+            layout->params[static_cast<std::size_t>(wte)].param_offset);
+  EXPECT_TRUE(layout->params[static_cast<std::size_t>(head)].exports.empty());
+  // wte exports only the real vocabulary.
+  ASSERT_EQ(layout->params[static_cast<std::size_t>(wte)].exports.size(), 1u);
+  EXPECT_EQ(layout->params[static_cast<std::size_t>(wte)].exports[0].rows, V);
+
+  const auto& attn = layout->params[static_cast<std::size_t>(layout->find("h.1.attn.c_attn.weight"))];
+  EXPECT_EQ(attn.shape, (std::vector<std::int64_t>{3 * C, C}));
+  EXPECT_TRUE(attn.weight_decay);
+  ASSERT_EQ(attn.exports.size(), 1u);
+  EXPECT_TRUE(attn.exports[0].transpose);  // Conv1D layout in HF
+  EXPECT_EQ(attn.module, 2);               // embedding is module 0, h.0 module 1
+  for (const char* no_decay :
+       {"h.0.ln_1.weight", "h.0.ln_1.bias", "h.2.mlp.c_fc.bias", "wpe.weight", "ln_f.bias"}) {
+    EXPECT_FALSE(layout->params[static_cast<std::size_t>(layout->find(no_decay))].weight_decay) << no_decay;
+  }
+  // A module's own parameters are one contiguous range, in declaration order.
+  for (const auto& m : layout->modules) {
+    std::uint64_t cursor = m.param_begin;
+    for (int i : m.params) {
+      const auto& p = layout->params[static_cast<std::size_t>(i)];
+      if (!p.owns_storage()) continue;
+      EXPECT_GE(p.param_offset, cursor) << p.name;
+      cursor = p.param_offset + static_cast<std::uint64_t>(p.numel()) * 4;
+    }
+    EXPECT_LE(cursor, m.param_end) << m.name;
+  }
+}
+
+TEST(ModelLayout, LlamaFusedProjectionsExportAsHuggingFaceTensors) {
+  const ModelConfig c = llama(2, 64, 8, 2, 256);
+  auto layout = describe_model(c);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  const std::int64_t C = 64, D = 8, H = 8, Hkv = 2, F = c.ffn(), V = 256, L = 2;
+  EXPECT_EQ(F, 192);  // 8/3·64 = 170.7 → multiple of 64
+  const std::int64_t per_block = 2 * C + (H + 2 * Hkv) * D * C + C * H * D + 3 * F * C;
+  EXPECT_EQ(layout->num_parameters(), 2 * V * C + L * per_block + C);
+  const auto& qkv =
+      layout->params[static_cast<std::size_t>(layout->find("model.layers.1.self_attn.qkv_proj.weight"))];
+  ASSERT_EQ(qkv.exports.size(), 3u);
+  EXPECT_EQ(qkv.exports[0].name, "model.layers.1.self_attn.q_proj.weight");
+  EXPECT_EQ(qkv.exports[1].row_begin, H * D);
+  EXPECT_EQ(qkv.exports[1].rows, Hkv * D);
+  EXPECT_EQ(qkv.exports[2].name, "model.layers.1.self_attn.v_proj.weight");
+  EXPECT_EQ(qkv.exports[2].row_begin, (H + Hkv) * D);
+  const auto& gu =
+      layout->params[static_cast<std::size_t>(layout->find("model.layers.0.mlp.gate_up_proj.weight"))];
+  ASSERT_EQ(gu.exports.size(), 2u);
+  EXPECT_EQ(gu.exports[1].name, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(gu.exports[1].row_begin, F);
+  EXPECT_GE(layout->find("lm_head.weight"), 0);
+  EXPECT_TRUE(layout->params[static_cast<std::size_t>(layout->find("lm_head.weight"))].owns_storage());
+}
+
+TEST(ModelLayout, Bf16HalvesParameterBytesNotGradientBytes) {
+  ModelConfig c = gpt2(2, 64, 4, 256, 32);
+  auto f32 = describe_model(c);
+  c.dtype = DType::kBF16;
+  auto bf16 = describe_model(c);
+  ASSERT_TRUE(f32.ok() && bf16.ok());
+  EXPECT_EQ(f32->grad_bytes, bf16->grad_bytes);
+  EXPECT_LT(bf16->param_bytes, f32->param_bytes * 6 / 10);
+  STRATA_EXPECT_OK(bf16->is_valid());
+}
+
+TEST(ModelConfig, ValidationNamesTheField) {
+  ModelConfig c = gpt2(2, 100, 3, 256, 32);
+  STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "n_embd");
+  c = gpt2(0, 64, 4, 256, 32);
+  STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "n_layer");
+  c = llama(2, 64, 8, 3, 256);
+  STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "n_kv_head");
+  c = llama(2, 24, 8, 0, 256);  // head_dim 3 cannot rotate pairs
+  STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "head_dim");
+  c = gpt2(2, 64, 4, 256, 32);
+  c.n_kv_head = 2;
+  STRATA_EXPECT_ERROR(c.validate(), kInvalidArgument, "n_kv_head");
+  STRATA_EXPECT_ERROR(describe_model(gpt2(2, 64, 4, 0, 32)), kInvalidArgument, "vocab_size");
+}
+
+TEST(ModelConfig, HuggingFaceAndNativeJsonRoundTrip) {
+  ModelConfig g = gpt2(5, 96, 6, 50257, 1024);
+  auto hf = nlohmann::json::parse(hf_config_json(g));
+  EXPECT_EQ(hf["model_type"], "gpt2");
+  EXPECT_EQ(hf["n_layer"], 5);
+  EXPECT_EQ(hf["n_embd"], 96);
+  EXPECT_EQ(hf["n_positions"], 1024);
+  EXPECT_EQ(hf["vocab_size"], 50257);
+  auto back = model_config_from_hf_json(hf_config_json(g), "test");
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->n_layer, 5);
+  EXPECT_EQ(back->ffn(), g.ffn());
+
+  ModelConfig l = llama(3, 64, 8, 4, 1000);
+  l.dtype = DType::kBF16;
+  auto lj = nlohmann::json::parse(hf_config_json(l));
+  EXPECT_EQ(lj["model_type"], "llama");
+  EXPECT_EQ(lj["num_key_value_heads"], 4);
+  EXPECT_EQ(lj["intermediate_size"], l.ffn());
+  EXPECT_EQ(lj["torch_dtype"], "bfloat16");
+  auto lb = model_config_from_hf_json(hf_config_json(l), "test");
+  ASSERT_TRUE(lb.ok()) << lb.status().to_string();
+  EXPECT_EQ(lb->kind, ModelKind::kLlama);
+  EXPECT_EQ(lb->kv_heads(), 4);
+  EXPECT_EQ(lb->dtype, DType::kBF16);
+
+  l.activation_checkpointing = true;
+  l.vocab_multiple = 128;
+  auto nb = model_config_from_json(model_config_to_json(l), "test");
+  ASSERT_TRUE(nb.ok()) << nb.status().to_string();
+  EXPECT_EQ(model_config_to_json(*nb), model_config_to_json(l));
+
+  STRATA_EXPECT_ERROR(model_config_from_hf_json("{\"model_type\": \"gpt2\", \"n_layer\": 2}", "cfg.json"),
+                      kInvalidArgument, "cfg.json");
+  STRATA_EXPECT_ERROR(model_config_from_json("{\"n_layers\": 2}", "x"), kInvalidArgument, "n_layers");
+}
+
+TEST(ModelLayout, InitIsDeterministicChunkIndependentAndScaled) {
+  auto layout = describe_model(gpt2(4, 64, 4, 256, 32));
+  ASSERT_TRUE(layout.ok());
+  const int fc = layout->find("h.0.mlp.c_fc.weight");
+  const int proj = layout->find("h.0.mlp.c_proj.weight");
+  const auto n = layout->params[static_cast<std::size_t>(fc)].numel();
+  std::vector<float> a(static_cast<std::size_t>(n)), b(a.size()), other(a.size());
+  init_values(*layout, fc, 7, 0, n, a.data());
+  init_values(*layout, fc, 7, 0, 1001, b.data());
+  init_values(*layout, fc, 7, 1001, n - 1001, b.data() + 1001);
+  EXPECT_EQ(a, b);
+  init_values(*layout, fc, 8, 0, n, other.data());
+  EXPECT_NE(a, other);
+  double sum = 0, sq = 0;
+  for (float v : a) {
+    sum += v;
+    sq += static_cast<double>(v) * v;
+  }
+  const double mean = sum / static_cast<double>(n), sd = std::sqrt(sq / static_cast<double>(n) - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 0.002);
+  EXPECT_NEAR(sd, 0.02, 0.001);
+  // Residual projections are scaled by 1/sqrt(2L).
+  std::vector<float> p(static_cast<std::size_t>(layout->params[static_cast<std::size_t>(proj)].numel()));
+  init_values(*layout, proj, 7, 0, static_cast<std::int64_t>(p.size()), p.data());
+  double psq = 0;
+  for (float v : p) psq += static_cast<double>(v) * v;
+  EXPECT_NEAR(std::sqrt(psq / static_cast<double>(p.size())), 0.02 / std::sqrt(8.0), 0.001);
+  std::vector<float> ln(64);
+  init_values(*layout, layout->find("h.0.ln_1.weight"), 7, 0, 64, ln.data());
+  EXPECT_EQ(ln, std::vector<float>(64, 1.0f));
+}
+
+TEST(ModelFlops, MatchesTheFormula) {
+  const ModelConfig c = gpt2(2, 64, 4, 256, 128);
+  const std::int64_t B = 3, T = 16, C = 64, N = B * T;
+  // Forward: 24·C² per token per layer in the blocks, 2·C·V in the head, causal attention.
+  const double fwd =
+      2.0 * N * 12 * C * C * 2 + 2.0 * N * C * 256 + 2 * B * 4 * 2.0 * (2.0 * 16 * T * (T + 1) / 2.0);
+  EXPECT_DOUBLE_EQ(model_flops(c, B, T, true), fwd);
+  EXPECT_DOUBLE_EQ(model_flops(c, B, T), 3 * fwd);
+  // Every linear appears as forward, dinp and dweight.
+  const auto gemms = model_gemms(c, B, T);
+  EXPECT_EQ(gemms.size(), 15u);
+  EXPECT_EQ(gemms[2].M, 3 * C);  // c_attn dweight: (out, in) += doutᵀ·inp
+  EXPECT_EQ(gemms[2].K, N);
+  EXPECT_TRUE(gemms[2].trans_a);
+}
+
+}  // namespace
+}  // namespace strata::testing

@@ -1,0 +1,564 @@
+// Swap store tests: round-trips (one and several directories), copy-on-write updates, a
+// failed update keeping the previous version, corruption detection naming key and file, a full
+// store failing before any write, a file system too small for the store, a crash in the middle
+// of a write (SIGKILL in a forked child), torn journal tails, persistence and compaction.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "harness/harness.hpp"
+#include "nvme/faults.hpp"
+#include "strata/alloc.hpp"
+#include "strata/nvme.hpp"
+
+namespace strata {
+namespace {
+
+using nvme_detail::IoFaults;
+using testing::TempDir;
+
+std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& b : v) b = static_cast<unsigned char>(rng());
+  return v;
+}
+
+IoEngineConfig small_blocks() {
+  IoEngineConfig c;
+  c.block_size = 64 << 10;
+  c.queue_depth = 8;
+  return c;
+}
+
+std::unique_ptr<IoEngine> engine_or_die(const IoEngineConfig& cfg = small_blocks(),
+                                        const IoFaults* faults = nullptr) {
+  auto e = IoFaults::create_engine(cfg, nullptr, faults);
+  EXPECT_TRUE(e.ok()) << e.status().to_string();
+  return e.ok() ? std::move(e).value() : nullptr;
+}
+
+SwapStoreConfig store_config(const std::vector<std::string>& dirs, std::uint64_t capacity) {
+  SwapStoreConfig c;
+  c.dirs = dirs;
+  c.capacity = capacity;
+  c.stripe_unit = 64 << 10;
+  c.checksum_block = 16 << 10;
+  return c;
+}
+
+std::unique_ptr<SwapStore> open_or_die(IoEngine& engine, const SwapStoreConfig& cfg) {
+  auto s = SwapStore::open(engine, cfg);
+  EXPECT_TRUE(s.ok()) << s.status().to_string();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
+std::vector<unsigned char> read_back(SwapStore& store, const TensorKey& key, std::size_t n,
+                                     Status* status = nullptr) {
+  std::vector<unsigned char> out(n);
+  Status s = store.read(key, out.data(), n).wait();
+  if (status != nullptr) *status = s;
+  EXPECT_TRUE(s.ok() || status != nullptr) << s.to_string();
+  return out;
+}
+
+// Runs `body` in a forked child; returns its exit status and what it wrote to the pipe.
+struct ChildResult {
+  int status = 0;
+  std::string report;
+};
+template <typename F>
+ChildResult run_in_child(F&& body) {
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    std::string report;
+    int code = body(report);
+    [[maybe_unused]] auto n = ::write(fds[1], report.data(), report.size());
+    ::_exit(code);
+  }
+  ::close(fds[1]);
+  ChildResult r;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) r.report.append(buf, n);
+  ::close(fds[0]);
+  ::waitpid(pid, &r.status, 0);
+  return r;
+}
+
+class SwapDirs : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < GetParam(); ++i) {
+      auto d = root_.path() / ("nvme" + std::to_string(i));
+      std::filesystem::create_directory(d);
+      dirs_.push_back(d.string());
+    }
+  }
+  TempDir root_{"strata-swap"};
+  std::vector<std::string> dirs_;
+};
+
+TEST_P(SwapDirs, RoundTripsAwkwardSizes) {
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config(dirs_, 16 << 20));
+  ASSERT_NE(store, nullptr);
+  std::vector<std::pair<TensorKey, std::vector<unsigned char>>> written;
+  int shard = 0;
+  for (std::size_t size : testing::awkward_sizes()) {
+    TensorKey key{"layer.weight", static_cast<std::uint32_t>(shard++)};
+    auto data = random_bytes(size, shard);
+    // Unaligned source memory for odd shards.
+    std::vector<unsigned char> src(size + 1);
+    unsigned char* p = src.data() + (shard % 2);
+    std::memcpy(p, data.data(), size);
+    STRATA_ASSERT_OK(store->write(key, p, size).wait());
+    STRATA_ASSERT_OK(store->is_valid());
+    written.push_back({key, data});
+  }
+  for (const auto& [key, data] : written) {
+    EXPECT_EQ(*store->size_of(key), data.size());
+    EXPECT_EQ(read_back(*store, key, data.size()), data) << key.to_string();
+  }
+  auto st = store->stats();
+  EXPECT_EQ(st.tensors, written.size());
+  std::uint64_t expect_used = 0;
+  for (const auto& [key, data] : written) expect_used += align_up(data.size(), 4096);
+  EXPECT_EQ(st.used_bytes, expect_used);
+  EXPECT_EQ(store->keys().size(), written.size());
+  std::vector<unsigned char> one(1);
+  STRATA_EXPECT_ERROR(store->read({"nope", 0}, one.data(), 1).wait(), kNotFound, "nope[shard 0]");
+  std::vector<unsigned char> wrong(5);
+  STRATA_EXPECT_ERROR(store->read(written[2].first, wrong.data(), 5).wait(), kInvalidArgument,
+                      "asked for 5 bytes");
+}
+
+TEST_P(SwapDirs, UpdatesGoToFreshExtentsAndFreeTheOldOnes) {
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config(dirs_, 8 << 20));
+  ASSERT_NE(store, nullptr);
+  TensorKey key{"adam.m", 3};
+  auto v1 = random_bytes(1 << 20, 1);
+  STRATA_ASSERT_OK(store->write(key, v1.data(), v1.size()).wait());
+  auto where1 = *store->locate(key);
+  auto v2 = random_bytes((1 << 20) + 5, 2);
+  STRATA_ASSERT_OK(store->write(key, v2.data(), v2.size()).wait());
+  auto where2 = *store->locate(key);
+  EXPECT_TRUE(where1.path != where2.path || where1.offset != where2.offset)
+      << "an update must not overwrite in place";
+  EXPECT_EQ(read_back(*store, key, v2.size()), v2);
+  EXPECT_EQ(store->stats().used_bytes, align_up(v2.size(), 4096)) << "the old version's space is freed";
+  STRATA_ASSERT_OK(store->is_valid());
+  STRATA_ASSERT_OK(store->remove(key));
+  EXPECT_FALSE(store->contains(key));
+  EXPECT_EQ(store->stats().used_bytes, 0u);
+  STRATA_EXPECT_ERROR(store->remove(key), kNotFound, "adam.m[shard 3]");
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+TEST_P(SwapDirs, AFailedUpdateKeepsThePreviousVersion) {
+  IoFaults faults;
+  auto engine = engine_or_die(small_blocks(), &faults);
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config(dirs_, 8 << 20));
+  ASSERT_NE(store, nullptr);
+  TensorKey key{"w", 0};
+  auto v1 = random_bytes(256 << 10, 1);
+  STRATA_ASSERT_OK(store->write(key, v1.data(), v1.size()).wait());
+  // The update lands right after v1 in the logical space (best fit in an otherwise empty store):
+  // logical [256K, 768K). With one dir that is the file offset; with three dirs and 64 KiB
+  // stripes, file offset 128K of every member holds stripes 6-8 of it.
+  std::uint64_t file_offset = GetParam() == 1 ? (256 << 10) + 8192 : (128 << 10) + 4096;
+  faults.errors.push_back({IoOp::kWrite, "strata-swap", file_offset, EIO});
+  auto v2 = random_bytes(512 << 10, 2);
+  Status s = store->write(key, v2.data(), v2.size()).wait();
+  STRATA_EXPECT_ERROR(s, kIoError, "EIO");
+  STRATA_EXPECT_ERROR(s, kIoError, "previous version is kept");
+  faults.errors.clear();
+  EXPECT_EQ(read_back(*store, key, v1.size()), v1);
+  EXPECT_EQ(store->stats().used_bytes, v1.size()) << "the failed version's extents are freed";
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+INSTANTIATE_TEST_SUITE_P(Nvme, SwapDirs, ::testing::Values(1, 3),
+                         [](const auto& info) { return std::to_string(info.param) + "dirs"; });
+
+TEST(SwapStore, CorruptionIsDetectedAndNamesKeyFileAndOffset) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  TensorKey key{"blocks.7.attn.qkv", 1};
+  auto data = random_bytes((300 << 10) + 7, 3);
+  SwapLocation loc;
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write(key, data.data(), data.size()).wait());
+    loc = *store->locate(key);
+  }
+  // Flip one byte of the tensor's 5th checksum block in the swap file.
+  const std::uint64_t victim = loc.offset + 4 * (16 << 10) + 123;
+  {
+    int fd = ::open(loc.path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    unsigned char b;
+    ASSERT_EQ(::pread(fd, &b, 1, victim), 1);
+    b ^= 0x40;
+    ASSERT_EQ(::pwrite(fd, &b, 1, victim), 1);
+    ::close(fd);
+  }
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  std::vector<unsigned char> back(data.size());
+  Status s = store->read(key, back.data(), back.size()).wait();
+  STRATA_EXPECT_ERROR(s, kDataLoss, "checksum mismatch");
+  STRATA_EXPECT_ERROR(s, kDataLoss, key.to_string());
+  STRATA_EXPECT_ERROR(s, kDataLoss, loc.path + " offset " + std::to_string(loc.offset + 4 * (16 << 10)));
+  EXPECT_EQ(store->stats().checksum_failures, 1u);
+  // Rewriting the tensor heals it.
+  STRATA_ASSERT_OK(store->write(key, data.data(), data.size()).wait());
+  EXPECT_EQ(read_back(*store, key, data.size()), data);
+}
+
+TEST(SwapStore, CorruptionOnALiveStoreIsDetectedToo) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config({dir.path().string()}, 4 << 20));
+  ASSERT_NE(store, nullptr);
+  TensorKey key{"emb", 0};
+  auto data = random_bytes(70000, 4);
+  STRATA_ASSERT_OK(store->write(key, data.data(), data.size()).wait());
+  auto loc = *store->locate(key);
+  int fd = ::open(loc.path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char b = static_cast<unsigned char>(data[69999] ^ 1);  // the last byte, in the unaligned tail
+  ASSERT_EQ(::pwrite(fd, &b, 1, loc.offset + 69999), 1);
+  ::close(fd);
+  std::vector<unsigned char> back(data.size());
+  STRATA_EXPECT_ERROR(store->read(key, back.data(), back.size()).wait(), kDataLoss, "emb[shard 0]");
+}
+
+TEST(SwapStore, AFullStoreFailsBeforeWritingAnything) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config({dir.path().string()}, 1 << 20));
+  ASSERT_NE(store, nullptr);
+  auto a = random_bytes(600 << 10, 1), b = random_bytes(600 << 10, 2);
+  STRATA_ASSERT_OK(store->write({"a", 0}, a.data(), a.size()).wait());
+  std::uint64_t written = engine->stats().bytes_written;
+  Status s = store->write({"b", 0}, b.data(), b.size()).wait();
+  STRATA_EXPECT_ERROR(s, kOutOfMemory, "swap store full");
+  STRATA_EXPECT_ERROR(s, kOutOfMemory, "b[shard 0]");
+  EXPECT_EQ(engine->stats().bytes_written, written) << "nothing was written";
+  // An update of `a` needs room for both versions at once: refused, and `a` stays.
+  STRATA_EXPECT_ERROR(store->write({"a", 0}, b.data(), b.size()).wait(), kOutOfMemory, "stays readable");
+  EXPECT_EQ(read_back(*store, {"a", 0}, a.size()), a);
+  STRATA_ASSERT_OK(store->remove({"a", 0}));
+  STRATA_ASSERT_OK(store->write({"b", 0}, b.data(), b.size()).wait());
+  EXPECT_EQ(read_back(*store, {"b", 0}, b.size()), b);
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+TEST(SwapStore, FragmentedSpaceIsUsedInSeveralExtents) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config({dir.path().string()}, 1 << 20));
+  ASSERT_NE(store, nullptr);
+  std::vector<std::vector<unsigned char>> parts;
+  for (int i = 0; i < 4; ++i) {
+    parts.push_back(random_bytes(256 << 10, i));
+    STRATA_ASSERT_OK(
+        store->write({"p", static_cast<std::uint32_t>(i)}, parts[i].data(), parts[i].size()).wait());
+  }
+  STRATA_ASSERT_OK(store->remove({"p", 0}));
+  STRATA_ASSERT_OK(store->remove({"p", 2}));
+  EXPECT_EQ(store->stats().largest_free_extent, 256u << 10);
+  auto big = random_bytes((400 << 10) + 1, 9);
+  STRATA_ASSERT_OK(store->write({"big", 0}, big.data(), big.size()).wait());
+  STRATA_ASSERT_OK(store->is_valid());
+  EXPECT_EQ(read_back(*store, {"big", 0}, big.size()), big);
+  EXPECT_EQ(read_back(*store, {"p", 1}, parts[1].size()), parts[1]);
+  EXPECT_EQ(read_back(*store, {"p", 3}, parts[3].size()), parts[3]);
+}
+
+TEST(SwapStore, PersistsAcrossReopenAndRefusesDifferentSettings) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  std::map<std::uint32_t, std::vector<unsigned char>> data;
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    for (std::uint32_t i = 0; i < 10; ++i) {
+      data[i] = random_bytes(10000 * (i + 1), i);
+      STRATA_ASSERT_OK(store->write({"t", i}, data[i].data(), data[i].size()).wait());
+    }
+    data[3] = random_bytes(5, 33);  // an update
+    STRATA_ASSERT_OK(store->write({"t", 3}, data[3].data(), 5).wait());
+    STRATA_ASSERT_OK(store->remove({"t", 7}));
+    data.erase(7);
+    // A second open of the same store is refused while this one is open.
+    STRATA_EXPECT_ERROR(SwapStore::open(*engine, cfg), kFailedPrecondition, "in use");
+  }
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->keys().size(), data.size());
+  EXPECT_FALSE(store->contains({"t", 7}));
+  for (const auto& [i, d] : data) EXPECT_EQ(read_back(*store, {"t", i}, d.size()), d) << i;
+  STRATA_ASSERT_OK(store->is_valid());
+  store.reset();
+  SwapStoreConfig other = cfg;
+  other.capacity = 8 << 20;
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, other), kFailedPrecondition, "was created with");
+  other = cfg;
+  other.checksum_block = 64 << 10;
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, other), kFailedPrecondition, "checksum block");
+}
+
+TEST(SwapStore, TornJournalTailIsIgnored) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  auto data = random_bytes(100000, 5);
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write({"k", 0}, data.data(), data.size()).wait());
+  }
+  std::string journal = (dir / "strata-swap.journal").string();
+  auto full = std::filesystem::file_size(journal);
+  {
+    // Half of a record, as a crash in the middle of append would leave.
+    std::ofstream out(journal, std::ios::binary | std::ios::app);
+    out << std::string("SWJR\x02\0\0\0\xff\x00\x00\x00", 12) << std::string(40, 'z');
+  }
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(std::filesystem::file_size(journal), full) << "the torn tail is cut off";
+    EXPECT_EQ(read_back(*store, {"k", 0}, data.size()), data);
+    STRATA_ASSERT_OK(store->write({"k", 1}, data.data(), data.size()).wait());
+  }
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(read_back(*store, {"k", 1}, data.size()), data);
+}
+
+// A process killed in the middle of writing a new version: after restart the previous version
+// is there, intact.
+TEST(SwapStore, CrashDuringAWriteKeepsThePreviousVersion) {
+  TempDir dir("strata-swap");
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 16 << 20);
+  auto v1 = random_bytes(1 << 20, 1), other = random_bytes(300000, 2), v2 = random_bytes(3 << 20, 3);
+  ChildResult child = run_in_child([&](std::string& report) {
+    IoFaults faults;
+    auto engine = IoFaults::create_engine(small_blocks(), nullptr, &faults);
+    if (!engine.ok()) {
+      report = engine.status().to_string();
+      return 1;
+    }
+    auto store = SwapStore::open(**engine, cfg);
+    if (!store.ok()) {
+      report = store.status().to_string();
+      return 1;
+    }
+    Status s = (*store)->write({"w", 0}, v1.data(), v1.size()).wait();
+    if (s.ok()) s = (*store)->write({"other", 0}, other.data(), other.size()).wait();
+    if (!s.ok()) {
+      report = s.to_string();
+      return 1;
+    }
+    // Die once half of v2 has reached the disk.
+    faults.kill_after_write_bytes = (*engine)->stats().bytes_written + v2.size() / 2;
+    s = (*store)->write({"w", 0}, v2.data(), v2.size()).wait();
+    report = "the write finished instead of crashing: " + s.to_string();
+    return 2;
+  });
+  ASSERT_TRUE(WIFSIGNALED(child.status) && WTERMSIG(child.status) == SIGKILL)
+      << "child status " << child.status << ": " << child.report;
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(*store->size_of({"w", 0}), v1.size());
+  EXPECT_EQ(read_back(*store, {"w", 0}, v1.size()), v1);
+  EXPECT_EQ(read_back(*store, {"other", 0}, other.size()), other);
+  STRATA_ASSERT_OK(store->is_valid());
+  EXPECT_EQ(store->stats().used_bytes, align_up(v1.size(), 4096) + align_up(other.size(), 4096))
+      << "the half-written version's space is free again";
+  STRATA_ASSERT_OK(store->write({"w", 0}, v2.data(), v2.size()).wait());
+  EXPECT_EQ(read_back(*store, {"w", 0}, v2.size()), v2);
+}
+
+// The file system cannot hold the store (RLIMIT_FSIZE below the swap file size): open fails
+// naming the directory and the errno, and leaves no swap file behind.
+TEST(SwapStore, AFileSystemTooSmallFailsAtOpen) {
+  TempDir dir("strata-swap");
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 8 << 20);
+  ChildResult child = run_in_child([&](std::string& report) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{1 << 20, 1 << 20};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    auto engine = IoEngine::create(small_blocks());
+    if (!engine.ok()) {
+      report = engine.status().to_string();
+      return 1;
+    }
+    auto store = SwapStore::open(**engine, cfg);
+    if (store.ok()) {
+      report = "the store opened although it cannot fit";
+      return 1;
+    }
+    report = store.status().to_string();
+    const std::string& m = store.status().message();
+    return m.find("EFBIG") != std::string::npos && m.find(dir.path().string()) != std::string::npos ? 0 : 1;
+  });
+  ASSERT_TRUE(WIFEXITED(child.status)) << child.report;
+  EXPECT_EQ(WEXITSTATUS(child.status), 0) << child.report;
+  EXPECT_FALSE(std::filesystem::exists(dir / "strata-swap.0.data")) << "no half-made swap file is left";
+  EXPECT_FALSE(std::filesystem::exists(dir / "strata-swap.journal"));
+  // And a capacity beyond the free space is refused before anything is allocated.
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  cfg.capacity = 1ull << 50;
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, cfg), kOutOfMemory,
+                      "not enough space in " + dir.path().string());
+  EXPECT_FALSE(std::filesystem::exists(dir / "strata-swap.0.data"));
+}
+
+TEST(SwapStore, ConcurrentWritersAndReaders) {
+  TempDir dir("strata-swap");
+  IoEngineConfig acfg = small_blocks();
+  acfg.intra_op_parallelism = 2;
+  auto engine = engine_or_die(acfg);
+  ASSERT_NE(engine, nullptr);
+  auto store = open_or_die(*engine, store_config({dir.path().string()}, 64 << 20));
+  ASSERT_NE(store, nullptr);
+  constexpr int kThreads = 4, kRounds = 12;
+  // Each thread owns keys 0..3 of its own name and also hammers a shared key.
+  std::vector<std::vector<unsigned char>> shared_versions;
+  for (int t = 0; t < kThreads; ++t) shared_versions.push_back(random_bytes(200000, 1000 + t));
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      std::map<std::uint32_t, std::vector<unsigned char>> mine;
+      for (int r = 0; r < kRounds; ++r) {
+        std::uint32_t shard = rng() % 4;
+        auto d = random_bytes(1 + rng() % (400 << 10), rng());
+        TensorKey key{"t" + std::to_string(t), shard};
+        failures += !store->write(key, d.data(), d.size()).wait().ok();
+        mine[shard] = std::move(d);
+        auto h = store->write({"shared", 0}, shared_versions[t].data(), shared_versions[t].size());
+        for (const auto& [s, want] : mine) {
+          std::vector<unsigned char> got(want.size());
+          failures += !store->read({"t" + std::to_string(t), s}, got.data(), got.size()).wait().ok();
+          failures += got != want;
+        }
+        failures += !h.wait().ok();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  auto shared = read_back(*store, {"shared", 0}, 200000);
+  EXPECT_TRUE(std::find(shared_versions.begin(), shared_versions.end(), shared) != shared_versions.end())
+      << "the shared key holds one complete version";
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+TEST(SwapStore, JournalCompactionKeepsTheLiveState) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  cfg.journal_compact_bytes = 8 << 10;
+  auto a = random_bytes(5000, 1);
+  std::vector<unsigned char> last;
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write({"a", 0}, a.data(), a.size()).wait());
+    int compactions = 0;
+    std::uint64_t prev = store->stats().journal_bytes;
+    for (int i = 0; i < 400; ++i) {
+      last = random_bytes(100 + i, i);
+      STRATA_ASSERT_OK(store->write({"b", 0}, last.data(), last.size()).wait());
+      std::uint64_t now = store->stats().journal_bytes;
+      compactions += now < prev;
+      prev = now;
+    }
+    EXPECT_LT(store->stats().journal_bytes, 8u << 10) << "400 updates, yet the journal stays small";
+    EXPECT_GE(compactions, 2);
+  }
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(read_back(*store, {"a", 0}, a.size()), a);
+  EXPECT_EQ(read_back(*store, {"b", 0}, last.size()), last);
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+TEST(SwapStore, DurableModeAndChecksumsOff) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  cfg.durable = true;
+  auto d = random_bytes(333333, 1);
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
+    EXPECT_EQ(read_back(*store, {"d", 0}, d.size()), d);
+  }
+  TempDir dir2("strata-swap");
+  SwapStoreConfig off = store_config({dir2.path().string()}, 4 << 20);
+  off.checksums = false;
+  auto store = open_or_die(*engine, off);
+  ASSERT_NE(store, nullptr);
+  STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
+  EXPECT_EQ(read_back(*store, {"d", 0}, d.size()), d);
+}
+
+TEST(SwapStore, ConfigErrorsAreClear) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig c = store_config({}, 1 << 20);
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, c), kInvalidArgument, "aio.nvme_path");
+  c = store_config({(dir / "missing").string()}, 1 << 20);
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, c), kNotFound, "missing");
+  c = store_config({dir.path().string()}, 1 << 20);
+  c.checksum_block = 5000;
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, c), kInvalidArgument, "checksum block");
+  c = store_config({dir.path().string()}, 0);
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, c), kInvalidArgument, "capacity");
+  c = store_config({dir.path().string(), dir.path().string() + "/"}, 1 << 20);
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, c), kInvalidArgument, "listed twice");
+  auto store = open_or_die(*engine, store_config({dir.path().string()}, 1 << 20));
+  ASSERT_NE(store, nullptr);
+  STRATA_EXPECT_ERROR(store->write({"", 0}, "x", 1).wait(), kInvalidArgument, "tensor name");
+}
+
+}  // namespace
+}  // namespace strata
