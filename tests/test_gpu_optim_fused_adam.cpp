@@ -49,24 +49,24 @@ struct DeviceTensor {
   void* grad = nullptr;
 };
 
-void fill(HostTensor& t, std::size_t n, OptimDType gdt, OptimDType pdt, std::uint32_t seed) {
+void fill(HostTensor& t, std::size_t n, DType gdt, DType pdt, std::uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   t.master.resize(n);
   t.m.resize(n);
   t.v.resize(n);
-  t.grad.resize(n * size_of(gdt));
-  t.param.assign(n * size_of(pdt), 0);
+  t.grad.resize(n * dtype_size(gdt));
+  t.param.assign(n * dtype_size(pdt), 0);
   for (std::size_t i = 0; i < n; ++i) {
     t.master[i] = normal(rng);
     t.m[i] = 0.01f * normal(rng);
     t.v[i] = 1e-4f * std::fabs(normal(rng));
     const float g = 100.0f * normal(rng);
-    if (gdt == OptimDType::kF32) {
+    if (gdt == DType::kF32) {
       std::memcpy(t.grad.data() + 4 * i, &g, 4);
     } else {
       const std::uint16_t h =
-          gdt == OptimDType::kBF16 ? optim_detail::f32_to_bf16(g) : optim_detail::f32_to_f16(g);
+          gdt == DType::kBF16 ? optim_detail::f32_to_bf16(g) : optim_detail::f32_to_f16(g);
       std::memcpy(t.grad.data() + 2 * i, &h, 2);
     }
   }
@@ -78,13 +78,13 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
   for (int k = 0; k < 40; ++k) sizes.push_back(100 + 37 * k);  // more tensors than one launch lists
 
   CpuOptimizerConfig cc;
-  cc.isa = best_cpu_isa();
+  cc.isa = best_optimizer_isa();
   cc.threads = 2;
   const CpuOptimizer cpu = std::move(CpuOptimizer::create(cc)).value();
 
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
-    for (OptimDType pdt : {OptimDType::kBF16, OptimDType::kF16, OptimDType::kF32}) {
-      for (OptimDType gdt : {OptimDType::kF32, OptimDType::kBF16, OptimDType::kF16}) {
+    for (DType pdt : {DType::kBF16, DType::kF16, DType::kF32}) {
+      for (DType gdt : {DType::kF32, DType::kBF16, DType::kF16}) {
         SCOPED_TRACE(std::string(to_string(kind)) + " param " + std::string(to_string(pdt)) + " grad " +
                      std::string(to_string(gdt)));
         OptimizerHyper h = OptimizerHyper::defaults(kind);
@@ -96,15 +96,15 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
         for (std::size_t t = 0; t < sizes.size(); ++t) {
           const std::size_t n = sizes[t];
           fill(host[t], n, gdt, pdt, static_cast<std::uint32_t>(t + 1));
-          CUDA_OK(cudaMalloc(&dev[t].param, n * size_of(pdt)));
+          CUDA_OK(cudaMalloc(&dev[t].param, n * dtype_size(pdt)));
           CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].master), n * 4));
           CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].m), n * 4));
           CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].v), n * 4));
-          CUDA_OK(cudaMalloc(&dev[t].grad, n * size_of(gdt)));
+          CUDA_OK(cudaMalloc(&dev[t].grad, n * dtype_size(gdt)));
           CUDA_OK(cudaMemcpy(dev[t].master, host[t].master.data(), n * 4, cudaMemcpyHostToDevice));
           CUDA_OK(cudaMemcpy(dev[t].m, host[t].m.data(), n * 4, cudaMemcpyHostToDevice));
           CUDA_OK(cudaMemcpy(dev[t].v, host[t].v.data(), n * 4, cudaMemcpyHostToDevice));
-          CUDA_OK(cudaMemcpy(dev[t].grad, host[t].grad.data(), n * size_of(gdt), cudaMemcpyHostToDevice));
+          CUDA_OK(cudaMemcpy(dev[t].grad, host[t].grad.data(), n * dtype_size(gdt), cudaMemcpyHostToDevice));
           list[t] = DeviceAdamTensor{dev[t].param, dev[t].master, dev[t].m, dev[t].v, dev[t].grad, n};
         }
         const float grad_scale = 1.0f / 128.0f;
@@ -117,7 +117,7 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
             b.grad_dtype = gdt;
             b.exp_avg = host[t].m.data();
             b.exp_avg_sq = host[t].v.data();
-            b.param_out = pdt == OptimDType::kF32 ? nullptr : host[t].param.data();
+            b.param_out = pdt == DType::kF32 ? nullptr : host[t].param.data();
             b.out_dtype = pdt;
             b.n = sizes[t];
             STRATA_ASSERT_OK(cpu.update(h, step, grad_scale, b));
@@ -127,7 +127,7 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
         for (std::size_t t = 0; t < sizes.size(); ++t) {
           const std::size_t n = sizes[t];
           std::vector<float> master(n), m(n), v(n);
-          std::vector<unsigned char> param(n * size_of(pdt));
+          std::vector<unsigned char> param(n * dtype_size(pdt));
           CUDA_OK(cudaMemcpy(master.data(), dev[t].master, n * 4, cudaMemcpyDeviceToHost));
           CUDA_OK(cudaMemcpy(m.data(), dev[t].m, n * 4, cudaMemcpyDeviceToHost));
           CUDA_OK(cudaMemcpy(v.data(), dev[t].v, n * 4, cudaMemcpyDeviceToHost));
@@ -135,8 +135,8 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
           EXPECT_EQ(std::memcmp(master.data(), host[t].master.data(), n * 4), 0) << "master, tensor " << t;
           EXPECT_EQ(std::memcmp(m.data(), host[t].m.data(), n * 4), 0) << "exp_avg, tensor " << t;
           EXPECT_EQ(std::memcmp(v.data(), host[t].v.data(), n * 4), 0) << "exp_avg_sq, tensor " << t;
-          const void* want = pdt == OptimDType::kF32 ? static_cast<const void*>(host[t].master.data())
-                                                     : static_cast<const void*>(host[t].param.data());
+          const void* want = pdt == DType::kF32 ? static_cast<const void*>(host[t].master.data())
+                                                : static_cast<const void*>(host[t].param.data());
           EXPECT_EQ(std::memcmp(param.data(), want, param.size()), 0) << "working params, tensor " << t;
           cudaFree(dev[t].param);
           cudaFree(dev[t].master);

@@ -20,15 +20,15 @@ namespace {
 using optim_detail::f32_to_bf16;
 using optim_detail::f32_to_f16;
 
-std::vector<CpuIsa> supported_isas() {
-  std::vector<CpuIsa> out;
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    if (cpu_supports(isa)) out.push_back(isa);
+std::vector<SimdIsa> supported_isas() {
+  std::vector<SimdIsa> out;
+  for (SimdIsa isa : {SimdIsa::kScalar, SimdIsa::kAvx2, SimdIsa::kAvx512}) {
+    if (optimizer_supports(isa)) out.push_back(isa);
   }
   return out;
 }
 
-CpuOptimizer make_optimizer(CpuIsa isa, int threads) {
+CpuOptimizer make_optimizer(SimdIsa isa, int threads) {
   CpuOptimizerConfig c;
   c.isa = isa;
   c.threads = threads;
@@ -41,44 +41,43 @@ CpuOptimizer make_optimizer(CpuIsa isa, int threads) {
 struct GradBuffer {
   std::vector<unsigned char> bytes;
   void* data = nullptr;
-  OptimDType dtype = OptimDType::kF32;
+  DType dtype = DType::kF32;
   std::size_t n = 0;
 
-  GradBuffer(std::size_t n_, OptimDType dt, std::size_t misalign, std::uint32_t seed, float scale)
+  GradBuffer(std::size_t n_, DType dt, std::size_t misalign, std::uint32_t seed, float scale)
       : dtype(dt), n(n_) {
     bytes.assign((n + 64) * 4 + 64, 0);
     auto base = (reinterpret_cast<std::uintptr_t>(bytes.data()) + 63) / 64 * 64;
-    data = reinterpret_cast<void*>(base + misalign * size_of(dt));
+    data = reinterpret_cast<void*>(base + misalign * dtype_size(dt));
     if (scale <= 0) return;
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.0f, scale);
     for (std::size_t i = 0; i < n; ++i) set(i, normal(rng));
   }
   void set(std::size_t i, float x) {
-    if (dtype == OptimDType::kF32)
+    if (dtype == DType::kF32)
       static_cast<float*>(data)[i] = x;
-    else if (dtype == OptimDType::kBF16)
+    else if (dtype == DType::kBF16)
       static_cast<std::uint16_t*>(data)[i] = f32_to_bf16(x);
     else
       static_cast<std::uint16_t*>(data)[i] = f32_to_f16(x);
   }
   double get(std::size_t i) const {
-    if (dtype == OptimDType::kF32) return static_cast<const float*>(data)[i];
-    if (dtype == OptimDType::kBF16)
-      return testing::ref_bf16_to_double(static_cast<const std::uint16_t*>(data)[i]);
+    if (dtype == DType::kF32) return static_cast<const float*>(data)[i];
+    if (dtype == DType::kBF16) return testing::ref_bf16_to_double(static_cast<const std::uint16_t*>(data)[i]);
     return testing::ref_f16_to_double(static_cast<const std::uint16_t*>(data)[i]);
   }
   std::vector<unsigned char> contents() const {
     const auto* p = static_cast<const unsigned char*>(data);
-    return {p, p + n * size_of(dtype)};
+    return {p, p + n * dtype_size(dtype)};
   }
 };
 
-const OptimDType kTypes[] = {OptimDType::kF32, OptimDType::kBF16, OptimDType::kF16};
+const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 
 TEST(OptimScan, SumOfSquaresMatchesReferenceAndIsBitwiseAcrossIsasAndThreads) {
   const float inv_scale = 1.0f / 1024.0f;
-  for (OptimDType dt : kTypes) {
+  for (DType dt : kTypes) {
     for (std::size_t n : testing::awkward_sizes()) {
       const GradBuffer g(n, dt, n % 5 + 1, static_cast<std::uint32_t>(n), 100.0f);
       long double want = 0;
@@ -87,7 +86,7 @@ TEST(OptimScan, SumOfSquaresMatchesReferenceAndIsBitwiseAcrossIsasAndThreads) {
         want += y * y;
       }
       double first = -1;
-      for (CpuIsa isa : supported_isas()) {
+      for (SimdIsa isa : supported_isas()) {
         for (int threads : {1, 2, 5}) {
           GradBuffer copy = g;
           copy.data = copy.bytes.data() + (static_cast<unsigned char*>(g.data) - g.bytes.data());
@@ -111,8 +110,8 @@ TEST(OptimScan, SumOfSquaresMatchesReferenceAndIsBitwiseAcrossIsasAndThreads) {
 
 TEST(OptimScan, DetectsInfAndNanAnywhere) {
   const std::size_t n = 1023;
-  for (OptimDType dt : kTypes) {
-    for (CpuIsa isa : supported_isas()) {
+  for (DType dt : kTypes) {
+    for (SimdIsa isa : supported_isas()) {
       const CpuOptimizer opt = make_optimizer(isa, 2);
       for (std::size_t pos : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16},
                               std::size_t{17}, std::size_t{512}, n - 2, n - 1}) {
@@ -134,26 +133,26 @@ TEST(OptimScan, DetectsInfAndNanAnywhere) {
 // y = g * inv_scale can overflow in fp32 (loss scale below 1), and fp16 write-back can overflow
 // the fp16 range: both are overflows the update would see, so both must be reported.
 TEST(OptimScan, OverflowCreatedByUnscalingIsDetected) {
-  const CpuOptimizer opt = make_optimizer(best_cpu_isa(), 1);
-  GradBuffer g(100, OptimDType::kF32, 0, 1, 1.0f);
+  const CpuOptimizer opt = make_optimizer(best_optimizer_isa(), 1);
+  GradBuffer g(100, DType::kF32, 0, 1, 1.0f);
   g.set(40, 3e38f);
-  auto s = opt.scan_gradients(g.data, OptimDType::kF32, 100, 4.0f, false);
+  auto s = opt.scan_gradients(g.data, DType::kF32, 100, 4.0f, false);
   ASSERT_TRUE(s.ok());
   EXPECT_FALSE(s->finite());
-  GradBuffer h(100, OptimDType::kF16, 0, 1, 1.0f);
+  GradBuffer h(100, DType::kF16, 0, 1, 1.0f);
   h.set(99, 60000.0f);
-  auto read_only = opt.scan_gradients(h.data, OptimDType::kF16, 100, 2.0f, false);
+  auto read_only = opt.scan_gradients(h.data, DType::kF16, 100, 2.0f, false);
   ASSERT_TRUE(read_only.ok());
   EXPECT_TRUE(read_only->finite());  // 120000 is a fine fp32
-  auto written = opt.scan_gradients(h.data, OptimDType::kF16, 100, 2.0f, true);
+  auto written = opt.scan_gradients(h.data, DType::kF16, 100, 2.0f, true);
   ASSERT_TRUE(written.ok());
   EXPECT_FALSE(written->finite());  // but not an fp16: the stored gradient became inf
 }
 
 TEST(OptimScan, WriteUnscaledStoresTheUnscaledGradients) {
   const float inv_scale = 1.0f / 256.0f;
-  for (OptimDType dt : kTypes) {
-    for (CpuIsa isa : supported_isas()) {
+  for (DType dt : kTypes) {
+    for (SimdIsa isa : supported_isas()) {
       const std::size_t n = 1027;
       GradBuffer g(n, dt, 1, 5, 300.0f);
       std::vector<double> want(n);
@@ -177,13 +176,12 @@ TEST(OptimScan, WriteUnscaledStoresTheUnscaledGradients) {
 }
 
 TEST(OptimScan, RejectsBadArguments) {
-  const CpuOptimizer opt = make_optimizer(CpuIsa::kScalar, 1);
+  const CpuOptimizer opt = make_optimizer(SimdIsa::kScalar, 1);
   float g[4] = {};
-  STRATA_EXPECT_ERROR(opt.scan_gradients(g, OptimDType::kF32, 4, 0.0f, false), kInvalidArgument,
+  STRATA_EXPECT_ERROR(opt.scan_gradients(g, DType::kF32, 4, 0.0f, false), kInvalidArgument,
                       "inverse loss scale");
-  STRATA_EXPECT_ERROR(opt.scan_gradients(nullptr, OptimDType::kF32, 4, 1.0f, false), kInvalidArgument,
-                      "null");
-  auto empty = opt.scan_gradients(nullptr, OptimDType::kF32, 0, 1.0f, false);
+  STRATA_EXPECT_ERROR(opt.scan_gradients(nullptr, DType::kF32, 4, 1.0f, false), kInvalidArgument, "null");
+  auto empty = opt.scan_gradients(nullptr, DType::kF32, 0, 1.0f, false);
   ASSERT_TRUE(empty.ok());
   EXPECT_EQ(empty->sum_of_squares, 0.0);
 }
@@ -201,10 +199,10 @@ TEST(OptimClip, CoefficientFollowsTorchAndDeepSpeed) {
 
 TEST(OptimClip, GlobalNormOverSeveralBuffers) {
   // Three buffers of different dtypes; the global norm is sqrt of the summed squares.
-  const CpuOptimizer opt = make_optimizer(best_cpu_isa(), 2);
-  GradBuffer a(1000, OptimDType::kF32, 1, 1, 3.0f);
-  GradBuffer b(17, OptimDType::kBF16, 2, 2, 3.0f);
-  GradBuffer c(70000, OptimDType::kF16, 3, 3, 3.0f);
+  const CpuOptimizer opt = make_optimizer(best_optimizer_isa(), 2);
+  GradBuffer a(1000, DType::kF32, 1, 1, 3.0f);
+  GradBuffer b(17, DType::kBF16, 2, 2, 3.0f);
+  GradBuffer c(70000, DType::kF16, 3, 3, 3.0f);
   GradStats total;
   double want = 0;
   for (GradBuffer* g : {&a, &b, &c}) {

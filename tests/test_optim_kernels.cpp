@@ -26,6 +26,7 @@
 #include "optim/kernels.hpp"
 #include "optim/numerics.hpp"
 #include "optim_reference.hpp"
+#include "strata/dtype.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
@@ -38,15 +39,15 @@ using optim_detail::f32_to_f16;
 using testing::ref_bf16_to_double;
 using testing::ref_f16_to_double;
 
-std::vector<CpuIsa> supported_isas() {
-  std::vector<CpuIsa> out;
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    if (cpu_supports(isa)) out.push_back(isa);
+std::vector<SimdIsa> supported_isas() {
+  std::vector<SimdIsa> out;
+  for (SimdIsa isa : {SimdIsa::kScalar, SimdIsa::kAvx2, SimdIsa::kAvx512}) {
+    if (optimizer_supports(isa)) out.push_back(isa);
   }
   return out;
 }
 
-CpuOptimizer make_optimizer(CpuIsa isa, int threads, std::uint32_t seed = 7) {
+CpuOptimizer make_optimizer(SimdIsa isa, int threads, std::uint32_t seed = 7) {
   CpuOptimizerConfig c;
   c.isa = isa;
   c.threads = threads;
@@ -139,10 +140,10 @@ TEST(OptimConvert, IsaRoundingsMatchScalarOverBitPatterns) {
     in.push_back(from_bits(u));
   }
   std::vector<std::uint16_t> want(in.size()), got(in.size());
-  for (OptimDType dt : {OptimDType::kBF16, OptimDType::kF16}) {
+  for (DType dt : {DType::kBF16, DType::kF16}) {
     for (std::size_t i = 0; i < in.size(); ++i)
-      want[i] = dt == OptimDType::kBF16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
-    for (CpuIsa isa : supported_isas()) {
+      want[i] = dt == DType::kBF16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
+    for (SimdIsa isa : supported_isas()) {
       std::fill(got.begin(), got.end(), 0);
       optim_detail::round_with_isa(isa, in.data(), got.data(), dt, in.size());
       std::size_t bad = 0;
@@ -157,14 +158,31 @@ TEST(OptimConvert, IsaRoundingsMatchScalarOverBitPatterns) {
   }
 }
 
+// The optimizer keeps its own conversions (they also compile as CUDA device code); they must
+// agree with the dtype module's bit for bit.
+TEST(OptimConvert, AgreesWithTheDtypeModule) {
+  for (std::uint64_t u = 0; u < (1ull << 32); u += 65537) {
+    const float f = from_bits(static_cast<std::uint32_t>(u));
+    ASSERT_EQ(f32_to_bf16(f), float_to_bf16_bits(f)) << std::hex << u;
+    ASSERT_EQ(f32_to_f16(f), float_to_f16_bits(f)) << std::hex << u;
+  }
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float a = f16_to_f32(static_cast<std::uint16_t>(h));
+    const float b = f16_bits_to_float(static_cast<std::uint16_t>(h));
+    ASSERT_TRUE(to_bits(a) == to_bits(b)) << std::hex << h;
+    ASSERT_EQ(to_bits(bf16_to_f32(static_cast<std::uint16_t>(h))),
+              to_bits(bf16_bits_to_float(static_cast<std::uint16_t>(h))));
+  }
+}
+
 // ---- The update ------------------------------------------------------------------------------
 
 enum class Out { kNone, kBF16, kF16 };
 
 struct Case {
   OptimizerKind kind;
-  OptimDType grad;
-  OptimDType moments;
+  DType grad;
+  DType moments;
   Out out;
   std::size_t n;
   std::size_t misalign;  // elements by which every pointer is shifted off its allocation
@@ -200,9 +218,9 @@ struct State {
   void* v = nullptr;
   std::uint16_t* out = nullptr;
   std::size_t n = 0;
-  OptimDType grad_dt = OptimDType::kF32, mom_dt = OptimDType::kF32;
+  DType grad_dt = DType::kF32, mom_dt = DType::kF32;
 
-  void init(std::size_t n_, OptimDType g, OptimDType mom, std::size_t misalign) {
+  void init(std::size_t n_, DType g, DType mom, std::size_t misalign) {
     n = n_;
     grad_dt = g;
     mom_dt = mom;
@@ -214,27 +232,27 @@ struct State {
     };
     // Different shifts per buffer, so the buffers are misaligned relative to each other as well.
     master = static_cast<float*>(carve(master_b, 4, misalign));
-    grad = carve(grad_b, size_of(g), misalign * 3 % 17);
-    m = carve(m_b, size_of(mom), misalign * 5 % 19);
-    v = carve(v_b, size_of(mom), misalign * 7 % 23);
+    grad = carve(grad_b, dtype_size(g), misalign * 3 % 17);
+    m = carve(m_b, dtype_size(mom), misalign * 5 % 19);
+    v = carve(v_b, dtype_size(mom), misalign * 7 % 23);
     out = static_cast<std::uint16_t*>(carve(out_b, 2, misalign * 11 % 29));
   }
   float master_at(std::size_t i) const { return master[i]; }
   double mom_at(const void* p, std::size_t i) const {
-    return mom_dt == OptimDType::kF32 ? static_cast<const float*>(p)[i]
-                                      : ref_bf16_to_double(static_cast<const std::uint16_t*>(p)[i]);
+    return mom_dt == DType::kF32 ? static_cast<const float*>(p)[i]
+                                 : ref_bf16_to_double(static_cast<const std::uint16_t*>(p)[i]);
   }
   void set_grad(std::size_t i, float x) {
-    if (grad_dt == OptimDType::kF32)
+    if (grad_dt == DType::kF32)
       static_cast<float*>(grad)[i] = x;
-    else if (grad_dt == OptimDType::kBF16)
+    else if (grad_dt == DType::kBF16)
       static_cast<std::uint16_t*>(grad)[i] = f32_to_bf16(x);
     else
       static_cast<std::uint16_t*>(grad)[i] = f32_to_f16(x);
   }
   double grad_at(std::size_t i) const {
-    if (grad_dt == OptimDType::kF32) return static_cast<const float*>(grad)[i];
-    if (grad_dt == OptimDType::kBF16) return ref_bf16_to_double(static_cast<const std::uint16_t*>(grad)[i]);
+    if (grad_dt == DType::kF32) return static_cast<const float*>(grad)[i];
+    if (grad_dt == DType::kBF16) return ref_bf16_to_double(static_cast<const std::uint16_t*>(grad)[i]);
     return ref_f16_to_double(static_cast<const std::uint16_t*>(grad)[i]);
   }
   OptimizerBuffers buffers(Out o) const {
@@ -246,7 +264,7 @@ struct State {
     b.exp_avg_sq = v;
     b.moment_dtype = mom_dt;
     b.param_out = o == Out::kNone ? nullptr : out;
-    b.out_dtype = o == Out::kF16 ? OptimDType::kF16 : OptimDType::kBF16;
+    b.out_dtype = o == Out::kF16 ? DType::kF16 : DType::kBF16;
     b.n = n;
     return b;
   }
@@ -258,8 +276,8 @@ struct State {
       s.insert(s.end(), c, c + bytes);
     };
     add(master, n * 4);
-    add(m, n * size_of(mom_dt));
-    add(v, n * size_of(mom_dt));
+    add(m, n * dtype_size(mom_dt));
+    add(v, n * dtype_size(mom_dt));
     if (o != Out::kNone) add(out, n * 2);
     return s;
   }
@@ -288,8 +306,8 @@ void fill_initial(State& s, std::uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (std::size_t i = 0; i < s.n; ++i) s.master[i] = u(rng);
-  std::memset(s.m, 0, s.n * size_of(s.mom_dt));
-  std::memset(s.v, 0, s.n * size_of(s.mom_dt));
+  std::memset(s.m, 0, s.n * dtype_size(s.mom_dt));
+  std::memset(s.v, 0, s.n * dtype_size(s.mom_dt));
 }
 
 struct RunResult {
@@ -354,7 +372,7 @@ Reference reference_run(const Case& c, const OptimizerHyper& h) {
 
 // Checks one path's result against the reference with the tolerances at the top of the file.
 void check_against_reference(const Case& c, const OptimizerHyper& h, const Reference& ref, const RunResult& r,
-                             CpuIsa isa) {
+                             SimdIsa isa) {
   const double T = c.steps;
   std::size_t bad = 0;
   for (std::size_t i = 0; i < c.n; ++i) {
@@ -393,8 +411,8 @@ void check_against_reference(const Case& c, const OptimizerHyper& h, const Refer
 void run_all_isas(const Case& c, int threads = 2) {
   const OptimizerHyper h = hyper_for(c.kind);
   State s;
-  const RunResult scalar = run_case(c, make_optimizer(CpuIsa::kScalar, threads), s, h);
-  const bool exact_moments = c.moments == OptimDType::kF32;
+  const RunResult scalar = run_case(c, make_optimizer(SimdIsa::kScalar, threads), s, h);
+  const bool exact_moments = c.moments == DType::kF32;
   Reference ref;
   if (exact_moments) {
     ref = reference_run(c, h);
@@ -402,10 +420,10 @@ void run_all_isas(const Case& c, int threads = 2) {
         static_cast<std::size_t>(std::count(ref.ambiguous.begin(), ref.ambiguous.end(), true));
     EXPECT_LE(skipped, c.n / 1000 + 2) << describe(c) << ": too many sign-ambiguous Lion elements";
   }
-  for (CpuIsa isa : supported_isas()) {
-    const RunResult r = isa == CpuIsa::kScalar ? scalar : run_case(c, make_optimizer(isa, threads), s, h);
+  for (SimdIsa isa : supported_isas()) {
+    const RunResult r = isa == SimdIsa::kScalar ? scalar : run_case(c, make_optimizer(isa, threads), s, h);
     if (exact_moments) check_against_reference(c, h, ref, r, isa);
-    if (isa == CpuIsa::kScalar) continue;
+    if (isa == SimdIsa::kScalar) continue;
     ASSERT_EQ(r.bytes.size(), scalar.bytes.size());
     if (r.bytes != scalar.bytes) {
       std::size_t first = 0;
@@ -418,16 +436,16 @@ void run_all_isas(const Case& c, int threads = 2) {
   }
 }
 
-const OptimDType kGradTypes[] = {OptimDType::kF32, OptimDType::kBF16, OptimDType::kF16};
+const DType kGradTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 const OptimizerKind kKinds[] = {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion,
                                 OptimizerKind::kAdagrad};
 
 TEST(OptimUpdate, EveryIsaMatchesReferenceOnAwkwardLengths) {
   for (OptimizerKind kind : kKinds) {
-    for (OptimDType g : kGradTypes) {
+    for (DType g : kGradTypes) {
       for (Out out : {Out::kNone, Out::kBF16, Out::kF16}) {
         for (std::size_t n : {0u, 1u, 3u, 15u, 16u, 17u, 31u, 33u, 255u, 1023u, 4097u}) {
-          const Case c{kind, g, OptimDType::kF32, out, n, n % 7 + 1, 40};
+          const Case c{kind, g, DType::kF32, out, n, n % 7 + 1, 40};
           SCOPED_TRACE(describe(c));
           run_all_isas(c);
         }
@@ -439,22 +457,22 @@ TEST(OptimUpdate, EveryIsaMatchesReferenceOnAwkwardLengths) {
 TEST(OptimUpdate, EveryIsaMatchesReferenceOnAMillionElements) {
   const std::size_t n = (1u << 20) + 3;
   for (OptimizerKind kind : kKinds) {
-    for (OptimDType g : {OptimDType::kF32, OptimDType::kBF16}) {
-      const Case c{kind, g, OptimDType::kF32, g == OptimDType::kF32 ? Out::kNone : Out::kBF16, n, 5, 3};
+    for (DType g : {DType::kF32, DType::kBF16}) {
+      const Case c{kind, g, DType::kF32, g == DType::kF32 ? Out::kNone : Out::kBF16, n, 5, 3};
       SCOPED_TRACE(describe(c));
       run_all_isas(c, 3);
     }
   }
-  const Case fp16{OptimizerKind::kAdamW, OptimDType::kF16, OptimDType::kF32, Out::kF16, n, 1, 2};
+  const Case fp16{OptimizerKind::kAdamW, DType::kF16, DType::kF32, Out::kF16, n, 1, 2};
   run_all_isas(fp16, 2);
 }
 
 TEST(OptimUpdate, ResultDoesNotDependOnThreadCount) {
   const std::size_t n = (1u << 20) + 3;
-  for (OptimDType mom : {OptimDType::kF32, OptimDType::kBF16}) {
-    const Case c{OptimizerKind::kAdamW, OptimDType::kBF16, mom, Out::kBF16, n, 3, 2};
+  for (DType mom : {DType::kF32, DType::kBF16}) {
+    const Case c{OptimizerKind::kAdamW, DType::kBF16, mom, Out::kBF16, n, 3, 2};
     const OptimizerHyper h = hyper_for(c.kind);
-    const CpuIsa isa = best_cpu_isa();
+    const SimdIsa isa = best_optimizer_isa();
     State s;
     const RunResult one = run_case(c, make_optimizer(isa, 1), s, h);
     for (int threads : {2, 3, 8}) {
@@ -469,7 +487,7 @@ TEST(OptimUpdate, ResultDoesNotDependOnThreadCount) {
 TEST(OptimUpdate, Bf16MomentsAreBitwiseAcrossIsasAndPieces) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
     for (std::size_t n : {1u, 17u, 1023u, 70001u}) {
-      const Case c{kind, OptimDType::kBF16, OptimDType::kBF16, Out::kBF16, n, 3, 6};
+      const Case c{kind, DType::kBF16, DType::kBF16, Out::kBF16, n, 3, 6};
       SCOPED_TRACE(describe(c));
       run_all_isas(c);
     }
@@ -477,10 +495,10 @@ TEST(OptimUpdate, Bf16MomentsAreBitwiseAcrossIsasAndPieces) {
   // Updating a buffer in two pieces (with element_offset) equals updating it whole.
   const std::size_t n = 5000, cut = 1234;
   const OptimizerHyper h = hyper_for(OptimizerKind::kAdamW);
-  const CpuOptimizer opt = make_optimizer(best_cpu_isa(), 2);
+  const CpuOptimizer opt = make_optimizer(best_optimizer_isa(), 2);
   State whole, pieces;
   for (State* s : {&whole, &pieces}) {
-    s->init(n, OptimDType::kF32, OptimDType::kBF16, 0);
+    s->init(n, DType::kF32, DType::kBF16, 0);
     fill_initial(*s, 3);
   }
   for (int t = 1; t <= 4; ++t) {
@@ -510,9 +528,9 @@ TEST(OptimUpdate, Bf16MomentsTrackSlowDecayWithoutStalling) {
   const int steps = 600;
   OptimizerHyper h = OptimizerHyper::defaults(OptimizerKind::kAdamW);
   h.lr = 0.0;  // isolate the moments
-  for (CpuIsa isa : supported_isas()) {
+  for (SimdIsa isa : supported_isas()) {
     State s;
-    s.init(n, OptimDType::kF32, OptimDType::kBF16, 1);
+    s.init(n, DType::kF32, DType::kBF16, 1);
     fill_initial(s, 5);
     const CpuOptimizer opt = make_optimizer(isa, 2);
     double m_ref = 0, v_ref = 0;
@@ -538,14 +556,14 @@ TEST(OptimUpdate, Bf16MomentsTrackSlowDecayWithoutStalling) {
 
 TEST(OptimUpdate, NonFiniteGradientsPoisonOnlyTheirElement) {
   const std::size_t n = 1000;
-  for (CpuIsa isa : supported_isas()) {
-    for (OptimDType g : kGradTypes) {
+  for (SimdIsa isa : supported_isas()) {
+    for (DType g : kGradTypes) {
       for (float bad : {NAN, INFINITY, -INFINITY}) {
         const CpuOptimizer opt = make_optimizer(isa, 1);
         const OptimizerHyper h = hyper_for(OptimizerKind::kAdamW);
         State clean, dirty;
         for (State* s : {&clean, &dirty}) {
-          s->init(n, g, OptimDType::kF32, 2);
+          s->init(n, g, DType::kF32, 2);
           fill_initial(*s, 9);
           fill_grads(*s, 1);
         }
@@ -573,9 +591,9 @@ TEST(OptimUpdate, NonFiniteGradientsPoisonOnlyTheirElement) {
 // ---- Arguments -----------------------------------------------------------------------------------
 
 TEST(OptimUpdate, RejectsBadArguments) {
-  const CpuOptimizer opt = make_optimizer(CpuIsa::kScalar, 1);
+  const CpuOptimizer opt = make_optimizer(SimdIsa::kScalar, 1);
   State s;
-  s.init(10, OptimDType::kF32, OptimDType::kF32, 0);
+  s.init(10, DType::kF32, DType::kF32, 0);
   OptimizerHyper h = hyper_for(OptimizerKind::kAdamW);
   OptimizerBuffers b = s.buffers(Out::kNone);
   STRATA_EXPECT_ERROR(opt.update(h, 0, 1.0f, b), kInvalidArgument, "steps count from 1");
@@ -587,18 +605,18 @@ TEST(OptimUpdate, RejectsBadArguments) {
   odd.master = reinterpret_cast<float*>(reinterpret_cast<char*>(b.master) + 1);
   STRATA_EXPECT_ERROR(opt.update(h, 1, 1.0f, odd), kInvalidArgument, "master is not aligned");
   OptimizerBuffers f16m = b;
-  f16m.moment_dtype = OptimDType::kF16;
+  f16m.moment_dtype = DType::kF16;
   STRATA_EXPECT_ERROR(opt.update(h, 1, 1.0f, f16m), kInvalidArgument, "fp16 is not supported");
   OptimizerBuffers f32out = b;
   f32out.param_out = s.out;
-  f32out.out_dtype = OptimDType::kF32;
+  f32out.out_dtype = DType::kF32;
   STRATA_EXPECT_ERROR(opt.update(h, 1, 1.0f, f32out), kInvalidArgument, "bf16 or fp16");
   OptimizerHyper bad = h;
   bad.beta2 = 1.0;
   STRATA_EXPECT_ERROR(opt.update(bad, 1, 1.0f, b), kInvalidArgument, "optimizer.beta2");
   OptimizerHyper ada = hyper_for(OptimizerKind::kAdagrad);
   OptimizerBuffers bf16m = b;
-  bf16m.moment_dtype = OptimDType::kBF16;
+  bf16m.moment_dtype = DType::kBF16;
   STRATA_EXPECT_ERROR(opt.update(ada, 1, 1.0f, bf16m), kInvalidArgument, "adagrad");
   // Lion needs no exp_avg_sq, Adagrad no exp_avg.
   OptimizerBuffers lion = b;
@@ -612,22 +630,22 @@ TEST(OptimUpdate, RejectsBadArguments) {
 }
 
 TEST(OptimIsa, SelectionByNameAndAvailability) {
-  auto a = select_cpu_isa("auto");
+  auto a = select_optimizer_isa("auto");
   ASSERT_TRUE(a.ok());
-  EXPECT_EQ(*a, best_cpu_isa());
-  auto s = select_cpu_isa("SCALAR");
+  EXPECT_EQ(*a, best_optimizer_isa());
+  auto s = select_optimizer_isa("SCALAR");
   ASSERT_TRUE(s.ok());
-  EXPECT_EQ(*s, CpuIsa::kScalar);
-  STRATA_EXPECT_ERROR(select_cpu_isa("sse9"), kInvalidArgument, "auto, avx512, avx2, scalar");
-  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    auto r = select_cpu_isa(to_string(isa));
-    if (cpu_supports(isa)) {
+  EXPECT_EQ(*s, SimdIsa::kScalar);
+  STRATA_EXPECT_ERROR(select_optimizer_isa("sse9"), kInvalidArgument, "auto, avx512, avx2, scalar");
+  for (SimdIsa isa : {SimdIsa::kAvx2, SimdIsa::kAvx512}) {
+    auto r = select_optimizer_isa(to_string(isa));
+    if (optimizer_supports(isa)) {
       EXPECT_TRUE(r.ok());
     } else {
       STRATA_EXPECT_ERROR(r, kUnavailable, "missing");
     }
   }
-  EXPECT_TRUE(cpu_supports(CpuIsa::kScalar));
+  EXPECT_TRUE(optimizer_supports(SimdIsa::kScalar));
   CpuOptimizerConfig c;
   c.threads = 0;
   STRATA_EXPECT_ERROR(CpuOptimizer::create(c), kInvalidArgument, "threads");

@@ -48,7 +48,7 @@ struct Buf {
 
 CpuOptimizer optimizer() {
   CpuOptimizerConfig c;
-  c.isa = best_cpu_isa();
+  c.isa = best_optimizer_isa();
   c.threads = 2;
   return std::move(CpuOptimizer::create(c)).value();
 }
@@ -155,7 +155,7 @@ TEST(OptimOptions, AdamIsaAndHostThreadsComeFromTheTunables) {
   EXPECT_EQ(o.get_string(Option::kAdamIsa), "auto");
   auto c = CpuOptimizerConfig::from_options(o);
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->isa, best_cpu_isa());
+  EXPECT_EQ(c->isa, best_optimizer_isa());
   EXPECT_GE(c->threads, 1);
 
   ::setenv("STRATA_ADAM_ISA", "scalar", 1);
@@ -167,7 +167,7 @@ TEST(OptimOptions, AdamIsaAndHostThreadsComeFromTheTunables) {
   STRATA_ASSERT_OK(s);
   auto ce = CpuOptimizerConfig::from_options(env);
   ASSERT_TRUE(ce.ok());
-  EXPECT_EQ(ce->isa, CpuIsa::kScalar);
+  EXPECT_EQ(ce->isa, SimdIsa::kScalar);
   EXPECT_EQ(ce->threads, 3);
 
   Options bad;
@@ -179,19 +179,18 @@ TEST(OptimOptions, AdamIsaAndHostThreadsComeFromTheTunables) {
 TEST(FusedAdamArguments, CheckedBeforeAnyLaunch) {
   const OptimizerHyper adamw = OptimizerHyper::defaults(OptimizerKind::kAdamW);
 #if STRATA_HAVE_CUDA
-  STRATA_EXPECT_OK(fused_adam_cuda({}, OptimDType::kBF16, OptimDType::kF32, adamw, 1, 1.0f, nullptr));
-  STRATA_EXPECT_ERROR(fused_adam_cuda({}, OptimDType::kBF16, OptimDType::kF32,
+  STRATA_EXPECT_OK(fused_adam_cuda({}, DType::kBF16, DType::kF32, adamw, 1, 1.0f, nullptr));
+  STRATA_EXPECT_ERROR(fused_adam_cuda({}, DType::kBF16, DType::kF32,
                                       OptimizerHyper::defaults(OptimizerKind::kLion), 1, 1.0f, nullptr),
                       kInvalidArgument, "lion");
-  STRATA_EXPECT_ERROR(fused_adam_cuda({}, OptimDType::kBF16, OptimDType::kF32, adamw, 0, 1.0f, nullptr),
+  STRATA_EXPECT_ERROR(fused_adam_cuda({}, DType::kBF16, DType::kF32, adamw, 0, 1.0f, nullptr),
                       kInvalidArgument, "steps count from 1");
   const DeviceAdamTensor missing{nullptr, nullptr, nullptr, nullptr, nullptr, 10};
-  STRATA_EXPECT_ERROR(
-      fused_adam_cuda({&missing, 1}, OptimDType::kBF16, OptimDType::kF32, adamw, 1, 1.0f, nullptr),
-      kInvalidArgument, "tensor 0 has a null pointer");
+  STRATA_EXPECT_ERROR(fused_adam_cuda({&missing, 1}, DType::kBF16, DType::kF32, adamw, 1, 1.0f, nullptr),
+                      kInvalidArgument, "tensor 0 has a null pointer");
 #else
-  STRATA_EXPECT_ERROR(fused_adam_cuda({}, OptimDType::kBF16, OptimDType::kF32, adamw, 1, 1.0f, nullptr),
-                      kUnavailable, "no CUDA");
+  STRATA_EXPECT_ERROR(fused_adam_cuda({}, DType::kBF16, DType::kF32, adamw, 1, 1.0f, nullptr), kUnavailable,
+                      "no CUDA");
 #endif
 }
 
@@ -202,7 +201,7 @@ TEST(OptimBench, PrintsTheFiguresForThreeVariants) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.output;
-  EXPECT_EQ(j["isa"], std::string(to_string(best_cpu_isa())));
+  EXPECT_EQ(j["isa"], std::string(to_string(best_optimizer_isa())));
   EXPECT_EQ(j["threads"], 1);
   ASSERT_EQ(j["variants"].size(), 3u);
   for (const auto& v : j["variants"]) {

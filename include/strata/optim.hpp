@@ -28,6 +28,7 @@
 #include <string>
 #include <string_view>
 
+#include "strata/dtype.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -36,14 +37,7 @@ class Options;
 struct Fp16Config;       // config.hpp
 struct OptimizerConfig;  // config.hpp
 
-// ---- Element types and optimizer kinds ------------------------------------------------------
-
-// Element type of an optimizer buffer (gradients, moments, the parameter copy-out).
-enum class OptimDType : std::uint8_t { kF32, kBF16, kF16 };
-std::string_view to_string(OptimDType dtype);
-// "fp32"/"float32"/"f32", "bf16"/"bfloat16", "fp16"/"float16"/"f16".
-Result<OptimDType> parse_optim_dtype(std::string_view text);
-std::size_t size_of(OptimDType dtype);
+// ---- Optimizer kinds -------------------------------------------------------------------------
 
 enum class OptimizerKind : std::uint8_t {
   kAdamW,    // Adam with decoupled weight decay (Loshchilov & Hutter)
@@ -88,12 +82,12 @@ struct ParamGroup {
 struct OptimizerBuffers {
   float* master = nullptr;     // n fp32 master weights, updated in place
   const void* grad = nullptr;  // n gradients of grad_dtype (read only)
-  OptimDType grad_dtype = OptimDType::kF32;
-  void* exp_avg = nullptr;                     // m: Adam, AdamW, Lion (moment_dtype); unused by Adagrad
-  void* exp_avg_sq = nullptr;                  // v: Adam, AdamW; Adagrad's sum of squares; unused by Lion
-  OptimDType moment_dtype = OptimDType::kF32;  // kF32, or kBF16 (not Adagrad): see docs/optim.md
-  void* param_out = nullptr;                   // optional: the updated parameters rounded to out_dtype
-  OptimDType out_dtype = OptimDType::kBF16;    // kBF16 or kF16 (round to nearest even, NaN kept)
+  DType grad_dtype = DType::kF32;
+  void* exp_avg = nullptr;           // m: Adam, AdamW, Lion (moment_dtype); unused by Adagrad
+  void* exp_avg_sq = nullptr;        // v: Adam, AdamW; Adagrad's sum of squares; unused by Lion
+  DType moment_dtype = DType::kF32;  // kF32, or kBF16 (not Adagrad): see docs/optim.md
+  void* param_out = nullptr;         // optional: the updated parameters rounded to out_dtype
+  DType out_dtype = DType::kBF16;    // kBF16 or kF16 (round to nearest even, NaN kept)
   std::size_t n = 0;
   // Index of element 0 within its group. Keys the stochastic rounding of bf16 moments, so the
   // result does not depend on how a group is cut into pieces (NVMe sub-groups, ZeRO shards).
@@ -101,16 +95,16 @@ struct OptimizerBuffers {
 };
 
 // ---- Instruction set selection ---------------------------------------------------------------
+// The paths are dtype.hpp's SimdIsa; the optimizer needs a little more of the CPU than the dtype
+// conversions do (FMA for its AVX2 path).
 
-enum class CpuIsa : std::uint8_t { kScalar, kAvx2, kAvx512 };
-std::string_view to_string(CpuIsa isa);
-// True when this CPU (and OS) can run the path: kAvx2 needs AVX2, FMA and F16C; kAvx512 needs
-// AVX-512 F, BW, VL and DQ.
-bool cpu_supports(CpuIsa isa);
-CpuIsa best_cpu_isa();
-// "auto" picks best_cpu_isa(); "avx512", "avx2", "scalar" pick that path, or fail with
+// True when this CPU (and OS) can run the optimizer's path: kAvx2 needs AVX2, FMA and F16C;
+// kAvx512 needs AVX-512 F, BW, VL and DQ (and AVX2, FMA, F16C).
+bool optimizer_supports(SimdIsa isa);
+SimdIsa best_optimizer_isa();
+// "auto" picks best_optimizer_isa(); "avx512", "avx2", "scalar" pick that path, or fail with
 // kUnavailable naming the missing CPU features. Anything else is kInvalidArgument.
-Result<CpuIsa> select_cpu_isa(std::string_view request);
+Result<SimdIsa> select_optimizer_isa(std::string_view request);
 
 // ---- Gradient scan and clipping --------------------------------------------------------------
 
@@ -140,7 +134,7 @@ double clip_coefficient(double total_norm, double max_norm);
 // ---- The CPU optimizer -----------------------------------------------------------------------
 
 struct CpuOptimizerConfig {
-  CpuIsa isa = CpuIsa::kScalar;
+  SimdIsa isa = SimdIsa::kScalar;
   int threads = 1;         // OpenMP threads per call (>= 1); small buffers use fewer
   std::uint32_t seed = 0;  // keys the stochastic rounding of bf16 moments
 
@@ -154,7 +148,7 @@ class CpuOptimizer {
   // Fails with kUnavailable when the CPU cannot run config.isa, kInvalidArgument for threads < 1.
   static Result<CpuOptimizer> create(const CpuOptimizerConfig& config);
 
-  CpuIsa isa() const { return config_.isa; }
+  SimdIsa isa() const { return config_.isa; }
   int threads() const { return config_.threads; }
   const CpuOptimizerConfig& config() const { return config_; }
 
@@ -169,7 +163,7 @@ class CpuOptimizer {
   // One read pass over `n` gradients of `dtype`: GradStats of y = g * inv_loss_scale. With
   // write_unscaled, y is also written back in place (rounded to nearest even for bf16/fp16).
   // The sum's order is fixed by n alone, so the result is bitwise independent of threads and ISA.
-  Result<GradStats> scan_gradients(void* grad, OptimDType dtype, std::size_t n, float inv_loss_scale,
+  Result<GradStats> scan_gradients(void* grad, DType dtype, std::size_t n, float inv_loss_scale,
                                    bool write_unscaled) const;
 
  private:
@@ -277,8 +271,7 @@ struct DeviceAdamTensor {
 // kUnavailable in a build without CUDA, kInvalidArgument for Lion/Adagrad or bad tensors, and
 // kDeviceError when the launch fails. Asynchronous: errors inside the kernel surface at the
 // stream's next synchronisation.
-Status fused_adam_cuda(std::span<const DeviceAdamTensor> tensors, OptimDType param_dtype,
-                       OptimDType grad_dtype, const OptimizerHyper& hyper, std::int64_t step,
-                       float grad_scale, void* cuda_stream);
+Status fused_adam_cuda(std::span<const DeviceAdamTensor> tensors, DType param_dtype, DType grad_dtype,
+                       const OptimizerHyper& hyper, std::int64_t step, float grad_scale, void* cuda_stream);
 
 }  // namespace strata

@@ -48,28 +48,6 @@ constexpr std::size_t kMinScanSegment = 16384;
 
 // ---- Names ------------------------------------------------------------------------------------
 
-std::string_view to_string(OptimDType dtype) {
-  switch (dtype) {
-    case OptimDType::kF32:
-      return "fp32";
-    case OptimDType::kBF16:
-      return "bf16";
-    case OptimDType::kF16:
-      return "fp16";
-  }
-  return "unknown";
-}
-
-Result<OptimDType> parse_optim_dtype(std::string_view text) {
-  const std::string t = lower(text);
-  if (t == "fp32" || t == "float32" || t == "f32") return OptimDType::kF32;
-  if (t == "bf16" || t == "bfloat16") return OptimDType::kBF16;
-  if (t == "fp16" || t == "float16" || t == "f16") return OptimDType::kF16;
-  return invalid_argument("'" + std::string(text) + "' is not an element type (expected fp32, bf16 or fp16)");
-}
-
-std::size_t size_of(OptimDType dtype) { return dtype == OptimDType::kF32 ? 4 : 2; }
-
 std::string_view to_string(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kAdamW:
@@ -94,35 +72,23 @@ Result<OptimizerKind> parse_optimizer_kind(std::string_view text) {
                           "' is not an optimizer (expected adamw, adam, lion or adagrad)");
 }
 
-std::string_view to_string(CpuIsa isa) {
-  switch (isa) {
-    case CpuIsa::kScalar:
-      return "scalar";
-    case CpuIsa::kAvx2:
-      return "avx2";
-    case CpuIsa::kAvx512:
-      return "avx512";
-  }
-  return "unknown";
-}
-
 // ---- ISA selection ----------------------------------------------------------------------------
 
 namespace {
 
 // The features each path's pragma targets, with their __builtin_cpu_supports names.
-std::string missing_features(CpuIsa isa) {
+std::string missing_features(SimdIsa isa) {
   std::string missing;
   auto need = [&](bool have, const char* name) {
     if (!have) missing += std::string(missing.empty() ? "" : ", ") + name;
   };
   __builtin_cpu_init();
-  if (isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512) {
+  if (isa == SimdIsa::kAvx2 || isa == SimdIsa::kAvx512) {
     need(__builtin_cpu_supports("avx2"), "avx2");
     need(__builtin_cpu_supports("fma"), "fma");
     need(__builtin_cpu_supports("f16c"), "f16c");
   }
-  if (isa == CpuIsa::kAvx512) {
+  if (isa == SimdIsa::kAvx512) {
     need(__builtin_cpu_supports("avx512f"), "avx512f");
     need(__builtin_cpu_supports("avx512bw"), "avx512bw");
     need(__builtin_cpu_supports("avx512vl"), "avx512vl");
@@ -133,24 +99,24 @@ std::string missing_features(CpuIsa isa) {
 
 }  // namespace
 
-bool cpu_supports(CpuIsa isa) { return missing_features(isa).empty(); }
+bool optimizer_supports(SimdIsa isa) { return missing_features(isa).empty(); }
 
-CpuIsa best_cpu_isa() {
-  if (cpu_supports(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
-  if (cpu_supports(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
-  return CpuIsa::kScalar;
+SimdIsa best_optimizer_isa() {
+  if (optimizer_supports(SimdIsa::kAvx512)) return SimdIsa::kAvx512;
+  if (optimizer_supports(SimdIsa::kAvx2)) return SimdIsa::kAvx2;
+  return SimdIsa::kScalar;
 }
 
-Result<CpuIsa> select_cpu_isa(std::string_view request) {
+Result<SimdIsa> select_optimizer_isa(std::string_view request) {
   const std::string t = lower(request);
-  CpuIsa isa;
-  if (t == "auto") return best_cpu_isa();
+  SimdIsa isa;
+  if (t == "auto") return best_optimizer_isa();
   if (t == "avx512") {
-    isa = CpuIsa::kAvx512;
+    isa = SimdIsa::kAvx512;
   } else if (t == "avx2") {
-    isa = CpuIsa::kAvx2;
+    isa = SimdIsa::kAvx2;
   } else if (t == "scalar") {
-    isa = CpuIsa::kScalar;
+    isa = SimdIsa::kScalar;
   } else {
     return invalid_argument("adam_isa: '" + std::string(request) +
                             "' is not one of auto, avx512, avx2, scalar");
@@ -165,18 +131,18 @@ Result<CpuIsa> select_cpu_isa(std::string_view request) {
 
 namespace optim_detail {
 
-const IsaKernels& kernels_for(CpuIsa isa) {
+const IsaKernels& kernels_for(SimdIsa isa) {
   static const IsaKernels kScalar{update_range_scalar, scan_range_scalar, stream_range_scalar,
                                   round_range_scalar};
   static const IsaKernels kAvx2{update_range_avx2, scan_range_avx2, stream_range_avx2, round_range_avx2};
   static const IsaKernels kAvx512{update_range_avx512, scan_range_avx512, stream_range_avx512,
                                   round_range_avx512};
   switch (isa) {
-    case CpuIsa::kAvx512:
+    case SimdIsa::kAvx512:
       return kAvx512;
-    case CpuIsa::kAvx2:
+    case SimdIsa::kAvx2:
       return kAvx2;
-    case CpuIsa::kScalar:
+    case SimdIsa::kScalar:
       break;
   }
   return kScalar;
@@ -200,7 +166,7 @@ void parallel_ranges(std::size_t n, int threads, std::size_t granule,
   for (std::size_t c = 0; c < chunks; ++c) fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
 }
 
-void stream_parallel(CpuIsa isa, int threads, const StreamArgs& a, std::size_t n) {
+void stream_parallel(SimdIsa isa, int threads, const StreamArgs& a, std::size_t n) {
   struct Ctx {
     const StreamArgs* a;
     void (*stream)(const StreamArgs&, std::size_t, std::size_t);
@@ -214,7 +180,7 @@ void stream_parallel(CpuIsa isa, int threads, const StreamArgs& a, std::size_t n
       &ctx);
 }
 
-void round_with_isa(CpuIsa isa, const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n) {
+void round_with_isa(SimdIsa isa, const float* in, std::uint16_t* out, DType dtype, std::size_t n) {
   kernels_for(isa).round(in, out, dtype, n);
 }
 
@@ -288,7 +254,7 @@ double clip_coefficient(double total_norm, double max_norm) {
 
 Result<CpuOptimizerConfig> CpuOptimizerConfig::from_options(const Options& options) {
   CpuOptimizerConfig c;
-  STRATA_ASSIGN_OR_RETURN(c.isa, select_cpu_isa(options.get_string(Option::kAdamIsa)));
+  STRATA_ASSIGN_OR_RETURN(c.isa, select_optimizer_isa(options.get_string(Option::kAdamIsa)));
   const std::int64_t host = options.get_int(Option::kHostThreads);
   if (host > 0) {
     c.threads = static_cast<int>(host);
@@ -330,19 +296,19 @@ Status check_pointer(const void* p, std::size_t elem_size, std::string_view what
 Status check_buffers(const OptimizerHyper& hyper, const OptimizerBuffers& b) {
   const bool has_m = hyper.kind != OptimizerKind::kAdagrad;
   const bool has_v = hyper.kind != OptimizerKind::kLion;
-  if (b.moment_dtype == OptimDType::kF16) {
+  if (b.moment_dtype == DType::kF16) {
     return invalid_argument("CPU optimizer: moment dtype fp16 is not supported (use fp32 or bf16)");
   }
-  if (hyper.kind == OptimizerKind::kAdagrad && b.moment_dtype != OptimDType::kF32) {
+  if (hyper.kind == OptimizerKind::kAdagrad && b.moment_dtype != DType::kF32) {
     return invalid_argument("CPU optimizer: adagrad keeps its sum of squares in fp32 (moment dtype " +
                             std::string(to_string(b.moment_dtype)) + " requested)");
   }
   STRATA_RETURN_IF_ERROR(check_pointer(b.master, 4, "master"));
-  STRATA_RETURN_IF_ERROR(check_pointer(b.grad, size_of(b.grad_dtype), "grad"));
-  if (has_m) STRATA_RETURN_IF_ERROR(check_pointer(b.exp_avg, size_of(b.moment_dtype), "exp_avg"));
-  if (has_v) STRATA_RETURN_IF_ERROR(check_pointer(b.exp_avg_sq, size_of(b.moment_dtype), "exp_avg_sq"));
+  STRATA_RETURN_IF_ERROR(check_pointer(b.grad, dtype_size(b.grad_dtype), "grad"));
+  if (has_m) STRATA_RETURN_IF_ERROR(check_pointer(b.exp_avg, dtype_size(b.moment_dtype), "exp_avg"));
+  if (has_v) STRATA_RETURN_IF_ERROR(check_pointer(b.exp_avg_sq, dtype_size(b.moment_dtype), "exp_avg_sq"));
   if (b.param_out != nullptr) {
-    if (b.out_dtype == OptimDType::kF32) {
+    if (b.out_dtype == DType::kF32) {
       return invalid_argument(
           "CPU optimizer: param_out must be bf16 or fp16 (the fp32 master is already there)");
     }
@@ -373,9 +339,9 @@ Status CpuOptimizer::update(const OptimizerHyper& hyper, std::int64_t step, floa
   a.exp_avg_sq = buffers.exp_avg_sq;
   a.moment_dtype = buffers.moment_dtype;
   a.out = buffers.param_out;
-  a.out_mode = buffers.param_out == nullptr            ? OutMode::kNone
-               : buffers.out_dtype == OptimDType::kF16 ? OutMode::kF16
-                                                       : OutMode::kBF16;
+  a.out_mode = buffers.param_out == nullptr       ? OutMode::kNone
+               : buffers.out_dtype == DType::kF16 ? OutMode::kF16
+                                                  : OutMode::kBF16;
   a.element_offset = buffers.element_offset;
 
   struct Ctx {
@@ -392,8 +358,8 @@ Status CpuOptimizer::update(const OptimizerHyper& hyper, std::int64_t step, floa
   return ok_status();
 }
 
-Result<GradStats> CpuOptimizer::scan_gradients(void* grad, OptimDType dtype, std::size_t n,
-                                               float inv_loss_scale, bool write_unscaled) const {
+Result<GradStats> CpuOptimizer::scan_gradients(void* grad, DType dtype, std::size_t n, float inv_loss_scale,
+                                               bool write_unscaled) const {
   if (!std::isfinite(inv_loss_scale) || inv_loss_scale <= 0) {
     return invalid_argument("gradient scan: inverse loss scale " + fmt(inv_loss_scale) +
                             " is not a positive number");
@@ -401,7 +367,7 @@ Result<GradStats> CpuOptimizer::scan_gradients(void* grad, OptimDType dtype, std
   GradStats stats;
   stats.count = n;
   if (n == 0) return stats;
-  STRATA_RETURN_IF_ERROR(check_pointer(grad, size_of(dtype), "gradient buffer"));
+  STRATA_RETURN_IF_ERROR(check_pointer(grad, dtype_size(dtype), "gradient buffer"));
 
   // Segments depend on n only, so the order of the sum is fixed whatever the threads.
   std::size_t seg = (n + kMaxScanSegments - 1) / kMaxScanSegments;

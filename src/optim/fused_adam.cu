@@ -41,22 +41,22 @@ struct TensorList {
 };
 static_assert(sizeof(TensorList) + sizeof(UpdateConstants) < 4000, "kernel parameters must stay under 4 KiB");
 
-template <OptimDType T>
+template <DType T>
 __device__ __forceinline__ float load_elem(const void* p, std::uint64_t i) {
-  if constexpr (T == OptimDType::kF32) {
+  if constexpr (T == DType::kF32) {
     return static_cast<const float*>(p)[i];
-  } else if constexpr (T == OptimDType::kBF16) {
+  } else if constexpr (T == DType::kBF16) {
     return optim_detail::bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
   } else {
     return optim_detail::f16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
   }
 }
 
-template <OptimDType T>
+template <DType T>
 __device__ __forceinline__ void store_param(void* p, std::uint64_t i, float x) {
-  if constexpr (T == OptimDType::kF32) {
+  if constexpr (T == DType::kF32) {
     static_cast<float*>(p)[i] = x;
-  } else if constexpr (T == OptimDType::kBF16) {
+  } else if constexpr (T == DType::kBF16) {
     static_cast<std::uint16_t*>(p)[i] = optim_detail::f32_to_bf16(x);
   } else {
     static_cast<std::uint16_t*>(p)[i] = optim_detail::f32_to_f16(x);
@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_param(void* p, std::uint64_t i, float x) {
 }
 
 // grid: one block per listed chunk; block: kThreads threads striding over the chunk.
-template <OptimDType P, OptimDType G, bool kDecoupled>
+template <DType P, DType G, bool kDecoupled>
 __global__ void __launch_bounds__(kThreads) fused_adam_kernel(TensorList list, UpdateConstants c) {
   const int t = list.block_tensor[blockIdx.x];
   const std::uint64_t n = list.n[t];
@@ -95,32 +95,32 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(TensorList list, U
 
 using KernelFn = void (*)(TensorList, UpdateConstants);
 
-template <OptimDType P, OptimDType G>
+template <DType P, DType G>
 KernelFn pick_decoupled(bool decoupled) {
   return decoupled ? fused_adam_kernel<P, G, true> : fused_adam_kernel<P, G, false>;
 }
 
-template <OptimDType P>
-KernelFn pick_grad(OptimDType g, bool decoupled) {
+template <DType P>
+KernelFn pick_grad(DType g, bool decoupled) {
   switch (g) {
-    case OptimDType::kF32:
-      return pick_decoupled<P, OptimDType::kF32>(decoupled);
-    case OptimDType::kBF16:
-      return pick_decoupled<P, OptimDType::kBF16>(decoupled);
-    case OptimDType::kF16:
-      return pick_decoupled<P, OptimDType::kF16>(decoupled);
+    case DType::kF32:
+      return pick_decoupled<P, DType::kF32>(decoupled);
+    case DType::kBF16:
+      return pick_decoupled<P, DType::kBF16>(decoupled);
+    case DType::kF16:
+      return pick_decoupled<P, DType::kF16>(decoupled);
   }
   return nullptr;
 }
 
-KernelFn pick_kernel(OptimDType p, OptimDType g, bool decoupled) {
+KernelFn pick_kernel(DType p, DType g, bool decoupled) {
   switch (p) {
-    case OptimDType::kF32:
-      return pick_grad<OptimDType::kF32>(g, decoupled);
-    case OptimDType::kBF16:
-      return pick_grad<OptimDType::kBF16>(g, decoupled);
-    case OptimDType::kF16:
-      return pick_grad<OptimDType::kF16>(g, decoupled);
+    case DType::kF32:
+      return pick_grad<DType::kF32>(g, decoupled);
+    case DType::kBF16:
+      return pick_grad<DType::kBF16>(g, decoupled);
+    case DType::kF16:
+      return pick_grad<DType::kF16>(g, decoupled);
   }
   return nullptr;
 }
@@ -137,9 +137,8 @@ Status launch(KernelFn kernel, const TensorList& list, int blocks, const UpdateC
 
 }  // namespace
 
-Status fused_adam_cuda(std::span<const DeviceAdamTensor> tensors, OptimDType param_dtype,
-                       OptimDType grad_dtype, const OptimizerHyper& hyper, std::int64_t step,
-                       float grad_scale, void* cuda_stream) {
+Status fused_adam_cuda(std::span<const DeviceAdamTensor> tensors, DType param_dtype, DType grad_dtype,
+                       const OptimizerHyper& hyper, std::int64_t step, float grad_scale, void* cuda_stream) {
   STRATA_RETURN_IF_ERROR(hyper.validate());
   if (hyper.kind != OptimizerKind::kAdamW && hyper.kind != OptimizerKind::kAdam) {
     return invalid_argument("fused Adam: optimizer " + std::string(to_string(hyper.kind)) +

@@ -6,8 +6,8 @@
 namespace strata {
 
 #if !STRATA_HAVE_CUDA
-Status fused_adam_cuda(std::span<const DeviceAdamTensor> /*tensors*/, OptimDType /*param_dtype*/,
-                       OptimDType /*grad_dtype*/, const OptimizerHyper& /*hyper*/, std::int64_t /*step*/,
+Status fused_adam_cuda(std::span<const DeviceAdamTensor> /*tensors*/, DType /*param_dtype*/,
+                       DType /*grad_dtype*/, const OptimizerHyper& /*hyper*/, std::int64_t /*step*/,
                        float /*grad_scale*/, void* /*cuda_stream*/) {
   return unavailable("fused Adam: this build of Strata has no CUDA (configure with -DSTRATA_ENABLE_CUDA=ON)");
 }

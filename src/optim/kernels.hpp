@@ -22,10 +22,10 @@ struct UpdateArgs {
   UpdateConstants c;
   float* master = nullptr;
   const void* grad = nullptr;
-  OptimDType grad_dtype = OptimDType::kF32;
+  DType grad_dtype = DType::kF32;
   void* exp_avg = nullptr;
   void* exp_avg_sq = nullptr;
-  OptimDType moment_dtype = OptimDType::kF32;
+  DType moment_dtype = DType::kF32;
   void* out = nullptr;
   OutMode out_mode = OutMode::kNone;
   std::uint64_t element_offset = 0;
@@ -39,16 +39,16 @@ inline constexpr std::size_t kScanLanes = 16;
 
 // The scalar form of the scan over [begin, end): element begin + k goes to lanes[k % 16]. The
 // vector scans finish their partial last block with it, the scalar path does everything with it.
-inline void scan_scalar(void* grad, OptimDType dtype, std::size_t begin, std::size_t end, float inv_scale,
+inline void scan_scalar(void* grad, DType dtype, std::size_t begin, std::size_t end, float inv_scale,
                         bool write_back, double* lanes) {
   auto* f32 = static_cast<float*>(grad);
   auto* u16 = static_cast<std::uint16_t*>(grad);
   for (std::size_t i = begin, k = 0; i < end; ++i, k = (k + 1) % kScanLanes) {
     float y;
-    if (dtype == OptimDType::kF32) {
+    if (dtype == DType::kF32) {
       y = f32[i] * inv_scale;
       if (write_back) f32[i] = y;
-    } else if (dtype == OptimDType::kBF16) {
+    } else if (dtype == DType::kBF16) {
       y = bf16_to_f32(u16[i]) * inv_scale;
       if (write_back) {
         u16[i] = f32_to_bf16(y);
@@ -78,22 +78,22 @@ inline double sum_lanes(const double* lanes) {
 struct StreamArgs {
   float* master = nullptr;
   const void* grad = nullptr;
-  OptimDType grad_dtype = OptimDType::kF32;
+  DType grad_dtype = DType::kF32;
   void* exp_avg = nullptr;     // null: not streamed
   void* exp_avg_sq = nullptr;  // null: not streamed
-  OptimDType moment_dtype = OptimDType::kF32;
+  DType moment_dtype = DType::kF32;
   std::uint16_t* out = nullptr;  // null: no copy-out
 };
 
-#define STRATA_OPTIM_DECLARE_ISA(isa)                                                                        \
-  void update_range_##isa(const UpdateArgs& a, std::size_t begin, std::size_t end);                          \
-  /* Sum of squares of y = g * inv_scale over [begin, end) in the fixed lane order; optionally               \
-     writes y back. `begin` must be a segment start. */                                                      \
-  double scan_range_##isa(void* grad, OptimDType dtype, std::size_t begin, std::size_t end, float inv_scale, \
-                          bool write_back);                                                                  \
-  void stream_range_##isa(const StreamArgs& a, std::size_t begin, std::size_t end);                          \
-  /* Rounds n floats to bf16/fp16 (nearest even) with this ISA's conversion (tests use it). */               \
-  void round_range_##isa(const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n);
+#define STRATA_OPTIM_DECLARE_ISA(isa)                                                                   \
+  void update_range_##isa(const UpdateArgs& a, std::size_t begin, std::size_t end);                     \
+  /* Sum of squares of y = g * inv_scale over [begin, end) in the fixed lane order; optionally          \
+     writes y back. `begin` must be a segment start. */                                                 \
+  double scan_range_##isa(void* grad, DType dtype, std::size_t begin, std::size_t end, float inv_scale, \
+                          bool write_back);                                                             \
+  void stream_range_##isa(const StreamArgs& a, std::size_t begin, std::size_t end);                     \
+  /* Rounds n floats to bf16/fp16 (nearest even) with this ISA's conversion (tests use it). */          \
+  void round_range_##isa(const float* in, std::uint16_t* out, DType dtype, std::size_t n);
 
 STRATA_OPTIM_DECLARE_ISA(scalar)
 STRATA_OPTIM_DECLARE_ISA(avx2)
@@ -102,11 +102,11 @@ STRATA_OPTIM_DECLARE_ISA(avx512)
 
 struct IsaKernels {
   void (*update)(const UpdateArgs&, std::size_t, std::size_t);
-  double (*scan)(void*, OptimDType, std::size_t, std::size_t, float, bool);
+  double (*scan)(void*, DType, std::size_t, std::size_t, float, bool);
   void (*stream)(const StreamArgs&, std::size_t, std::size_t);
-  void (*round)(const float*, std::uint16_t*, OptimDType, std::size_t);
+  void (*round)(const float*, std::uint16_t*, DType, std::size_t);
 };
-const IsaKernels& kernels_for(CpuIsa isa);
+const IsaKernels& kernels_for(SimdIsa isa);
 
 // Splits [0, n) into per-thread ranges whose boundaries are multiples of `granule` elements and
 // runs fn(begin, end) on each, on at most `threads` OpenMP threads (fewer when n is small).
@@ -115,9 +115,9 @@ void parallel_ranges(std::size_t n, int threads, std::size_t granule,
                      void (*fn)(void* ctx, std::size_t begin, std::size_t end), void* ctx);
 
 // Runs the streaming loop of `a` over n elements with `isa` on `threads` threads.
-void stream_parallel(CpuIsa isa, int threads, const StreamArgs& a, std::size_t n);
+void stream_parallel(SimdIsa isa, int threads, const StreamArgs& a, std::size_t n);
 
 // Rounds with a given ISA's conversion (tests).
-void round_with_isa(CpuIsa isa, const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n);
+void round_with_isa(SimdIsa isa, const float* in, std::uint16_t* out, DType dtype, std::size_t n);
 
 }  // namespace strata::optim_detail

@@ -135,11 +135,11 @@ void stream_range_avx2(const StreamArgs& a, std::size_t begin, std::size_t end) 
   stream_range_impl(a, begin, end);
 }
 
-void round_range_avx2(const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n) {
+void round_range_avx2(const float* in, std::uint16_t* out, DType dtype, std::size_t n) {
   round_range_impl(in, out, dtype, n);
 }
 
-double scan_range_avx2(void* grad, OptimDType dtype, std::size_t begin, std::size_t end, float inv_scale,
+double scan_range_avx2(void* grad, DType dtype, std::size_t begin, std::size_t end, float inv_scale,
                        bool write_back) {
   const __m256 s = _mm256_set1_ps(inv_scale);
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
@@ -147,10 +147,10 @@ double scan_range_avx2(void* grad, OptimDType dtype, std::size_t begin, std::siz
   auto* u16 = static_cast<std::uint16_t*>(grad);
   auto unscale = [&](std::size_t at) {
     __m256 y;
-    if (dtype == OptimDType::kF32) {
+    if (dtype == DType::kF32) {
       y = _mm256_mul_ps(_mm256_loadu_ps(f32 + at), s);
       if (write_back) _mm256_storeu_ps(f32 + at, y);
-    } else if (dtype == OptimDType::kBF16) {
+    } else if (dtype == DType::kBF16) {
       y = _mm256_mul_ps(widen_bf16(u16 + at), s);
       if (write_back) {
         const __m256i h = _mm256_srli_epi32(round_bf16_high(y), 16);

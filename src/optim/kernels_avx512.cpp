@@ -145,11 +145,11 @@ void stream_range_avx512(const StreamArgs& a, std::size_t begin, std::size_t end
   stream_range_impl(a, begin, end);
 }
 
-void round_range_avx512(const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n) {
+void round_range_avx512(const float* in, std::uint16_t* out, DType dtype, std::size_t n) {
   round_range_impl(in, out, dtype, n);
 }
 
-double scan_range_avx512(void* grad, OptimDType dtype, std::size_t begin, std::size_t end, float inv_scale,
+double scan_range_avx512(void* grad, DType dtype, std::size_t begin, std::size_t end, float inv_scale,
                          bool write_back) {
   const __m512 s = _mm512_set1_ps(inv_scale);
   __m512d acc_lo = _mm512_setzero_pd();  // lanes 0..7
@@ -159,10 +159,10 @@ double scan_range_avx512(void* grad, OptimDType dtype, std::size_t begin, std::s
   std::size_t i = begin;
   for (; i + 16 <= end; i += 16) {
     __m512 y;
-    if (dtype == OptimDType::kF32) {
+    if (dtype == DType::kF32) {
       y = _mm512_mul_ps(_mm512_loadu_ps(f32 + i), s);
       if (write_back) _mm512_storeu_ps(f32 + i, y);
-    } else if (dtype == OptimDType::kBF16) {
+    } else if (dtype == DType::kBF16) {
       y = _mm512_mul_ps(widen_bf16(u16 + i), s);
       if (write_back) {
         const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16_high(y), 16));

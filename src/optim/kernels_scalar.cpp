@@ -50,11 +50,11 @@ void stream_range_scalar(const StreamArgs& a, std::size_t begin, std::size_t end
   stream_range_impl(a, begin, end);
 }
 
-void round_range_scalar(const float* in, std::uint16_t* out, OptimDType dtype, std::size_t n) {
+void round_range_scalar(const float* in, std::uint16_t* out, DType dtype, std::size_t n) {
   round_range_impl(in, out, dtype, n);
 }
 
-double scan_range_scalar(void* grad, OptimDType dtype, std::size_t begin, std::size_t end, float inv_scale,
+double scan_range_scalar(void* grad, DType dtype, std::size_t begin, std::size_t end, float inv_scale,
                          bool write_back) {
   double lanes[kScanLanes] = {};
   scan_scalar(grad, dtype, begin, end, inv_scale, write_back, lanes);

@@ -47,15 +47,15 @@ std::string usage() {
 
 struct Variant {
   const char* name;
-  OptimDType grad;
-  OptimDType moments;
+  DType grad;
+  DType moments;
   bool copy_out;
 };
 
 constexpr Variant kVariants[] = {
-    {"fp32_grads", OptimDType::kF32, OptimDType::kF32, false},
-    {"bf16_grads_bf16_out", OptimDType::kBF16, OptimDType::kF32, true},
-    {"bf16_grads_bf16_moments_bf16_out", OptimDType::kBF16, OptimDType::kBF16, true},
+    {"fp32_grads", DType::kF32, DType::kF32, false},
+    {"bf16_grads_bf16_out", DType::kBF16, DType::kF32, true},
+    {"bf16_grads_bf16_moments_bf16_out", DType::kBF16, DType::kBF16, true},
 };
 
 double median(std::vector<double> v) {
@@ -98,8 +98,8 @@ float pseudo(std::uint64_t i, std::uint32_t salt) {
 
 Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::size_t n, int reps,
                             bool cpu_clock) {
-  const std::size_t gsize = size_of(var.grad);
-  const std::size_t msize = size_of(var.moments);
+  const std::size_t gsize = dtype_size(var.grad);
+  const std::size_t msize = dtype_size(var.moments);
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer master, AlignedBuffer::allocate(n * 4));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer grad, AlignedBuffer::allocate(n * gsize));
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer m, AlignedBuffer::allocate(n * msize));
@@ -115,12 +115,12 @@ Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::si
     const float g = 1e-2f * pseudo(i, 2);
     const float mm = 1e-3f * pseudo(i, 3);
     const float vv = 1e-4f * (1.5f + pseudo(i, 4));
-    if (var.grad == OptimDType::kF32) {
+    if (var.grad == DType::kF32) {
       static_cast<float*>(grad.data())[i] = g;
     } else {
       static_cast<std::uint16_t*>(grad.data())[i] = optim_detail::f32_to_bf16(g);
     }
-    if (var.moments == OptimDType::kF32) {
+    if (var.moments == DType::kF32) {
       static_cast<float*>(m.data())[i] = mm;
       static_cast<float*>(v.data())[i] = vv;
     } else {
@@ -137,7 +137,7 @@ Result<Figures> run_variant(const Variant& var, const CpuOptimizer& opt, std::si
   b.exp_avg_sq = v.data();
   b.moment_dtype = var.moments;
   b.param_out = var.copy_out ? out.data() : nullptr;
-  b.out_dtype = OptimDType::kBF16;
+  b.out_dtype = DType::kBF16;
   b.n = n;
   OptimizerHyper hyper = OptimizerHyper::defaults(OptimizerKind::kAdamW);
 
@@ -283,10 +283,10 @@ int bench_adam(std::span<const std::string> argv) {
     j["best_roofline_mparams_per_s"] = static_cast<double>(n) / f->best_roofline_s / 1e6;
     j["best_ratio"] = f->best_roofline_s / f->best_update_s;
     j["roofline_gb_per_s"] = roof * 1e6 * static_cast<double>(f->bytes_per_param) / 1e9;
-    if (var.moments == OptimDType::kBF16 && base_mparams > 0) {
+    if (var.moments == DType::kBF16 && base_mparams > 0) {
       j["speedup_vs_fp32_moments"] = mparams / base_mparams;
     }
-    if (var.grad == OptimDType::kBF16 && var.moments == OptimDType::kF32) base_mparams = mparams;
+    if (var.grad == DType::kBF16 && var.moments == DType::kF32) base_mparams = mparams;
     out["variants"].push_back(j);
   }
   if (args.has("json")) {
