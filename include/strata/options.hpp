@@ -28,6 +28,7 @@ enum class Option : std::uint16_t {
   kLogLevel,        // error | warn | info | debug | trace
   kLogSubsys,       // all | ALLOC,NVME,... | ^ALLOC,...
   kDtypeIsa,        // dtype conversion path: auto | scalar | avx2 | avx512
+  kAdamIsa,         // CPU optimizer code path: auto | avx512 | avx2 | scalar
   kCount
 };
 

@@ -31,6 +31,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "subsystems to log: all, a list (ALLOC,NVME) or exclusions (^DEVICE)"},
     {Option::kDtypeIsa, "dtype_isa", OptionKind::kString, "auto",
      "SIMD path for bulk dtype conversion: auto (the best this CPU has), scalar, avx2 or avx512"},
+    {Option::kAdamIsa, "adam_isa", OptionKind::kString, "auto",
+     "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
 }};
 
 std::string lower(std::string_view s) {
@@ -174,6 +176,9 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
       if (!parse_log_level(v.text).ok()) return fail("one of: error, warn, info, debug, trace");
       break;
     case Option::kDtypeIsa:
+      if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
+      break;
+    case Option::kAdamIsa:
       if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
       break;
     default:
