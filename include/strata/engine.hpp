@@ -74,6 +74,9 @@ struct TrainerConfig {
   LrSchedule schedule;
   double grad_clip = 1.0;     // max global gradient norm; 0 = off
   std::uint64_t seed = 1234;  // parameter initialisation
+  // cpu backend: the optimizer's instruction set, as the `adam_isa` tunable (auto | avx512 |
+  // avx2 | scalar).
+  std::string optimizer_isa = "auto";
 
   Status validate() const;
   // Applies a DeepSpeed config (optimizer, scheduler, gradient_clipping, bf16.enabled, batch

@@ -9,17 +9,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "model/launcher.hpp"
 #include "model/staging.hpp"
-#include "runtime/adamw.hpp"
 #include "runtime/optimizer_cuda.hpp"
 #include "strata/config.hpp"
 #include "strata/data.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
 #include "strata/log.hpp"
+#include "strata/optim.hpp"
 
 namespace strata {
 
@@ -256,7 +257,7 @@ struct Trainer::Impl {
   float* exp_avg_sq = nullptr;
   std::vector<ParamState> states;
   std::size_t grad_floats = 0;
-  std::vector<double> norm_partials;  // cpu: sum-of-squares scratch (device memory is host memory)
+  std::optional<CpuOptimizer> cpu_optimizer;  // cpu backend: the vectorized optimizer of optim.hpp
   ArenaBuffer cuda_partials;          // cuda: the same on the device, plus the result
   ArenaBuffer pinned_norm;
   double grad_norm = 0.0;  // written by the optimizer step in stream order
@@ -276,6 +277,21 @@ struct Trainer::Impl {
                            std::int64_t micro_batches);
 };
 
+namespace {
+
+OptimizerHyper to_hyper(const detail::AdamHyper& h) {
+  OptimizerHyper o;
+  o.kind = h.decoupled ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
+  o.lr = h.lr;
+  o.beta1 = h.beta1;
+  o.beta2 = h.beta2;
+  o.eps = h.eps;
+  o.weight_decay = h.weight_decay;
+  return o;
+}
+
+}  // namespace
+
 Status Trainer::Impl::optimizer_step(double lr, std::int64_t step) {
   detail::AdamHyper decay{lr,
                           config.optimizer.beta1,
@@ -288,25 +304,36 @@ Status Trainer::Impl::optimizer_step(double lr, std::int64_t step) {
   const double max_norm = config.grad_clip;
   const float* grads = model->grads_base();
   const std::size_t n = grad_floats;
-  auto clip_scale = [max_norm](double norm) {
-    return max_norm > 0.0 && norm > max_norm ? static_cast<float>(max_norm / (norm + 1e-6)) : 1.0f;
-  };
   if (launch->is_cpu()) {
-    // One host function on the stream: the norm, then every update with the clip applied.
+    // One host function on the stream: the gradient scan (norm and overflow), then every update
+    // with the clip applied, on the stream's compute threads.
     const std::vector<ParamState>* params = &states;
-    double* partials = norm_partials.data();
+    const CpuOptimizer* opt = &*cpu_optimizer;
     double* norm_out = &grad_norm;
-    return launch->run("optimizer step", [=](const kernels::KernelContext& ctx) -> Status {
-      const int threads = ctx.cpu_threads > 0 ? ctx.cpu_threads : 1;
-      const double norm = std::sqrt(detail::sum_of_squares(grads, n, threads, partials));
+    const OptimizerHyper hyper_decay = to_hyper(decay);
+    const OptimizerHyper hyper_no_decay = to_hyper(no_decay);
+    return launch->run("optimizer step", [=](const kernels::KernelContext&) -> Status {
+      STRATA_ASSIGN_OR_RETURN(GradStats stats,
+                              opt->scan_gradients(const_cast<float*>(grads), DType::kF32, n, 1.0f, false));
+      const double norm = stats.norm();
       *norm_out = norm;
-      if (!std::isfinite(norm)) {
+      if (!stats.finite()) {
         return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
                                 std::to_string(norm) + "); lower the learning rate or enable clipping");
       }
-      const float scale = clip_scale(norm);
+      const auto scale = static_cast<float>(clip_coefficient(norm, max_norm));
       for (const ParamState& p : *params) {
-        detail::adamw_update(p.decay ? decay : no_decay, step, scale, p.buffers, threads);
+        OptimizerBuffers b;
+        b.master = p.buffers.master;
+        b.grad = p.buffers.grad;
+        b.grad_dtype = DType::kF32;
+        b.exp_avg = p.buffers.exp_avg;
+        b.exp_avg_sq = p.buffers.exp_avg_sq;
+        b.moment_dtype = DType::kF32;
+        b.param_out = p.buffers.param_out;
+        b.out_dtype = DType::kBF16;
+        b.n = p.buffers.n;
+        STRATA_RETURN_IF_ERROR(opt->update(p.decay ? hyper_decay : hyper_no_decay, step, scale, b));
       }
       return ok_status();
     });
@@ -325,7 +352,7 @@ Status Trainer::Impl::optimizer_step(double lr, std::int64_t step) {
                             ": the gradient norm is not finite; lower the learning "
                             "rate or enable clipping");
   }
-  const float scale = clip_scale(grad_norm);
+  const auto scale = static_cast<float>(clip_coefficient(grad_norm, max_norm));
   for (const ParamState& p : states) {
     STRATA_RETURN_IF_ERROR(detail::adamw_update_cuda(cs, p.decay ? decay : no_decay, step, scale, p.buffers));
   }
@@ -436,7 +463,12 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerConfig& config, De
       t.stager, detail::HostStager::create(device, *stream, std::min<std::uint64_t>(largest, 16u << 20),
                                            "trainer.staging"));
   if (t.launch->is_cpu()) {
-    t.norm_partials.assign(detail::sum_of_squares_chunks(t.grad_floats), 0.0);
+    // The update runs on the compute stream's worker, so it gets the stream's thread budget.
+    CpuOptimizerConfig oc;
+    STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
+    oc.threads = std::max(1, device.info().compute_threads);
+    STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
+    t.cpu_optimizer = opt;
   } else {
     STRATA_ASSIGN_OR_RETURN(
         t.cuda_partials,

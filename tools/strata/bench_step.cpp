@@ -167,6 +167,7 @@ int bench_step(std::span<const std::string> argv) {
                                                     : fail(s);
   if (dc.kind != DeviceKind::kCpu)
     return fail(unavailable("bench step measures the cpu backend (--device cpu)"));
+  tc.optimizer_isa = options.get_string(Option::kAdamIsa);
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());
   auto trainer = Trainer::create(tc, **device);

@@ -287,6 +287,7 @@ int run_train(std::span<const std::string> argv) {
   DeviceConfig dc;
   s = device_options(args, *needed, &options, &dc);
   if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
+  tc.optimizer_isa = options.get_string(Option::kAdamIsa);
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());
   auto trainer = Trainer::create(tc, **device);
