@@ -472,8 +472,8 @@ TEST_P(IsaPath, IgnoresMxcsrRoundingAndDenormalFlags) {
 }
 #endif
 
-// Runs every float through every path and the reference. Minutes of CPU: run by hand with
-// --gtest_also_run_disabled_tests --gtest_filter='*EveryFloat*'.
+// Runs every float through every path and the reference. Minutes of CPU: disabled in the default
+// run; ctest runs it as dtype.every_float_exhaustive under the `slow` label (scripts/test -L slow).
 TEST_P(IsaPath, DISABLED_EveryFloatMatchesScalarAndReference) {
   const Reference ref_bf16(kBf16), ref_f16(kF16);
   constexpr std::size_t kChunk = 1u << 20;
