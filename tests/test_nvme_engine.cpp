@@ -26,12 +26,7 @@ namespace {
 using nvme_detail::IoFaults;
 using testing::TempDir;
 
-std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<unsigned char> v(n);
-  for (auto& b : v) b = static_cast<unsigned char>(rng());
-  return v;
-}
+using testing::random_bytes;
 
 std::unique_ptr<IoEngine> make_engine(IoEngineConfig cfg, const IoFaults* faults = nullptr,
                                       PinnedPool* pool = nullptr) {

@@ -135,6 +135,20 @@ struct SwapStore::Impl {
   std::vector<std::string> member_paths;
   std::uint64_t capacity = 0;  // logical: member_capacity x dirs
   std::uint64_t chunk = 0;     // bytes per engine request: whole checksum blocks, >= block_size
+
+  // Cuts the first `bytes` of a version into engine requests: one per chunk, each within one
+  // extent, in tensor order. fn(file offset, tensor offset, length).
+  template <typename Fn>
+  void for_each_chunk(const Version& v, std::uint64_t bytes, Fn fn) const {
+    std::uint64_t t = 0;
+    for (const Extent& x : v.extents) {
+      for (std::uint64_t within = 0; within < x.length && t < bytes; within += chunk) {
+        const std::uint64_t len = std::min({chunk, x.length - within, bytes - t});
+        fn(x.offset + within, t, len);
+        t += len;
+      }
+    }
+  }
   FileId file;
   int lock_fd = -1;
   std::string journal_path;
@@ -489,29 +503,24 @@ IoHandle SwapStore::write(const TensorKey& key, const void* data, std::uint64_t 
   // chunks) and covers whole checksum blocks, so each request checksums its own blocks.
   std::vector<IoRequest> requests;
   auto* base = static_cast<unsigned char*>(const_cast<void*>(data));
-  std::uint64_t t = 0;
-  for (const Extent& x : v->extents) {
-    for (std::uint64_t within = 0; within < x.length && t < bytes; within += s.chunk) {
-      std::uint64_t len = std::min({s.chunk, x.length - within, bytes - t});
-      IoRequest r;
-      r.op = IoOp::kWrite;
-      r.file = s.file;
-      r.offset = x.offset + within;
-      r.length = len;
-      r.buffer = base + t;
-      if (s.config.checksums) {
-        Version* vp = v.get();
-        r.on_done = [vp, base, t, len, cb](const IoRequest&) {
-          for (std::uint64_t b = t; b < t + len; b += cb) {
-            vp->crcs[b / cb] = crc32c(base + b, std::min(cb, t + len - b));
-          }
-          return ok_status();
-        };
-      }
-      requests.push_back(std::move(r));
-      t += len;
+  s.for_each_chunk(*v, bytes, [&](std::uint64_t offset, std::uint64_t t, std::uint64_t len) {
+    IoRequest r;
+    r.op = IoOp::kWrite;
+    r.file = s.file;
+    r.offset = offset;
+    r.length = len;
+    r.buffer = base + t;
+    if (s.config.checksums) {
+      Version* vp = v.get();
+      r.on_done = [vp, base, t, len, cb](const IoRequest&) {
+        for (std::uint64_t b = t; b < t + len; b += cb) {
+          vp->crcs[b / cb] = crc32c(base + b, std::min(cb, t + len - b));
+        }
+        return ok_status();
+      };
     }
-  }
+    requests.push_back(std::move(r));
+  });
   Impl* sp = impl_.get();
   return s.engine->impl_->submit(std::move(requests), [sp, v](Status st) -> Status {
     if (st.ok() && sp->config.durable) st = sp->engine->sync(sp->file);
@@ -553,40 +562,35 @@ IoHandle SwapStore::read(const TensorKey& key, void* data, std::uint64_t bytes) 
   std::vector<IoRequest> requests;
   auto* base = static_cast<unsigned char*>(data);
   Impl* sp = impl_.get();
-  std::uint64_t t = 0;
-  for (const Extent& x : v->extents) {
-    for (std::uint64_t within = 0; within < x.length && t < bytes; within += s.chunk) {
-      std::uint64_t len = std::min({s.chunk, x.length - within, bytes - t});
-      IoRequest r;
-      r.op = IoOp::kRead;
-      r.file = s.file;
-      r.offset = x.offset + within;
-      r.length = len;
-      r.buffer = base + t;
-      if (s.config.checksums) {
-        Version* vp = v.get();
-        std::uint64_t logical = x.offset + within;
-        r.on_done = [sp, vp, base, t, len, cb, logical](const IoRequest&) -> Status {
-          for (std::uint64_t b = t; b < t + len; b += cb) {
-            std::uint64_t n = std::min(cb, t + len - b);
-            std::uint32_t got = crc32c(base + b, n);
-            std::uint32_t want = vp->crcs[b / cb];
-            if (got != want) {
-              sp->checksum_failures.fetch_add(1, std::memory_order_relaxed);
-              auto [path, off] = sp->where(logical + (b - t));
-              return data_loss("checksum mismatch in tensor " + vp->key.to_string() + " at " + path +
-                               " offset " + std::to_string(off) + " (block " + std::to_string(b / cb) +
-                               ", tensor bytes " + std::to_string(b) + ".." + std::to_string(b + n) +
-                               "): stored crc32c " + hex32(want) + ", read " + hex32(got));
-            }
+  s.for_each_chunk(*v, bytes, [&](std::uint64_t offset, std::uint64_t t, std::uint64_t len) {
+    IoRequest r;
+    r.op = IoOp::kRead;
+    r.file = s.file;
+    r.offset = offset;
+    r.length = len;
+    r.buffer = base + t;
+    if (s.config.checksums) {
+      Version* vp = v.get();
+      std::uint64_t logical = offset;
+      r.on_done = [sp, vp, base, t, len, cb, logical](const IoRequest&) -> Status {
+        for (std::uint64_t b = t; b < t + len; b += cb) {
+          std::uint64_t n = std::min(cb, t + len - b);
+          std::uint32_t got = crc32c(base + b, n);
+          std::uint32_t want = vp->crcs[b / cb];
+          if (got != want) {
+            sp->checksum_failures.fetch_add(1, std::memory_order_relaxed);
+            auto [path, off] = sp->where(logical + (b - t));
+            return data_loss("checksum mismatch in tensor " + vp->key.to_string() + " at " + path +
+                             " offset " + std::to_string(off) + " (block " + std::to_string(b / cb) +
+                             ", tensor bytes " + std::to_string(b) + ".." + std::to_string(b + n) +
+                             "): stored crc32c " + hex32(want) + ", read " + hex32(got));
           }
-          return ok_status();
-        };
-      }
-      requests.push_back(std::move(r));
-      t += len;
+        }
+        return ok_status();
+      };
     }
-  }
+    requests.push_back(std::move(r));
+  });
   return s.engine->impl_->submit(std::move(requests), [sp, v](Status st) -> Status {
     std::lock_guard<std::mutex> lock(sp->mu);
     --v->pins;

@@ -53,6 +53,13 @@ std::string write_file(const std::filesystem::path& path, const std::string& con
   return path.string();
 }
 
+std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<unsigned char> v(n);
+  for (auto& b : v) b = static_cast<unsigned char>(rng());
+  return v;
+}
+
 const std::vector<std::size_t>& awkward_sizes() {
   static const std::vector<std::size_t> sizes = {0, 1, 3, 15, 17, 255, 1023, 1025, 4095, 4097, 65537, (1u << 20) + 3};
   return sizes;

@@ -40,6 +40,9 @@ CommandResult run_cli(const std::string& args);
 
 std::string write_file(const std::filesystem::path& path, const std::string& contents);
 
+// n bytes from a seeded generator (the same bytes for the same seed).
+std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed);
+
 // Awkward sizes every size-parameterised test should cover.
 const std::vector<std::size_t>& awkward_sizes();
 
