@@ -185,6 +185,10 @@ class Model {
     // false: the caller already planned it, including regions(); see Trainer.
     bool plan_arena = true;
     std::vector<RegionSpec> extra_regions;
+    // true: the model carves "model.params" / "model.grads" and binds every module to them.
+    // false: it carves neither; the caller binds each module's storage (bind_module) before the
+    // module runs: the offload engine, which places parameters and gradients on its tiers.
+    bool own_storage = true;
     int loss_slots = 1;  // pinned read-back slots for per-token losses (one per micro-batch)
   };
 
@@ -204,10 +208,11 @@ class Model {
   Device& device();
   Stream& stream();
 
-  // Device pointers (valid for the model's life). A tied alias returns its target's storage.
+  // Device pointers under the current bindings (with own_storage: valid for the model's life).
+  // A tied alias returns its target's storage; nullptr where the owning module is unbound.
   void* param_data(int index) const;
   float* grad_data(int index) const;  // nullptr without grads
-  void* params_base() const;          // the whole params region
+  void* params_base() const;          // the whole params region (nullptr without own_storage)
   float* grads_base() const;
 
   // Writes parameter `index` from host fp32 values (numel of them), rounded to the working dtype,
@@ -228,10 +233,31 @@ class Model {
                    std::int64_t B, std::int64_t T);
   // Forward over the current batch up to the per-token losses. With for_backward, keeps what
   // backward() needs (all block activations, or only block inputs with activation checkpointing).
+  // Equivalent to forward_module(m) for every module in order.
   Status forward(bool for_backward);
   // Backward of the last forward(for_backward = true): parameter gradients accumulate (+=) into
   // the grads region. `dloss` is ∂(total loss)/∂(each token's loss), e.g. 1/(tokens per step).
+  // Equivalent to backward_module(m) for every module in reverse order.
   Status backward(float dloss);
+
+  // ---- Module by module (the offload engine's interface) ----------------------------------
+  // The modules of layout().modules run in order 0..M-1 forward and M-1..0 backward; each call
+  // enqueues one module's kernels with the storage bound at the time of the call (kernels capture
+  // pointers when enqueued, so a binding may change as soon as the call returns; the storage
+  // itself must stay valid and in place until the stream has run the module's work).
+  int num_modules() const;
+  // The modules whose parameter (and gradient) storage module `module` reads, itself first: a
+  // tied weight adds its target's module (GPT-2's head reads the embedding's wte).
+  const std::vector<int>& module_storage(int module) const;
+  // Binds module `module`'s own parameter range (param_end - param_begin bytes of the working
+  // dtype, laid out as in the params region) and gradient range (grad_end - grad_begin bytes of
+  // fp32) to device memory. Null unbinds.
+  Status bind_module(int module, void* params, float* grads);
+  // One module of the forward pass (out of order is an error naming the module expected).
+  Status forward_module(int module, bool for_backward);
+  // One module of the backward pass (out of order is an error naming the module expected);
+  // its gradients accumulate (+=) into the bound gradient storage of module_storage(module).
+  Status backward_module(int module, float dloss);
   // Zeroes the grads region (enqueued).
   Status zero_grads();
   // Copies the last forward's per-token losses into pinned slot `slot` (enqueued) ...

@@ -98,8 +98,18 @@ struct Model::Impl {
   std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0;
   bool gpt2 = true;
 
-  char* params = nullptr;
-  float* grads = nullptr;
+  char* params = nullptr;  // the model.params region when the model owns its storage, else null
+  float* grads = nullptr;  // the model.grads region likewise
+  // Bindings: device pointers to module m's own parameter range [param_begin, param_end) and
+  // gradient range [grad_begin, grad_end), null while unbound. owner[i]: the module whose
+  // storage parameter i lives in (a tied alias: its target's module). storage[m]: the modules
+  // whose storage module m reads, m first.
+  std::vector<char*> unit_params;
+  std::vector<float*> unit_grads;
+  std::vector<int> owner;
+  std::vector<std::vector<int>> storage;
+  int next_forward = 0;   // the module forward_module() expects next
+  int next_backward = -1; // the module backward_module() expects next (-1: none)
   EmbedHeadParams eh;
   std::vector<BlockParams> blocks;
 
@@ -122,21 +132,33 @@ struct Model::Impl {
   bool forward_saved = false;  // the last forward kept what backward needs
   int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
 
-  Tensor P(int i) const { return {params + layout.params[static_cast<std::size_t>(i)].param_offset, wdt}; }
+  Tensor P(int i) const {
+    const auto& p = layout.params[static_cast<std::size_t>(i)];
+    const int m = owner[static_cast<std::size_t>(i)];
+    char* base = unit_params[static_cast<std::size_t>(m)];
+    if (base == nullptr) return {nullptr, wdt};
+    return {base + (p.param_offset - layout.modules[static_cast<std::size_t>(m)].param_begin), wdt};
+  }
   ConstTensorArg Pc(int i) const { return i < 0 ? kernels::kNone : P(i).carg(); }
   Tensor G(int i) const {
-    if (grads == nullptr || i < 0) return {};
-    return {reinterpret_cast<char*>(grads) + layout.params[static_cast<std::size_t>(i)].grad_offset,
+    if (i < 0) return {};
+    const auto& p = layout.params[static_cast<std::size_t>(i)];
+    const int m = owner[static_cast<std::size_t>(i)];
+    float* base = unit_grads[static_cast<std::size_t>(m)];
+    if (base == nullptr) return {};
+    return {reinterpret_cast<char*>(base) + (p.grad_offset - layout.modules[static_cast<std::size_t>(m)].grad_begin),
             DType::kF32};
   }
+  void describe_storage();
+  Status check_bound(int m, bool grads_needed) const;
+  Status forward_module(int m, bool for_backward);
+  Status backward_module(int m, float dloss);
   BlockActs& acts(int layer) { return sets.size() == 1 ? sets[0] : sets[static_cast<std::size_t>(layer)]; }
 
   Status bind_params();
   void carve_activations(Carver& c, bool with_grads);
   Status block_forward(int l, const BlockActs& A, bool recompute);
   Status block_backward(int l, const BlockActs& A);
-  Status forward(bool for_backward);
-  Status backward(float dloss);
 };
 
 // ---- construction ----------------------------------------------------------------------------
@@ -220,6 +242,7 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
 
 std::vector<RegionSpec> Model::regions(const ModelLayout& layout, const Options& options) {
   std::vector<RegionSpec> r;
+  if (!options.own_storage) return r;
   r.push_back(RegionSpec{"model.params", std::max<std::uint64_t>(layout.param_bytes, kParamAlignment), 0, 0});
   if (options.with_grads) {
     r.push_back(RegionSpec{"model.grads", std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment), 0, 0});
@@ -269,21 +292,31 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   m.layout = std::move(layout);
   STRATA_RETURN_IF_ERROR(m.bind_params());
 
+  m.describe_storage();
+
   Arena& arena = device.memory();
   if (options.plan_arena) {
     std::vector<RegionSpec> plan = regions(m.layout, options);
     plan.insert(plan.end(), options.extra_regions.begin(), options.extra_regions.end());
     STRATA_RETURN_IF_ERROR(arena.plan(plan).with_context("model: planning device memory"));
   }
-  STRATA_ASSIGN_OR_RETURN(
-      std::uint64_t poff,
-      arena.allocate_persistent("model.params", std::max<std::uint64_t>(m.layout.param_bytes, 1)));
-  m.params = static_cast<char*>(arena.base()) + poff;
-  if (options.with_grads) {
+  if (options.own_storage) {
     STRATA_ASSIGN_OR_RETURN(
-        std::uint64_t goff,
-        arena.allocate_persistent("model.grads", std::max<std::uint64_t>(m.layout.grad_bytes, 1)));
-    m.grads = reinterpret_cast<float*>(static_cast<char*>(arena.base()) + goff);
+        std::uint64_t poff,
+        arena.allocate_persistent("model.params", std::max<std::uint64_t>(m.layout.param_bytes, 1)));
+    m.params = static_cast<char*>(arena.base()) + poff;
+    if (options.with_grads) {
+      STRATA_ASSIGN_OR_RETURN(
+          std::uint64_t goff,
+          arena.allocate_persistent("model.grads", std::max<std::uint64_t>(m.layout.grad_bytes, 1)));
+      m.grads = reinterpret_cast<float*>(static_cast<char*>(arena.base()) + goff);
+    }
+    for (std::size_t u = 0; u < m.layout.modules.size(); ++u) {
+      const ModuleDesc& md = m.layout.modules[u];
+      m.unit_params[u] = m.params + md.param_begin;
+      m.unit_grads[u] =
+          m.grads == nullptr ? nullptr : reinterpret_cast<float*>(reinterpret_cast<char*>(m.grads) + md.grad_begin);
+    }
   }
 
   // Activations: measure, allocate once, carve.
@@ -352,7 +385,7 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   STRATA_ASSIGN_OR_RETURN(m.launch, detail::KernelLauncher::create(device, stream, workspace));
 
   // Parameters and gradients start at zero (the arena's pages are not guaranteed to be).
-  STRATA_RETURN_IF_ERROR(stream.memset_async(m.params, 0, m.layout.param_bytes));
+  if (m.params != nullptr) STRATA_RETURN_IF_ERROR(stream.memset_async(m.params, 0, m.layout.param_bytes));
   if (m.grads != nullptr) STRATA_RETURN_IF_ERROR(stream.memset_async(m.grads, 0, m.layout.grad_bytes));
   if (rope_floats > 0) {
     std::vector<float> table(static_cast<std::size_t>(rope_floats));
@@ -490,6 +523,8 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
   m.target_count = count;
   m.have_batch = true;
   m.forward_saved = false;
+  m.next_forward = 0;
+  m.next_backward = -1;
   return ok_status();
 }
 
@@ -518,25 +553,83 @@ LossSum Model::loss_sum(int slot) const {
 }
 
 Status Model::zero_grads() {
-  if (impl_->grads == nullptr)
-    return failed_precondition("zero_grads: the model was created without gradients");
+  if (impl_->grads == nullptr) {
+    return failed_precondition(
+        "zero_grads: the model has no gradients region (created without gradients, or its storage is "
+        "bound module by module)");
+  }
   return impl_->stream->memset_async(impl_->grads, 0, impl_->layout.grad_bytes);
 }
 
 Status Model::forward(bool for_backward) {
-  if (!impl_->have_batch) return failed_precondition("forward: no batch has been set (call set_batch)");
-  if (for_backward && impl_->grads == nullptr) {
-    return failed_precondition("forward(for_backward): the model was created without gradients");
-  }
-  return impl_->forward(for_backward);
+  for (int m = 0; m < num_modules(); ++m) STRATA_RETURN_IF_ERROR(forward_module(m, for_backward));
+  return ok_status();
 }
 
 Status Model::backward(float dloss) {
-  if (!impl_->forward_saved) {
+  for (int m = num_modules() - 1; m >= 0; --m) STRATA_RETURN_IF_ERROR(backward_module(m, dloss));
+  return ok_status();
+}
+
+int Model::num_modules() const { return static_cast<int>(impl_->layout.modules.size()); }
+
+const std::vector<int>& Model::module_storage(int module) const {
+  return impl_->storage.at(static_cast<std::size_t>(module));
+}
+
+Status Model::bind_module(int module, void* params, float* grads) {
+  Impl& m = *impl_;
+  if (module < 0 || module >= num_modules()) {
+    return invalid_argument("bind_module: no module with index " + std::to_string(module));
+  }
+  m.unit_params[static_cast<std::size_t>(module)] = static_cast<char*>(params);
+  m.unit_grads[static_cast<std::size_t>(module)] = grads;
+  return ok_status();
+}
+
+Status Model::forward_module(int module, bool for_backward) {
+  Impl& m = *impl_;
+  if (module != m.next_forward) {
+    return failed_precondition("forward_module: module " + std::to_string(module) + " ('" +
+                               (module >= 0 && module < num_modules()
+                                    ? m.layout.modules[static_cast<std::size_t>(module)].name
+                                    : std::string("?")) +
+                               "') out of order; the forward pass expects module " +
+                               std::to_string(m.next_forward) + " next");
+  }
+  if (module == 0 && !m.have_batch) return failed_precondition("forward: no batch has been set (call set_batch)");
+  if (for_backward && !m.options.with_grads) {
+    return failed_precondition("forward(for_backward): the model was created without gradients");
+  }
+  STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
+  STRATA_RETURN_IF_ERROR(m.forward_module(module, for_backward));
+  m.next_forward = module + 1 == num_modules() ? 0 : module + 1;
+  if (module + 1 == num_modules()) {
+    m.forward_saved = for_backward;
+    m.next_backward = for_backward ? module : -1;
+  } else {
+    m.forward_saved = false;
+    m.next_backward = -1;
+  }
+  return ok_status();
+}
+
+Status Model::backward_module(int module, float dloss) {
+  Impl& m = *impl_;
+  if (m.next_backward < 0) {
     return failed_precondition(
         "backward: the last forward() did not keep activations (call forward(true) first)");
   }
-  return impl_->backward(dloss);
+  if (module != m.next_backward) {
+    return failed_precondition("backward_module: module " + std::to_string(module) +
+                               " out of order; the backward pass expects module " +
+                               std::to_string(m.next_backward) + " next");
+  }
+  STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
+  STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
+  m.next_backward = module - 1;
+  if (module == 0) m.forward_saved = false;  // backward consumed the saved activations
+  return ok_status();
 }
 
 // ---- the passes --------------------------------------------------------------------------------
@@ -708,24 +801,67 @@ Status Model::Impl::block_backward(int l, const BlockActs& A) {
   });
 }
 
-Status Model::Impl::forward(bool for_backward) {
+void Model::Impl::describe_storage() {
+  const std::size_t M = layout.modules.size();
+  unit_params.assign(M, nullptr);
+  unit_grads.assign(M, nullptr);
+  owner.assign(layout.params.size(), -1);
+  storage.assign(M, {});
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const ParamDesc& p = layout.params[i];
+    owner[i] = p.owns_storage() ? p.module : layout.params[static_cast<std::size_t>(p.tied_with)].module;
+  }
+  for (std::size_t u = 0; u < M; ++u) {
+    storage[u].push_back(static_cast<int>(u));
+    for (int i : layout.modules[u].params) {
+      const int o = owner[static_cast<std::size_t>(i)];
+      if (std::find(storage[u].begin(), storage[u].end(), o) == storage[u].end()) storage[u].push_back(o);
+    }
+  }
+}
+
+Status Model::Impl::check_bound(int m, bool grads_needed) const {
+  for (int u : storage[static_cast<std::size_t>(m)]) {
+    const ModuleDesc& md = layout.modules[static_cast<std::size_t>(u)];
+    const bool has_params = md.param_end > md.param_begin;
+    if (has_params && unit_params[static_cast<std::size_t>(u)] == nullptr) {
+      return failed_precondition("model: module '" + layout.modules[static_cast<std::size_t>(m)].name +
+                                 "' needs the parameters of module '" + md.name + "', which are not bound");
+    }
+    if (grads_needed && has_params && unit_grads[static_cast<std::size_t>(u)] == nullptr) {
+      return failed_precondition("model: module '" + layout.modules[static_cast<std::size_t>(m)].name +
+                                 "' needs the gradients of module '" + md.name + "', which are not bound");
+    }
+  }
+  return ok_status();
+}
+
+Status Model::Impl::forward_module(int m, bool for_backward) {
+  (void)for_backward;
   detail::KernelLauncher& k = *launch;
+  const ModuleDesc& md = layout.modules[static_cast<std::size_t>(m)];
   const std::int64_t N = B * T, B_ = B, T_ = T, C_ = C, V_ = V, Vp_ = Vp;
   const int L = static_cast<int>(layout.config.n_layer);
+  if (md.kind == ModuleKind::kEmbedding) {
+    const std::int32_t* tok = tokens;
+    const Tensor x0 = resid[0];
+    const auto wte = P(eh.wte).carg(), wpe = Pc(eh.wpe);
+    return k.run("embedding", [=](const KernelContext& ctx) {
+      return kernels::embedding_forward(ctx, x0.arg(), tok, wte, wpe, B_, T_, C_, Vp_);
+    });
+  }
+  if (md.kind == ModuleKind::kBlock) {
+    STRATA_RETURN_IF_ERROR(block_forward(md.layer, acts(md.layer), false));
+    cached_block = md.layer;
+    return ok_status();
+  }
   const float eps = static_cast<float>(layout.config.norm_eps);
-  const std::int32_t* tok = tokens;
   const std::int32_t* tgt = targets;
-  const Tensor x0 = resid[0], xL = resid[static_cast<std::size_t>(L)];
-  const auto wte = P(eh.wte).carg(), wpe = Pc(eh.wpe), lm_head = P(eh.lm_head).carg();
+  const Tensor xL = resid[static_cast<std::size_t>(L)];
+  const auto lm_head = P(eh.lm_head).carg();
   const auto norm_w = P(eh.norm_w).carg(), norm_b = Pc(eh.norm_b);
   const Tensor fn = final_norm, lg = logits;
   float *fmean = final_mean, *frstd = final_rstd, *loss = losses, *lse = ce_lse;
-
-  STRATA_RETURN_IF_ERROR(k.run("embedding", [=](const KernelContext& ctx) {
-    return kernels::embedding_forward(ctx, x0.arg(), tok, wte, wpe, B_, T_, C_, Vp_);
-  }));
-  for (int l = 0; l < L; ++l) STRATA_RETURN_IF_ERROR(block_forward(l, acts(l), false));
-  cached_block = L - 1;
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("ln_f", [=](const KernelContext& ctx) {
       return kernels::layernorm_forward(ctx, fn.arg(), fmean, frstd, xL.carg(), norm_w, norm_b, N, C_, eps);
@@ -735,26 +871,41 @@ Status Model::Impl::forward(bool for_backward) {
       return kernels::rmsnorm_forward(ctx, fn.arg(), frstd, xL.carg(), norm_w, N, C_, eps);
     }));
   }
-  STRATA_RETURN_IF_ERROR(k.run("lm_head + cross-entropy", [=](const KernelContext& ctx) -> Status {
+  return k.run("lm_head + cross-entropy", [=](const KernelContext& ctx) -> Status {
     STRATA_RETURN_IF_ERROR(
         kernels::matmul_forward(ctx, lg.arg(), fn.carg(), lm_head, kernels::kNone, N, C_, Vp_));
     return kernels::cross_entropy_forward(ctx, loss, lse, lg.carg(), tgt, N, V_, Vp_);
-  }));
-  forward_saved = for_backward;
-  return ok_status();
+  });
 }
 
-Status Model::Impl::backward(float dloss) {
+Status Model::Impl::backward_module(int m, float dloss) {
   detail::KernelLauncher& k = *launch;
+  const ModuleDesc& md = layout.modules[static_cast<std::size_t>(m)];
   const std::int64_t N = B * T, B_ = B, T_ = T, C_ = C, V_ = V, Vp_ = Vp;
   const int L = static_cast<int>(layout.config.n_layer);
   const std::int32_t* tok = tokens;
+  const Tensor dres_ = dres, dln_ = dln;
+  if (md.kind == ModuleKind::kEmbedding) {
+    const Tensor g_wte = G(eh.wte), g_wpe = G(eh.wpe);
+    return k.run("embedding backward", [=](const KernelContext& ctx) {
+      return kernels::embedding_backward(ctx, g_wte.arg(), g_wpe.arg(), dres_.carg(), tok, B_, T_, C_, Vp_);
+    });
+  }
+  if (md.kind == ModuleKind::kBlock) {
+    const int l = md.layer;
+    BlockActs& A = acts(l);
+    const bool checkpointing = sets.size() == 1 && L > 1;
+    if (checkpointing && cached_block != l) {
+      STRATA_RETURN_IF_ERROR(block_forward(l, A, true));
+      cached_block = l;
+    }
+    return block_backward(l, A);
+  }
   const std::int32_t* tgt = targets;
   const Tensor xL = resid[static_cast<std::size_t>(L)];
   const auto lm_head = P(eh.lm_head).carg(), norm_w = P(eh.norm_w).carg();
   const Tensor g_lm_head = G(eh.lm_head), g_norm_w = G(eh.norm_w), g_norm_b = G(eh.norm_b);
-  const Tensor g_wte = G(eh.wte), g_wpe = G(eh.wpe);
-  const Tensor fn = final_norm, lg = logits, dres_ = dres, dln_ = dln;
+  const Tensor fn = final_norm, lg = logits;
   const float *fmean = final_mean, *frstd = final_rstd, *lse = ce_lse;
 
   // Head: the logits' gradient overwrites the logits.
@@ -766,31 +917,15 @@ Status Model::Impl::backward(float dloss) {
                                         fn.carg(), lm_head, N, C_, Vp_, Accumulate::kOverwrite);
       }));
   if (gpt2) {
-    STRATA_RETURN_IF_ERROR(k.run("ln_f backward", [=](const KernelContext& ctx) {
+    return k.run("ln_f backward", [=](const KernelContext& ctx) {
       return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w.arg(), g_norm_b.arg(), dln_.carg(),
                                          xL.carg(), norm_w, fmean, frstd, N, C_, Accumulate::kOverwrite);
-    }));
-  } else {
-    STRATA_RETURN_IF_ERROR(k.run("norm backward", [=](const KernelContext& ctx) {
-      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w.arg(), dln_.carg(), xL.carg(), norm_w,
-                                       frstd, N, C_, Accumulate::kOverwrite);
-    }));
+    });
   }
-  const bool checkpointing = sets.size() == 1 && L > 1;
-  for (int l = L - 1; l >= 0; --l) {
-    BlockActs& A = acts(l);
-    if (checkpointing && cached_block != l) {
-      STRATA_RETURN_IF_ERROR(block_forward(l, A, true));
-      cached_block = l;
-    }
-    STRATA_RETURN_IF_ERROR(block_backward(l, A));
-  }
-  STRATA_RETURN_IF_ERROR(k.run("embedding backward", [=](const KernelContext& ctx) {
-    return kernels::embedding_backward(ctx, g_wte.arg(), g_wpe.arg(), dres_.carg(), tok, B_, T_, C_, Vp_);
-  }));
-  // Backward consumed the saved activations (the logits hold their gradient now).
-  forward_saved = false;
-  return ok_status();
+  return k.run("norm backward", [=](const KernelContext& ctx) {
+    return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w.arg(), dln_.carg(), xL.carg(), norm_w, frstd,
+                                     N, C_, Accumulate::kOverwrite);
+  });
 }
 
 }  // namespace strata
