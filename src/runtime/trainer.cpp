@@ -14,6 +14,7 @@
 
 #include "model/launcher.hpp"
 #include "model/staging.hpp"
+#include "runtime/evaluate.hpp"
 #include "runtime/optimizer_cuda.hpp"
 #include "strata/config.hpp"
 #include "strata/data.hpp"
@@ -183,6 +184,13 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
 
 Result<EvalResult> evaluate_windows(Model& model, std::span<const std::int32_t> tokens, std::int64_t seq_len,
                                     std::int64_t batch, std::int64_t max_windows) {
+  return detail::evaluate_windows_with(model, tokens, seq_len, batch, max_windows,
+                                       [&model]() { return model.forward(false); });
+}
+
+Result<EvalResult> detail::evaluate_windows_with(Model& model, std::span<const std::int32_t> tokens,
+                                                 std::int64_t seq_len, std::int64_t batch, std::int64_t max_windows,
+                                                 const std::function<Status()>& forward) {
   if (seq_len < 1 || batch < 1)
     return invalid_argument("evaluate: sequence length and batch must be at least 1");
   std::int64_t windows = static_cast<std::int64_t>(tokens.size()) / (seq_len + 1);
@@ -204,7 +212,7 @@ Result<EvalResult> evaluate_windows(Model& model, std::span<const std::int32_t> 
       std::memcpy(targets.data() + r * seq_len, win + 1, static_cast<std::size_t>(seq_len) * 4);
     }
     STRATA_RETURN_IF_ERROR(model.set_batch(inputs, targets, rows, seq_len));
-    STRATA_RETURN_IF_ERROR(model.forward(false));
+    STRATA_RETURN_IF_ERROR(forward());
     STRATA_RETURN_IF_ERROR(model.copy_losses(0));
     STRATA_RETURN_IF_ERROR(model.stream().synchronize());
     const LossSum s = model.loss_sum(0);

@@ -1,0 +1,173 @@
+// The offload engine: trains a model whose state need not fit in device memory by placing every
+// kind of training state on a tier — device memory, host memory, or NVMe through the swap store
+// — moving it ahead of need and updating it where it lives. docs/offload.md describes the states,
+// invariants, the schedule of a step and the memory plan.
+//
+// One step algorithm serves every placement: the all-device placement is the resident trainer
+// (engine.hpp's Trainer runs on it), and every other placement must give the same parameters
+// bit for bit on the cpu backend (tests/test_offload_engine.cpp checks it).
+//
+// Ownership and threads: an OffloadEngine is driven from one host thread at a time. It owns its
+// streams (compute, "offload.h2d", "offload.grads"), the host optimizer thread, the I/O engine
+// and swap store of the NVMe tier, and every buffer of the plan; all of it is allocated in
+// create(), and a step after the first allocates no device, pinned or host tensor memory.
+// Destroy it before its Device.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/engine.hpp"
+#include "strata/nvme.hpp"
+#include "strata/status.hpp"
+#include "strata/tensor.hpp"
+
+namespace strata {
+
+class Device;
+class Stream;
+struct Config;
+
+// Tiers are tensor.hpp's Tier (kDevice, kHost, kNvme).
+// "device" (or DeepSpeed's "none"), "host" (or "cpu"), "nvme".
+Result<Tier> parse_tier(std::string_view text);
+
+// Where the state lives and how it moves. DeepSpeed's keys map onto it (apply()).
+struct OffloadSettings {
+  // Working parameters (bf16/fp32): kDevice keeps every module resident; kHost/kNvme keep them
+  // there and fetch each module into a device slot ahead of its use.
+  Tier params = Tier::kDevice;  // zero_optimization.offload_param.device
+  // fp32 master weights and Adam moments, and with them where the optimizer runs: kDevice (the
+  // device's fused update; gradients stay on the device), kHost (CPU Adam on host memory;
+  // gradients stream out to host), kNvme (CPU Adam streaming state through a pinned ring).
+  Tier optimizer = Tier::kDevice;  // zero_optimization.offload_optimizer.device
+  std::vector<std::string> nvme_path;  // swap directories (offload_*.nvme_path / aio.nvme_path)
+  // Modules fetched ahead of the one running, bounded by prefetch_elements (0 disables prefetch).
+  int prefetch_modules = 2;
+  std::int64_t prefetch_elements = 50'000'000;      // stage3_prefetch_bucket_size
+  std::int64_t persistence_threshold = 100'000;     // stage3_param_persistence_threshold: modules
+                                                    // with at most this many elements stay resident
+  bool pin_memory = false;          // host-tier state in the pinned pool (offload_*.pin_memory)
+  int nvme_buffer_count = 4;        // offload_optimizer.buffer_count: the NVMe pipeline's ring
+  // With clipping off, update a module's state as soon as its gradients land, overlapped with the
+  // rest of backward (host tier). Off: update after backward, in forward order, overlapped with
+  // the next step's forward. Either way the result is the same bits.
+  bool update_during_backward = true;
+  // Threads of the host optimizer (0: the cores the device's compute threads leave, at least 1).
+  int host_threads = 0;
+  // Host memory the plan may use (0: no limit beyond what the machine has available).
+  std::uint64_t host_memory_limit = 0;
+  IoEngineConfig io;  // the `aio` section
+
+  Status validate() const;
+  // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
+  // Errors name the key.
+  Status apply(const Config& config);
+};
+
+// The memory plan: every buffer of the engine, its tier and bytes, computed before anything is
+// allocated.
+struct PlanLine {
+  std::string what;  // "working parameters (resident modules)", "Adam exp_avg", ...
+  Tier tier = Tier::kDevice;
+  bool pinned = false;  // host lines: from the pinned pool
+  std::uint64_t bytes = 0;
+};
+
+struct OffloadPlan {
+  std::vector<PlanLine> lines;
+  std::uint64_t device_bytes = 0;  // arena: regions + activations
+  std::uint64_t host_bytes = 0;    // ordinary host memory (pinned excluded)
+  std::uint64_t pinned_bytes = 0;  // pinned pool
+  std::uint64_t nvme_bytes = 0;    // swap files
+  std::uint32_t param_slots = 0;
+  std::uint64_t param_slot_bytes = 0;
+  std::uint32_t grad_slots = 0;
+  std::uint64_t grad_slot_bytes = 0;
+  std::vector<Tier> module_home;  // where each module's working parameters live
+
+  static Result<OffloadPlan> make(const TrainerConfig& config, const OffloadSettings& settings);
+  // Fails, naming the setting to change, when the plan exceeds the device budget, the pinned
+  // pool, the host limit / available memory, or the free space of the NVMe directories.
+  Status check_fits(const Device& device, const OffloadSettings& settings) const;
+  std::string to_string() const;  // a table, one line per buffer, then the totals per tier
+};
+
+struct OffloadStats {
+  std::int64_t steps = 0;
+  std::uint64_t bytes_h2d = 0;  // device traffic since create()
+  std::uint64_t bytes_d2h = 0;
+  std::uint64_t bytes_nvme_read = 0;
+  std::uint64_t bytes_nvme_written = 0;
+  // Accesses to a module's non-resident parameters, and how many found their fetch already
+  // issued ahead (by the prefetcher) when the module was reached.
+  std::uint64_t param_accesses = 0;
+  std::uint64_t prefetch_hits = 0;
+  std::uint64_t trace_mismatches = 0;  // passes whose module order differed from the recorded trace
+  // Device arena + pinned pool allocations and backend allocations made after the first step.
+  std::uint64_t allocations_after_warmup = 0;
+  double optimizer_cpu_seconds = 0.0;  // CPU time of the host optimizer thread
+  double hit_rate() const {
+    return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
+  }
+};
+
+class Model;
+
+class OffloadEngine {
+ public:
+  // Plans, checks the plan against the device, host and disk, allocates everything, initialises
+  // parameters from config.seed and optimizer state to zero. The device arena must have no
+  // regions yet. Runs the model on `compute`, or on a stream of its own.
+  static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
+                                                       const OffloadSettings& settings, Device& device,
+                                                       Stream* compute = nullptr);
+  ~OffloadEngine();
+  OffloadEngine(const OffloadEngine&) = delete;
+  OffloadEngine& operator=(const OffloadEngine&) = delete;
+
+  const OffloadPlan& plan() const;
+  const OffloadSettings& settings() const;
+  const TrainerConfig& config() const;
+
+  // One update from grad_accum micro-batches (as Trainer::step). Returns once the loss and the
+  // gradient norm are known; host optimizer work may still run, overlapped with the next call.
+  Result<StepMetrics> step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
+  // Forward only over one micro-batch; the mean loss.
+  Result<double> loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
+  Result<EvalResult> evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows);
+  // Forward and backward of up to grad_accum micro-batches, no update; gradients are left where
+  // they live (all-device optimizer placement only: for gradient checks).
+  Result<double> loss_and_gradients(std::span<const std::int32_t> inputs,
+                                    std::span<const std::int32_t> targets);
+
+  // Waits for every update in flight; reports the first error any engine thread held.
+  Status synchronize();
+
+  // Parameter `index` (its owner's storage for a tied alias) wherever it lives.
+  Status set_param(int index, std::span<const float> values);  // working and master copies
+  Result<std::vector<float>> get_param(int index);              // working copy, widened to fp32
+  Result<std::vector<float>> get_master(int index);             // fp32 master
+  Result<std::vector<float>> get_exp_avg(int index);
+  Result<std::vector<float>> get_exp_avg_sq(int index);
+
+  Status save_weights(const std::string& path, WeightFormat format = WeightFormat::kHuggingFace);
+  Status load_weights(const std::string& path);
+
+  OffloadStats stats() const;
+  Model& model();
+  std::int64_t steps_done() const;
+  std::string optimizer_name() const;
+
+  struct Impl;
+
+ private:
+  explicit OffloadEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

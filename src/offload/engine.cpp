@@ -1,0 +1,1438 @@
+// The offload engine (offload.hpp, docs/offload.md).
+//
+// Units and homes. Unit u is module u's own storage. Its working parameters live at home[u]:
+// resident in the device region offload.params, or on the host (host_params), or on NVMe (swap
+// key "param.<u>"); a non-resident unit is fetched into a device slot of offload.param_slots
+// before a module that reads it runs. Optimizer state (fp32 master, exp_avg, exp_avg_sq) lives
+// on the optimizer tier: device regions optim.*, host arrays, or one NVMe key "optim.<u>" per unit
+// holding [master | exp_avg | exp_avg_sq]. With the optimizer off the device, gradients are
+// accumulated in device buckets (offload.grad_slots) from a unit's first backward touch to its
+// last, then copied to host_grads; a later micro-batch restores the bucket from host_grads first,
+// so the device performs the very additions of the resident run (bitwise equivalence).
+//
+// Streams. compute (the model's kernels), h2d (parameter fetches and uploads of updated
+// parameters), grads (bucket restores and gradient copies to the host). Events order them:
+//   slot.fetched : h2d → compute        (the fetched parameters are in the slot)
+//   slot.free    : compute → h2d        (compute is done reading the slot's previous unit)
+//   bucket.done  : compute → grads      (the bucket's backward is done)
+//   bucket.free  : grads → compute      (the bucket's copy to the host is done)
+//   landed[u]    : grads → optimizer thread (u's final gradients are on the host)
+//   uploaded[u]  : h2d → compute        (u's updated resident parameters are on the device)
+//
+// The host optimizer thread receives "landed" units in backward order. It scans each one (sum
+// of squares per unit, merged in unit order: the same bits whatever the bucketing), and either
+// updates it at once (clipping off, update_during_backward) or, once every unit has landed and the
+// norm is known, updates all units in forward order. updated_step[u] tells the step's caller
+// when unit u may be read again: the next forward of u waits for exactly that unit, so the update
+// of later units overlaps the next step's first modules.
+//
+// Invariants (checked by tests/test_offload_engine.cpp): for every placement the parameters and
+// optimizer state after N steps equal the all-device placement's bit for bit on the cpu backend;
+// a unit is never read by compute while its update is pending; a slot is never refilled before
+// compute has passed its last read (slot.free); a bucket is never zeroed or restored before its
+// previous copy out finished (bucket.free).
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "kernels/bf16.hpp"
+#include "model/launcher.hpp"
+#include "model/staging.hpp"
+#include "offload/internal.hpp"
+#include "runtime/evaluate.hpp"
+#include "runtime/optimizer_cuda.hpp"
+#include "strata/device.hpp"
+#include "strata/log.hpp"
+#include "strata/optim.hpp"
+
+namespace strata {
+
+using offload_detail::Units;
+
+namespace {
+
+// Host memory of the plan: from the pinned pool or standalone page-aligned memory.
+struct HostMem {
+  ArenaBuffer pinned;
+  AlignedBuffer plain;
+  void* data() const { return pinned ? pinned.data() : plain.data(); }
+  char* bytes() const { return static_cast<char*>(data()); }
+  float* floats() const { return static_cast<float*>(data()); }
+
+  static Result<HostMem> make(Device& device, bool pin, std::uint64_t bytes, std::string_view tag) {
+    HostMem h;
+    bytes = std::max<std::uint64_t>(bytes, 4096);
+    if (pin) {
+      STRATA_ASSIGN_OR_RETURN(h.pinned, device.pinned().allocate(bytes, tag));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(h.plain, AlignedBuffer::allocate(bytes));
+    }
+    std::memset(h.data(), 0, bytes);
+    return h;
+  }
+};
+
+struct ParamSlot {
+  char* dev = nullptr;
+  int unit = -1;
+  bool used = false;  // compute read it since it was fetched
+  std::unique_ptr<Event> fetched, free;
+  HostMem staging;  // NVMe-home units: the swap read lands here, then H2D
+};
+
+struct GradSlot {
+  float* dev = nullptr;
+  int unit = -1;
+  std::unique_ptr<Event> done, free, ready;
+};
+
+// One owning parameter, as the optimizer sees it.
+struct OwnedParam {
+  int index = -1;
+  int unit = -1;
+  bool decay = false;
+  std::uint64_t grad_in_unit = 0;   // bytes from the unit's grad_begin (fp32 layout)
+  std::uint64_t param_in_unit = 0;  // bytes from the unit's param_begin (working layout)
+  std::uint64_t grad_offset = 0;    // global fp32 layout
+  std::size_t n = 0;
+};
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+OptimizerHyper hyper_of(const OptimizerSettings& o, double lr, bool decay) {
+  OptimizerHyper h;
+  h.kind = o.decoupled ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
+  h.lr = lr;
+  h.beta1 = o.beta1;
+  h.beta2 = o.beta2;
+  h.eps = o.eps;
+  h.weight_decay = decay ? o.weight_decay : 0.0;
+  return h;
+}
+
+std::string unit_key(const char* kind, int u) { return std::string(kind) + "." + std::to_string(u); }
+
+}  // namespace
+
+struct OffloadEngine::Impl {
+  TrainerConfig config;
+  OffloadSettings settings;
+  OffloadPlan plan;
+  Units units;
+  Device* device = nullptr;
+  Stream* compute = nullptr;
+  Stream* h2d = nullptr;
+  Stream* gstream = nullptr;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<detail::KernelLauncher> launch;  // the device optimizer's kernels
+  std::unique_ptr<detail::HostStager> stager;
+  int M = 0;
+  bool bf16 = false;
+  bool opt_on_device = true;
+  std::vector<OwnedParam> owned;                 // every owning parameter
+  std::vector<std::vector<int>> owned_of_unit;   // indices into `owned`
+  std::vector<int> first_touch, last_touch;      // per unit: backward modules (first = highest)
+
+  // Device storage.
+  char* resident = nullptr;  // offload.params
+  float* dgrads = nullptr;   // optimizer on the device: offload.grads ...
+  float* dmaster = nullptr;  // ... optim.master (bf16 only; fp32 masters are the resident params)
+  float* dm = nullptr;
+  float* dv = nullptr;
+  std::vector<ParamSlot> pslots;
+  std::vector<int> slot_of;  // per unit: its param slot, -1
+  std::vector<GradSlot> gslots;
+  std::vector<int> gslot_of;  // per unit: its gradient bucket, -1
+  std::vector<char*> bound_params;
+  std::vector<float*> bound_grads;
+
+  // Host storage.
+  HostMem host_grads, host_params, host_master, host_m, host_v;
+  std::vector<std::uint64_t> host_param_offset;  // per unit, into host_params
+  HostMem param_out_staging;                     // host optimizer + NVMe-home params
+  std::vector<HostMem> ring;                     // NVMe optimizer pipeline
+  std::vector<std::unique_ptr<Event>> landed, uploaded;
+  std::vector<bool> uploaded_recorded;
+
+  // NVMe.
+  std::unique_ptr<IoEngine> io;
+  std::unique_ptr<SwapStore> swap;
+
+  // Optimizers.
+  std::optional<CpuOptimizer> device_opt;  // cpu backend, optimizer on the device
+  std::optional<CpuOptimizer> host_opt;    // optimizer on host or NVMe
+  ArenaBuffer cuda_partials, pinned_norm;
+
+  // The host optimizer thread.
+  struct Command {
+    enum Kind { kLanded, kFinish, kAbort, kStop } kind = kLanded;
+    int unit = -1;
+    std::int64_t step = 0;
+    double lr = 0.0;
+  };
+  std::thread worker;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Command> commands;
+  std::vector<std::int64_t> updated_step;  // per unit
+  std::int64_t norm_step = 0;              // the last step whose norm is known
+  double norm_value = 0.0;
+  Status worker_error;
+  double worker_cpu = 0.0;
+
+  // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
+  std::vector<int> trace, record;
+  bool trace_ok = false;
+  std::size_t pos = 0;
+  bool cyclic = false;  // the pass that follows repeats this trace (more micro-batches this step)
+
+  // Counters.
+  std::uint64_t accesses = 0, hits = 0, mismatches = 0;
+  std::int64_t steps = 0;
+  double grad_norm = 0.0;
+  std::uint64_t alloc_baseline = 0;
+  bool have_baseline = false;
+
+  // ---- helpers ----
+  std::uint64_t allocation_count() const {
+    return device->memory().stats().allocations + device->pinned().stats().allocations + device->stats().raw_allocs;
+  }
+  const ModelLayout& layout() const { return model->layout(); }
+  std::uint64_t grad_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].grad_begin; }
+  std::uint64_t param_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].param_begin; }
+  int owner_unit(int index) const {
+    const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
+    return p.owns_storage() ? p.module : layout().params[static_cast<std::size_t>(p.tied_with)].module;
+  }
+  int owned_index(int index) const {
+    const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
+    const int target = p.owns_storage() ? index : p.tied_with;
+    for (std::size_t k = 0; k < owned.size(); ++k)
+      if (owned[k].index == target) return static_cast<int>(k);
+    return -1;
+  }
+  Status bind(int u) {
+    return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
+  }
+
+  Status setup();
+  Status start_worker();
+  void stop_worker();
+  void worker_main();
+  Status update_unit_host(int u, std::int64_t step, double lr, float scale);
+  Status update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr, float scale);
+  Status publish_params(int u, const char* bytes);
+  void mark_updated(int u, std::int64_t step);
+  Status check_worker();
+  Status wait_updated(int u);
+  Status wait_all_updates();
+
+  // The pass.
+  void begin_pass();
+  void note_access(int code);
+  int predicted(std::size_t j) const;
+  Status access_params(int m);
+  Status release_after(int m);
+  Status prefetch_ahead();
+  Result<int> fetch(int u, int current_module);
+  Status release_slot(int s);
+  Status end_pass();
+  Status acquire_grads(int m, bool first_micro);
+  Status release_grads(int m, bool last_micro, std::int64_t step, double lr);
+  Status run_forward(bool for_backward);
+  Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
+  Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                           std::int64_t micro, bool update, std::int64_t step, double lr);
+  Status device_update(double lr, std::int64_t step);
+
+  // State access (not on the hot path).
+  Status read_unit_params(int u, std::vector<char>& bytes);
+  Status write_unit_params(int u, const std::vector<char>& bytes);
+  Status read_unit_optim(int u, std::vector<float>& blob);  // [master | m | v], host/nvme tiers
+  Status write_unit_optim(int u, const std::vector<float>& blob);
+  Status write_values(int index, std::span<const float> values, bool master_too);
+  Result<std::vector<float>> read_state(int index, int which);  // 0 working, 1 master, 2 m, 3 v
+  Status initialize();
+};
+
+// ---- setup ------------------------------------------------------------------------------------
+
+Status OffloadEngine::Impl::setup() {
+  Device& dev = *device;
+  bf16 = config.model.dtype == DType::kBF16;
+  opt_on_device = settings.optimizer == Tier::kDevice;
+  STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
+  units = offload_detail::describe_units(lay, settings);
+  M = static_cast<int>(lay.modules.size());
+  const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
+  STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
+  if (compute == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(compute, dev.create_stream("train"));
+  }
+  STRATA_ASSIGN_OR_RETURN(h2d, dev.create_stream("offload.h2d"));
+  STRATA_ASSIGN_OR_RETURN(gstream, dev.create_stream("offload.grads"));
+
+  Model::Options mo;
+  mo.max_batch = config.micro_batch;
+  mo.max_seq_len = config.seq_len;
+  mo.with_grads = true;
+  mo.plan_arena = false;
+  mo.own_storage = false;
+  mo.loss_slots = static_cast<int>(config.grad_accum);
+  STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
+  const ModelLayout& L = layout();
+
+  Arena& arena = dev.memory();
+  char* base = static_cast<char*>(arena.base());
+  STRATA_ASSIGN_OR_RETURN(std::uint64_t roff,
+                          arena.allocate_persistent("offload.params", std::max<std::uint64_t>(units.resident_bytes, 1)));
+  resident = base + roff;
+  bound_params.assign(static_cast<std::size_t>(M), nullptr);
+  bound_grads.assign(static_cast<std::size_t>(M), nullptr);
+  for (int u = 0; u < M; ++u) {
+    if (units.home[static_cast<std::size_t>(u)] == Tier::kDevice)
+      bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
+  }
+  if (opt_on_device) {
+    auto carve = [&](const char* name) -> Result<float*> {
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(L.grad_bytes, 1)));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, L.grad_bytes));
+      return reinterpret_cast<float*>(base + off);
+    };
+    STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
+    if (bf16) {
+      STRATA_ASSIGN_OR_RETURN(dmaster, carve("optim.master"));
+    }
+    STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg"));
+    STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq"));
+    for (int u = 0; u < M; ++u)
+      bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+  }
+  STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
+  for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
+
+  // Slots and buckets.
+  slot_of.assign(static_cast<std::size_t>(M), -1);
+  gslot_of.assign(static_cast<std::size_t>(M), -1);
+  bool any_nvme_home = false;
+  for (Tier t : units.home) any_nvme_home = any_nvme_home || t == Tier::kNvme;
+  for (std::uint32_t s = 0; s < units.param_slots; ++s) {
+    ParamSlot slot;
+    STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.param_slots"));
+    STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.param_slots", idx));
+    slot.dev = base + off;
+    STRATA_ASSIGN_OR_RETURN(slot.fetched, dev.create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.free, dev.create_event());
+    if (any_nvme_home) {
+      STRATA_ASSIGN_OR_RETURN(slot.staging, HostMem::make(dev, true, units.param_slot_bytes, "offload.fetch_staging"));
+    }
+    pslots.push_back(std::move(slot));
+  }
+  for (std::uint32_t s = 0; s < units.grad_slots; ++s) {
+    GradSlot slot;
+    STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.grad_slots"));
+    STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.grad_slots", idx));
+    slot.dev = reinterpret_cast<float*>(base + off);
+    STRATA_ASSIGN_OR_RETURN(slot.done, dev.create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.free, dev.create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.ready, dev.create_event());
+    gslots.push_back(std::move(slot));
+  }
+
+  // Owning parameters and backward touches.
+  owned_of_unit.assign(static_cast<std::size_t>(M), {});
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    const ParamDesc& p = L.params[i];
+    if (!p.owns_storage()) continue;
+    OwnedParam o;
+    o.index = static_cast<int>(i);
+    o.unit = p.module;
+    o.decay = p.weight_decay;
+    o.grad_offset = p.grad_offset;
+    o.grad_in_unit = p.grad_offset - grad_begin(p.module);
+    o.param_in_unit = p.param_offset - param_begin(p.module);
+    o.n = static_cast<std::size_t>(p.numel());
+    owned_of_unit[static_cast<std::size_t>(p.module)].push_back(static_cast<int>(owned.size()));
+    owned.push_back(o);
+  }
+  first_touch.assign(static_cast<std::size_t>(M), -1);
+  last_touch.assign(static_cast<std::size_t>(M), M);
+  for (int m = 0; m < M; ++m) {
+    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+      first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
+      last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
+    }
+  }
+
+  // Host tiers.
+  const bool pin = settings.pin_memory;
+  if (!opt_on_device) {
+    STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+    host_param_offset.assign(static_cast<std::size_t>(M), 0);
+    std::uint64_t off = 0;
+    for (int u = 0; u < M; ++u) {
+      host_param_offset[static_cast<std::size_t>(u)] = off;
+      if (units.home[static_cast<std::size_t>(u)] != Tier::kNvme) off += units.pbytes[static_cast<std::size_t>(u)];
+    }
+    STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, off, "offload.host_params"));
+    for (int u = 0; u < M; ++u) {
+      std::unique_ptr<Event> e;
+      STRATA_ASSIGN_OR_RETURN(e, dev.create_event());
+      landed.push_back(std::move(e));
+      STRATA_ASSIGN_OR_RETURN(e, dev.create_event());
+      uploaded.push_back(std::move(e));
+    }
+    uploaded_recorded.assign(static_cast<std::size_t>(M), false);
+    CpuOptimizerConfig oc;
+    STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    oc.threads = settings.host_threads > 0 ? settings.host_threads
+                                           : std::max(1, cores - std::max(1, dev.info().compute_threads));
+    STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
+    host_opt = opt;
+  }
+  if (settings.optimizer == Tier::kHost) {
+    STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, L.grad_bytes, "offload.master"));
+    STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, L.grad_bytes, "offload.exp_avg"));
+    STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, L.grad_bytes, "offload.exp_avg_sq"));
+  }
+  if (settings.optimizer == Tier::kNvme) {
+    for (std::uint32_t r = 0; r < units.ring_buffers; ++r) {
+      STRATA_ASSIGN_OR_RETURN(HostMem h, HostMem::make(dev, true, units.ring_buffer_bytes, "offload.optim_ring"));
+      ring.push_back(std::move(h));
+    }
+  }
+  if (any_nvme_home && settings.optimizer == Tier::kHost) {
+    STRATA_ASSIGN_OR_RETURN(param_out_staging,
+                            HostMem::make(dev, true, units.param_slot_bytes, "offload.param_out_staging"));
+  }
+  if (any_nvme_home || settings.optimizer == Tier::kNvme) {
+    IoEngineConfig ioc = settings.io;
+    ioc.nvme_path = settings.nvme_path;
+    STRATA_ASSIGN_OR_RETURN(io, IoEngine::create(ioc, &dev.pinned()));
+    SwapStoreConfig sc;
+    sc.dirs = settings.nvme_path;
+    sc.capacity = offload_detail::swap_capacity(plan, settings);
+    STRATA_ASSIGN_OR_RETURN(swap, SwapStore::open(*io, sc));
+  }
+
+  // The device optimizer.
+  STRATA_ASSIGN_OR_RETURN(launch, detail::KernelLauncher::create(dev, *compute, 0));
+  std::uint64_t largest = 4096;
+  for (const auto& p : L.params) largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(p.numel()) * 4);
+  for (std::uint64_t b : units.pbytes) largest = std::max(largest, b);
+  STRATA_ASSIGN_OR_RETURN(stager, detail::HostStager::create(dev, *compute, std::min<std::uint64_t>(largest, 16u << 20),
+                                                             "offload.staging"));
+  if (opt_on_device) {
+    if (launch->is_cpu()) {
+      CpuOptimizerConfig oc;
+      STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
+      oc.threads = std::max(1, dev.info().compute_threads);
+      STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
+      device_opt = opt;
+    } else {
+      STRATA_ASSIGN_OR_RETURN(
+          cuda_partials,
+          dev.allocate((detail::sum_of_squares_cuda_partials(L.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
+      STRATA_ASSIGN_OR_RETURN(pinned_norm, dev.pinned().allocate(sizeof(double), "offload.norm"));
+    }
+  }
+  updated_step.assign(static_cast<std::size_t>(M), 0);
+  STRATA_RETURN_IF_ERROR(initialize());
+  if (!opt_on_device) STRATA_RETURN_IF_ERROR(start_worker());
+  return compute->synchronize();
+}
+
+Status OffloadEngine::Impl::initialize() {
+  const ModelLayout& L = layout();
+  std::vector<float> values;
+  for (int u = 0; u < M; ++u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    std::vector<char> pbytes(units.pbytes[uu], 0);
+    std::vector<float> blob;
+    if (settings.optimizer == Tier::kNvme) blob.assign(3 * units.gbytes[uu] / 4, 0.0f);
+    for (int k : owned_of_unit[uu]) {
+      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      values.resize(o.n);
+      init_values(L, o.index, config.seed, 0, static_cast<std::int64_t>(o.n), values.data());
+      if (bf16) {
+        auto* out = reinterpret_cast<std::uint16_t*>(pbytes.data() + o.param_in_unit);
+        for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::f32_to_bf16_bits_rne(values[i]);
+      } else {
+        std::memcpy(pbytes.data() + o.param_in_unit, values.data(), o.n * 4);
+      }
+      if (settings.optimizer == Tier::kHost) std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
+      if (settings.optimizer == Tier::kNvme) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
+      if (opt_on_device && bf16) {
+        STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
+      }
+    }
+    STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
+    if (settings.optimizer == Tier::kNvme) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
+  }
+  return compute->synchronize();
+}
+
+// ---- state access (initialisation, set/get, weights) -----------------------------------------
+
+Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  bytes.resize(units.pbytes[uu]);
+  if (bytes.empty()) return ok_status();
+  switch (units.home[uu]) {
+    case Tier::kDevice:
+      return stager->download(bytes.data(), resident + units.resident_offset[uu], bytes.size());
+    case Tier::kHost:
+      std::memcpy(bytes.data(), host_params.bytes() + host_param_offset[uu], bytes.size());
+      return ok_status();
+    case Tier::kNvme:
+      return swap->read(TensorKey{unit_key("param", u), 0}, bytes.data(), bytes.size()).wait();
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& bytes) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  if (bytes.empty()) return ok_status();
+  if (units.home[uu] != Tier::kNvme && !opt_on_device) {
+    std::memcpy(host_params.bytes() + host_param_offset[uu], bytes.data(), bytes.size());
+  }
+  switch (units.home[uu]) {
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(stager->upload(resident + units.resident_offset[uu], bytes.data(), bytes.size()));
+      return compute->synchronize();
+    case Tier::kHost:
+      return ok_status();
+    case Tier::kNvme:
+      return swap->write(TensorKey{unit_key("param", u), 0}, bytes.data(), bytes.size()).wait();
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  blob.resize(3 * n);
+  if (settings.optimizer == Tier::kNvme) {
+    return swap->read(TensorKey{unit_key("optim", u), 0}, blob.data(), blob.size() * 4).wait();
+  }
+  const std::uint64_t g = grad_begin(u);
+  std::memcpy(blob.data(), host_master.bytes() + g, n * 4);
+  std::memcpy(blob.data() + n, host_m.bytes() + g, n * 4);
+  std::memcpy(blob.data() + 2 * n, host_v.bytes() + g, n * 4);
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& blob) {
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  if (settings.optimizer == Tier::kNvme) {
+    return swap->write(TensorKey{unit_key("optim", u), 0}, blob.data(), blob.size() * 4).wait();
+  }
+  const std::uint64_t g = grad_begin(u);
+  std::memcpy(host_master.bytes() + g, blob.data(), n * 4);
+  std::memcpy(host_m.bytes() + g, blob.data() + n, n * 4);
+  std::memcpy(host_v.bytes() + g, blob.data() + 2 * n, n * 4);
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::write_values(int index, std::span<const float> values, bool master_too) {
+  const int k = owned_index(index);
+  if (k < 0) return invalid_argument("set_param: no parameter with index " + std::to_string(index));
+  const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+  if (values.size() != o.n) {
+    return invalid_argument("set_param '" + layout().params[static_cast<std::size_t>(o.index)].name + "': got " +
+                            std::to_string(values.size()) + " values for " + std::to_string(o.n) + " elements");
+  }
+  STRATA_RETURN_IF_ERROR(wait_all_updates());
+  std::vector<char> bytes;
+  STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
+  if (bf16) {
+    auto* out = reinterpret_cast<std::uint16_t*>(bytes.data() + o.param_in_unit);
+    for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::f32_to_bf16_bits_rne(values[i]);
+  } else {
+    std::memcpy(bytes.data() + o.param_in_unit, values.data(), o.n * 4);
+  }
+  STRATA_RETURN_IF_ERROR(write_unit_params(o.unit, bytes));
+  if (!master_too) return ok_status();
+  if (opt_on_device) {
+    if (!bf16) return ok_status();  // the resident params are the master
+    STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
+    return compute->synchronize();
+  }
+  std::vector<float> blob;
+  STRATA_RETURN_IF_ERROR(read_unit_optim(o.unit, blob));
+  std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
+  return write_unit_optim(o.unit, blob);
+}
+
+Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which) {
+  const int k = owned_index(index);
+  if (k < 0) return invalid_argument("no parameter with index " + std::to_string(index));
+  const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+  STRATA_RETURN_IF_ERROR(wait_all_updates());
+  std::vector<float> out(o.n);
+  if (which == 0 || (which == 1 && opt_on_device && !bf16)) {
+    std::vector<char> bytes;
+    STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
+    if (bf16) {
+      const auto* in = reinterpret_cast<const std::uint16_t*>(bytes.data() + o.param_in_unit);
+      for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::bf16_bits_to_f32(in[i]);
+    } else {
+      std::memcpy(out.data(), bytes.data() + o.param_in_unit, o.n * 4);
+    }
+    return out;
+  }
+  if (opt_on_device) {
+    const float* src = which == 1 ? dmaster : which == 2 ? dm : dv;
+    STRATA_RETURN_IF_ERROR(stager->download(out.data(), reinterpret_cast<const char*>(src) + o.grad_offset, o.n * 4));
+    return out;
+  }
+  std::vector<float> blob;
+  STRATA_RETURN_IF_ERROR(read_unit_optim(o.unit, blob));
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
+  std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4, o.n * 4);
+  return out;
+}
+
+// ---- the host optimizer thread ---------------------------------------------------------------
+
+Status OffloadEngine::Impl::start_worker() {
+  worker = std::thread([this] { worker_main(); });
+  return ok_status();
+}
+
+void OffloadEngine::Impl::stop_worker() {
+  if (!worker.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    commands.push_back(Command{Command::kStop});
+  }
+  cv.notify_all();
+  worker.join();
+}
+
+void OffloadEngine::Impl::mark_updated(int u, std::int64_t step) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    updated_step[static_cast<std::size_t>(u)] = step;
+  }
+  cv.notify_all();
+}
+
+// Publishes unit u's updated working parameters (`bytes`, the unit's working layout) to its home.
+Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t n = units.pbytes[uu];
+  switch (units.home[uu]) {
+    case Tier::kDevice: {
+      char* host = host_params.bytes() + host_param_offset[uu];
+      if (bytes != host) std::memcpy(host, bytes, n);
+      STRATA_RETURN_IF_ERROR(h2d->copy_async(resident + units.resident_offset[uu], host, n, CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
+      uploaded_recorded[uu] = true;
+      return ok_status();
+    }
+    case Tier::kHost: {
+      char* host = host_params.bytes() + host_param_offset[uu];
+      if (bytes != host) std::memcpy(host, bytes, n);
+      return ok_status();
+    }
+    case Tier::kNvme:
+      return swap->write(TensorKey{unit_key("param", u), 0}, bytes, n).wait();
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const bool nvme_home = units.home[uu] == Tier::kNvme;
+  char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  for (int k : owned_of_unit[uu]) {
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    OptimizerBuffers b;
+    b.master = reinterpret_cast<float*>(host_master.bytes() + o.grad_offset);
+    b.grad = host_grads.bytes() + o.grad_offset;
+    b.grad_dtype = DType::kF32;
+    b.exp_avg = host_m.bytes() + o.grad_offset;
+    b.exp_avg_sq = host_v.bytes() + o.grad_offset;
+    b.moment_dtype = DType::kF32;
+    b.param_out = bf16 ? out_unit + o.param_in_unit : nullptr;
+    b.out_dtype = DType::kBF16;
+    b.n = o.n;
+    STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b));
+    if (!bf16) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
+  }
+  return publish_params(u, out_unit);
+}
+
+// Streams [master | m | v] of each unit in `order` through the pinned ring: reads run ahead of
+// the update by up to ring.size() - 1 units, each unit is written back as soon as it is updated.
+Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr,
+                                              float scale) {
+  const std::size_t R = ring.size();
+  std::vector<IoHandle> reads(order.size()), writes(R * 2);
+  std::size_t issued = 0;
+  // A unit counts as updated (its parameters may be fetched) once both of its writes are
+  // published; until then a read would return the previous version.
+  std::vector<int> writing(R, -1);
+  auto retire = [&](std::size_t r) -> Status {
+    for (int w = 0; w < 2; ++w) {
+      IoHandle& h = writes[r * 2 + static_cast<std::size_t>(w)];
+      if (h.valid()) {
+        Status s = h.wait();
+        h = IoHandle();
+        if (!s.ok()) return s;
+      }
+    }
+    if (writing[r] >= 0) mark_updated(writing[r], step);
+    writing[r] = -1;
+    return ok_status();
+  };
+  auto issue = [&](std::size_t i) {
+    const std::size_t r = i % R;
+    // The ring buffer's previous unit must be fully written back before it is overwritten.
+    STRATA_RETURN_IF_ERROR(retire(r));
+    const int u = order[i];
+    reads[i] = swap->read(TensorKey{unit_key("optim", u), 0}, ring[r].data(), 3 * units.gbytes[static_cast<std::size_t>(u)]);
+    return ok_status();
+  };
+  Status first_error;
+  for (std::size_t i = 0; i < order.size() && first_error.ok(); ++i) {
+    while (issued < order.size() && issued < i + R - 1) {
+      first_error = issue(issued++);
+      if (!first_error.ok()) break;
+    }
+    if (!first_error.ok()) break;
+    const std::size_t r = i % R;
+    const int u = order[i];
+    const std::size_t uu = static_cast<std::size_t>(u);
+    Status s = reads[i].wait();
+    if (!s.ok()) {
+      first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "'");
+      break;
+    }
+    const std::size_t n = units.gbytes[uu] / 4;
+    float* master = ring[r].floats();
+    char* out_unit = ring[r].bytes() + align_up(3 * units.gbytes[uu], 4096);
+    for (int k : owned_of_unit[uu]) {
+      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      OptimizerBuffers b;
+      b.master = master + o.grad_in_unit / 4;
+      b.grad = host_grads.bytes() + o.grad_offset;
+      b.grad_dtype = DType::kF32;
+      b.exp_avg = master + n + o.grad_in_unit / 4;
+      b.exp_avg_sq = master + 2 * n + o.grad_in_unit / 4;
+      b.moment_dtype = DType::kF32;
+      b.param_out = bf16 ? out_unit + o.param_in_unit : nullptr;
+      b.out_dtype = DType::kBF16;
+      b.n = o.n;
+      first_error = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
+      if (!first_error.ok()) break;
+    }
+    if (!first_error.ok()) break;
+    // fp32: the unit's working layout is its master layout.
+    const char* params = bf16 ? out_unit : reinterpret_cast<const char*>(master);
+    writes[r * 2] = swap->write(TensorKey{unit_key("optim", u), 0}, master, 3 * units.gbytes[uu]);
+    if (units.home[uu] == Tier::kNvme) {
+      writes[r * 2 + 1] = swap->write(TensorKey{unit_key("param", u), 0}, params, units.pbytes[uu]);
+    } else {
+      first_error = publish_params(u, params);
+    }
+    if (first_error.ok()) writing[r] = u;
+  }
+  for (std::size_t r = 0; r < R; ++r) {
+    Status s = retire(r);
+    if (first_error.ok() && !s.ok()) first_error = s;
+  }
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    if (reads[i].valid()) (void)reads[i].wait();
+  }
+  return first_error;
+}
+
+void OffloadEngine::Impl::worker_main() {
+  const double cpu0 = thread_cpu_seconds();
+  std::vector<GradStats> stats(static_cast<std::size_t>(M));
+  int scanned = 0;
+  std::vector<int> forward_order(static_cast<std::size_t>(M));
+  for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
+  const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 &&
+                            settings.optimizer == Tier::kHost &&
+                            std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  auto fail = [&](Status s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (worker_error.ok()) worker_error = std::move(s);
+    cv.notify_all();
+  };
+  for (;;) {
+    Command c;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return !commands.empty(); });
+      c = commands.front();
+      commands.pop_front();
+      if (!worker_error.ok() && c.kind != Command::kStop) {
+        // After an error nothing more is applied; the step's caller reports it.
+        continue;
+      }
+    }
+    if (c.kind == Command::kStop) break;
+    if (c.kind == Command::kAbort) {
+      scanned = 0;
+      continue;
+    }
+    if (c.kind == Command::kLanded) {
+      const std::size_t uu = static_cast<std::size_t>(c.unit);
+      Status s = landed[uu]->synchronize();
+      if (s.ok()) {
+        auto r = host_opt->scan_gradients(host_grads.bytes() + grad_begin(c.unit), DType::kF32, units.gbytes[uu] / 4,
+                                          1.0f, false);
+        if (r.ok()) {
+          stats[uu] = *r;
+        } else {
+          s = r.status();
+        }
+      }
+      if (s.ok() && immediate_ok) {
+        if (!stats[uu].finite()) {
+          s = invalid_argument("step " + std::to_string(c.step) + ": the gradients of module '" +
+                               layout().modules[uu].name +
+                               "' are not finite; modules updated before it in this step keep their update. Lower "
+                               "the learning rate or enable clipping");
+        } else {
+          s = update_unit_host(c.unit, c.step, c.lr, 1.0f);
+          if (s.ok()) mark_updated(c.unit, c.step);
+        }
+      }
+      if (!s.ok()) {
+        fail(s);
+        continue;
+      }
+      ++scanned;
+      continue;
+    }
+    // kFinish: every unit has landed.
+    GradStats total;
+    for (const GradStats& g : stats) total.merge(g);
+    scanned = 0;
+    const double norm = total.norm();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      norm_value = norm;
+      norm_step = c.step;
+    }
+    cv.notify_all();
+    if (immediate_ok) continue;
+    if (!total.finite()) {
+      fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
+                            std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
+      continue;
+    }
+    const auto scale = static_cast<float>(clip_coefficient(norm, config.grad_clip));
+    Status s;
+    if (settings.optimizer == Tier::kNvme) {
+      s = update_units_nvme(forward_order, c.step, c.lr, scale);
+    } else {
+      for (int u = 0; u < M && s.ok(); ++u) {
+        s = update_unit_host(u, c.step, c.lr, scale);
+        if (s.ok()) mark_updated(u, c.step);
+      }
+    }
+    if (!s.ok()) fail(s);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      worker_cpu = thread_cpu_seconds() - cpu0;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  worker_cpu = thread_cpu_seconds() - cpu0;
+}
+
+Status OffloadEngine::Impl::check_worker() {
+  std::lock_guard<std::mutex> lock(mu);
+  return worker_error;
+}
+
+Status OffloadEngine::Impl::wait_updated(int u) {
+  if (opt_on_device) return ok_status();
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; });
+  return worker_error;
+}
+
+Status OffloadEngine::Impl::wait_all_updates() {
+  for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_updated(u));
+  if (!opt_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
+  return ok_status();
+}
+
+// ---- the pass: prefetch, slots, buckets ------------------------------------------------------
+
+void OffloadEngine::Impl::begin_pass() {
+  record.clear();
+  pos = 0;
+  trace_ok = !trace.empty();
+}
+
+void OffloadEngine::Impl::note_access(int code) {
+  if (trace_ok && (pos >= trace.size() || trace[pos] != code)) {
+    trace_ok = false;  // the order changed: stay correct (fetch on demand) and re-record
+    ++mismatches;
+    STRATA_LOG(kDebug, kOffload) << "offload: module order differs from the recorded trace at access " << pos
+                                 << "; re-tracing";
+  }
+  record.push_back(code);
+  ++pos;
+}
+
+int OffloadEngine::Impl::predicted(std::size_t j) const {
+  if (!trace_ok) return -1;
+  if (j < trace.size()) return trace[j];
+  if (cyclic && j - trace.size() < trace.size()) return trace[j - trace.size()];
+  return -1;
+}
+
+Status OffloadEngine::Impl::release_slot(int s) {
+  ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
+  if (slot.unit < 0) return ok_status();
+  if (slot.used) STRATA_RETURN_IF_ERROR(compute->record(*slot.free));
+  slot_of[static_cast<std::size_t>(slot.unit)] = -1;
+  bound_params[static_cast<std::size_t>(slot.unit)] = nullptr;
+  slot.unit = -1;
+  slot.used = false;
+  return ok_status();
+}
+
+Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
+  int s = -1;
+  for (std::size_t i = 0; i < pslots.size() && s < 0; ++i)
+    if (pslots[i].unit < 0) s = static_cast<int>(i);
+  if (s < 0) {
+    // Evict a unit the running module does not read.
+    const std::vector<int>& cur = current_module >= 0 ? units.storage[static_cast<std::size_t>(current_module)]
+                                                      : std::vector<int>{};
+    for (std::size_t i = 0; i < pslots.size() && s < 0; ++i) {
+      if (std::find(cur.begin(), cur.end(), pslots[i].unit) == cur.end()) s = static_cast<int>(i);
+    }
+    if (s < 0) return internal_error("offload: no parameter slot free for module " + std::to_string(u));
+    STRATA_RETURN_IF_ERROR(release_slot(s));
+  }
+  ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t n = units.pbytes[uu];
+  STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
+  if (units.home[uu] == Tier::kNvme) {
+    SwapStore* store = swap.get();
+    void* staging = slot.staging.data();
+    TensorKey key{unit_key("param", u), 0};
+    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n]() {
+      return store->read(key, staging, n).wait();
+    }));
+    STRATA_RETURN_IF_ERROR(h2d->copy_async(slot.dev, staging, n, CopyKind::kHostToDevice));
+  } else {
+    STRATA_RETURN_IF_ERROR(
+        h2d->copy_async(slot.dev, host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice));
+  }
+  STRATA_RETURN_IF_ERROR(h2d->record(*slot.fetched));
+  slot.unit = u;
+  slot.used = false;
+  slot_of[uu] = s;
+  return s;
+}
+
+Status OffloadEngine::Impl::access_params(int m) {
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (units.pbytes[uu] == 0) continue;
+    STRATA_RETURN_IF_ERROR(wait_updated(u));
+    if (units.home[uu] == Tier::kDevice) {
+      if (!opt_on_device && uploaded_recorded[uu]) STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
+      continue;
+    }
+    ++accesses;
+    int s = slot_of[uu];
+    if (s >= 0) {
+      ++hits;
+    } else {
+      STRATA_ASSIGN_OR_RETURN(s, fetch(u, m));
+    }
+    ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
+    STRATA_RETURN_IF_ERROR(compute->wait(*slot.fetched));
+    slot.used = true;
+    bound_params[uu] = slot.dev;
+    STRATA_RETURN_IF_ERROR(bind(u));
+  }
+  return ok_status();
+}
+
+// After module m's work is enqueued: release the slots that the next accesses do not reuse.
+Status OffloadEngine::Impl::release_after(int m) {
+  const std::size_t window = static_cast<std::size_t>(std::max(1, settings.prefetch_modules));
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const int s = slot_of[static_cast<std::size_t>(u)];
+    if (s < 0) continue;
+    bool reused = false;
+    for (std::size_t j = pos; j < pos + window && !reused; ++j) {
+      const int code = predicted(j);
+      if (code < 0) break;
+      const auto& st = units.storage[static_cast<std::size_t>(code % M)];
+      reused = std::find(st.begin(), st.end(), u) != st.end();
+    }
+    if (!reused) STRATA_RETURN_IF_ERROR(release_slot(s));
+  }
+  return prefetch_ahead();
+}
+
+Status OffloadEngine::Impl::prefetch_ahead() {
+  if (settings.prefetch_modules == 0 || settings.prefetch_elements == 0) return ok_status();
+  std::int64_t budget = settings.prefetch_elements;
+  for (std::size_t j = pos; j < pos + static_cast<std::size_t>(settings.prefetch_modules); ++j) {
+    const int code = predicted(j);
+    if (code < 0) break;
+    for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
+      const std::size_t uu = static_cast<std::size_t>(u);
+      if (units.home[uu] == Tier::kDevice || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
+      // Only units whose update is done (never block the caller on a prefetch) ...
+      bool ready = opt_on_device;
+      if (!ready) {
+        std::lock_guard<std::mutex> lock(mu);
+        ready = updated_step[uu] >= steps;
+      }
+      if (!ready) return ok_status();
+      budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
+      if (budget < 0) return ok_status();
+      // ... into a free slot.
+      bool free_slot = false;
+      for (const ParamSlot& sl : pslots) free_slot = free_slot || sl.unit < 0;
+      if (!free_slot) return ok_status();
+      STRATA_RETURN_IF_ERROR(fetch(u, -1).status());
+    }
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::end_pass() {
+  trace = record;
+  trace_ok = !trace.empty();
+  // Keep what the next pass (same trace, same step) starts with; release everything else.
+  const std::size_t window = static_cast<std::size_t>(std::max(1, settings.prefetch_modules));
+  for (std::size_t s = 0; s < pslots.size(); ++s) {
+    const int u = pslots[s].unit;
+    if (u < 0) continue;
+    bool keep = false;
+    if (cyclic) {
+      for (std::size_t j = 0; j < std::min(window, trace.size()) && !keep; ++j) {
+        const auto& st = units.storage[static_cast<std::size_t>(trace[j] % M)];
+        keep = std::find(st.begin(), st.end(), u) != st.end();
+      }
+    }
+    if (!keep) STRATA_RETURN_IF_ERROR(release_slot(static_cast<int>(s)));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
+  if (opt_on_device) return ok_status();
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0) continue;
+    int s = -1;
+    for (std::size_t i = 0; i < gslots.size() && s < 0; ++i)
+      if (gslots[i].unit < 0) s = static_cast<int>(i);
+    if (s < 0) return internal_error("offload: no gradient bucket free for module " + std::to_string(u));
+    GradSlot& g = gslots[static_cast<std::size_t>(s)];
+    if (first_micro) {
+      STRATA_RETURN_IF_ERROR(compute->wait(*g.free));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
+    } else {
+      // Restore the gradients accumulated so far: the device then adds exactly as when resident.
+      STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, host_grads.bytes() + grad_begin(u), units.gbytes[uu],
+                                                 CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
+      STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
+    }
+    g.unit = u;
+    gslot_of[uu] = s;
+    bound_grads[uu] = g.dev;
+    STRATA_RETURN_IF_ERROR(bind(u));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t step, double lr) {
+  if (opt_on_device) return ok_status();
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (last_touch[uu] != m || gslot_of[uu] < 0) continue;
+    GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
+    STRATA_RETURN_IF_ERROR(compute->record(*g.done));
+    STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
+    STRATA_RETURN_IF_ERROR(
+        gstream->copy_async(host_grads.bytes() + grad_begin(u), g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
+    STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+    g.unit = -1;
+    gslot_of[uu] = -1;
+    bound_grads[uu] = nullptr;
+    if (last_micro && step > 0) {
+      STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        commands.push_back(Command{Command::kLanded, u, step, lr});
+      }
+      cv.notify_all();
+    }
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::run_forward(bool for_backward) {
+  for (int m = 0; m < M; ++m) {
+    note_access(m);
+    STRATA_RETURN_IF_ERROR(access_params(m));
+    STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
+    STRATA_RETURN_IF_ERROR(release_after(m));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step,
+                                         double lr) {
+  for (int m = M - 1; m >= 0; --m) {
+    note_access(M + m);
+    STRATA_RETURN_IF_ERROR(access_params(m));
+    STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
+    STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
+    STRATA_RETURN_IF_ERROR(release_grads(m, last_micro, step, lr));
+    STRATA_RETURN_IF_ERROR(release_after(m));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inputs,
+                                              std::span<const std::int32_t> targets, std::int64_t micro, bool update,
+                                              std::int64_t step, double lr) {
+  const std::int64_t B = config.micro_batch, T = config.seq_len;
+  const auto per = static_cast<std::size_t>(B * T);
+  if (inputs.size() != per * static_cast<std::size_t>(micro) || targets.size() != inputs.size()) {
+    return invalid_argument("train step: expected " + std::to_string(per * static_cast<std::size_t>(micro)) +
+                            " inputs and targets (" + std::to_string(micro) + " micro-batches of " + std::to_string(B) +
+                            " x " + std::to_string(T) + "), got " + std::to_string(inputs.size()) + " and " +
+                            std::to_string(targets.size()));
+  }
+  std::int64_t count = 0;
+  for (auto t : targets) count += t >= 0 ? 1 : 0;
+  if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
+  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
+  const float dloss = 1.0f / static_cast<float>(count);
+  for (std::int64_t a = 0; a < micro; ++a) {
+    STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+    cyclic = a + 1 < micro;
+    begin_pass();
+    STRATA_RETURN_IF_ERROR(run_forward(true));
+    STRATA_RETURN_IF_ERROR(model->copy_losses(static_cast<int>(a)));
+    STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, update ? step : 0, lr));
+    STRATA_RETURN_IF_ERROR(end_pass());
+  }
+  cyclic = false;
+  return ok_status();
+}
+
+// The update with the optimizer on the device, in stream order after backward.
+Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
+  const double max_norm = config.grad_clip;
+  if (launch->is_cpu()) {
+    // One host function: the gradient scan per unit (merged in unit order, as the host tiers
+    // merge theirs), then every update with the clip applied.
+    struct Job {
+      const CpuOptimizer* opt;
+      std::vector<std::pair<float*, std::size_t>> unit_grads;
+      struct P {
+        OptimizerBuffers b;
+        bool decay;
+      };
+      std::vector<P> params;
+    };
+    auto job = std::make_shared<Job>();
+    job->opt = &*device_opt;
+    for (int u = 0; u < M; ++u)
+      job->unit_grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
+                                   units.gbytes[static_cast<std::size_t>(u)] / 4);
+    for (const OwnedParam& o : owned) {
+      OptimizerBuffers b;
+      char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+      b.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
+                      : reinterpret_cast<float*>(wp);
+      b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
+      b.grad_dtype = DType::kF32;
+      b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
+      b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
+      b.moment_dtype = DType::kF32;
+      b.param_out = bf16 ? wp : nullptr;
+      b.out_dtype = DType::kBF16;
+      b.n = o.n;
+      job->params.push_back(Job::P{b, o.decay});
+    }
+    double* norm_out = &grad_norm;
+    const OptimizerSettings os = config.optimizer;
+    return launch->run("optimizer step", [=](const kernels::KernelContext&) -> Status {
+      GradStats total;
+      for (const auto& [g, n] : job->unit_grads) {
+        STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, 1.0f, false));
+        total.merge(s);
+      }
+      const double norm = total.norm();
+      *norm_out = norm;
+      if (!total.finite()) {
+        return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
+                                std::to_string(norm) + "); lower the learning rate or enable clipping");
+      }
+      const auto scale = static_cast<float>(clip_coefficient(norm, max_norm));
+      for (const auto& p : job->params) {
+        STRATA_RETURN_IF_ERROR(job->opt->update(hyper_of(os, lr, p.decay), step, scale, p.b));
+      }
+      return ok_status();
+    });
+  }
+  // cuda: the norm is needed on the host to pick the clip scale.
+  const std::size_t n = layout().grad_bytes / 4;
+  auto* partials = static_cast<double*>(cuda_partials.data());
+  double* result = partials + detail::sum_of_squares_cuda_partials(n);
+  void* cs = compute->native_handle();
+  STRATA_RETURN_IF_ERROR(detail::sum_of_squares_cuda(cs, dgrads, n, partials, result));
+  STRATA_RETURN_IF_ERROR(compute->copy_async(pinned_norm.data(), result, sizeof(double), CopyKind::kDeviceToHost));
+  STRATA_RETURN_IF_ERROR(compute->synchronize());
+  grad_norm = std::sqrt(*static_cast<double*>(pinned_norm.data()));
+  if (!std::isfinite(grad_norm)) {
+    return invalid_argument("step " + std::to_string(step) +
+                            ": the gradient norm is not finite; lower the learning rate or enable clipping");
+  }
+  const auto scale = static_cast<float>(clip_coefficient(grad_norm, max_norm));
+  for (const OwnedParam& o : owned) {
+    char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+    detail::AdamHyper h{lr, config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps,
+                        o.decay ? config.optimizer.weight_decay : 0.0, config.optimizer.decoupled};
+    detail::AdamBuffers b;
+    b.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
+    b.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
+    b.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
+    b.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
+    b.param_out = bf16 ? reinterpret_cast<std::uint16_t*>(wp) : nullptr;
+    b.n = o.n;
+    STRATA_RETURN_IF_ERROR(detail::adamw_update_cuda(cs, h, step, scale, b));
+  }
+  return ok_status();
+}
+
+// ---- OffloadEngine ----------------------------------------------------------------------------
+
+OffloadEngine::OffloadEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+OffloadEngine::~OffloadEngine() {
+  if (!impl_) return;
+  impl_->stop_worker();
+  if (impl_->device != nullptr) {
+    Status s = impl_->device->synchronize();
+    if (!s.ok()) {
+      STRATA_LOG(kWarn, kOffload) << "offload engine: unreported error at destruction: " << s.to_string();
+    }
+  }
+}
+
+Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
+                                                             const OffloadSettings& settings, Device& device,
+                                                             Stream* compute) {
+  STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, settings));
+  STRATA_RETURN_IF_ERROR(plan.check_fits(device, settings));
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->settings = settings;
+  impl->plan = std::move(plan);
+  impl->device = &device;
+  impl->compute = compute;
+  std::unique_ptr<OffloadEngine> engine(new OffloadEngine(std::move(impl)));
+  STRATA_RETURN_IF_ERROR(engine->impl_->setup());
+  return engine;
+}
+
+const OffloadPlan& OffloadEngine::plan() const { return impl_->plan; }
+const OffloadSettings& OffloadEngine::settings() const { return impl_->settings; }
+const TrainerConfig& OffloadEngine::config() const { return impl_->config; }
+Model& OffloadEngine::model() { return *impl_->model; }
+std::int64_t OffloadEngine::steps_done() const { return impl_->steps; }
+
+std::string OffloadEngine::optimizer_name() const {
+  const Impl& t = *impl_;
+  if (!t.opt_on_device) {
+    return std::string("CPU AdamW (") + std::string(to_string(t.host_opt->isa())) + ", " +
+           std::to_string(t.host_opt->threads()) + " host threads) over " + std::string(to_string(t.settings.optimizer)) +
+           "-tier state";
+  }
+  if (t.launch->is_cpu()) {
+    return std::string("CPU AdamW (") + std::string(to_string(t.device_opt->isa())) + ") on the device's compute threads";
+  }
+  return "AdamW on the GPU (src/runtime/optimizer_cuda.cu)";
+}
+
+Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.check_worker());
+  const auto start = std::chrono::steady_clock::now();
+  StepMetrics m;
+  m.step = t.steps + 1;
+  m.lr = t.config.schedule.at(t.steps);
+  Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
+  if (t.opt_on_device) {
+    if (s.ok()) s = t.device_update(m.lr, m.step);
+    if (s.ok()) s = t.compute->synchronize();
+    STRATA_RETURN_IF_ERROR(s);
+  } else {
+    // Every stream's errors surface before the step's update may run: a failed fetch or copy
+    // aborts the step and leaves parameters and optimizer state as they were.
+    if (s.ok()) s = t.compute->synchronize();
+    if (s.ok()) s = t.h2d->synchronize();
+    if (s.ok()) s = t.gstream->synchronize();
+    {
+      std::lock_guard<std::mutex> lock(t.mu);
+      t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr});
+    }
+    t.cv.notify_all();
+    if (!s.ok()) {
+      // Let the optimizer thread drain this step's landed units before the caller retries.
+      (void)t.compute->synchronize();
+      (void)t.h2d->synchronize();
+      (void)t.gstream->synchronize();
+      return s;
+    }
+    std::unique_lock<std::mutex> lock(t.mu);
+    t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
+    STRATA_RETURN_IF_ERROR(t.worker_error);
+    t.grad_norm = t.norm_value;
+  }
+  LossSum total;
+  for (int a = 0; a < static_cast<int>(t.config.grad_accum); ++a) {
+    const LossSum ls = t.model->loss_sum(a);
+    total.sum += ls.sum;
+    total.count += ls.count;
+  }
+  t.steps += 1;
+  if (!t.have_baseline) {
+    STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+    t.alloc_baseline = t.allocation_count();
+    t.have_baseline = true;
+  }
+  m.loss = total.sum / static_cast<double>(total.count);
+  m.grad_norm = t.grad_norm;
+  m.tokens = static_cast<std::int64_t>(inputs.size());
+  m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return m;
+}
+
+Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> inputs,
+                                                 std::span<const std::int32_t> targets) {
+  Impl& t = *impl_;
+  if (!t.opt_on_device) {
+    return failed_precondition("loss_and_gradients: needs the optimizer (and gradients) on the device");
+  }
+  const auto micro = static_cast<std::int64_t>(inputs.size()) / (t.config.micro_batch * t.config.seq_len);
+  if (micro < 1 || micro > t.config.grad_accum) {
+    return invalid_argument("loss_and_gradients: expected 1 to " + std::to_string(t.config.grad_accum) +
+                            " micro-batches of tokens");
+  }
+  STRATA_RETURN_IF_ERROR(t.run_micro_batches(inputs, targets, micro, false, 0, 0.0));
+  STRATA_RETURN_IF_ERROR(t.compute->synchronize());
+  LossSum total;
+  for (int a = 0; a < static_cast<int>(micro); ++a) {
+    total.sum += t.model->loss_sum(a).sum;
+    total.count += t.model->loss_sum(a).count;
+  }
+  return total.sum / static_cast<double>(total.count);
+}
+
+Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
+  t.begin_pass();
+  STRATA_RETURN_IF_ERROR(t.run_forward(false));
+  STRATA_RETURN_IF_ERROR(t.end_pass());
+  STRATA_RETURN_IF_ERROR(t.model->copy_losses(0));
+  STRATA_RETURN_IF_ERROR(t.compute->synchronize());
+  STRATA_RETURN_IF_ERROR(t.h2d->synchronize());
+  const LossSum s = t.model->loss_sum(0);
+  return s.sum / static_cast<double>(s.count);
+}
+
+Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.check_worker());
+  auto forward = [&t]() -> Status {
+    t.begin_pass();
+    STRATA_RETURN_IF_ERROR(t.run_forward(false));
+    return t.end_pass();
+  };
+  auto r = detail::evaluate_windows_with(*t.model, tokens, t.config.seq_len, t.config.micro_batch, max_windows, forward);
+  STRATA_RETURN_IF_ERROR(t.h2d->synchronize());
+  return r;
+}
+
+Status OffloadEngine::synchronize() {
+  STRATA_RETURN_IF_ERROR(impl_->wait_all_updates());
+  return impl_->device->synchronize();
+}
+
+Status OffloadEngine::set_param(int index, std::span<const float> values) {
+  return impl_->write_values(index, values, true);
+}
+Result<std::vector<float>> OffloadEngine::get_param(int index) { return impl_->read_state(index, 0); }
+Result<std::vector<float>> OffloadEngine::get_master(int index) { return impl_->read_state(index, 1); }
+Result<std::vector<float>> OffloadEngine::get_exp_avg(int index) { return impl_->read_state(index, 2); }
+Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return impl_->read_state(index, 3); }
+
+Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
+    STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
+    return ok_status();
+  });
+}
+
+Status OffloadEngine::load_weights(const std::string& path) {
+  Impl& t = *impl_;
+  return read_weights(t.layout(), path,
+                      [&](int index, std::span<const float> values) { return t.write_values(index, values, true); });
+}
+
+OffloadStats OffloadEngine::stats() const {
+  const Impl& t = *impl_;
+  OffloadStats s;
+  s.steps = t.steps;
+  const DeviceStats d = t.device->stats();
+  s.bytes_h2d = d.bytes_h2d;
+  s.bytes_d2h = d.bytes_d2h;
+  if (t.io) {
+    const IoEngineStats io = t.io->stats();
+    s.bytes_nvme_read = io.bytes_read;
+    s.bytes_nvme_written = io.bytes_written;
+  }
+  s.param_accesses = t.accesses;
+  s.prefetch_hits = t.hits;
+  s.trace_mismatches = t.mismatches;
+  s.allocations_after_warmup = t.have_baseline ? t.allocation_count() - t.alloc_baseline : 0;
+  std::lock_guard<std::mutex> lock(t.mu);
+  s.optimizer_cpu_seconds = t.worker_cpu;
+  return s;
+}
+
+}  // namespace strata

@@ -1,0 +1,154 @@
+// Shared between the plan (plan.cpp) and the engine (engine.cpp): the per-module view of the
+// descriptor table and the device regions a placement needs. Private to src/offload.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/alloc.hpp"
+#include "strata/engine.hpp"
+#include "strata/model.hpp"
+#include "strata/offload.hpp"
+
+namespace strata::offload_detail {
+
+// A unit is one module's own storage: its parameters [param_begin, param_end) in the working
+// dtype and gradients [grad_begin, grad_end) in fp32 (tied aliases read their owner's unit).
+struct Units {
+  std::vector<Tier> home;               // per module: where its working parameters live
+  std::vector<std::uint64_t> pbytes;    // per module: working-parameter bytes
+  std::vector<std::uint64_t> gbytes;    // per module: gradient bytes (fp32; n = gbytes / 4)
+  std::vector<std::uint64_t> resident_offset;  // per module: offset in offload.params (resident)
+  std::vector<std::vector<int>> storage;       // per module: the units it reads, itself first
+  std::uint64_t resident_bytes = 0;
+  std::uint64_t host_param_bytes = 0;  // host copy: units whose home is device or host (optimizer off-device)
+  std::uint64_t nvme_param_bytes = 0;
+  std::uint32_t param_slots = 0;
+  std::uint64_t param_slot_bytes = 0;
+  std::uint32_t grad_slots = 0;  // optimizer off the device: buckets for gradients in flight
+  std::uint64_t grad_slot_bytes = 0;
+  std::uint32_t ring_buffers = 0;  // NVMe optimizer pipeline
+  std::uint64_t ring_buffer_bytes = 0;
+};
+
+inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
+  std::vector<std::vector<int>> s(layout.modules.size());
+  for (std::size_t m = 0; m < layout.modules.size(); ++m) {
+    s[m].push_back(static_cast<int>(m));
+    for (int i : layout.modules[m].params) {
+      const ParamDesc& p = layout.params[static_cast<std::size_t>(i)];
+      const int o = p.owns_storage() ? p.module : layout.params[static_cast<std::size_t>(p.tied_with)].module;
+      if (std::find(s[m].begin(), s[m].end(), o) == s[m].end()) s[m].push_back(o);
+    }
+  }
+  return s;
+}
+
+inline Units describe_units(const ModelLayout& layout, const OffloadSettings& settings) {
+  Units u;
+  const std::size_t M = layout.modules.size();
+  u.storage = storage_of(layout);
+  u.home.resize(M);
+  u.pbytes.resize(M);
+  u.gbytes.resize(M);
+  u.resident_offset.assign(M, 0);
+  std::uint64_t max_grad = 0;
+  for (std::size_t m = 0; m < M; ++m) {
+    const ModuleDesc& md = layout.modules[m];
+    u.pbytes[m] = md.param_end - md.param_begin;
+    u.gbytes[m] = md.grad_end - md.grad_begin;
+    max_grad = std::max(max_grad, u.gbytes[m]);
+    const auto elements = static_cast<std::int64_t>(u.gbytes[m] / 4);
+    u.home[m] = elements <= settings.persistence_threshold ? Tier::kDevice : settings.params;
+    if (u.home[m] == Tier::kDevice) {
+      u.resident_offset[m] = u.resident_bytes;
+      u.resident_bytes += align_up(std::max<std::uint64_t>(u.pbytes[m], 1), kParamAlignment);
+    } else {
+      u.param_slot_bytes = std::max(u.param_slot_bytes, u.pbytes[m]);
+    }
+    if (u.home[m] == Tier::kNvme) u.nvme_param_bytes += u.pbytes[m];
+    if (settings.optimizer != Tier::kDevice && u.home[m] != Tier::kNvme) u.host_param_bytes += u.pbytes[m];
+  }
+  if (u.param_slot_bytes > 0) {
+    // The running module reads at most two units (a tied weight), plus the look-ahead.
+    u.param_slots = static_cast<std::uint32_t>(3 + 2 * settings.prefetch_modules);
+    u.param_slot_bytes = align_up(u.param_slot_bytes, 4096);
+  }
+  if (settings.optimizer != Tier::kDevice) {
+    // Gradient buckets live from a unit's first backward touch to its last; count the most that
+    // overlap during backward, plus one for the bucket whose copy to the host is in flight.
+    std::uint32_t most = 0;
+    for (std::size_t cur = 0; cur < M; ++cur) {
+      std::uint32_t live = 0;
+      for (std::size_t unit = 0; unit < M; ++unit) {
+        int first = -1, last = static_cast<int>(M);
+        for (std::size_t m = 0; m < M; ++m) {
+          if (std::find(u.storage[m].begin(), u.storage[m].end(), static_cast<int>(unit)) != u.storage[m].end()) {
+            first = std::max(first, static_cast<int>(m));
+            last = std::min(last, static_cast<int>(m));
+          }
+        }
+        if (first >= static_cast<int>(cur) && last <= static_cast<int>(cur)) ++live;
+      }
+      most = std::max(most, live);
+    }
+    u.grad_slots = most + 1;
+    u.grad_slot_bytes = align_up(std::max<std::uint64_t>(max_grad, 4), 4096);
+  }
+  if (settings.optimizer == Tier::kNvme) {
+    u.ring_buffers = static_cast<std::uint32_t>(std::max(3, settings.nvme_buffer_count));
+    std::uint64_t most = 0;
+    for (std::size_t m = 0; m < M; ++m) {
+      most = std::max(most, align_up(3 * u.gbytes[m], 4096) + align_up(u.pbytes[m], 4096));
+    }
+    u.ring_buffer_bytes = std::max<std::uint64_t>(most, 4096);
+  }
+  return u;
+}
+
+inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const Units& u,
+                                              const OffloadSettings& settings) {
+  std::vector<RegionSpec> r;
+  r.push_back(RegionSpec{"offload.params", std::max<std::uint64_t>(u.resident_bytes, kParamAlignment), 0, 0});
+  if (u.param_slots > 0) r.push_back(RegionSpec{"offload.param_slots", 0, u.param_slot_bytes, u.param_slots});
+  const std::uint64_t gb = std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment);
+  if (settings.optimizer == Tier::kDevice) {
+    r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
+    if (layout.config.dtype == DType::kBF16) r.push_back(RegionSpec{"optim.master", gb, 0, 0});
+    r.push_back(RegionSpec{"optim.exp_avg", gb, 0, 0});
+    r.push_back(RegionSpec{"optim.exp_avg_sq", gb, 0, 0});
+  } else {
+    r.push_back(RegionSpec{"offload.grad_slots", 0, u.grad_slot_bytes, u.grad_slots});
+  }
+  return r;
+}
+
+// Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
+// carving, per token, with alignment slack) plus kernel workspace.
+inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config) {
+  const ModelConfig& c = config.model;
+  const std::int64_t N = config.micro_batch * config.seq_len;
+  const std::int64_t C = c.n_embd, F = c.ffn(), Q = (c.n_head + 2 * c.kv_heads()) * c.head_dim();
+  const std::int64_t per_set = 4 * C + Q + (c.kind == ModelKind::kGpt2 ? 2 * F : 3 * F);
+  const std::int64_t sets = c.activation_checkpointing ? 1 : c.n_layer;
+  const std::uint64_t w = dtype_size(c.dtype);
+  std::uint64_t acts =
+      static_cast<std::uint64_t>(N) *
+      (w * static_cast<std::uint64_t>((c.n_layer + 1) * C + sets * per_set + C + c.padded_vocab()) +
+       4 * static_cast<std::uint64_t>(sets * (4 + c.n_head) + 4));
+  acts += static_cast<std::uint64_t>(N) * w * static_cast<std::uint64_t>(3 * C + Q + 3 * F);
+  acts += static_cast<std::uint64_t>(N) * 8 + static_cast<std::uint64_t>(c.n_positions * c.head_dim()) * 4;
+  return acts + (64u << 20);
+}
+
+// Swap space: every key once, plus room for the versions being rewritten (a write goes to fresh
+// extents and frees the old ones only once published) and checksum-block rounding.
+inline std::uint64_t swap_capacity(const OffloadPlan& plan, const OffloadSettings& settings) {
+  const std::uint64_t slack = static_cast<std::uint64_t>(settings.nvme_buffer_count + 4) *
+                              std::max<std::uint64_t>(plan.grad_slot_bytes * 3 + plan.param_slot_bytes, 1u << 20);
+  return align_up(plan.nvme_bytes + plan.nvme_bytes / 8 + slack, 1u << 20);
+}
+
+}  // namespace strata::offload_detail

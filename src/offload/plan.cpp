@@ -1,0 +1,224 @@
+// Offload settings (DeepSpeed keys → tiers) and the memory plan: every buffer the engine will
+// allocate, computed from the model's descriptor table before anything is allocated, and the
+// check that it fits the device budget, the pinned pool, host memory and the NVMe directories.
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "offload/internal.hpp"
+#include "strata/config.hpp"
+#include "strata/device.hpp"
+
+namespace strata {
+
+Result<Tier> parse_tier(std::string_view text) {
+  if (text == "device" || text == "none") return Tier::kDevice;
+  if (text == "host" || text == "cpu") return Tier::kHost;
+  if (text == "nvme") return Tier::kNvme;
+  return invalid_argument("tier '" + std::string(text) + "' is not one of: device (none), host (cpu), nvme");
+}
+
+Status OffloadSettings::validate() const {
+  if (params != Tier::kDevice && optimizer == Tier::kDevice) {
+    return invalid_argument(
+        "zero_optimization.offload_param.device = " + std::string(to_string(params)) +
+        " needs the optimizer off the device too: set zero_optimization.offload_optimizer.device to cpu or nvme");
+  }
+  if ((params == Tier::kNvme || optimizer == Tier::kNvme) && nvme_path.empty()) {
+    return invalid_argument(
+        "an NVMe tier needs a directory: set zero_optimization.offload_*.nvme_path (or aio.nvme_path, or "
+        "--nvme-path)");
+  }
+  if (prefetch_modules < 0) {
+    return invalid_argument("offload prefetch depth = " + std::to_string(prefetch_modules) + " must be >= 0");
+  }
+  if (prefetch_elements < 0) {
+    return invalid_argument("zero_optimization.stage3_prefetch_bucket_size = " +
+                            std::to_string(prefetch_elements) + " must be >= 0");
+  }
+  if (persistence_threshold < 0) {
+    return invalid_argument("zero_optimization.stage3_param_persistence_threshold = " +
+                            std::to_string(persistence_threshold) + " must be >= 0");
+  }
+  if (nvme_buffer_count < 2 || nvme_buffer_count > 64) {
+    return invalid_argument("zero_optimization.offload_optimizer.buffer_count = " +
+                            std::to_string(nvme_buffer_count) + " must be in [2, 64]");
+  }
+  if (host_threads < 0) {
+    return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
+  }
+  if (params == Tier::kNvme || optimizer == Tier::kNvme) STRATA_RETURN_IF_ERROR(io.validate());
+  return ok_status();
+}
+
+namespace {
+
+Tier tier_of(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone:
+      return Tier::kDevice;
+    case OffloadDevice::kCpu:
+      return Tier::kHost;
+    case OffloadDevice::kNvme:
+      return Tier::kNvme;
+  }
+  return Tier::kDevice;
+}
+
+}  // namespace
+
+Status OffloadSettings::apply(const Config& config) {
+  const ZeroConfig& z = config.zero_optimization;
+  params = tier_of(z.offload_param.device);
+  optimizer = tier_of(z.offload_optimizer.device);
+  io = IoEngineConfig::from(config.aio);
+  nvme_path = config.aio.nvme_path;
+  for (const std::string* p : {&z.offload_optimizer.nvme_path, &z.offload_param.nvme_path}) {
+    if (!p->empty() && std::find(nvme_path.begin(), nvme_path.end(), *p) == nvme_path.end()) {
+      nvme_path.insert(nvme_path.begin(), *p);
+    }
+  }
+  io.nvme_path = nvme_path;
+  prefetch_elements = z.stage3_prefetch_bucket_size;
+  persistence_threshold = z.stage3_param_persistence_threshold;
+  pin_memory = z.offload_optimizer.pin_memory || z.offload_param.pin_memory;
+  nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
+  if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
+    return invalid_argument(config.source +
+                            ": zero_optimization.offload_optimizer.ratio = " +
+                            std::to_string(z.offload_optimizer.ratio) +
+                            ": partial optimizer offload is not supported yet (use 1.0)");
+  }
+  return validate().with_context(config.source);
+}
+
+// ---- the plan -----------------------------------------------------------------------------------
+
+Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const OffloadSettings& settings) {
+  STRATA_RETURN_IF_ERROR(config.validate());
+  STRATA_RETURN_IF_ERROR(settings.validate());
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  const offload_detail::Units units = offload_detail::describe_units(layout, settings);
+  OffloadPlan plan;
+  plan.module_home = units.home;
+  const bool bf16 = config.model.dtype == DType::kBF16;
+  auto line = [&](std::string what, Tier tier, std::uint64_t bytes, bool pinned = false) {
+    if (bytes == 0) return;
+    plan.lines.push_back(PlanLine{std::move(what), tier, pinned, bytes});
+    if (tier == Tier::kDevice) plan.device_bytes += bytes;
+    if (tier == Tier::kHost) (pinned ? plan.pinned_bytes : plan.host_bytes) += bytes;
+    if (tier == Tier::kNvme) plan.nvme_bytes += bytes;
+  };
+  for (const RegionSpec& r : offload_detail::device_regions(layout, units, settings)) {
+    line("device region " + r.name, Tier::kDevice, r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
+  }
+  plan.param_slots = units.param_slots;
+  plan.param_slot_bytes = units.param_slot_bytes;
+  plan.grad_slots = units.grad_slots;
+  plan.grad_slot_bytes = units.grad_slot_bytes;
+  line("activations, activation gradients, token buffers", Tier::kDevice,
+       offload_detail::activation_bytes_estimate(config));
+  const bool pin = settings.pin_memory;
+  if (settings.optimizer != Tier::kDevice) {
+    line("gradients (fp32, host)", Tier::kHost, layout.grad_bytes, pin);
+    line("working parameters (host copy)", Tier::kHost, units.host_param_bytes, pin);
+  }
+  if (settings.optimizer == Tier::kHost) {
+    line("fp32 master weights", Tier::kHost, layout.grad_bytes, pin);
+    line("Adam exp_avg", Tier::kHost, layout.grad_bytes, pin);
+    line("Adam exp_avg_sq", Tier::kHost, layout.grad_bytes, pin);
+  }
+  if (settings.optimizer == Tier::kNvme) {
+    line("fp32 master + exp_avg + exp_avg_sq", Tier::kNvme, 3 * layout.grad_bytes);
+    line("optimizer pipeline ring (pinned)", Tier::kHost,
+         static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
+  }
+  if (units.nvme_param_bytes > 0) {
+    line("working parameters", Tier::kNvme, units.nvme_param_bytes);
+    line("parameter fetch staging (pinned)", Tier::kHost,
+         static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+  }
+  (void)bf16;
+  return plan;
+}
+
+namespace {
+
+std::uint64_t available_host_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char key[64];
+  unsigned long long kb = 0;
+  std::uint64_t avail = 0;
+  while (std::fscanf(f, "%63s %llu kB\n", key, &kb) == 2) {
+    if (std::string(key) == "MemAvailable:") avail = kb * 1024ull;
+  }
+  std::fclose(f);
+  return avail;
+}
+
+}  // namespace
+
+Status OffloadPlan::check_fits(const Device& device, const OffloadSettings& settings) const {
+  const DeviceInfo& info = const_cast<Device&>(device).info();
+  if (device_bytes > info.memory_budget) {
+    return out_of_memory("offload plan: the device needs " + format_bytes(device_bytes) + " but its budget is " +
+                         format_bytes(info.memory_budget) +
+                         "; raise device_memory (STRATA_DEVICE_MEMORY / --device-memory), offload more "
+                         "(offload_param / offload_optimizer), or lower the micro-batch or sequence length");
+  }
+  const ArenaStats pinned = const_cast<Device&>(device).pinned().stats();
+  if (pinned_bytes > pinned.free_bytes) {
+    return out_of_memory("offload plan: pinned host buffers need " + format_bytes(pinned_bytes) +
+                         " but the pinned pool has " + format_bytes(pinned.free_bytes) +
+                         " free; raise pinned_memory (STRATA_PINNED_MEMORY), set pin_memory false, or lower "
+                         "offload_optimizer.buffer_count");
+  }
+  const std::uint64_t host_limit = settings.host_memory_limit > 0 ? settings.host_memory_limit : available_host_memory();
+  if (host_limit > 0 && host_bytes > host_limit) {
+    return out_of_memory("offload plan: host-tier state needs " + format_bytes(host_bytes) + " but " +
+                         format_bytes(host_limit) +
+                         (settings.host_memory_limit > 0 ? " is the host memory limit" : " of host memory is available") +
+                         "; move the optimizer state to NVMe (offload_optimizer.device = nvme)");
+  }
+  if (nvme_bytes > 0) {
+    const std::string& dir = settings.nvme_path.front();
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) != 0) {
+      return not_found("offload plan: cannot use NVMe directory '" + dir + "' (nvme_path): it does not exist or is not accessible");
+    }
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    const std::uint64_t need = offload_detail::swap_capacity(*this, settings);
+    if (need > free_bytes * settings.nvme_path.size()) {
+      return out_of_memory("offload plan: the NVMe tier needs " + format_bytes(need) + " of swap space but '" + dir +
+                           "' has " + format_bytes(free_bytes) + " free; free disk space or choose another nvme_path");
+    }
+  }
+  return ok_status();
+}
+
+std::string OffloadPlan::to_string() const {
+  std::ostringstream o;
+  o << "memory plan:\n";
+  for (const PlanLine& l : lines) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "  %-6s %-7s %12s  %s\n", std::string(strata::to_string(l.tier)).c_str(),
+                  l.tier == Tier::kHost ? (l.pinned ? "pinned" : "") : "", format_bytes(l.bytes).c_str(),
+                  l.what.c_str());
+    o << buf;
+  }
+  o << "  total: device " << format_bytes(device_bytes) << ", host " << format_bytes(host_bytes) << " + pinned "
+    << format_bytes(pinned_bytes) << ", nvme " << format_bytes(nvme_bytes) << "\n";
+  int homes[3] = {0, 0, 0};
+  for (Tier t : module_home) homes[static_cast<int>(t)]++;
+  o << "  modules' working parameters: " << homes[0] << " resident on the device, " << homes[1] << " on host, "
+    << homes[2] << " on nvme; " << param_slots << " prefetch slots of " << format_bytes(param_slot_bytes);
+  if (grad_slots > 0) o << ", " << grad_slots << " gradient buckets of " << format_bytes(grad_slot_bytes);
+  o << "\n";
+  return o.str();
+}
+
+}  // namespace strata

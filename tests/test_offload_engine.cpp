@@ -1,0 +1,327 @@
+// The offload engine: every placement trains to the same bits as the all-device placement (the
+// resident trainer), the prefetcher recovers when the module order changes, and faults on the
+// NVMe tier surface as errors naming what failed while the state stays usable.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "harness/harness.hpp"
+#include "strata/device.hpp"
+#include "strata/engine.hpp"
+#include "strata/model.hpp"
+#include "strata/offload.hpp"
+
+namespace strata::testing {
+namespace {
+
+std::unique_ptr<Device> make_device() {
+  DeviceConfig dc;
+  dc.kind = DeviceKind::kCpu;
+  dc.memory_bytes = 256ull << 20;
+  dc.pinned_bytes = 64ull << 20;
+  dc.compute_threads = 1;
+  auto d = Device::create(dc);
+  EXPECT_TRUE(d.ok()) << d.status().to_string();
+  return std::move(d).value();
+}
+
+TrainerConfig tiny(ModelKind kind, DType dtype, std::int64_t accum, double clip) {
+  TrainerConfig t;
+  t.model.kind = kind;
+  t.model.n_layer = 3;
+  t.model.n_embd = 64;
+  t.model.n_head = 4;
+  t.model.n_kv_head = kind == ModelKind::kLlama ? 2 : 0;
+  t.model.n_positions = 32;
+  t.model.vocab_size = 97;  // padded to 128: padding rows must stay untouched everywhere
+  t.model.dtype = dtype;
+  t.micro_batch = 2;
+  t.grad_accum = accum;
+  t.seq_len = 16;
+  t.schedule.kind = LrScheduleKind::kConstant;
+  t.schedule.lr = 1e-2;
+  t.optimizer.weight_decay = 0.1;
+  t.grad_clip = clip;
+  return t;
+}
+
+// Deterministic tokens for step `s`: inputs and next-token targets.
+void batch(const TrainerConfig& c, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
+  const std::size_t n = static_cast<std::size_t>(c.grad_accum * c.micro_batch * c.seq_len);
+  in.resize(n);
+  tg.resize(n);
+  std::mt19937 rng(1000u + static_cast<unsigned>(s));
+  for (std::size_t i = 0; i < n; ++i) {
+    in[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.model.vocab_size));
+    tg[i] = i % 7 == 3 ? -1 : static_cast<std::int32_t>((in[i] * 5 + 3) % c.model.vocab_size);
+  }
+}
+
+struct Snapshot {
+  std::vector<double> losses, norms;
+  std::vector<std::vector<float>> param, master, m, v;
+};
+
+Snapshot train(const TrainerConfig& c, const OffloadSettings& s, int steps) {
+  Snapshot out;
+  auto device = make_device();
+  auto engine = OffloadEngine::create(c, s, *device);
+  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+  if (!engine.ok()) return out;
+  std::vector<std::int32_t> in, tg;
+  for (int i = 0; i < steps; ++i) {
+    batch(c, i, in, tg);
+    auto m = (*engine)->step(in, tg);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    if (!m.ok()) return out;
+    out.losses.push_back(m->loss);
+    out.norms.push_back(m->grad_norm);
+  }
+  const ModelLayout& L = (*engine)->model().layout();
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    if (!L.params[i].owns_storage()) continue;
+    const int idx = static_cast<int>(i);
+    auto p = (*engine)->get_param(idx);
+    auto ma = (*engine)->get_master(idx);
+    auto mm = (*engine)->get_exp_avg(idx);
+    auto vv = (*engine)->get_exp_avg_sq(idx);
+    EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << L.params[i].name;
+    if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return out;
+    out.param.push_back(*p);
+    out.master.push_back(*ma);
+    out.m.push_back(*mm);
+    out.v.push_back(*vv);
+  }
+  return out;
+}
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+void expect_same(const Snapshot& ref, const Snapshot& got, const std::string& what) {
+  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
+  ASSERT_FALSE(ref.param.empty()) << what;
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_EQ(ref.losses[i], got.losses[i]) << what << ": loss of step " << i + 1;
+    EXPECT_EQ(ref.norms[i], got.norms[i]) << what << ": gradient norm of step " << i + 1;
+  }
+  for (std::size_t i = 0; i < ref.param.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(ref.param[i], got.param[i])) << what << ": working parameter " << i;
+    EXPECT_TRUE(bitwise_equal(ref.master[i], got.master[i])) << what << ": master " << i;
+    EXPECT_TRUE(bitwise_equal(ref.m[i], got.m[i])) << what << ": exp_avg " << i;
+    EXPECT_TRUE(bitwise_equal(ref.v[i], got.v[i])) << what << ": exp_avg_sq " << i;
+  }
+}
+
+struct Placement {
+  Tier params, optimizer;
+};
+
+const Placement kPlacements[] = {
+    {Tier::kDevice, Tier::kHost}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kHost},
+    {Tier::kHost, Tier::kNvme},   {Tier::kNvme, Tier::kHost},   {Tier::kNvme, Tier::kNvme},
+};
+
+OffloadSettings settings_for(Placement p, const TempDir& dir) {
+  OffloadSettings s;
+  s.params = p.params;
+  s.optimizer = p.optimizer;
+  s.persistence_threshold = 0;  // every module moves
+  s.nvme_path = {dir.path().string()};
+  s.io.backend = IoBackendKind::kAuto;
+  return s;
+}
+
+struct MatrixCase {
+  ModelKind kind;
+  DType dtype;
+  std::int64_t accum;
+  double clip;
+};
+
+class OffloadEquivalence : public ::testing::TestWithParam<MatrixCase> {};
+
+// Every placement after 3 steps: parameters, master weights, both moments, losses and norms
+// equal the all-device run bit for bit.
+TEST_P(OffloadEquivalence, EveryPlacementMatchesTheAllDeviceRunBitForBit) {
+  const MatrixCase mc = GetParam();
+  const TrainerConfig c = tiny(mc.kind, mc.dtype, mc.accum, mc.clip);
+  TempDir dir("strata-offload");
+  const Snapshot ref = train(c, OffloadSettings{}, 3);
+  ASSERT_EQ(ref.losses.size(), 3u);
+  EXPECT_LT(ref.losses.back(), ref.losses.front());
+  for (const Placement& p : kPlacements) {
+    const std::string what = std::string("params on ") + std::string(to_string(p.params)) + ", optimizer on " +
+                             std::string(to_string(p.optimizer));
+    const Snapshot got = train(c, settings_for(p, dir), 3);
+    expect_same(ref, got, what);
+    std::filesystem::remove_all(dir.path());
+    std::filesystem::create_directories(dir.path());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, OffloadEquivalence,
+                         ::testing::Values(MatrixCase{ModelKind::kGpt2, DType::kF32, 1, 0.0},
+                                           MatrixCase{ModelKind::kGpt2, DType::kBF16, 2, 1.0},
+                                           MatrixCase{ModelKind::kLlama, DType::kBF16, 1, 0.5},
+                                           MatrixCase{ModelKind::kLlama, DType::kF32, 2, 0.0}));
+
+// The resident trainer is the all-device placement of the same engine.
+TEST(OffloadEngine, TheTrainerIsTheAllDevicePlacement) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);
+  const Snapshot ref = train(c, OffloadSettings{}, 2);
+  auto device = make_device();
+  auto trainer = Trainer::create(c, *device);
+  ASSERT_TRUE(trainer.ok()) << trainer.status().to_string();
+  std::vector<std::int32_t> in, tg;
+  for (int i = 0; i < 2; ++i) {
+    batch(c, i, in, tg);
+    auto m = (*trainer)->step(in, tg);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(m->loss, ref.losses[static_cast<std::size_t>(i)]);
+  }
+  const ModelLayout& L = (*trainer)->model().layout();
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    if (!L.params[i].owns_storage()) continue;
+    auto p = (*trainer)->model().download_param(static_cast<int>(i));
+    ASSERT_TRUE(p.ok());
+    EXPECT_TRUE(bitwise_equal(*p, ref.param[k])) << L.params[i].name;
+    ++k;
+  }
+}
+
+// Prefetch: after the first pass every fetch is issued ahead; an evaluation pass (a different
+// module order) is detected, stays correct, and the next steps recover the hit rate.
+TEST(OffloadEngine, PrefetchRecoversWhenTheModuleOrderChanges) {
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 1, 1.0);
+  TempDir dir("strata-offload");
+  OffloadSettings s = settings_for({Tier::kHost, Tier::kHost}, dir);
+  auto device = make_device();
+  auto engine = OffloadEngine::create(c, s, *device);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  std::vector<std::int32_t> in, tg;
+  for (int i = 0; i < 3; ++i) {
+    batch(c, i, in, tg);
+    ASSERT_TRUE((*engine)->step(in, tg).ok());
+  }
+  const OffloadStats warm = (*engine)->stats();
+  // The evaluation pass: forward only, so the recorded train trace mismatches at its end ...
+  std::vector<std::int32_t> ev(in.begin(), in.begin() + c.micro_batch * c.seq_len);
+  std::vector<std::int32_t> et(tg.begin(), tg.begin() + c.micro_batch * c.seq_len);
+  ASSERT_TRUE((*engine)->loss(ev, et).ok());
+  // ... and the next step differs from the recorded forward-only trace.
+  batch(c, 3, in, tg);
+  ASSERT_TRUE((*engine)->step(in, tg).ok());
+  const OffloadStats changed = (*engine)->stats();
+  EXPECT_GE(changed.trace_mismatches, warm.trace_mismatches + 1);
+  for (int i = 4; i < 8; ++i) {
+    batch(c, i, in, tg);
+    ASSERT_TRUE((*engine)->step(in, tg).ok());
+  }
+  const OffloadStats after = (*engine)->stats();
+  const double recent = static_cast<double>(after.prefetch_hits - changed.prefetch_hits) /
+                        static_cast<double>(after.param_accesses - changed.param_accesses);
+  // Per step the only access that cannot be fetched ahead is the first module's (it waits for
+  // its own update); everything else is prefetched.
+  const double per_step = static_cast<double>(after.param_accesses - changed.param_accesses) / 4.0;
+  EXPECT_GE(recent, (per_step - 1.0) / per_step) << "hits " << after.prefetch_hits << " of " << after.param_accesses;
+  EXPECT_EQ(after.trace_mismatches, changed.trace_mismatches);
+  EXPECT_EQ(after.allocations_after_warmup, 0u);
+}
+
+// A corrupt block of NVMe optimizer state fails the step with an error naming the module and
+// the swap file; the parameters stay as they were and fixing nothing else, the next read fails
+// the same way (nothing is silently turned into wrong numbers).
+TEST(OffloadEngine, CorruptNvmeBlockFailsTheStepAndNamesIt) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  TempDir dir("strata-offload");
+  OffloadSettings s = settings_for({Tier::kDevice, Tier::kNvme}, dir);
+  s.io.direct_io = false;  // the test rewrites the file behind the engine's back
+  auto device = make_device();
+  auto engine = OffloadEngine::create(c, s, *device);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  std::vector<std::int32_t> in, tg;
+  batch(c, 0, in, tg);
+  ASSERT_TRUE((*engine)->step(in, tg).ok());
+  ASSERT_TRUE((*engine)->synchronize().ok());
+  const auto before = (*engine)->get_param(1);
+  ASSERT_TRUE(before.ok());
+  // Flip bytes everywhere in the swap files: every published block's checksum breaks.
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    if (!e.is_regular_file() || e.file_size() < 8192) continue;
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    std::vector<char> buf(static_cast<std::size_t>(e.file_size()));
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    for (std::size_t i = 0; i < buf.size(); i += 512) buf[i] = static_cast<char>(buf[i] ^ 0x5a);
+    f.seekp(0);
+    f.write(buf.data(), static_cast<std::streamsize>(buf.size()));
+  }
+  batch(c, 1, in, tg);
+  auto m = (*engine)->step(in, tg);
+  Status failed = m.ok() ? (*engine)->synchronize() : m.status();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.code(), StatusCode::kDataLoss) << failed.to_string();
+  EXPECT_NE(failed.message().find("NVMe optimizer state of module"), std::string::npos) << failed.to_string();
+  EXPECT_NE(failed.message().find(dir.path().string()), std::string::npos) << failed.to_string();
+}
+
+TEST(OffloadPlan, RefusesWhatDoesNotFitAndNamesTheSetting) {
+  TrainerConfig c = tiny(ModelKind::kGpt2, DType::kF32, 1, 0.0);
+  c.model.n_embd = 512;
+  c.model.n_layer = 8;
+  DeviceConfig dc;
+  dc.memory_bytes = 64ull << 20;
+  dc.pinned_bytes = 16ull << 20;
+  dc.compute_threads = 1;
+  auto device = Device::create(dc);
+  ASSERT_TRUE(device.ok());
+  auto all_device = OffloadEngine::create(c, OffloadSettings{}, **device);
+  ASSERT_FALSE(all_device.ok());
+  EXPECT_EQ(all_device.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(all_device.status().message().find("device_memory"), std::string::npos) << all_device.status().to_string();
+
+  OffloadSettings nvme_without_dir;
+  nvme_without_dir.params = Tier::kNvme;
+  nvme_without_dir.optimizer = Tier::kNvme;
+  auto r = OffloadEngine::create(c, nvme_without_dir, **device);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("nvme_path"), std::string::npos) << r.status().to_string();
+
+  OffloadSettings params_without_optimizer;
+  params_without_optimizer.params = Tier::kHost;
+  r = OffloadEngine::create(c, params_without_optimizer, **device);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("offload_optimizer.device"), std::string::npos) << r.status().to_string();
+}
+
+TEST(OffloadPlan, CountsEveryTierAndPrintsIt) {
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 1, 1.0);
+  OffloadSettings s;
+  s.params = Tier::kNvme;
+  s.optimizer = Tier::kNvme;
+  s.persistence_threshold = 0;
+  s.nvme_path = {"/tmp"};
+  auto plan = OffloadPlan::make(c, s);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  auto layout = describe_model(c.model);
+  ASSERT_TRUE(layout.ok());
+  // NVMe holds the bf16 working parameters and fp32 master + two moments.
+  EXPECT_EQ(plan->nvme_bytes, 3 * layout->grad_bytes + [&] {
+    std::uint64_t b = 0;
+    for (const auto& m : layout->modules) b += m.param_end - m.param_begin;
+    return b;
+  }());
+  EXPECT_GT(plan->device_bytes, 0u);
+  EXPECT_GT(plan->pinned_bytes, 0u);
+  EXPECT_EQ(plan->param_slots, 3u + 2u * 2u);
+  const std::string text = plan->to_string();
+  EXPECT_NE(text.find("nvme"), std::string::npos) << text;
+  EXPECT_NE(text.find("0 resident on the device"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace strata::testing
