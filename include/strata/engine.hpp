@@ -1,4 +1,5 @@
-// The training engine for a model that fits on one device (no offload): a training step is
+// The training engine for a model that fits on one device: the all-device placement of the
+// offload engine (offload.hpp), which runs the one step algorithm for every placement. A step is
 // forward and backward over each micro-batch (gradients accumulate), then the global gradient
 // norm, clipping, and an AdamW update of every parameter, with the learning rate from a
 // warmup + decay schedule. In bf16 mode the optimizer keeps fp32 master weights and writes the
@@ -30,6 +31,7 @@ class Device;
 class Stream;
 struct Config;
 class Batcher;
+class OffloadEngine;
 
 // Learning-rate schedules with DeepSpeed's meaning (scheduler.type and scheduler.params).
 enum class LrScheduleKind : std::uint8_t {
@@ -80,7 +82,7 @@ struct TrainerConfig {
 
   Status validate() const;
   // Applies a DeepSpeed config (optimizer, scheduler, gradient_clipping, bf16.enabled, batch
-  // sizes) on top of this one. Unsupported settings (fp16, Lion/Adagrad, offload) are errors
+  // sizes) on top of this one. Unsupported settings (fp16, Lion/Adagrad) are errors; the offload sections are OffloadSettings::apply's
   // naming the key. `present_keys` lists the top-level keys the file actually set, so that a
   // section the file leaves out keeps this config's value.
   Status apply(const Config& config, const std::vector<std::string>& present_keys);
@@ -140,8 +142,10 @@ class Trainer {
   Model& model();
   const TrainerConfig& config() const;
   std::int64_t steps_done() const;
-  // Which optimizer implementation runs the update ("scalar AdamW (src/runtime)").
+  // Which optimizer implementation runs the update.
   std::string optimizer_name() const;
+  // The engine underneath (statistics, state access).
+  OffloadEngine& engine();
 
  private:
   struct Impl;

@@ -473,10 +473,12 @@ Result<std::vector<float>> Model::download_param(int index) {
 
 Result<std::vector<float>> Model::download_grad(int index) {
   Impl& m = *impl_;
-  if (m.grads == nullptr)
-    return failed_precondition("download_grad: the model was created without gradients");
   if (index < 0 || index >= static_cast<int>(m.layout.params.size())) {
     return invalid_argument("download_grad: no parameter with index " + std::to_string(index));
+  }
+  if (m.G(index).data == nullptr) {
+    return failed_precondition("download_grad: parameter '" + m.layout.params[static_cast<std::size_t>(index)].name +
+                               "' has no gradient storage bound on the device");
   }
   std::vector<float> out(static_cast<std::size_t>(m.layout.params[static_cast<std::size_t>(index)].numel()));
   STRATA_RETURN_IF_ERROR(m.stager->download(out.data(), m.G(index).data, out.size() * 4));

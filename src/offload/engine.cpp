@@ -1003,13 +1003,10 @@ Status OffloadEngine::Impl::prefetch_ahead() {
     for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
       const std::size_t uu = static_cast<std::size_t>(u);
       if (units.home[uu] == Tier::kDevice || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
-      // Only units whose update is done (never block the caller on a prefetch) ...
-      bool ready = opt_on_device;
-      if (!ready) {
-        std::lock_guard<std::mutex> lock(mu);
-        ready = updated_step[uu] >= steps;
-      }
-      if (!ready) return ok_status();
+      // A unit whose update is still running is waited for: the forward reaches it a few modules
+      // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
+      // of how fast the optimizer thread runs.
+      STRATA_RETURN_IF_ERROR(wait_updated(u));
       budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
       if (budget < 0) return ok_status();
       // ... into a free slot.

@@ -126,7 +126,8 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
 }
 
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
-// carving, per token, with alignment slack) plus kernel workspace.
+// carving, per token, with alignment slack). The cuda backend's kernel workspace comes on top
+// (kCudaWorkspaceBytes, added by OffloadPlan::check_fits).
 inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config) {
   const ModelConfig& c = config.model;
   const std::int64_t N = config.micro_batch * config.seq_len;
@@ -140,8 +141,10 @@ inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config) {
        4 * static_cast<std::uint64_t>(sets * (4 + c.n_head) + 4));
   acts += static_cast<std::uint64_t>(N) * w * static_cast<std::uint64_t>(3 * C + Q + 3 * F);
   acts += static_cast<std::uint64_t>(N) * 8 + static_cast<std::uint64_t>(c.n_positions * c.head_dim()) * 4;
-  return acts + (64u << 20);
+  return acts + acts / 16 + (1u << 20);
 }
+
+inline constexpr std::uint64_t kCudaWorkspaceBytes = 64ull << 20;
 
 // Swap space: every key once, plus room for the versions being rewritten (a write goes to fresh
 // extents and frees the old ones only once published) and checksum-block rounding.

@@ -164,8 +164,10 @@ std::uint64_t available_host_memory() {
 
 Status OffloadPlan::check_fits(const Device& device, const OffloadSettings& settings) const {
   const DeviceInfo& info = const_cast<Device&>(device).info();
-  if (device_bytes > info.memory_budget) {
-    return out_of_memory("offload plan: the device needs " + format_bytes(device_bytes) + " but its budget is " +
+  const std::uint64_t need =
+      device_bytes + (info.kind == DeviceKind::kCuda ? offload_detail::kCudaWorkspaceBytes : 0);
+  if (need > info.memory_budget) {
+    return out_of_memory("offload plan: the device needs " + format_bytes(need) + " but its budget is " +
                          format_bytes(info.memory_budget) +
                          "; raise device_memory (STRATA_DEVICE_MEMORY / --device-memory), offload more "
                          "(offload_param / offload_optimizer), or lower the micro-batch or sequence length");

@@ -6,7 +6,10 @@
 // Exit codes: 0 trained, 1 a file could not be read/written or training failed, 2 bad flags.
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -22,6 +25,7 @@
 #include "strata/data.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
+#include "strata/offload.hpp"
 #include "strata/options.hpp"
 
 namespace strata::cli {
@@ -45,6 +49,28 @@ struct Defaults {
   static constexpr double kGradClip = 1.0;
   static constexpr std::int64_t kValWindows = 64;
   static constexpr std::uint64_t kSeed = 1234;
+};
+
+// The default swap directory of the NVMe tier: fresh under $TMPDIR, removed when the run ends.
+class TempSwapDir {
+ public:
+  static Result<std::unique_ptr<TempSwapDir>> create() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/strata-swap-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      return io_error("cannot create a swap directory '" + tmpl + "' (set --nvme-path): " + std::strerror(errno));
+    }
+    return std::unique_ptr<TempSwapDir>(new TempSwapDir(tmpl));
+  }
+  ~TempSwapDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit TempSwapDir(std::string path) : path_(std::move(path)) {}
+  std::string path_;
 };
 
 constexpr FlagSpec kTrainFlags[] = {
@@ -73,6 +99,14 @@ constexpr FlagSpec kTrainFlags[] = {
     {"save-weights", "FILE", "write the final weights as Hugging Face safetensors"},
     {"out", "DIR",
      "save the run: DIR/weights.safetensors (native layout, see strata export) and DIR/run.json"},
+    {"offload-param", "TIER",
+     "where working parameters live: none (device), cpu (host) or nvme (default nvme; a config's "
+     "zero_optimization.offload_param wins over the default, this flag over both)"},
+    {"offload-optimizer", "TIER",
+     "where fp32 master weights and Adam moments live and the optimizer runs: none (device), cpu or "
+     "nvme (default cpu)"},
+    {"nvme-path", "DIR", "swap directory of the NVMe tier (default: a fresh directory under $TMPDIR, removed at exit)"},
+    {"plan", "", "print the memory plan (bytes per tier) and exit"},
     {"quiet", "", "no progress line (the summary is still printed)"},
     {"help", "", "show this help"},
 };
@@ -86,8 +120,9 @@ std::vector<FlagSpec> all_flags() {
 std::string train_usage() {
   const auto flags = all_flags();
   return "usage: strata train [flags]\n\n"
-         "Trains a GPT on one device without offload. With no flags: a 4-layer GPT-2 on the built-in\n"
-         "corpus (byte tokens), cpu backend, about two minutes on two cores.\n\nflags:\n" +
+         "Trains a GPT with its state placed over device memory, host memory and NVMe. With no flags: a\n"
+         "4-layer GPT-2 on the built-in corpus (byte tokens), cpu backend, parameters on NVMe, optimizer\n"
+         "state on the host, activations and small modules on the device.\n\nflags:\n" +
          format_flags(flags);
 }
 
@@ -181,12 +216,20 @@ int run_train(std::span<const std::string> argv) {
   std::int64_t steps = Defaults::kSteps;
   bool schedule_from_config = false;
   Options options;
+  OffloadSettings offload;
+  offload.params = Tier::kNvme;
+  offload.optimizer = Tier::kHost;
   if (auto path = args.get("config")) {
     auto config = load_config_file(*path, &options);
     if (!config.ok()) return fail(config.status());
     const auto keys = present_keys(*path);
     Status s = tc.apply(*config, keys);
     if (!s.ok()) return fail(s);
+    if (std::find(keys.begin(), keys.end(), "zero_optimization") != keys.end() ||
+        std::find(keys.begin(), keys.end(), "aio") != keys.end()) {
+      s = offload.apply(*config);
+      if (!s.ok()) return fail(s);
+    }
     if (std::find(keys.begin(), keys.end(), "scheduler") != keys.end() &&
         config->scheduler.total_num_steps > 0) {
       steps = config->scheduler.total_num_steps;
@@ -281,18 +324,47 @@ int run_train(std::span<const std::string> argv) {
   s = tc.validate();
   if (!s.ok()) return usage(s);
 
-  // ---- device and trainer ----
-  auto needed = Trainer::device_bytes(tc);
-  if (!needed.ok()) return usage(needed.status());
+  // ---- placement, plan, device and engine ----
+  for (const auto& [flag, tier] : {std::pair{"offload-param", &offload.params}, std::pair{"offload-optimizer", &offload.optimizer}}) {
+    if (auto v = args.get(flag)) {
+      auto t = parse_tier(*v);
+      if (!t.ok()) return usage(invalid_argument("flag '--" + std::string(flag) + "': " + t.status().message()));
+      *tier = *t;
+    }
+  }
+  std::unique_ptr<TempSwapDir> temp_swap;
+  if (auto dir = args.get("nvme-path")) {
+    offload.nvme_path = {*dir};
+    offload.io.nvme_path = offload.nvme_path;
+  }
+  const bool uses_nvme = offload.params == Tier::kNvme || offload.optimizer == Tier::kNvme;
+  if (uses_nvme && offload.nvme_path.empty()) {
+    auto t = TempSwapDir::create();
+    if (!t.ok()) return fail(t.status());
+    temp_swap = std::move(*t);
+    offload.nvme_path = {temp_swap->path()};
+    offload.io.nvme_path = offload.nvme_path;
+  }
+  s = offload.validate();
+  if (!s.ok()) return usage(s);
+  auto plan = OffloadPlan::make(tc, offload);
+  if (!plan.ok()) return usage(plan.status());
+  if (args.has("plan")) {
+    std::printf("%s", plan->to_string().c_str());
+    return kExitOk;
+  }
   DeviceConfig dc;
-  s = device_options(args, *needed, &options, &dc);
+  s = device_options(args, plan->device_bytes, &options, &dc);
   if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
   tc.optimizer_isa = options.get_string(Option::kAdamIsa);
+  if (plan->pinned_bytes + (64u << 20) > dc.pinned_bytes && options.source(Option::kPinnedMemory) == "default") {
+    dc.pinned_bytes = align_up(plan->pinned_bytes + (64u << 20), 1u << 20);
+  }
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());
-  auto trainer = Trainer::create(tc, **device);
-  if (!trainer.ok()) return fail(trainer.status());
-  Trainer& tr = **trainer;
+  auto engine = OffloadEngine::create(tc, offload, **device);
+  if (!engine.ok()) return fail(engine.status());
+  OffloadEngine& tr = **engine;
 
   const ModelLayout& layout = tr.model().layout();
   const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len;
@@ -319,6 +391,9 @@ int run_train(std::span<const std::string> argv) {
       tc.optimizer.weight_decay, tc.grad_clip);
   std::printf("device   %s, %d compute threads, %s budget\n", (*device)->info().name.c_str(),
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str());
+  std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
+              std::string(to_string(offload.optimizer)).c_str(), uses_nvme ? ", swap in " : "",
+              uses_nvme ? offload.nvme_path.front().c_str() : "", tr.plan().to_string().c_str());
   std::fflush(stdout);
 
   // ---- the loop ----
@@ -421,6 +496,17 @@ int run_train(std::span<const std::string> argv) {
   summary["wall_s"] = wall;
   summary["tokens_per_s"] = static_cast<double>(tokens_per_step * steps) / train_seconds;
   summary["parameters"] = layout.num_parameters();
+  {
+    const OffloadStats os = tr.stats();
+    summary["offload_param"] = std::string(to_string(offload.params));
+    summary["offload_optimizer"] = std::string(to_string(offload.optimizer));
+    summary["bytes_h2d"] = os.bytes_h2d;
+    summary["bytes_d2h"] = os.bytes_d2h;
+    summary["bytes_nvme_read"] = os.bytes_nvme_read;
+    summary["bytes_nvme_written"] = os.bytes_nvme_written;
+    summary["prefetch_hit_rate"] = os.hit_rate();
+    summary["allocations_after_warmup"] = os.allocations_after_warmup;
+  }
   if (!out_dir.empty()) {
     const std::string weights = (std::filesystem::path(out_dir) / "weights.safetensors").string();
     Status w = tr.save_weights(weights, WeightFormat::kNative);
@@ -448,6 +534,16 @@ int run_train(std::span<const std::string> argv) {
                 static_cast<long long>(val_tokens));
   }
   std::printf("  unigram baseline %.4f nats/token (a model that knows only token frequencies)\n", unigram);
+  {
+    const OffloadStats os = tr.stats();
+    std::printf("  traffic          host->device %s, device->host %s, NVMe read %s, NVMe written %s\n",
+                format_bytes(os.bytes_h2d).c_str(), format_bytes(os.bytes_d2h).c_str(),
+                format_bytes(os.bytes_nvme_read).c_str(), format_bytes(os.bytes_nvme_written).c_str());
+    std::printf("  prefetch         %.1f%% of %llu parameter fetches issued ahead; %llu allocations after the "
+                "first step; host optimizer %.1f s CPU\n",
+                100.0 * os.hit_rate(), static_cast<unsigned long long>(os.param_accesses),
+                static_cast<unsigned long long>(os.allocations_after_warmup), os.optimizer_cpu_seconds);
+  }
   if (can_validate) {
     std::printf("  validation loss is %.2f x the unigram baseline\n", last_val / unigram);
   }
