@@ -1,6 +1,7 @@
 // Bad command lines, one per case: every numeric flag has a range, and a value outside it (or
 // one that does not fit 64 bits) is a usage error (exit 2) naming the flag, the value and the
-// range; a repeated flag is an error naming it. None of these may run the command.
+// range; a repeated flag is an error naming it. None of these may run the command. Then files
+// that exist but are wrong (data, config, tokenizer, weights): exit 1 naming the file and the fault.
 #include <string>
 #include <vector>
 
@@ -105,6 +106,40 @@ TEST(CliBadInput, BenchStepOnCudaExitsTwo) {
   expect_usage_errors({
       {"bench step --device cuda" + kTinyStep, {"cuda", "--device"}},
   });
+}
+
+// Files that are there but wrong: exit 1, naming the file and what is wrong with it.
+TEST(CliBadInput, BadFilesExitOneNamingWhatIsWrong) {
+  TempDir dir("strata-cli-bad");
+  const std::string empty = write_file(dir / "empty.txt", "");
+  const std::string tiny = write_file(dir / "tiny.txt", "ab");
+  const std::string json = write_file(dir / "trunc.json", "{\"a\":");
+  const std::string vocab = write_file(dir / "vocab.json", "not json");
+  const std::string merges = write_file(dir / "merges.txt", "#version: 0.2\na b\n");
+  const std::string header = "{\"t\":{\"dtype\":\"F32\"";
+  const std::string truncated =
+      write_file(dir / "trunc.safetensors", std::string("\x10\0\0\0\0\0\0\0", 8) + header);
+  const std::string huge = write_file(dir / "huge.safetensors", std::string(8, '\xff') + "{}");
+  struct FileCase {
+    std::string args;
+    std::vector<std::string> needles;
+  };
+  const std::vector<FileCase> cases = {
+      {"train --data " + empty + kTinyTrain, {empty, "has 0 bytes", "at least 64"}},
+      {"train --data " + tiny + kTinyTrain, {tiny, "has 2 bytes"}},
+      {"train --config " + json + kTinyTrain, {json + ":1:6: invalid JSON"}},
+      {"train --vocab " + vocab + " --merges " + merges + kTinyTrain, {vocab, "not valid JSON"}},
+      {"eval --weights " + truncated + " --data " + tiny, {truncated, "header is not valid JSON"}},
+      {"eval --weights " + huge + " --data " + tiny, {huge, "exceeds the file"}},
+      {"train --val-data " + (dir / "none.txt").string() + kTinyTrain, {"none.txt", "cannot be opened"}},
+  };
+  for (const auto& c : cases) {
+    auto r = run_cli(c.args);
+    EXPECT_EQ(r.exit_code, 1) << "strata " << c.args << "\n" << r.output;
+    for (const auto& n : c.needles) {
+      EXPECT_NE(r.output.find(n), std::string::npos) << "strata " << c.args << "\n" << r.output;
+    }
+  }
 }
 
 }  // namespace
