@@ -109,8 +109,10 @@ TEST(CliTrain, LlamaWithBf16CheckpointingAndAConfigFile) {
     "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 6,
                                                          "warmup_type": "linear"}}})");
   const auto metrics = dir / "m.jsonl";
-  auto r = run_cli("train --model llama --kv-heads 1 --checkpointing on " + kTiny + "--config " + config +
-                   " --batch 3 --val-windows 4 --metrics " + metrics.string());
+  // kTiny with --batch 3 in place of its --batch 2 (a flag may be given once).
+  const std::string tiny = "--layers 1 --width 32 --heads 2 --seq-len 32 --batch 3 --threads 1 ";
+  auto r = run_cli("train --model llama --kv-heads 1 --checkpointing on " + tiny + "--config " + config +
+                   " --val-windows 4 --metrics " + metrics.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // The config's scheduler gives the step count; --batch overrides its micro batch; accumulation stays.
   EXPECT_NE(r.output.find("6 steps x 192 tokens (batch 3 x accum 2 x seq 32)"), std::string::npos)

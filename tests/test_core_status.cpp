@@ -69,6 +69,23 @@ TEST(Options, EnvironmentOverridesAndBadValuesNameTheVariable) {
   ::unsetenv("STRATA_DEVICE");
 }
 
+// Integer options count small things; a value that would wrap when narrowed to int is refused.
+TEST(Options, IntegersAndByteSizesThatDoNotFitAreRefused) {
+  Options o;
+  STRATA_EXPECT_ERROR(
+      o.set(Option::kComputeThreads, "4294967297", "STRATA_COMPUTE_THREADS"), kInvalidArgument,
+      "STRATA_COMPUTE_THREADS: value '4294967297' for option 'compute_threads' is not an integer "
+      "in [0, 4096]");
+  STRATA_EXPECT_ERROR(o.set(Option::kHostThreads, "99999999999999999999", "--x"), kInvalidArgument,
+                      "[0, 4096]");
+  STRATA_EXPECT_ERROR(o.set(Option::kDeviceOrdinal, " 1", "--x"), kInvalidArgument, "' 1'");
+  STRATA_EXPECT_ERROR(o.set(Option::kDeviceMemory, "10000000TiB", "--memory"), kInvalidArgument,
+                      "below 8 EiB");
+  EXPECT_EQ(o.get_int(Option::kComputeThreads), 0) << "a refused value changes nothing";
+  STRATA_EXPECT_OK(o.set(Option::kComputeThreads, "4096", "--x"));
+  EXPECT_EQ(o.get_int(Option::kComputeThreads), 4096);
+}
+
 TEST(Options, ParseBytesUnitsAndErrors) {
   EXPECT_EQ(*parse_bytes("4096"), 4096u);
   EXPECT_EQ(*parse_bytes("64k"), 65536u);

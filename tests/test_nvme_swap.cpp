@@ -11,11 +11,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 
 #include "harness/harness.hpp"
 #include "nvme/faults.hpp"
+#include "nvme/swap_internal.hpp"
 #include "strata/alloc.hpp"
 #include "strata/nvme.hpp"
 
@@ -350,6 +352,8 @@ TEST(SwapStore, TornJournalTailIsIgnored) {
     auto store = open_or_die(*engine, cfg);
     ASSERT_NE(store, nullptr);
     EXPECT_EQ(std::filesystem::file_size(journal), full) << "the torn tail is cut off";
+    EXPECT_EQ(store->recovery().torn_tail_bytes, 52u);
+    STRATA_EXPECT_OK(store->recovery().status);
     EXPECT_EQ(read_back(*store, {"k", 0}, data.size()), data);
     STRATA_ASSERT_OK(store->write({"k", 1}, data.data(), data.size()).wait());
   }
@@ -533,6 +537,314 @@ TEST(SwapStore, DurableModeAndChecksumsOff) {
   ASSERT_NE(store, nullptr);
   STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
   EXPECT_EQ(read_back(*store, {"d", 0}, d.size()), d);
+}
+
+// ---- Damaged stores: every error names the file, the offset and what was expected -----------
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void overwrite_file(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+// Offsets of the journal's records (the header first), walking the frames' length fields.
+std::vector<std::uint64_t> frame_offsets(const std::string& image) {
+  std::vector<std::uint64_t> out;
+  std::uint64_t pos = 0;
+  while (pos + 16 <= image.size()) {
+    std::uint32_t len;
+    std::memcpy(&len, image.data() + pos + 8, 4);
+    out.push_back(pos);
+    pos += 16 + len;
+  }
+  return out;
+}
+
+// A store in `dir` holding, in journal order: d, a (first version), b, c, a (second version).
+struct DamagedJournal {
+  std::vector<unsigned char> a2, c, d;
+  std::string journal;
+  std::uint64_t b_offset = 0;  // of b's record, whose last byte is flipped
+  std::uint64_t size = 0;      // of the damaged journal
+};
+DamagedJournal damage_the_middle_record(IoEngine& engine, const SwapStoreConfig& cfg) {
+  DamagedJournal out;
+  out.d = random_bytes(20000, 1);
+  auto a1 = random_bytes(30000, 2), b = random_bytes(40000, 3);
+  out.c = random_bytes(50000, 4);
+  out.a2 = random_bytes(60001, 5);
+  {
+    auto store = open_or_die(engine, cfg);
+    EXPECT_NE(store, nullptr);
+    if (store == nullptr) return out;
+    EXPECT_TRUE(store->write({"d", 0}, out.d.data(), out.d.size()).wait().ok());
+    EXPECT_TRUE(store->write({"a", 0}, a1.data(), a1.size()).wait().ok());
+    EXPECT_TRUE(store->write({"b", 0}, b.data(), b.size()).wait().ok());
+    EXPECT_TRUE(store->write({"c", 0}, out.c.data(), out.c.size()).wait().ok());
+    EXPECT_TRUE(store->write({"a", 0}, out.a2.data(), out.a2.size()).wait().ok());
+  }
+  out.journal = cfg.dirs[0] + "/strata-swap.journal";
+  std::string image = read_file(out.journal);
+  auto offsets = frame_offsets(image);
+  EXPECT_EQ(offsets.size(), 6u);
+  if (offsets.size() != 6) return out;
+  out.b_offset = offsets[3];
+  image[offsets[4] - 1] ^= 0x10;  // the last byte of b's record: one of its block checksums
+  overwrite_file(out.journal, image);
+  out.size = image.size();
+  return out;
+}
+
+// Corruption in the middle of the journal (not a torn tail) fails open: the message names the
+// journal, the offset of the bad record, what it seems to hold and the tensors whose state can
+// no longer be proven; the journal is left as it is, later records included.
+TEST(SwapStore, ACorruptRecordInTheMiddleFailsOpenAndTruncatesNothing) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  DamagedJournal dj = damage_the_middle_record(*engine, cfg);
+  ASSERT_GT(dj.b_offset, 0u);
+  auto r = SwapStore::open(*engine, cfg);
+  STRATA_EXPECT_ERROR(r, kDataLoss, dj.journal);
+  STRATA_EXPECT_ERROR(r, kDataLoss, "offset " + std::to_string(dj.b_offset));
+  STRATA_EXPECT_ERROR(r, kDataLoss, "checksum");
+  STRATA_EXPECT_ERROR(r, kDataLoss, "b[shard 0]");  // the damaged record's own key, unverified
+  STRATA_EXPECT_ERROR(r, kDataLoss, "d[shard 0]");  // its last record precedes the damage
+  STRATA_EXPECT_ERROR(r, kDataLoss, "salvage_journal");
+  EXPECT_EQ(std::filesystem::file_size(dj.journal), dj.size) << "the records after the damage are kept";
+  // A second attempt says the same: nothing was changed.
+  STRATA_EXPECT_ERROR(SwapStore::open(*engine, cfg), kDataLoss, "offset " + std::to_string(dj.b_offset));
+}
+
+TEST(SwapStore, SalvageKeepsTheProvenTensorsAndReportsTheLostOnes) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  DamagedJournal dj = damage_the_middle_record(*engine, cfg);
+  ASSERT_GT(dj.b_offset, 0u);
+  const std::string damaged = read_file(dj.journal);
+  cfg.salvage_journal = true;
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    const SwapRecovery& rec = store->recovery();
+    STRATA_EXPECT_ERROR(rec.status, kDataLoss, "offset " + std::to_string(dj.b_offset));
+    STRATA_EXPECT_ERROR(rec.status, kDataLoss, "Salvaged");
+    ASSERT_EQ(rec.damage.size(), 1u);
+    EXPECT_EQ(rec.damage[0].offset, dj.b_offset);
+    EXPECT_NE(rec.damage[0].reason.find("checksum mismatch"), std::string::npos) << rec.damage[0].reason;
+    EXPECT_EQ(rec.lost, (std::vector<TensorKey>{{"b", 0}, {"d", 0}}));
+    EXPECT_EQ(rec.damaged_copy, dj.journal + ".damaged");
+    EXPECT_EQ(read_file(rec.damaged_copy), damaged) << "the damaged journal is kept as it was";
+    // The proven tensors read back; the lost ones fail naming the journal and the offset.
+    EXPECT_EQ(read_back(*store, {"a", 0}, dj.a2.size()), dj.a2);
+    EXPECT_EQ(read_back(*store, {"c", 0}, dj.c.size()), dj.c);
+    std::vector<unsigned char> buf(dj.d.size());
+    Status s = store->read({"d", 0}, buf.data(), buf.size()).wait();
+    STRATA_EXPECT_ERROR(s, kDataLoss, "d[shard 0] was lost");
+    STRATA_EXPECT_ERROR(s, kDataLoss, dj.journal);
+    STRATA_EXPECT_ERROR(s, kDataLoss, "offset " + std::to_string(dj.b_offset));
+    STRATA_EXPECT_ERROR(store->size_of({"b", 0}), kDataLoss, "looks like a put of b[shard 0]");
+    EXPECT_FALSE(store->contains({"d", 0}));
+    EXPECT_EQ(store->keys().size(), 2u);
+    STRATA_ASSERT_OK(store->is_valid());
+    EXPECT_EQ(store->stats().used_bytes, align_up(dj.a2.size(), 4096) + align_up(dj.c.size(), 4096))
+        << "the lost tensors' space is free";
+    // Writing a lost key again heals it; removing one forgets it.
+    STRATA_ASSERT_OK(store->write({"d", 0}, dj.d.data(), dj.d.size()).wait());
+    EXPECT_EQ(read_back(*store, {"d", 0}, dj.d.size()), dj.d);
+    STRATA_ASSERT_OK(store->remove({"b", 0}));
+    STRATA_EXPECT_ERROR(store->size_of({"b", 0}), kNotFound, "b[shard 0]");
+  }
+  // The clean journal opens without salvage and holds what was kept and written since.
+  cfg.salvage_journal = false;
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  STRATA_EXPECT_OK(store->recovery().status);
+  EXPECT_EQ(read_back(*store, {"a", 0}, dj.a2.size()), dj.a2);
+  EXPECT_EQ(read_back(*store, {"c", 0}, dj.c.size()), dj.c);
+  EXPECT_EQ(read_back(*store, {"d", 0}, dj.d.size()), dj.d);
+  EXPECT_EQ(store->keys().size(), 3u);
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+// A damaged length field: the record's end is unknown, yet the records after it are found.
+TEST(SwapStore, ADamagedRecordLengthStillFindsTheLaterRecords) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 4 << 20);
+  DamagedJournal dj = damage_the_middle_record(*engine, cfg);
+  ASSERT_GT(dj.b_offset, 0u);
+  std::string image = read_file(dj.journal);
+  image[dj.b_offset + 11] = '\x7f';  // the top byte of b's payload length
+  overwrite_file(dj.journal, image);
+  auto r = SwapStore::open(*engine, cfg);
+  STRATA_EXPECT_ERROR(r, kDataLoss, "offset " + std::to_string(dj.b_offset));
+  STRATA_EXPECT_ERROR(r, kDataLoss, "runs past the end");
+  STRATA_EXPECT_ERROR(r, kDataLoss, "2 later records are intact");
+  cfg.salvage_journal = true;
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(read_back(*store, {"a", 0}, dj.a2.size()), dj.a2);
+  EXPECT_EQ(read_back(*store, {"c", 0}, dj.c.size()), dj.c);
+  EXPECT_EQ(store->recovery().lost, (std::vector<TensorKey>{{"d", 0}}));
+}
+
+// Salvage drops a record whose extents cannot be right and keeps the rest.
+TEST(SwapStore, SalvageDropsARecordWithImpossibleExtents) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 1 << 20);
+  auto x = random_bytes(8192, 1);
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write({"x", 0}, x.data(), x.size()).wait());
+  }
+  nvme_detail::JournalPut far;
+  far.key = {"far", 0};
+  far.seq = 100;
+  far.size = 4096;
+  far.extents = {{1 << 20, 4096}};
+  far.crcs = {0};
+  const std::string journal = (dir / "strata-swap.journal").string();
+  overwrite_file(journal, read_file(journal) + nvme_detail::encode(far));
+  cfg.salvage_journal = true;
+  auto store = open_or_die(*engine, cfg);
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(read_back(*store, {"x", 0}, x.size()), x);
+  EXPECT_EQ(store->recovery().lost, (std::vector<TensorKey>{{"far", 0}}));
+  std::vector<unsigned char> buf(4096);
+  STRATA_EXPECT_ERROR(store->read({"far", 0}, buf.data(), buf.size()).wait(), kDataLoss, "beyond the end");
+  STRATA_ASSERT_OK(store->is_valid());
+}
+
+TEST(SwapStore, BadJournalHeadersNameTheJournalAndWhatWasExpected) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 1 << 20);
+  { ASSERT_NE(open_or_die(*engine, cfg), nullptr); }
+  const std::string journal = (dir / "strata-swap.journal").string();
+  const std::string good = read_file(journal);
+  ASSERT_GE(good.size(), 16u + 33u);
+  // The header frame with `format` in place of the current format 1, with a valid checksum.
+  auto with_format = [&](std::uint32_t format) {
+    std::string h = good.substr(0, 16 + 33);
+    std::memcpy(h.data() + 16, &format, 4);
+    std::uint32_t crc = crc32c(h.data() + 4, 8);
+    crc = crc32c(h.data() + 16, 33, crc);
+    std::memcpy(h.data() + 12, &crc, 4);
+    return h;
+  };
+  std::string flipped = good;
+  flipped[16 + 20] ^= 1;  // inside the header's payload (the stripe unit)
+  struct Case {
+    std::string what, image;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      {"empty", "", {"0 bytes", "16-byte"}},
+      {"short", good.substr(0, 5), {"5 bytes", "16-byte"}},
+      {"magic", "JUNK" + good.substr(4), {"offset 0", "magic", "SWJR"}},
+      {"checksum", flipped, {"offset 0", "header", "checksum"}},
+      {"format", with_format(7), {"offset 0", "format 7", "format 1"}},
+  };
+  for (const auto& c : cases) {
+    overwrite_file(journal, c.image);
+    auto r = SwapStore::open(*engine, cfg);
+    STRATA_EXPECT_ERROR(r, kDataLoss, journal);
+    for (const auto& n : c.needles) STRATA_EXPECT_ERROR(r, kDataLoss, n);
+    EXPECT_EQ(read_file(journal), c.image) << c.what << ": the journal is left as it was";
+  }
+}
+
+TEST(SwapStore, AMissingSwapFileNamesItAndTheJournal) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 1 << 20);
+  { ASSERT_NE(open_or_die(*engine, cfg), nullptr); }
+  const std::string data = (dir / "strata-swap.0.data").string();
+  std::filesystem::remove(data);
+  auto r = SwapStore::open(*engine, cfg);
+  STRATA_EXPECT_ERROR(r, kDataLoss, "swap file " + data + " is missing");
+  STRATA_EXPECT_ERROR(r, kDataLoss, (dir / "strata-swap.journal").string());
+  STRATA_EXPECT_ERROR(r, kDataLoss, "1048576 bytes");
+  EXPECT_FALSE(std::filesystem::exists(data)) << "open does not create an empty one in its place";
+}
+
+TEST(SwapStore, AShortSwapFileNamesItsSizeAndTheExpectedOne) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string(), (dir / "second").string()}, 1 << 20);
+  std::filesystem::create_directory(dir / "second");
+  { ASSERT_NE(open_or_die(*engine, cfg), nullptr); }
+  const std::string data = (dir / "second" / "strata-swap.1.data").string();
+  std::filesystem::resize_file(data, 1000);
+  auto r = SwapStore::open(*engine, cfg);
+  STRATA_EXPECT_ERROR(r, kDataLoss, "swap file " + data + " has 1000 bytes");
+  STRATA_EXPECT_ERROR(r, kDataLoss, "expects 524288 bytes");
+  STRATA_EXPECT_ERROR(r, kDataLoss, (dir / "strata-swap.journal").string());
+}
+
+// Records whose checksums are fine but whose extents cannot be right: each error names the
+// journal, the record's offset, the key and the extent.
+TEST(SwapStore, ExtentsOutsideTheSwapFilesAreReported) {
+  TempDir dir("strata-swap");
+  auto engine = engine_or_die();
+  ASSERT_NE(engine, nullptr);
+  SwapStoreConfig cfg = store_config({dir.path().string()}, 1 << 20);
+  auto x = random_bytes(8192, 1);
+  {
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    STRATA_ASSERT_OK(store->write({"x", 0}, x.data(), x.size()).wait());
+  }
+  const std::string journal = (dir / "strata-swap.journal").string();
+  const std::string good = read_file(journal);
+  auto put = [](std::string name, std::uint64_t size, std::vector<nvme_detail::Extent> extents,
+                std::size_t crcs) {
+    nvme_detail::JournalPut p;
+    p.key = {std::move(name), 2};
+    p.seq = 100;
+    p.size = size;
+    p.extents = std::move(extents);
+    p.crcs.assign(crcs, 0);
+    return nvme_detail::encode(p);
+  };
+  struct Case {
+    std::string record;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      // Past the end of the 1 MiB file.
+      {put("far", 8192, {{(1 << 20) - 4096, 8192}}, 1),
+       {"far[shard 2]", "[1044480, 1052672)", "beyond the end", "1048576"}},
+      {put("huge", 4096, {{1ull << 62, 4096}}, 1), {"huge[shard 2]", "beyond the end"}},
+      {put("wrap", 4096, {{~0ull - 4095, 8192}}, 1), {"wrap[shard 2]", "beyond the end"}},
+      {put("odd", 4096, {{100, 4096}}, 1), {"odd[shard 2]", "[100, 4196)", "4096-byte aligned"}},
+      // The bytes x already holds.
+      {put("twin", 4096, {{0, 4096}}, 1), {"twin[shard 2]", "[0, 4096)", "x[shard 0]"}},
+      {put("small", 9000, {{65536, 4096}}, 1), {"small[shard 2]", "9000 bytes", "4096"}},
+      {put("crcs", 4096, {{65536, 4096}}, 3), {"crcs[shard 2]", "3 block checksums", "expected 1"}},
+  };
+  for (const auto& c : cases) {
+    overwrite_file(journal, good + c.record);
+    auto r = SwapStore::open(*engine, cfg);
+    STRATA_EXPECT_ERROR(r, kDataLoss, journal);
+    STRATA_EXPECT_ERROR(r, kDataLoss, "offset " + std::to_string(good.size()));
+    for (const auto& n : c.needles) STRATA_EXPECT_ERROR(r, kDataLoss, n);
+  }
 }
 
 TEST(SwapStore, ConfigErrorsAreClear) {

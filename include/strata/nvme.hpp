@@ -241,8 +241,35 @@ struct SwapStoreConfig {
   // The journal is rewritten with only the live records once it exceeds this size and four
   // times what those records need.
   std::uint64_t journal_compact_bytes = 4u << 20;
+  // What open() does with a journal that is corrupt in the middle (not a torn last record,
+  // which a crash during an append leaves and open() always cuts off), or whose records are
+  // intact but impossible (extents out of range or overlapping). false: open() fails with
+  // kDataLoss naming the journal, the offsets and the tensors at stake, and changes nothing on
+  // disk. true: open() keeps every tensor whose current version the journal proves, drops the
+  // rest, reports them in recovery(), keeps the damaged journal as `<journal>.damaged` and
+  // writes a clean one.
+  bool salvage_journal = false;
 
   Status validate() const;
+};
+
+// What open() found wrong with the journal and what it dropped (salvage_journal).
+struct SwapRecovery {
+  struct Damage {
+    std::uint64_t offset = 0;  // journal offset where a record should start but does not parse
+    std::uint64_t bytes = 0;   // skipped up to the next intact record
+    std::string reason;        // "checksum mismatch (stored crc32c 0x…, computed 0x…)", …
+  };
+  std::string journal;                // the journal's path
+  std::vector<Damage> damage;         // in file order
+  std::uint64_t torn_tail_bytes = 0;  // a torn last record cut off (a crash during an append)
+  // Tensors dropped because no version of them can be proven current: their last record
+  // precedes damage that may have replaced or removed them, the damaged record itself seems to
+  // hold them, or their extents are impossible. Reading one fails with kDataLoss saying why,
+  // until it is written again.
+  std::vector<TensorKey> lost;
+  std::string damaged_copy;  // where the damaged journal was kept; empty when none was
+  Status status;             // OK, or kDataLoss describing all of the above
 };
 
 struct SwapStoreStats {
@@ -294,6 +321,9 @@ class SwapStore {
   const SwapStoreConfig& config() const;
   // Whether every swap file is accessed with O_DIRECT (false where the file system refused it).
   bool direct_io() const;
+  // What open() had to drop from a damaged journal (SwapStoreConfig::salvage_journal); its
+  // status is OK when the journal was intact.
+  const SwapRecovery& recovery() const;
   // Checks the extent map against the free list: every byte of the files is either free or
   // held by exactly one version; the message names the first broken invariant.
   Status is_valid() const;

@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 
@@ -34,6 +35,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kAdamIsa, "adam_isa", OptionKind::kString, "auto",
      "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
 }};
+
+constexpr std::int64_t kMaxIntOption = 4096;
 
 std::string lower(std::string_view s) {
   std::string out(s);
@@ -130,16 +133,20 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
   };
   switch (d.kind) {
     case OptionKind::kInt: {
-      char* end = nullptr;
-      std::string t(value);
-      long long x = std::strtoll(t.c_str(), &end, 10);
-      if (t.empty() || *end != '\0' || x < 0) return fail("a non-negative integer");
+      // Every integer option counts something small (a device, threads): a bound keeps a
+      // value like 2^32 from wrapping when it is narrowed to int.
+      std::int64_t x = -1;
+      auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
+      if (ec != std::errc() || end != value.data() + value.size() || x < 0 || x > kMaxIntOption) {
+        return fail("an integer in [0, " + std::to_string(kMaxIntOption) + "]");
+      }
       v.i = x;
       break;
     }
     case OptionKind::kBytes: {
       auto b = parse_bytes(value);
       if (!b.ok()) return fail("a byte size such as 4096, 64KiB or 2GiB");
+      if (*b > static_cast<std::uint64_t>(INT64_MAX)) return fail("a byte size below 8 EiB");
       v.i = static_cast<std::int64_t>(*b);
       break;
     }

@@ -86,10 +86,24 @@ struct JournalRemove {
 
 using JournalRecord = std::variant<JournalPut, JournalRemove>;
 
+// A stretch of the journal that failed to parse and is followed by intact records: not a torn
+// tail (a crash during an append leaves only the last record torn) but corruption.
+struct JournalDamage {
+  std::uint64_t offset = 0;  // of the first bad byte (where a record should start)
+  std::uint64_t bytes = 0;   // up to the next intact record
+  std::string reason;        // why the record there does not parse
+  // What the bad record seems to hold, parsed without its checksum: "a put of NAME[shard S]".
+  // Empty when not even that parses. Unverified.
+  std::string suspect;
+  std::optional<TensorKey> suspect_key;
+};
+
 struct JournalContents {
   JournalHeader header;
   std::vector<JournalRecord> records;
-  std::uint64_t valid_bytes = 0;  // the prefix that parsed; anything after it was torn or corrupt
+  std::vector<std::uint64_t> record_offsets;  // journal offset of each record, in file order
+  std::vector<JournalDamage> damage;          // in file order
+  std::uint64_t valid_bytes = 0;              // end of the last intact record; after it only a torn tail
   std::uint64_t file_bytes = 0;
 };
 
@@ -97,8 +111,10 @@ struct JournalContents {
 // payload. Little-endian. The first record is the header.
 std::string encode_header(const JournalHeader& h);
 std::string encode(const JournalRecord& r);
-// Parses a journal image. A missing or corrupt header is an error; a torn or corrupt record
-// ends the valid prefix.
+// Parses a journal image. A missing or corrupt header is an error naming `path`, offset 0 and
+// what was expected. A bad record followed by intact ones is reported in `damage` and parsing
+// resumes at the next intact record; a bad record with nothing intact after it is a torn tail
+// and ends `valid_bytes`.
 Result<JournalContents> decode_journal(const std::string& image, const std::string& path);
 
 }  // namespace strata::nvme_detail

@@ -169,6 +169,17 @@ struct SwapStore::Impl {
   std::uint64_t live_record_bytes = 0;
   Status journal_broken;
   std::atomic<std::uint64_t> checksum_failures{0};
+  SwapRecovery recovery;
+  std::map<TensorKey, std::string> lost;  // dropped at open (salvage_journal): why
+
+  // kNotFound for a key the store does not hold, kDataLoss for one salvage dropped. Under mu.
+  Status missing(const TensorKey& key) const {
+    if (auto it = lost.find(key); it != lost.end()) {
+      return data_loss("tensor " + key.to_string() + " was lost when the swap journal " + journal_path +
+                       " was salvaged: " + it->second + "; write it again");
+    }
+    return not_found("tensor " + key.to_string() + " is not in the swap store (" + dirs_text() + ")");
+  }
 
   ~Impl() {
     if (file.valid()) (void)engine->close(file);
@@ -246,6 +257,200 @@ struct SwapStore::Impl {
     journal_bytes = image.size();
   }
 
+  // "[a, b)" for an extent, even when b would not fit in 64 bits.
+  static std::string extent_text(const Extent& x) {
+    if (x.length > UINT64_MAX - x.offset) {
+      return "[" + std::to_string(x.offset) + ", " + std::to_string(x.offset) + " + " +
+             std::to_string(x.length) + ")";
+    }
+    return "[" + std::to_string(x.offset) + ", " + std::to_string(x.offset + x.length) + ")";
+  }
+
+  // Rebuilds the published versions from the journal, the last record of a key winning. A
+  // version is kept only when the journal proves it current: no damage after its record, and
+  // extents that are aligned, inside the swap files and nobody else's. The others go to `lost`
+  // and recovery.status describes it all (OK when there is nothing to say). Used by open()
+  // before anything is written, so a refused journal stays as it was.
+  void replay(nvme_detail::JournalContents& c) {
+    using nvme_detail::JournalDamage;
+    recovery.torn_tail_bytes = c.file_bytes - c.valid_bytes;
+    std::map<TensorKey, std::uint64_t> last_offset;  // of each key's last intact record
+    for (std::size_t i = 0; i < c.records.size(); ++i) {
+      const std::uint64_t at = c.record_offsets[i];
+      if (auto* put = std::get_if<JournalPut>(&c.records[i])) {
+        auto v = std::make_shared<Version>();
+        v->key = put->key;
+        v->seq = put->seq;
+        v->size = put->size;
+        v->extents = std::move(put->extents);
+        v->crcs = std::move(put->crcs);
+        next_seq = std::max(next_seq, v->seq + 1);
+        last_offset[v->key] = at;
+        auto& e = entries[v->key];
+        e.last_seq = put->seq;
+        e.current = std::move(v);
+      } else {
+        const auto& rm = std::get<JournalRemove>(c.records[i]);
+        next_seq = std::max(next_seq, rm.seq + 1);
+        last_offset[rm.key] = at;
+        auto& e = entries[rm.key];
+        e.current = nullptr;
+        e.last_seq = rm.seq;
+      }
+    }
+    for (const auto& d : c.damage) recovery.damage.push_back({d.offset, d.bytes, d.reason});
+    auto location = [&](const Version& v) {
+      std::string where_text = std::to_string(v.size) + " bytes";
+      if (!v.extents.empty() && v.extents[0].offset < capacity) {
+        auto [path, off] = where(v.extents[0].offset);
+        where_text += " at " + path + " offset " + std::to_string(off);
+      }
+      return where_text;
+    };
+
+    // Damage may hide a newer version or a removal of any key recorded before it.
+    for (auto& [key, e] : entries) {
+      if (!e.current) continue;
+      const std::uint64_t at = last_offset[key];
+      for (const JournalDamage& d : c.damage) {
+        if (d.offset > at) {
+          lost[key] = location(*e.current) + "; its last record, at offset " + std::to_string(at) +
+                      ", precedes the damaged record at offset " + std::to_string(d.offset) +
+                      ", which may have replaced or removed it";
+          break;
+        }
+      }
+    }
+    // The damaged record's own key, unless an intact later record settles it.
+    for (const JournalDamage& d : c.damage) {
+      if (!d.suspect_key) continue;
+      auto it = last_offset.find(*d.suspect_key);
+      if (it != last_offset.end() && it->second > d.offset) continue;
+      lost[*d.suspect_key] = "the damaged record at offset " + std::to_string(d.offset) + " looks like " +
+                             d.suspect + " (unverified)";
+    }
+
+    // Extents, later records first: of two overlapping versions the earlier one is stale.
+    std::vector<std::pair<std::uint64_t, TensorKey>> order;
+    for (const auto& [key, e] : entries) {
+      if (e.current && lost.count(key) == 0) order.push_back({last_offset[key], key});
+    }
+    std::sort(order.rbegin(), order.rend());
+    struct Owner {
+      Extent extent;
+      TensorKey key;
+      std::uint64_t at = 0;  // its record's offset
+    };
+    std::map<std::uint64_t, Owner> owner;  // by extent offset
+    const std::uint64_t cb = config.checksum_block;
+    for (const auto& [at, key] : order) {
+      Version& v = *entries[key].current;
+      const std::string rec = "the record at offset " + std::to_string(at) + " puts " + key.to_string();
+      std::string why;
+      std::uint64_t held = 0;
+      for (const auto& x : v.extents) {
+        if (x.offset % nvme_detail::kExtentAlign != 0 || x.length % nvme_detail::kExtentAlign != 0) {
+          why = rec + " at " + extent_text(x) + ", which is not " +
+                std::to_string(nvme_detail::kExtentAlign) + "-byte aligned";
+        } else if (x.offset > capacity || x.length > capacity - x.offset) {
+          why = rec + " at " + extent_text(x) + ", beyond the end of the swap files (" +
+                std::to_string(capacity) + " bytes)";
+        }
+        if (!why.empty()) break;
+        held += x.length;
+      }
+      const std::uint64_t blocks = config.checksums ? (v.size + cb - 1) / cb : 0;
+      if (why.empty() && held < v.size) {
+        why = rec + " of " + std::to_string(v.size) + " bytes, but its extents hold " + std::to_string(held);
+      }
+      if (why.empty() && v.crcs.size() != blocks) {
+        why = rec + " with " + std::to_string(v.crcs.size()) + " block checksums, expected " +
+              std::to_string(blocks) + " (" + std::to_string(v.size) + " bytes in blocks of " +
+              std::to_string(cb) + ")";
+      }
+      std::vector<Extent> taken;
+      for (std::size_t i = 0; why.empty() && i < v.extents.size(); ++i) {
+        const Extent& x = v.extents[i];
+        if (alloc.take(x)) {
+          taken.push_back(x);
+          continue;
+        }
+        std::string other = "another extent of its own";
+        auto it = owner.upper_bound(x.offset + x.length - 1);
+        if (it != owner.begin()) {
+          --it;
+          const Owner& o = it->second;
+          if (o.extent.offset + o.extent.length > x.offset) {
+            other = o.key.to_string() + "'s extent " + extent_text(o.extent) +
+                    ", recorded later (at offset " + std::to_string(o.at) + ")";
+          }
+        }
+        why = rec + " at " + extent_text(x) + ", which overlaps " + other;
+      }
+      if (!why.empty()) {
+        for (const auto& x : taken) alloc.free(x);
+        lost[key] = why;
+        continue;
+      }
+      for (const auto& x : v.extents) owner[x.offset] = {x, key, at};
+    }
+
+    std::size_t kept = 0;
+    for (auto& [key, e] : entries) {
+      if (!e.current) continue;
+      if (lost.count(key) != 0) {
+        e.current = nullptr;
+        continue;
+      }
+      Version& v = *e.current;
+      v.record_bytes = nvme_detail::encode(record_of(v)).size();
+      live_record_bytes += v.record_bytes;
+      live.insert(&v);
+      ++kept;
+    }
+    for (const auto& [key, why] : lost) recovery.lost.push_back(key);
+    if (c.damage.empty() && lost.empty()) return;
+
+    std::string m = "swap journal " + journal_path + ": ";
+    constexpr std::size_t kListed = 8;
+    for (std::size_t i = 0; i < c.damage.size() && i < kListed; ++i) {
+      const JournalDamage& d = c.damage[i];
+      m += "the record at offset " + std::to_string(d.offset) + " is damaged (" + d.reason + "; " +
+           std::to_string(d.bytes) + " bytes skipped to the next intact record)";
+      if (!d.suspect.empty()) m += "; it looks like " + d.suspect + " (unverified)";
+      m += "; ";
+    }
+    if (c.damage.size() > kListed)
+      m += "and " + std::to_string(c.damage.size() - kListed) + " more damaged records; ";
+    if (!c.damage.empty()) {
+      std::size_t later = 0;
+      for (std::uint64_t at : c.record_offsets) later += at > c.damage[0].offset;
+      m += std::to_string(later) + " later records are intact. ";
+    }
+    if (!lost.empty()) {
+      m += "No current version can be proven for " + std::to_string(lost.size()) + " tensor(s): ";
+      std::size_t i = 0;
+      for (const auto& [key, why] : lost) {
+        if (i == kListed) {
+          m += "; and " + std::to_string(lost.size() - kListed) + " more";
+          break;
+        }
+        m += (i++ == 0 ? "" : "; ") + key.to_string() + " (" + why + ")";
+      }
+      m += ". ";
+    }
+    m += std::to_string(kept) + " tensor(s) are proven. ";
+    if (config.salvage_journal) {
+      m += "Salvaged: those are kept, the others dropped; the damaged journal is kept as " + journal_path +
+           ".damaged";
+    } else {
+      m += "Nothing was changed on disk. Open with SwapStoreConfig::salvage_journal to keep the proven "
+           "tensors "
+           "and drop the others, or remove the store's strata-swap.* files to start over";
+    }
+    recovery.status = data_loss(m);
+  }
+
   // Publishes `v` for its key unless a later write or remove already won. Under mu.
   Status publish(const std::shared_ptr<Version>& v) {
     Entry& e = entries[v->key];
@@ -262,6 +467,7 @@ struct SwapStore::Impl {
     }
     e.current = v;
     e.last_seq = v->seq;
+    lost.erase(v->key);
     live_record_bytes += v->record_bytes;
     maybe_compact();
     return ok_status();
@@ -281,6 +487,8 @@ SwapStore::~SwapStore() {
 }
 
 const SwapStoreConfig& SwapStore::config() const { return impl_->config; }
+
+const SwapRecovery& SwapStore::recovery() const { return impl_->recovery; }
 
 bool SwapStore::direct_io() const { return impl_->engine->is_direct(impl_->file); }
 
@@ -344,22 +552,19 @@ Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapS
                                  ". Use the same settings, or remove its strata-swap.* files to start over");
     }
     for (const auto& p : s.member_paths) {
+      const std::string expects = "its journal " + s.journal_path + " expects " +
+                                  std::to_string(h.member_capacity) + " bytes (" +
+                                  format_bytes(h.member_capacity) + ") there";
       struct stat st;
-      if (::stat(p.c_str(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) < h.member_capacity) {
-        return data_loss("swap file " + p + " is missing or shorter than " + format_bytes(h.member_capacity) +
-                         " (its journal " + s.journal_path + " expects it)");
+      if (::stat(p.c_str(), &st) != 0) {
+        return data_loss("swap file " + p + " is missing (" + nvme_detail::errno_text(errno) + "); " +
+                         expects + ". Restore it, or remove the store's strata-swap.* files to start over");
+      }
+      if (static_cast<std::uint64_t>(st.st_size) < h.member_capacity) {
+        return data_loss("swap file " + p + " has " + std::to_string(st.st_size) + " bytes; " + expects +
+                         ". It was truncated; remove the store's strata-swap.* files to start over");
       }
     }
-    if (contents.valid_bytes < contents.file_bytes) {
-      STRATA_LOG(kWarn, kNvme) << "swap journal " << s.journal_path << ": ignoring "
-                               << contents.file_bytes - contents.valid_bytes
-                               << " bytes of a torn record at offset " << contents.valid_bytes
-                               << " (a crash during a write; earlier versions are kept)";
-      if (::truncate(s.journal_path.c_str(), static_cast<off_t>(contents.valid_bytes)) != 0) {
-        return io_error("cannot truncate " + s.journal_path + ": " + nvme_detail::errno_text(errno));
-      }
-    }
-    s.journal_bytes = contents.valid_bytes;
   } else {
     // A new store: check the space first so nothing is written when it cannot fit.
     for (std::size_t i = 0; i < n; ++i) {
@@ -378,6 +583,15 @@ Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapS
         }
       }
     }
+  }
+
+  // Replay, before anything on disk changes: a journal that cannot be trusted is refused
+  // (or salvaged) with the files as they were.
+  s.alloc = ExtentAllocator(s.capacity);
+  s.recovery.journal = s.journal_path;
+  if (existing) {
+    s.replay(contents);
+    if (!s.recovery.status.ok() && !config.salvage_journal) return s.recovery.status;
   }
 
   std::vector<bool> created(n);
@@ -405,56 +619,40 @@ Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapS
                               s.dirs_text() + ")");
     }
     s.journal_bytes = nvme_detail::encode_header(s.header).size();
+  } else if (!s.recovery.status.ok()) {
+    // Salvage: keep the damaged journal for inspection, then write one with the kept versions.
+    s.recovery.damaged_copy = s.journal_path + ".damaged";
+    std::error_code ec;
+    std::filesystem::copy_file(s.journal_path, s.recovery.damaged_copy,
+                               std::filesystem::copy_options::overwrite_existing, ec);
+    if (ec) {
+      return io_error("cannot keep the damaged swap journal as " + s.recovery.damaged_copy + ": " +
+                      ec.message())
+          .with_context(s.recovery.status.message());
+    }
+    std::string image = nvme_detail::encode_header(s.header);
+    for (const auto& [key, e] : s.entries) {
+      if (e.current) image += nvme_detail::encode(s.record_of(*e.current));
+    }
+    STRATA_ASSIGN_OR_RETURN(s.journal_fd, replace_file(config.dirs[0], s.journal_path, image));
+    s.journal_bytes = image.size();
+    STRATA_LOG(kWarn, kNvme) << s.recovery.status.message();
+  } else {
+    if (contents.valid_bytes < contents.file_bytes) {
+      s.recovery.torn_tail_bytes = contents.file_bytes - contents.valid_bytes;
+      STRATA_LOG(kWarn, kNvme) << "swap journal " << s.journal_path << ": ignoring "
+                               << contents.file_bytes - contents.valid_bytes
+                               << " bytes of a torn record at offset " << contents.valid_bytes
+                               << " (a crash during a write; earlier versions are kept)";
+      if (::truncate(s.journal_path.c_str(), static_cast<off_t>(contents.valid_bytes)) != 0) {
+        return io_error("cannot truncate " + s.journal_path + ": " + nvme_detail::errno_text(errno));
+      }
+    }
+    s.journal_bytes = contents.valid_bytes;
   }
   if (s.journal_fd < 0) s.journal_fd = ::open(s.journal_path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (s.journal_fd < 0)
     return io_error("cannot open " + s.journal_path + ": " + nvme_detail::errno_text(errno));
-
-  // Replay: the last record for each key wins.
-  s.alloc = ExtentAllocator(s.capacity);
-  for (auto& rec : contents.records) {
-    if (auto* put = std::get_if<JournalPut>(&rec)) {
-      auto v = std::make_shared<Version>();
-      v->key = put->key;
-      v->seq = put->seq;
-      v->size = put->size;
-      v->extents = std::move(put->extents);
-      v->crcs = std::move(put->crcs);
-      s.next_seq = std::max(s.next_seq, v->seq + 1);
-      auto& e = s.entries[v->key];
-      e.current = std::move(v);
-      e.last_seq = put->seq;
-    } else {
-      const auto& rm = std::get<JournalRemove>(rec);
-      s.next_seq = std::max(s.next_seq, rm.seq + 1);
-      auto& e = s.entries[rm.key];
-      e.current = nullptr;
-      e.last_seq = rm.seq;
-    }
-  }
-  const std::uint64_t cb = config.checksum_block;
-  for (auto& [key, e] : s.entries) {
-    if (!e.current) continue;
-    Version& v = *e.current;
-    std::uint64_t held = 0;
-    for (const auto& x : v.extents) {
-      if (x.offset % nvme_detail::kExtentAlign != 0 || x.length % nvme_detail::kExtentAlign != 0 ||
-          !s.alloc.take(x)) {
-        return data_loss("swap journal " + s.journal_path + ": extent at " + std::to_string(x.offset) +
-                         " of " + key.to_string() +
-                         " is misaligned, out of range or overlaps another tensor's");
-      }
-      held += x.length;
-    }
-    std::uint64_t blocks = config.checksums ? (v.size + cb - 1) / cb : 0;
-    if (held < v.size || v.crcs.size() != blocks) {
-      return data_loss("swap journal " + s.journal_path + ": the record of " + key.to_string() +
-                       " is inconsistent (size, extents and checksums disagree)");
-    }
-    v.record_bytes = nvme_detail::encode(s.record_of(v)).size();
-    s.live_record_bytes += v.record_bytes;
-    s.live.insert(&v);
-  }
   return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
 }
 
@@ -541,10 +739,7 @@ IoHandle SwapStore::read(const TensorKey& key, void* data, std::uint64_t bytes) 
   {
     std::lock_guard<std::mutex> lock(s.mu);
     auto it = s.entries.find(key);
-    if (it == s.entries.end() || !it->second.current) {
-      return IoHandle::completed(
-          not_found("tensor " + key.to_string() + " is not in the swap store (" + s.dirs_text() + ")"));
-    }
+    if (it == s.entries.end() || !it->second.current) return IoHandle::completed(s.missing(key));
     v = it->second.current;
     if (bytes != v->size) {
       return IoHandle::completed(invalid_argument(
@@ -606,10 +801,9 @@ IoHandle SwapStore::read(const TensorKey& key, void* data, std::uint64_t bytes) 
 Status SwapStore::remove(const TensorKey& key) {
   Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.mu);
+  if (s.lost.erase(key) != 0) return ok_status();  // dropped by salvage: nothing left to remove
   auto it = s.entries.find(key);
-  if (it == s.entries.end() || !it->second.current) {
-    return not_found("tensor " + key.to_string() + " is not in the swap store (" + s.dirs_text() + ")");
-  }
+  if (it == s.entries.end() || !it->second.current) return s.missing(key);
   JournalRemove rm;
   rm.key = key;
   rm.seq = s.next_seq++;
@@ -632,18 +826,14 @@ bool SwapStore::contains(const TensorKey& key) const {
 Result<std::uint64_t> SwapStore::size_of(const TensorKey& key) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->entries.find(key);
-  if (it == impl_->entries.end() || !it->second.current) {
-    return not_found("tensor " + key.to_string() + " is not in the swap store (" + impl_->dirs_text() + ")");
-  }
+  if (it == impl_->entries.end() || !it->second.current) return impl_->missing(key);
   return it->second.current->size;
 }
 
 Result<SwapLocation> SwapStore::locate(const TensorKey& key) const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto it = impl_->entries.find(key);
-  if (it == impl_->entries.end() || !it->second.current) {
-    return not_found("tensor " + key.to_string() + " is not in the swap store (" + impl_->dirs_text() + ")");
-  }
+  if (it == impl_->entries.end() || !it->second.current) return impl_->missing(key);
   const Version& v = *it->second.current;
   SwapLocation loc;
   loc.bytes = v.size;

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 
@@ -32,6 +33,9 @@ Result<Args> Args::parse(std::span<const std::string> argv, std::span<const Flag
       if (f.name == name) spec = &f;
     }
     if (spec == nullptr) return invalid_argument("unknown flag '--" + name + "'");
+    if (out.values_.count(name) != 0) {
+      return invalid_argument("flag '--" + name + "' is given twice (each flag may appear once)");
+    }
     if (spec->value_name.empty()) {
       if (inline_value) return invalid_argument("flag '--" + name + "' takes no value");
       out.values_[name] = "true";
@@ -53,33 +57,68 @@ std::optional<std::string> Args::get(std::string_view name) const {
   return it->second;
 }
 
-Result<std::int64_t> Args::get_int(std::string_view name, std::int64_t fallback) const {
-  auto v = get(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  long long x = std::strtoll(v->c_str(), &end, 10);
-  if (v->empty() || *end != '\0') {
-    return invalid_argument("flag '--" + std::string(name) + "' expects an integer, got '" + *v + "'");
-  }
-  return static_cast<std::int64_t>(x);
+namespace {
+
+std::string flag_text(std::string_view name) { return "flag '--" + std::string(name) + "'"; }
+
+std::string number_text(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", x);
+  return buf;
 }
 
-Result<double> Args::get_double(std::string_view name, double fallback) const {
+}  // namespace
+
+Result<std::int64_t> Args::get_int(std::string_view name, std::int64_t fallback, std::int64_t lo,
+                                   std::int64_t hi) const {
   auto v = get(name);
   if (!v) return fallback;
-  char* end = nullptr;
-  double x = std::strtod(v->c_str(), &end);
-  if (v->empty() || *end != '\0') {
-    return invalid_argument("flag '--" + std::string(name) + "' expects a number, got '" + *v + "'");
+  const std::string range = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  std::int64_t x = 0;
+  const char* first = v->data();
+  const char* last = first + v->size();
+  auto [end, ec] = std::from_chars(first, last, x);
+  if (ec == std::errc::result_out_of_range && end == last) {
+    return invalid_argument(flag_text(name) + " must be an integer in " + range + ", got " + *v +
+                            " (beyond 64 bits)");
   }
+  if (ec != std::errc() || end != last) {
+    return invalid_argument(flag_text(name) + " expects an integer, got '" + *v + "' (allowed: " + range +
+                            ")");
+  }
+  if (x < lo || x > hi) return invalid_argument(flag_text(name) + " must be in " + range + ", got " + *v);
   return x;
 }
 
-Result<std::uint64_t> Args::get_bytes(std::string_view name, std::uint64_t fallback) const {
+Result<double> Args::get_double(std::string_view name, double fallback, double lo, double hi) const {
+  auto v = get(name);
+  if (!v) return fallback;
+  const std::string range = "[" + number_text(lo) + ", " + number_text(hi) + "]";
+  char* end = nullptr;
+  double x = std::strtod(v->c_str(), &end);
+  if (v->empty() || *end != '\0') {
+    return invalid_argument(flag_text(name) + " expects a number, got '" + *v + "' (allowed: " + range + ")");
+  }
+  if (!(x >= lo && x <= hi))
+    return invalid_argument(flag_text(name) + " must be in " + range + ", got " + *v);
+  return x;
+}
+
+Result<std::uint64_t> Args::get_bytes(std::string_view name, std::uint64_t fallback, std::uint64_t lo,
+                                      std::uint64_t hi) const {
   auto v = get(name);
   if (!v) return fallback;
   auto b = parse_bytes(*v);
-  if (!b.ok()) return b.status().with_context("flag '--" + std::string(name) + "'");
+  if (!b.ok()) return b.status().with_context(flag_text(name));
+  if (*b < lo) {
+    return invalid_argument(flag_text(name) + " must be at least " + format_bytes(lo) + " (" +
+                            std::to_string(lo) + " bytes), got '" + *v + "'");
+  }
+  if (*b > hi) {
+    return invalid_argument(flag_text(name) + " must be at most " + format_bytes(hi) + " (" +
+                            std::to_string(hi) + " bytes), got '" + *v + "' (" + std::to_string(*b) +
+                            " bytes)");
+  }
   return *b;
 }
 

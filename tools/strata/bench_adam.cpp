@@ -205,15 +205,12 @@ int bench_adam(std::span<const std::string> argv) {
   }
   if (!args.positionals().empty())
     return usage_error("bench adam", "unexpected argument '" + args.positionals()[0] + "'", usage());
-  auto params = args.get_bytes("params", 64ull << 20);
-  auto reps = args.get_int("reps", 7);
-  auto threads_flag = args.get_int("threads", 0);
+  auto params = args.get_bytes("params", 64ull << 20, 1, 1ull << 34);
+  auto reps = args.get_int("reps", 7, 1, 1000);
+  auto threads_flag = args.get_int("threads", 0, 0, 1024);
   if (!params.ok()) return usage_error("bench adam", params.status().message(), usage());
   if (!reps.ok()) return usage_error("bench adam", reps.status().message(), usage());
   if (!threads_flag.ok()) return usage_error("bench adam", threads_flag.status().message(), usage());
-  if (*params < 1) return usage_error("bench adam", "--params must be at least 1", usage());
-  if (*reps < 1 || *reps > 1000) return usage_error("bench adam", "--reps must be in [1, 1000]", usage());
-  if (*threads_flag < 0) return usage_error("bench adam", "--threads must be >= 1", usage());
   const std::string clock = args.get("clock").value_or("wall");
   if (clock != "wall" && clock != "cpu")
     return usage_error("bench adam", "--clock must be wall or cpu", usage());

@@ -309,12 +309,14 @@ ReplayResult replay_system(const std::vector<TraceOp>& ops, std::uint32_t ids, c
 
 constexpr FlagSpec kFlags[] = {
     {"json", "", "print one JSON object (the default output)"},
-    {"steps", "N", "training steps to replay (default 40)"},
-    {"layers", "N", "transformer layers (default 24)"},
-    {"width", "N", "model width (default 1024)"},
-    {"batch", "N", "micro-batch size (default 4)"},
-    {"seed", "N", "trace seed (default 1)"},
-    {"compact", "MODE", "arena compaction: none, step (between steps) or demand (when an allocation would otherwise raise the high-water mark); default none"},
+    {"steps", "N", "training steps to replay, 3..10000 (default 40)"},
+    {"layers", "N", "transformer layers, 1..1024 (default 24)"},
+    {"width", "N", "model width, a multiple of 64 up to 16384 (default 1024)"},
+    {"batch", "N", "micro-batch size, 1..1024 (default 4)"},
+    {"seed", "N", "trace seed, 0..4294967295 (default 1)"},
+    {"compact", "MODE",
+     "arena compaction: none, step (between steps) or demand (when an allocation would otherwise raise the "
+     "high-water mark); default none"},
     {"help", "", "show this help"},
 };
 
@@ -332,17 +334,17 @@ int bench_alloc(std::span<const std::string> argv) {
     return kExitOk;
   }
   TraceShape shape;
-  auto steps = args->get_int("steps", shape.steps);
-  auto layers = args->get_int("layers", shape.layers);
-  auto width = args->get_int("width", shape.width);
-  auto batch = args->get_int("batch", shape.batch);
-  auto seed = args->get_int("seed", 1);
+  auto steps = args->get_int("steps", shape.steps, 3, 10000);
+  auto layers = args->get_int("layers", shape.layers, 1, 1024);
+  auto width = args->get_int("width", shape.width, 64, 16384);
+  auto batch = args->get_int("batch", shape.batch, 1, 1024);
+  auto seed = args->get_int("seed", 1, 0, UINT32_MAX);
   for (const auto* r : {&steps, &layers, &width, &batch, &seed}) {
     if (!r->ok()) return usage_error("bench alloc", r->status().message(), usage());
   }
-  if (*steps < 3 || *layers < 1 || *width < 64 || *width % 64 != 0 || *batch < 1) {
-    return usage_error("bench alloc", "need --steps >= 3, --layers >= 1, --width a multiple of 64, --batch >= 1",
-                       usage());
+  if (*width % 64 != 0) {
+    return usage_error("bench alloc",
+                       "flag '--width' must be a multiple of 64, got " + std::to_string(*width), usage());
   }
   shape.steps = static_cast<int>(*steps);
   shape.layers = static_cast<int>(*layers);

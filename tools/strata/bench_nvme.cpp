@@ -87,16 +87,13 @@ int bench_nvme(std::span<const std::string> argv) {
   }
   if (!args.has("path") || !args.has("size"))
     return usage_error("bench nvme", "--path and --size are required", usage());
-  auto size = args.get_bytes("size", 0);
-  auto block = args.get_bytes("block-size", 1u << 20);
-  auto depth = args.get_int("queue-depth", 16);
-  auto threads = args.get_int("threads", 1);
+  auto size = args.get_bytes("size", 0, 1, 1ull << 50);
+  auto block = args.get_bytes("block-size", 1u << 20, 1, 1ull << 40);  // aio.validate() says more
+  auto depth = args.get_int("queue-depth", 16, 1, 32768);
+  auto threads = args.get_int("threads", 1, 1, 1024);
   for (const Status& s : {size.status(), block.status(), depth.status(), threads.status()}) {
     if (!s.ok()) return usage_error("bench nvme", s.message(), usage());
   }
-  if (*size == 0) return usage_error("bench nvme", "--size must be positive", usage());
-  if (*depth < 1 || *threads < 1)
-    return usage_error("bench nvme", "--queue-depth and --threads must be >= 1", usage());
   std::string verify_text = args.get("verify").value_or("on");
   if (verify_text != "on" && verify_text != "off") {
     return usage_error("bench nvme", "--verify expects on or off, got '" + verify_text + "'", usage());
@@ -138,7 +135,7 @@ int bench_nvme(std::span<const std::string> argv) {
   if (Status s = aio.validate(); !s.ok()) return usage_error("bench nvme", s.message(), usage());
 
   constexpr std::uint64_t kSlots = 4;
-  auto window = args.get_bytes("window", std::min<std::uint64_t>(*size, 64u << 20));
+  auto window = args.get_bytes("window", std::min<std::uint64_t>(*size, 64u << 20), 4096, 1ull << 40);
   if (!window.ok()) return usage_error("bench nvme", window.status().message(), usage());
   const std::uint64_t tensor = align_up(std::max<std::uint64_t>(*window / kSlots, 4096), 4096);
   std::string huge_text = args.get("hugepages").value_or("on");

@@ -165,8 +165,12 @@ int bench_step(std::span<const std::string> argv) {
   if (!s.ok())
     return s.code() == StatusCode::kInvalidArgument ? usage_error("bench step", s.message(), usage())
                                                     : fail(s);
-  if (dc.kind != DeviceKind::kCpu)
-    return fail(unavailable("bench step measures the cpu backend (--device cpu)"));
+  if (dc.kind != DeviceKind::kCpu) {
+    return usage_error("bench step",
+                       "bench step measures the cpu backend (--device cpu); device '" +
+                           std::string(to_string(dc.kind)) + "' is not available to it",
+                       usage());
+  }
   tc.optimizer_isa = options.get_string(Option::kAdamIsa);
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());

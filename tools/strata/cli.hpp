@@ -25,8 +25,8 @@ struct FlagSpec {
   std::string_view help;
 };
 
-// Parses `--name value`, `--name=value`, boolean `--name`, and positionals. Unknown flags and
-// missing values are errors naming the flag.
+// Parses `--name value`, `--name=value`, boolean `--name`, and positionals. Unknown flags,
+// missing values and a flag given twice are errors naming the flag.
 class Args {
  public:
   static Result<Args> parse(std::span<const std::string> argv, std::span<const FlagSpec> flags);
@@ -35,10 +35,17 @@ class Args {
   std::optional<std::string> get(std::string_view name) const;
   const std::vector<std::string>& positionals() const { return positionals_; }
 
-  // Typed accessors; an error names the flag and the expected form.
-  Result<std::int64_t> get_int(std::string_view name, std::int64_t fallback) const;
-  Result<double> get_double(std::string_view name, double fallback) const;
-  Result<std::uint64_t> get_bytes(std::string_view name, std::uint64_t fallback) const;
+  // Typed accessors with the flag's allowed range, [lo, hi]; `fallback` when the flag is absent
+  // (it is not range-checked). A value that is malformed, does not fit 64 bits or lies outside
+  // the range is an error naming the flag, the value as given and the range.
+  // A decimal integer ("-3", "42"; no "+", hex, exponent or spaces).
+  Result<std::int64_t> get_int(std::string_view name, std::int64_t fallback, std::int64_t lo,
+                               std::int64_t hi) const;
+  // A finite number (strtod's forms; nan and inf never pass the range).
+  Result<double> get_double(std::string_view name, double fallback, double lo, double hi) const;
+  // A byte size: 4096, 64KiB, 2GiB (parse_bytes).
+  Result<std::uint64_t> get_bytes(std::string_view name, std::uint64_t fallback, std::uint64_t lo,
+                                  std::uint64_t hi) const;
 
  private:
   std::map<std::string, std::string> values_;

@@ -78,12 +78,8 @@ int run_config(std::span<const std::string> argv) {
                        "expected one config FILE, got " + std::to_string(args->positionals().size()),
                        config_usage());
   }
-  auto dp = args->get_int("data-parallel-size", 0);
+  auto dp = args->get_int("data-parallel-size", 0, 1, 1 << 20);
   if (!dp.ok()) return usage_error("config", dp.status().message(), config_usage());
-  if (args->has("data-parallel-size") && *dp < 1) {
-    return usage_error("config", "--data-parallel-size must be at least 1, got " + std::to_string(*dp),
-                       config_usage());
-  }
 
   auto config = load_config_file(args->positionals()[0]);
   if (!config.ok()) {

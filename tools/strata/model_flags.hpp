@@ -50,29 +50,19 @@ inline constexpr FlagSpec kModelFlags[] = {
     {"threads", "N", "compute threads of the cpu backend (default: every core; training runs no host work)"},
 };
 
-// Reads --name as an integer in [lo, hi]; a bad value is a usage error naming the flag.
-// Absent flags leave *out as it is.
+// Reads --name as an integer in [lo, hi]; a bad value is a usage error naming the flag, the
+// value and the range. Absent flags leave *out as it is.
 inline Status int_flag(const Args& args, std::string_view name, std::int64_t lo, std::int64_t hi,
                        std::int64_t* out) {
-  if (!args.has(name)) return ok_status();
-  auto v = args.get_int(name, *out);
+  auto v = args.get_int(name, *out, lo, hi);
   if (!v.ok()) return v.status();
-  if (*v < lo || *v > hi) {
-    return invalid_argument("flag '--" + std::string(name) + "' must be in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "], got " + std::to_string(*v));
-  }
   *out = *v;
   return ok_status();
 }
 
 inline Status double_flag(const Args& args, std::string_view name, double lo, double hi, double* out) {
-  if (!args.has(name)) return ok_status();
-  auto v = args.get_double(name, *out);
+  auto v = args.get_double(name, *out, lo, hi);
   if (!v.ok()) return v.status();
-  if (!(*v >= lo && *v <= hi)) {
-    return invalid_argument("flag '--" + std::string(name) + "' must be in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "], got " + std::to_string(*v));
-  }
   *out = *v;
   return ok_status();
 }
@@ -123,6 +113,9 @@ inline Status apply_model_flags(const Args& args, std::int64_t seq_len, ModelCon
   return ok_status();
 }
 
+// --threads: 0 = the default (every core).
+inline constexpr std::int64_t kMaxComputeThreads = 4096;
+
 // The device for a training command: the tunables (environment) with --device/--threads, all
 // cores for compute unless compute_threads was set, and a memory budget of at least `needed`.
 // Errors in flag values are usage errors (kInvalidArgument); others are failures.
@@ -133,7 +126,9 @@ inline Status device_options(const Args& args, std::uint64_t needed, Options* op
     if (!s.ok()) return invalid_argument("flag '--device': " + s.message());
   }
   if (auto t = args.get("threads")) {
-    Status s = options->set(Option::kComputeThreads, *t, "--threads");
+    auto n = args.get_int("threads", 0, 0, kMaxComputeThreads);
+    if (!n.ok()) return n.status();
+    Status s = options->set(Option::kComputeThreads, std::to_string(*n), "--threads");
     if (!s.ok()) return invalid_argument("flag '--threads': " + s.message());
   }
   *config = DeviceConfig::from_options(*options);
