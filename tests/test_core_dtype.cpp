@@ -473,7 +473,8 @@ TEST_P(IsaPath, IgnoresMxcsrRoundingAndDenormalFlags) {
 #endif
 
 // Runs every float through every path and the reference. Minutes of CPU: disabled in the default
-// run; ctest runs it as dtype.every_float_exhaustive under the `slow` label (scripts/test -L slow).
+// run; ctest runs it as dtype.every_float_exhaustive.<isa> under the `slow` label (scripts/test -L slow),
+// one test per path, so a path this CPU lacks is reported as skipped.
 TEST_P(IsaPath, DISABLED_EveryFloatMatchesScalarAndReference) {
   const Reference ref_bf16(kBf16), ref_f16(kF16);
   constexpr std::size_t kChunk = 1u << 20;
