@@ -179,6 +179,35 @@ TEST(Arena, FailedMoveLeavesAConsistentArena) {
 // contents tracked so that moves are checked byte for byte.
 class ArenaProperty : public ::testing::TestWithParam<std::uint32_t> {};
 
+struct PlacedBlock {
+  std::uint64_t offset;
+  std::uint64_t size;  // aligned
+  bool relocatable;
+};
+
+// The largest block an arena of `capacity` bytes (no planned regions) holding `blocks` can
+// still provide, computed from the blocks' own offsets rather than the arena's bookkeeping:
+// the largest gap as things stand, or, where relocatable blocks exist, the largest gap once
+// compaction has slid every relocatable block down to the end of the block below it (fixed
+// blocks stay put: docs/memory-model.md). An allocation of up to this many bytes must succeed.
+std::uint64_t largest_possible_block(std::vector<PlacedBlock> blocks, std::uint64_t capacity) {
+  std::sort(blocks.begin(), blocks.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::uint64_t now = 0, compacted = 0, at = 0, cursor = 0;
+  for (const auto& b : blocks) {
+    now = std::max(now, b.offset - at);
+    at = b.offset + b.size;
+    if (b.relocatable) {
+      cursor += b.size;
+    } else {
+      compacted = std::max(compacted, b.offset - cursor);
+      cursor = b.offset + b.size;
+    }
+  }
+  now = std::max(now, capacity - at);
+  compacted = std::max(compacted, capacity - cursor);
+  return std::max(now, compacted);
+}
+
 TEST_P(ArenaProperty, RandomSequencesKeepEveryInvariant) {
   const std::uint64_t capacity = 4 << 20;
   std::vector<std::uint8_t> memory(capacity);
@@ -189,24 +218,38 @@ TEST_P(ArenaProperty, RandomSequencesKeepEveryInvariant) {
     ArenaHandle h;
     std::uint64_t bytes;
     std::uint8_t fill;
+    Lifetime lifetime;
   };
   std::vector<Live> live;
   std::uint64_t expect_live = 0;
+  int ooms = 0;
   const auto& awkward = testing::awkward_sizes();
   for (int step = 0; step < 3000; ++step) {
     int op = static_cast<int>(rng() % 10);
     if (op < 5 || live.empty()) {
       std::uint64_t bytes = (rng() % 4 == 0) ? awkward[rng() % awkward.size()] : 1 + rng() % 40000;
       auto lifetime = rng() % 3 == 0 ? Lifetime::kFixed : Lifetime::kRelocatable;
+      std::vector<PlacedBlock> placed;
+      for (const auto& l : live) {
+        placed.push_back({*arena->offset(l.h), align_up(std::max<std::uint64_t>(l.bytes, 1), alignment),
+                          l.lifetime == Lifetime::kRelocatable});
+      }
+      const std::uint64_t need = align_up(std::max<std::uint64_t>(bytes, 1), alignment);
+      const std::uint64_t room = largest_possible_block(placed, capacity);
       auto h = arena->allocate(bytes, lifetime, "blk");
       if (!h.ok()) {
         ASSERT_EQ(h.status().code(), StatusCode::kOutOfMemory) << h.status().to_string();
+        // Out of memory is right only when the request truly cannot fit.
+        ASSERT_GT(need, room) << "step " << step << ": " << need << " bytes fit (room for " << room
+                              << " after compaction) but the arena said: " << h.status().to_string() << "\n"
+                              << arena->dump();
+        ++ooms;
         continue;
       }
       auto fill = static_cast<std::uint8_t>(rng());
       std::memset(arena->ptr(*h), fill, bytes);
       ASSERT_EQ(*arena->offset(*h) % alignment, 0u);
-      live.push_back({*h, bytes, fill});
+      live.push_back({*h, bytes, fill, lifetime});
       expect_live += align_up(std::max<std::uint64_t>(bytes, 1), alignment);
     } else if (op < 9) {
       std::size_t i = rng() % live.size();
@@ -226,6 +269,8 @@ TEST_P(ArenaProperty, RandomSequencesKeepEveryInvariant) {
       }
     }
   }
+  RecordProperty("out_of_memory_answers", ooms);
+  EXPECT_GT(ooms, 0) << "the sequence never filled the arena, so the out-of-memory rule went unchecked";
   // No overlap: every live block's bytes are intact at the end.
   for (const auto& l : live) {
     auto* p = static_cast<std::uint8_t*>(arena->ptr(l.h));

@@ -37,6 +37,30 @@ std::unique_ptr<IoEngine> make_engine(IoEngineConfig cfg, const IoFaults* faults
 
 AlignedBuffer abuf(std::size_t n) { return std::move(AlignedBuffer::allocate(n)).value(); }
 
+// Why `kind` cannot run on this machine (probed with the raw system call, not through the
+// engine), or "" when it can. psync always can.
+std::string backend_unavailable_reason(IoBackendKind kind) {
+  if (kind == IoBackendKind::kIoUring) return testing::io_uring_unavailable_reason();
+  if (kind == IoBackendKind::kLibaio) return testing::libaio_unavailable_reason();
+  return "";
+}
+
+// Tests of one backend skip, naming the reason, where the machine blocks it (seccomp,
+// container policy, sysctl): otherwise the engine's fallback would run them on another backend
+// under this one's name.
+#define STRATA_SKIP_WITHOUT_BACKEND(kind)                               \
+  do {                                                                  \
+    const std::string why_ = backend_unavailable_reason(kind);          \
+    if (!why_.empty()) GTEST_SKIP() << to_string(kind) << ": " << why_; \
+  } while (0)
+
+// Tests that need O_DIRECT where TempDir puts their files.
+#define STRATA_SKIP_WITHOUT_O_DIRECT()                                                               \
+  do {                                                                                               \
+    const std::string why_ = testing::o_direct_unsupported_reason(testing::temp_root());             \
+    if (!why_.empty()) GTEST_SKIP() << why_ << " (set TMPDIR to a directory on a disk file system)"; \
+  } while (0)
+
 std::string read_file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
@@ -52,6 +76,7 @@ struct OffsetBuffer {
 
 class EngineBackends : public ::testing::TestWithParam<IoBackendKind> {
  protected:
+  void SetUp() override { STRATA_SKIP_WITHOUT_BACKEND(GetParam()); }
   IoEngineConfig config() const {
     IoEngineConfig c;
     c.backend = GetParam();
@@ -73,7 +98,10 @@ TEST_P(EngineBackends, RoundTripsAwkwardSizesAndOffsets) {
   ASSERT_NE(engine, nullptr);
   auto f = engine->open((dir / "data").string(), OpenMode::kCreate);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
-  EXPECT_TRUE(engine->is_direct(*f)) << "O_DIRECT should work on " << dir.path();
+  const std::string no_direct = testing::o_direct_unsupported_reason(testing::temp_root());
+  EXPECT_EQ(engine->is_direct(*f), no_direct.empty())
+      << "O_DIRECT is used exactly where the file system supports it; probe of " << testing::temp_root()
+      << ": " << (no_direct.empty() ? "supported" : no_direct);
   std::mt19937_64 rng(1);
   std::uint64_t offset = 0;
   int seed = 0;
@@ -183,6 +211,7 @@ TEST_P(EngineBackends, StripesOverSeveralFiles) {
 }
 
 TEST_P(EngineBackends, ShortTransfersAreResubmitted) {
+  STRATA_SKIP_WITHOUT_O_DIRECT();  // it checks that short transfers keep the file on O_DIRECT
   TempDir dir("strata-nvme");
   for (std::uint64_t cap : {4096ul, 1000ul}) {  // remainders on and off the 4 KiB grid
     IoFaults faults;
@@ -402,6 +431,7 @@ TEST(Engine, InvalidRequestsFailBeforeAnyIo) {
 }
 
 TEST(Engine, PinnedPoolAndRegisteredMemoryUseFixedBuffers) {
+  STRATA_SKIP_WITHOUT_BACKEND(IoBackendKind::kIoUring);
   TempDir dir("strata-nvme");
   auto pool = PinnedPool::create_host(8 << 20);
   ASSERT_TRUE(pool.ok()) << pool.status().to_string();
@@ -438,6 +468,7 @@ TEST(Engine, PinnedPoolAndRegisteredMemoryUseFixedBuffers) {
 // ---- Fallbacks ---------------------------------------------------------------------------------
 
 TEST(EngineFallback, NoIoUringFallsBackToLibaioThenPsync) {
+  STRATA_SKIP_WITHOUT_BACKEND(IoBackendKind::kLibaio);  // the first fallback it expects
   TempDir dir("strata-nvme");
   IoFaults faults;
   faults.uring_setup_errno = ENOSYS;
@@ -459,11 +490,17 @@ TEST(EngineFallback, NoIoUringFallsBackToLibaioThenPsync) {
   EXPECT_EQ(back, data);
 }
 
-TEST(EngineFallback, RefusedODirectGoesBuffered) {
+class EngineFallbackDirect : public ::testing::TestWithParam<IoBackendKind> {
+ protected:
+  void SetUp() override { STRATA_SKIP_WITHOUT_BACKEND(GetParam()); }
+};
+
+TEST_P(EngineFallbackDirect, RefusedODirectGoesBuffered) {
   TempDir dir("strata-nvme");
   IoFaults faults;
   faults.refuse_direct = true;
-  for (IoBackendKind kind : {IoBackendKind::kIoUring, IoBackendKind::kLibaio}) {
+  {
+    const IoBackendKind kind = GetParam();
     IoEngineConfig cfg;
     cfg.backend = kind;
     cfg.nvme_path = {dir.path().string()};
@@ -484,6 +521,10 @@ TEST(EngineFallback, RefusedODirectGoesBuffered) {
     EXPECT_EQ(engine->stats().bounced_pieces, 0u);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Nvme, EngineFallbackDirect,
+                         ::testing::Values(IoBackendKind::kIoUring, IoBackendKind::kLibaio),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(EngineFallback, TmpfsWorksWhateverItSaysAboutODirect) {
   if (!std::filesystem::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm";
@@ -573,6 +614,7 @@ TEST(Engine, DeepQueuesWork) {
 }
 
 TEST(Engine, SqPollRoundTrips) {
+  STRATA_SKIP_WITHOUT_BACKEND(IoBackendKind::kIoUring);
   TempDir dir("strata-nvme");
   IoEngineConfig cfg;
   cfg.backend = IoBackendKind::kIoUring;

@@ -517,6 +517,8 @@ TEST(SwapStore, JournalCompactionKeepsTheLiveState) {
   STRATA_ASSERT_OK(store->is_valid());
 }
 
+// Durable mode must actually flush: each published write syncs the swap file (engine syncs)
+// and the journal record (journal syncs). Without it, neither happens.
 TEST(SwapStore, DurableModeAndChecksumsOff) {
   TempDir dir("strata-swap");
   auto engine = engine_or_die();
@@ -527,16 +529,28 @@ TEST(SwapStore, DurableModeAndChecksumsOff) {
   {
     auto store = open_or_die(*engine, cfg);
     ASSERT_NE(store, nullptr);
+    const std::uint64_t syncs_before = engine->stats().syncs;
+    for (int version = 0; version < 2; ++version) {
+      STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
+    }
+    EXPECT_GE(engine->stats().syncs - syncs_before, 2u) << "every durable write syncs the swap file";
+    EXPECT_GE(store->stats().journal_syncs, 2u) << "every durable journal record is synced";
+    STRATA_ASSERT_OK(store->remove({"d", 0}));
+    EXPECT_GE(store->stats().journal_syncs, 3u) << "a durable remove syncs its journal record";
     STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
     EXPECT_EQ(read_back(*store, {"d", 0}, d.size()), d);
   }
   TempDir dir2("strata-swap");
   SwapStoreConfig off = store_config({dir2.path().string()}, 4 << 20);
   off.checksums = false;
+  ASSERT_FALSE(off.durable);
   auto store = open_or_die(*engine, off);
   ASSERT_NE(store, nullptr);
+  const std::uint64_t syncs_before = engine->stats().syncs;
   STRATA_ASSERT_OK(store->write({"d", 0}, d.data(), d.size()).wait());
   EXPECT_EQ(read_back(*store, {"d", 0}, d.size()), d);
+  EXPECT_EQ(engine->stats().syncs, syncs_before) << "a non-durable write does not sync";
+  EXPECT_EQ(store->stats().journal_syncs, 0u) << "a non-durable journal is not synced per record";
 }
 
 // ---- Damaged stores: every error names the file, the offset and what was expected -----------

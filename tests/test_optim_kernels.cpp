@@ -25,6 +25,7 @@
 #include "harness/harness.hpp"
 #include "optim/kernels.hpp"
 #include "optim/numerics.hpp"
+#include "optim_isa.hpp"
 #include "optim_reference.hpp"
 #include "strata/dtype.hpp"
 #include "strata/optim.hpp"
@@ -39,13 +40,11 @@ using optim_detail::f32_to_f16;
 using testing::ref_bf16_to_double;
 using testing::ref_f16_to_double;
 
-std::vector<SimdIsa> supported_isas() {
-  std::vector<SimdIsa> out;
-  for (SimdIsa isa : {SimdIsa::kScalar, SimdIsa::kAvx2, SimdIsa::kAvx512}) {
-    if (optimizer_supports(isa)) out.push_back(isa);
-  }
-  return out;
-}
+// Per-ISA tests: one instance per path, skipped with the reason where this CPU lacks it.
+class OptimConvertIsa : public testing::OptimizerIsaTest {};
+class OptimUpdateIsa : public testing::OptimizerIsaTest {};
+STRATA_INSTANTIATE_OPTIMIZER_ISAS(OptimConvertIsa);
+STRATA_INSTANTIATE_OPTIMIZER_ISAS(OptimUpdateIsa);
 
 CpuOptimizer make_optimizer(SimdIsa isa, int threads, std::uint32_t seed = 7) {
   CpuOptimizerConfig c;
@@ -129,8 +128,8 @@ TEST(OptimConvert, F16MatchesTheFormatDefinition) {
   }
 }
 
-// Every ISA's vector rounding equals the scalar rounding, over a sweep of all bit patterns.
-TEST(OptimConvert, IsaRoundingsMatchScalarOverBitPatterns) {
+// Each ISA's vector rounding equals the scalar rounding, over a sweep of all bit patterns.
+TEST_P(OptimConvertIsa, RoundingMatchesScalarOverBitPatterns) {
   std::vector<float> in;
   for (std::uint64_t u = 0; u < (1ull << 32); u += 4099)
     in.push_back(from_bits(static_cast<std::uint32_t>(u)));
@@ -143,18 +142,17 @@ TEST(OptimConvert, IsaRoundingsMatchScalarOverBitPatterns) {
   for (DType dt : {DType::kBF16, DType::kF16}) {
     for (std::size_t i = 0; i < in.size(); ++i)
       want[i] = dt == DType::kBF16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
-    for (SimdIsa isa : supported_isas()) {
-      std::fill(got.begin(), got.end(), 0);
-      optim_detail::round_with_isa(isa, in.data(), got.data(), dt, in.size());
-      std::size_t bad = 0;
-      for (std::size_t i = 0; i < in.size(); ++i) {
-        if (got[i] != want[i] && bad++ < 5) {
-          ADD_FAILURE() << to_string(isa) << " " << to_string(dt) << " bits " << std::hex << to_bits(in[i])
-                        << ": got " << got[i] << " want " << want[i];
-        }
+    const SimdIsa isa = GetParam();
+    std::fill(got.begin(), got.end(), 0);
+    optim_detail::round_with_isa(isa, in.data(), got.data(), dt, in.size());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      if (got[i] != want[i] && bad++ < 5) {
+        ADD_FAILURE() << to_string(isa) << " " << to_string(dt) << " bits " << std::hex << to_bits(in[i])
+                      << ": got " << got[i] << " want " << want[i];
       }
-      EXPECT_EQ(bad, 0u) << to_string(isa) << " " << to_string(dt);
     }
+    EXPECT_EQ(bad, 0u) << to_string(isa) << " " << to_string(dt);
   }
 }
 
@@ -406,9 +404,9 @@ void check_against_reference(const Case& c, const OptimizerHyper& h, const Refer
   }
 }
 
-// Runs case c on every supported ISA: each path is checked against the double reference (fp32
-// moments) and must reproduce the scalar path bitwise.
-void run_all_isas(const Case& c, int threads = 2) {
+// Runs case c on `isa`: the path is checked against the double reference (fp32 moments) and
+// must reproduce the scalar path bitwise.
+void run_on_isa(const Case& c, SimdIsa isa, int threads = 2) {
   const OptimizerHyper h = hyper_for(c.kind);
   State s;
   const RunResult scalar = run_case(c, make_optimizer(SimdIsa::kScalar, threads), s, h);
@@ -420,10 +418,10 @@ void run_all_isas(const Case& c, int threads = 2) {
         static_cast<std::size_t>(std::count(ref.ambiguous.begin(), ref.ambiguous.end(), true));
     EXPECT_LE(skipped, c.n / 1000 + 2) << describe(c) << ": too many sign-ambiguous Lion elements";
   }
-  for (SimdIsa isa : supported_isas()) {
+  {
     const RunResult r = isa == SimdIsa::kScalar ? scalar : run_case(c, make_optimizer(isa, threads), s, h);
     if (exact_moments) check_against_reference(c, h, ref, r, isa);
-    if (isa == SimdIsa::kScalar) continue;
+    if (isa == SimdIsa::kScalar) return;
     ASSERT_EQ(r.bytes.size(), scalar.bytes.size());
     if (r.bytes != scalar.bytes) {
       std::size_t first = 0;
@@ -440,31 +438,31 @@ const DType kGradTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 const OptimizerKind kKinds[] = {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion,
                                 OptimizerKind::kAdagrad};
 
-TEST(OptimUpdate, EveryIsaMatchesReferenceOnAwkwardLengths) {
+TEST_P(OptimUpdateIsa, MatchesReferenceOnAwkwardLengths) {
   for (OptimizerKind kind : kKinds) {
     for (DType g : kGradTypes) {
       for (Out out : {Out::kNone, Out::kBF16, Out::kF16}) {
         for (std::size_t n : {0u, 1u, 3u, 15u, 16u, 17u, 31u, 33u, 255u, 1023u, 4097u}) {
           const Case c{kind, g, DType::kF32, out, n, n % 7 + 1, 40};
           SCOPED_TRACE(describe(c));
-          run_all_isas(c);
+          run_on_isa(c, GetParam());
         }
       }
     }
   }
 }
 
-TEST(OptimUpdate, EveryIsaMatchesReferenceOnAMillionElements) {
+TEST_P(OptimUpdateIsa, MatchesReferenceOnAMillionElements) {
   const std::size_t n = (1u << 20) + 3;
   for (OptimizerKind kind : kKinds) {
     for (DType g : {DType::kF32, DType::kBF16}) {
       const Case c{kind, g, DType::kF32, g == DType::kF32 ? Out::kNone : Out::kBF16, n, 5, 3};
       SCOPED_TRACE(describe(c));
-      run_all_isas(c, 3);
+      run_on_isa(c, GetParam(), 3);
     }
   }
   const Case fp16{OptimizerKind::kAdamW, DType::kF16, DType::kF32, Out::kF16, n, 1, 2};
-  run_all_isas(fp16, 2);
+  run_on_isa(fp16, GetParam(), 2);
 }
 
 TEST(OptimUpdate, ResultDoesNotDependOnThreadCount) {
@@ -484,18 +482,18 @@ TEST(OptimUpdate, ResultDoesNotDependOnThreadCount) {
 
 // ---- bf16 moments ----------------------------------------------------------------------------
 
-TEST(OptimUpdate, Bf16MomentsAreBitwiseAcrossIsasAndPieces) {
+TEST_P(OptimUpdateIsa, Bf16MomentsAreBitwiseAcrossIsasAndPieces) {
   for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kLion}) {
     for (std::size_t n : {1u, 17u, 1023u, 70001u}) {
       const Case c{kind, DType::kBF16, DType::kBF16, Out::kBF16, n, 3, 6};
       SCOPED_TRACE(describe(c));
-      run_all_isas(c);
+      run_on_isa(c, GetParam());
     }
   }
   // Updating a buffer in two pieces (with element_offset) equals updating it whole.
   const std::size_t n = 5000, cut = 1234;
   const OptimizerHyper h = hyper_for(OptimizerKind::kAdamW);
-  const CpuOptimizer opt = make_optimizer(best_optimizer_isa(), 2);
+  const CpuOptimizer opt = make_optimizer(GetParam(), 2);
   State whole, pieces;
   for (State* s : {&whole, &pieces}) {
     s->init(n, DType::kF32, DType::kBF16, 0);
@@ -523,12 +521,13 @@ TEST(OptimUpdate, Bf16MomentsAreBitwiseAcrossIsasAndPieces) {
 // With round-to-nearest, a bf16 second moment cannot follow a slow decay (each step changes it by
 // 0.1%, below half a bf16 ulp), so it would stall at its peak. Stochastic rounding must track the
 // double reference on average.
-TEST(OptimUpdate, Bf16MomentsTrackSlowDecayWithoutStalling) {
+TEST_P(OptimUpdateIsa, Bf16MomentsTrackSlowDecayWithoutStalling) {
   const std::size_t n = 4096;
   const int steps = 600;
   OptimizerHyper h = OptimizerHyper::defaults(OptimizerKind::kAdamW);
   h.lr = 0.0;  // isolate the moments
-  for (SimdIsa isa : supported_isas()) {
+  {
+    const SimdIsa isa = GetParam();
     State s;
     s.init(n, DType::kF32, DType::kBF16, 1);
     fill_initial(s, 5);
@@ -554,9 +553,10 @@ TEST(OptimUpdate, Bf16MomentsTrackSlowDecayWithoutStalling) {
 
 // ---- nan / inf gradients -----------------------------------------------------------------------
 
-TEST(OptimUpdate, NonFiniteGradientsPoisonOnlyTheirElement) {
+TEST_P(OptimUpdateIsa, NonFiniteGradientsPoisonOnlyTheirElement) {
   const std::size_t n = 1000;
-  for (SimdIsa isa : supported_isas()) {
+  {
+    const SimdIsa isa = GetParam();
     for (DType g : kGradTypes) {
       for (float bad : {NAN, INFINITY, -INFINITY}) {
         const CpuOptimizer opt = make_optimizer(isa, 1);

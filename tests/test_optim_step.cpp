@@ -196,24 +196,69 @@ TEST(FusedAdamArguments, CheckedBeforeAnyLaunch) {
 
 // ---- The benchmark's command line ----------------------------------------------------------------
 
-TEST(OptimBench, PrintsTheFiguresForThreeVariants) {
+// Sizes that fit in the cache are usage errors naming --params and the minimum, which the
+// test then uses (the smallest size the benchmark accepts on this machine).
+std::uint64_t minimum_bench_params() {
   const auto r = testing::run_cli("bench adam --json --params 40000 --reps 1 --threads 1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--params 40000 is too small"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("last-level cache"), std::string::npos) << r.output;
+  const std::string marker = "the minimum is --params ";
+  const auto at = r.output.find(marker);
+  if (at == std::string::npos) return 0;
+  return std::strtoull(r.output.c_str() + at + marker.size(), nullptr, 10);
+}
+
+TEST(OptimBench, RejectsSizesThatFitInCache) {
+  const std::uint64_t min_params = minimum_bench_params();
+  EXPECT_GE(min_params * 20, 64u << 20) << "at least 64 MiB of state";
+  EXPECT_EQ(testing::run_cli("bench adam --params 1").exit_code, 2);
+  const auto below = testing::run_cli("bench adam --params " + std::to_string(min_params - 1) + " --help");
+  EXPECT_EQ(below.exit_code, 0) << "--help wins over a bad size";
+}
+
+TEST(OptimBench, PrintsTheFiguresForThreeVariants) {
+  const std::uint64_t n = minimum_bench_params();
+  ASSERT_GT(n, 0u);
+  // One thread timed by its own CPU time: the ratios stay meaningful on a shared machine.
+  const auto r = testing::run_cli("bench adam --json --params " + std::to_string(n) +
+                                  " --reps 3 --threads 1 --clock cpu");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.output;
   EXPECT_EQ(j["isa"], std::string(to_string(best_optimizer_isa())));
   EXPECT_EQ(j["threads"], 1);
+  EXPECT_EQ(j["params"].get<std::uint64_t>(), n) << "the size asked for";
+  EXPECT_EQ(j["min_params"].get<std::uint64_t>(), n);
+  EXPECT_EQ(j["reps"], 3);
+  EXPECT_EQ(j["clock"], "cpu");
   ASSERT_EQ(j["variants"].size(), 3u);
-  for (const auto& v : j["variants"]) {
+  const std::uint64_t bytes_per_param[] = {28, 28, 20};
+  for (std::size_t k = 0; k < 3; ++k) {
+    const auto& v = j["variants"][k];
+    SCOPED_TRACE(v.dump());
     for (const char* key :
-         {"mparams_per_s", "roofline_mparams_per_s", "ratio_to_roofline", "isa", "threads"}) {
-      EXPECT_TRUE(v.contains(key)) << key << " missing in " << v.dump();
+         {"mparams_per_s", "roofline_mparams_per_s", "ratio_to_roofline", "ratio_min", "ratio_max",
+          "best_ratio", "roofline_gb_per_s", "min_cpu_share", "isa", "threads"}) {
+      ASSERT_TRUE(v.contains(key)) << key;
     }
-    EXPECT_GT(v["mparams_per_s"].get<double>(), 0.0);
+    EXPECT_EQ(v["bytes_per_param"], bytes_per_param[k]);
+    EXPECT_EQ(v["isa"], j["isa"]);
+    const double ratio = v["ratio_to_roofline"].get<double>();
+    EXPECT_GT(ratio, 0.0);
+    EXPECT_LE(ratio, 1.5) << "the update cannot move its bytes much faster than a plain stream of them";
+    EXPECT_LE(v["ratio_min"].get<double>(), ratio);
+    EXPECT_GE(v["ratio_max"].get<double>(), ratio);
+    const double mparams = v["mparams_per_s"].get<double>(), roof = v["roofline_mparams_per_s"].get<double>();
+    EXPECT_GT(mparams, 0.0);
+    EXPECT_GT(roof, 0.0);
+    EXPECT_GE(v["best_mparams_per_s"].get<double>(), mparams) << "the best rep is at least the median";
+    EXPECT_NEAR(v["roofline_gb_per_s"].get<double>(), roof * 1e6 * bytes_per_param[k] / 1e9, 1e-9 * roof);
+    EXPECT_NEAR(v["best_ratio"].get<double>(),
+                v["best_mparams_per_s"].get<double>() / v["best_roofline_mparams_per_s"].get<double>(), 1e-9);
+    EXPECT_GT(v["min_cpu_share"].get<double>(), 0.0);
   }
-  EXPECT_EQ(j["variants"][0]["bytes_per_param"], 28);
-  EXPECT_EQ(j["variants"][1]["bytes_per_param"], 28);
-  EXPECT_EQ(j["variants"][2]["bytes_per_param"], 20);
+  EXPECT_TRUE(j["variants"][2].contains("speedup_vs_fp32_moments"));
 
   EXPECT_EQ(testing::run_cli("bench adam --params lots").exit_code, 2);
   EXPECT_EQ(testing::run_cli("bench adam --isa mmx").exit_code, 2);

@@ -66,6 +66,9 @@ struct ArenaStats {
   std::uint64_t frees = 0;
   std::uint64_t compactions = 0;
   std::uint64_t bytes_moved = 0;         // by compaction
+  // Dynamic allocations that raised the high-water mark: the footprint grew onto bytes never
+  // used before (on the cpu backend's lazily mapped memory, pages the OS must now provide).
+  std::uint64_t growths = 0;
 };
 
 // One contiguous range of `capacity` bytes, managed by offset. The memory itself (if any) is

@@ -153,6 +153,7 @@ struct IoEngineStats {
   std::uint64_t buffered_pieces = 0;      // pieces done without O_DIRECT (unaligned edges, no O_DIRECT)
   std::uint64_t short_transfers = 0;      // completions shorter than asked, resubmitted
   std::uint64_t errors = 0;
+  std::uint64_t syncs = 0;  // fdatasync calls made by sync() that succeeded (one per member file)
 };
 
 // Thread safety: every method may be called from any thread. Requests to the same bytes of a
@@ -280,6 +281,9 @@ struct SwapStoreStats {
   std::uint64_t tensors = 0;  // published keys
   std::uint64_t journal_bytes = 0;
   std::uint64_t checksum_failures = 0;
+  // fdatasync calls on the journal after appending a record: durable mode only (0 otherwise).
+  // The swap files' own syncs before a write is published are the engine's IoEngineStats::syncs.
+  std::uint64_t journal_syncs = 0;
 };
 
 // Where one tensor's bytes are (for tools and tests).

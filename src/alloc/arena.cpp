@@ -116,6 +116,7 @@ struct Arena::State {
     e.tag = std::string(tag);
     it->second = Block{size, false, idx};
     add_live(size);
+    if (offset + size > hwm) ++counters.growths;
     hwm = std::max(hwm, offset + size);
     if (lifetime == Lifetime::kRelocatable) ++relocatable_live;
     ++counters.allocations;

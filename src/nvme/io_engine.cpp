@@ -850,6 +850,7 @@ IoEngineStats IoEngine::stats() const {
   s.buffered_pieces = impl_->buffered_pieces.load();
   s.short_transfers = impl_->short_transfers.load();
   s.errors = impl_->errors.load();
+  s.syncs = impl_->syncs.load();
   return s;
 }
 
@@ -1069,6 +1070,7 @@ Status IoEngine::sync(FileId file) {
       int err = errno;
       return io_error("fdatasync of " + m->path + " failed: " + nvme_detail::errno_text(err));
     }
+    impl_->syncs.fetch_add(1, std::memory_order_relaxed);
   }
   return ok_status();
 }

@@ -180,6 +180,7 @@ struct SwapStore::Impl {
     }
     return not_found("tensor " + key.to_string() + " is not in the swap store (" + dirs_text() + ")");
   }
+  std::uint64_t journal_syncs = 0;  // under mu (append() runs under it)
 
   ~Impl() {
     if (file.valid()) (void)engine->close(file);
@@ -216,8 +217,12 @@ struct SwapStore::Impl {
   Status append(const std::string& record) {
     if (!journal_broken.ok()) return journal_broken;
     Status s = write_all(journal_fd, record, journal_path);
-    if (s.ok() && config.durable && ::fdatasync(journal_fd) != 0) {
-      s = io_error("fdatasync of " + journal_path + " failed: " + nvme_detail::errno_text(errno));
+    if (s.ok() && config.durable) {
+      if (::fdatasync(journal_fd) != 0) {
+        s = io_error("fdatasync of " + journal_path + " failed: " + nvme_detail::errno_text(errno));
+      } else {
+        ++journal_syncs;
+      }
     }
     if (!s.ok()) {
       if (::ftruncate(journal_fd, static_cast<off_t>(journal_bytes)) != 0) {
@@ -860,6 +865,7 @@ SwapStoreStats SwapStore::stats() const {
   for (const auto& [key, e] : impl_->entries) st.tensors += e.current != nullptr;
   st.journal_bytes = impl_->journal_bytes;
   st.checksum_failures = impl_->checksum_failures.load();
+  st.journal_syncs = impl_->journal_syncs;
   return st;
 }
 

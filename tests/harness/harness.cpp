@@ -1,18 +1,32 @@
 #include "harness/harness.hpp"
 
+#include <fcntl.h>
+#include <linux/aio_abi.h>
+#include <linux/io_uring.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
+
+extern char** environ;
 
 namespace strata::testing {
 
-TempDir::TempDir(const std::string& tag) {
+std::filesystem::path temp_root() {
   const char* base = std::getenv("TMPDIR");
-  std::string templ = std::string(base && *base ? base : "/tmp") + "/" + tag + "-XXXXXX";
+  return base && *base ? base : "/tmp";
+}
+
+TempDir::TempDir(const std::string& tag) {
+  std::string templ = temp_root().string() + "/" + tag + "-XXXXXX";
   std::vector<char> buf(templ.begin(), templ.end());
   buf.push_back('\0');
   if (::mkdtemp(buf.data()) == nullptr) {
@@ -63,6 +77,90 @@ std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
 const std::vector<std::size_t>& awkward_sizes() {
   static const std::vector<std::size_t> sizes = {0, 1, 3, 15, 17, 255, 1023, 1025, 4095, 4097, 65537, (1u << 20) + 3};
   return sizes;
+}
+
+std::vector<std::string> clear_strata_environment() {
+  // Names a test deliberately passes to a child it runs (STRATA_TEST_KEEP=STRATA_A,STRATA_B).
+  std::string keep = ",";
+  if (const char* k = std::getenv("STRATA_TEST_KEEP")) keep += std::string(k) + ",";
+  std::vector<std::string> names;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (entry.rfind("STRATA_", 0) != 0) continue;
+    const std::string name = entry.substr(0, entry.find('='));
+    if (name == "STRATA_TEST_KEEP" || keep.find("," + name + ",") == std::string::npos) names.push_back(name);
+  }
+  for (const auto& n : names) ::unsetenv(n.c_str());
+  return names;
+}
+
+namespace {
+
+std::string errno_reason(const char* what, int err) {
+  return std::string(what) + " failed: " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+}
+
+}  // namespace
+
+std::string io_uring_unavailable_reason() {
+  static const std::string reason = [] {
+    io_uring_params params;
+    std::memset(&params, 0, sizeof params);
+    const long fd = ::syscall(__NR_io_uring_setup, 1, &params);
+    if (fd < 0) {
+      const int err = errno;
+      std::string why = errno_reason("io_uring_setup", err);
+      std::ifstream disabled("/proc/sys/kernel/io_uring_disabled");
+      int level = 0;
+      if (disabled >> level && level != 0) why += "; kernel.io_uring_disabled = " + std::to_string(level);
+      return why + ": io_uring is blocked here (seccomp filter, container policy or kernel setting)";
+    }
+    ::close(static_cast<int>(fd));
+    return std::string();
+  }();
+  return reason;
+}
+
+std::string libaio_unavailable_reason() {
+  static const std::string reason = [] {
+    aio_context_t ctx = 0;
+    if (::syscall(__NR_io_setup, 1, &ctx) != 0) {
+      return errno_reason("io_setup", errno) + ": Linux AIO is blocked or exhausted here (fs.aio-max-nr)";
+    }
+    ::syscall(__NR_io_destroy, ctx);
+    return std::string();
+  }();
+  return reason;
+}
+
+std::string o_direct_unsupported_reason(const std::filesystem::path& dir) {
+  static std::mutex mu;
+  static std::map<std::string, std::string> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dir.string());
+  if (it != cache.end()) return it->second;
+  std::string reason;
+  std::string path = (dir / ("strata-odirect-probe-" + std::to_string(::getpid()))).string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    reason = errno_reason(("open(O_DIRECT) in " + dir.string()).c_str(), errno);
+  } else {
+    void* block = nullptr;
+    if (::posix_memalign(&block, 4096, 4096) != 0) {
+      reason = "posix_memalign failed";
+    } else {
+      std::memset(block, 0, 4096);
+      if (::pwrite(fd, block, 4096, 0) != 4096) {
+        reason = errno_reason(("an O_DIRECT write in " + dir.string()).c_str(), errno);
+      }
+      std::free(block);
+    }
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+  if (!reason.empty()) reason += ": the file system does not support O_DIRECT";
+  cache[dir.string()] = reason;
+  return reason;
 }
 
 }  // namespace strata::testing

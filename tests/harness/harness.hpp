@@ -46,6 +46,26 @@ std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed);
 // Awkward sizes every size-parameterised test should cover.
 const std::vector<std::size_t>& awkward_sizes();
 
+// Removes every STRATA_* variable from this process's environment and returns their names. The
+// harness's main() calls it before any test runs (see harness/main.cpp). A test that runs a
+// test executable as a child and means to pass it tunables names them in STRATA_TEST_KEEP
+// (comma-separated); STRATA_TEST_KEEP itself is always removed.
+std::vector<std::string> clear_strata_environment();
+
+// The directory TempDir uses: $TMPDIR, or /tmp.
+std::filesystem::path temp_root();
+
+// Probes of what the machine allows, each run once per process. They return an empty string
+// when the feature works, else the reason it does not (for GTEST_SKIP() << reason). They call
+// the kernel directly, not Strata, so a bug in Strata's own setup cannot turn into a skip.
+//   io_uring: io_uring_setup(2) of a one-entry ring (fails under seccomp filters, container
+//             policies, kernel.io_uring_disabled, or kernels without it).
+//   libaio:   io_setup(2) of a one-event context.
+//   O_DIRECT: creating a file in `dir` with O_DIRECT and writing one aligned 4 KiB block.
+std::string io_uring_unavailable_reason();
+std::string libaio_unavailable_reason();
+std::string o_direct_unsupported_reason(const std::filesystem::path& dir);
+
 }  // namespace strata::testing
 
 #define STRATA_ASSERT_OK(expr)                                        \

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "cli.hpp"
 #include "optim/kernels.hpp"
 #include "optim/numerics.hpp"
@@ -27,7 +28,9 @@ namespace {
 
 constexpr FlagSpec kFlags[] = {
     {"json", "", "print one JSON object (default: a table)"},
-    {"params", "N", "parameters per buffer, e.g. 67108864 or 64M (default 64M: far beyond the L3 cache)"},
+    {"params", "N",
+     "parameters per buffer, e.g. 67108864 or 64M (default 64M: far beyond the L3 cache); at least "
+     "enough that the smallest layout's state is 4x the last-level cache and 64 MiB"},
     {"reps", "R", "timed repetitions per variant; the median is reported (default 7)"},
     {"threads", "T", "OpenMP threads (default: host_threads if set, else every core)"},
     {"isa", "ISA", "auto, avx512, avx2 or scalar (default: the adam_isa tunable)"},
@@ -52,17 +55,16 @@ struct Variant {
   bool copy_out;
 };
 
+// The refusal of cache-sized runs: the state of the leanest variant (20 B per parameter) must
+// be at least 4x the last-level cache and at least kMinStateBytes.
+constexpr std::uint64_t kMinBytesPerParam = 20;
+constexpr std::uint64_t kMinStateBytes = 64ull << 20;
+
 constexpr Variant kVariants[] = {
     {"fp32_grads", DType::kF32, DType::kF32, false},
     {"bf16_grads_bf16_out", DType::kBF16, DType::kF32, true},
     {"bf16_grads_bf16_moments_bf16_out", DType::kBF16, DType::kBF16, true},
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -211,6 +213,22 @@ int bench_adam(std::span<const std::string> argv) {
   if (!params.ok()) return usage_error("bench adam", params.status().message(), usage());
   if (!reps.ok()) return usage_error("bench adam", reps.status().message(), usage());
   if (!threads_flag.ok()) return usage_error("bench adam", threads_flag.status().message(), usage());
+  // A working set that fits in cache measures the cache, not the memory bandwidth the roofline
+  // stands for, and a tiny one mostly measures thread start-up: refuse both.
+  const std::uint64_t llc = last_level_cache_bytes();
+  const std::uint64_t min_bytes = std::max<std::uint64_t>(4 * llc, kMinStateBytes);
+  const std::uint64_t min_params = (min_bytes + kMinBytesPerParam - 1) / kMinBytesPerParam;
+  if (*params < min_params) {
+    return usage_error(
+        "bench adam",
+        "--params " + std::to_string(*params) + " is too small: the smallest layout moves " +
+            std::to_string(kMinBytesPerParam) + " B per parameter, so the state must be at least " +
+            format_bytes(min_bytes) + " (4x the " +
+            (llc ? format_bytes(llc) + " last-level cache" : std::string("unknown last-level cache")) +
+            ", and at least " + format_bytes(kMinStateBytes) + "); the minimum is --params " +
+            std::to_string(min_params),
+        usage());
+  }
   const std::string clock = args.get("clock").value_or("wall");
   if (clock != "wall" && clock != "cpu")
     return usage_error("bench adam", "--clock must be wall or cpu", usage());
@@ -248,6 +266,8 @@ int bench_adam(std::span<const std::string> argv) {
   out["benchmark"] = "adam";
   out["optimizer"] = "adamw";
   out["params"] = n;
+  out["min_params"] = min_params;
+  out["last_level_cache_bytes"] = llc;
   out["isa"] = std::string(to_string(opt->isa()));
   out["threads"] = opt->threads();
   out["reps"] = *reps;

@@ -1,7 +1,14 @@
 // strata bench alloc: replays the allocation trace of transformer training steps through the
 // Strata device arena and through the system allocator used the same way, and reports the
-// footprint of each relative to the peak of live bytes, plus allocator calls that reach the OS
+// footprint of each relative to the peak of live bytes, plus allocations that reach the OS
 // after warm-up.
+//
+// Footprint: for the arena, the device budget it holds (`reserved_bytes`, the capacity mapped
+// up front; a cuda device would cudaMalloc all of it), sized by a dry run of the same trace;
+// `high_water_bytes` is the part ever used. For malloc, the largest heap footprint (mallinfo2).
+// OS allocations after warm-up: for the arena, backend allocator calls plus growths of the
+// device arena's and pinned pool's high-water marks (pages the lazily mapped budget has not
+// had yet); for malloc, allocations after which the heap footprint grew.
 //
 // The trace (deterministic from --seed): parameters and gradients are long-lived; each step
 // runs forward over L layers, saving activations until that layer's backward and allocating
@@ -50,6 +57,8 @@ struct TraceShape {
   std::uint64_t param_bytes = 0;  // computed
 };
 
+constexpr std::uint64_t kMaxSeqLen = 1024;
+
 class TraceBuilder {
  public:
   TraceBuilder(const TraceShape& shape, std::uint32_t seed) : shape_(shape), rng_(seed) {}
@@ -58,7 +67,10 @@ class TraceBuilder {
     std::vector<std::uint32_t> carried;  // small buffers that outlive their step
     for (int step = 0; step < shape_.steps; ++step) {
       // Sequence lengths vary step to step (packed batches of documents).
-      const std::uint64_t t = 256 + 64 * (rng_() % 13);  // 256 .. 1024
+      // Warm-up steps run at the longest sequence, as a runtime's warm-up does, so that the
+      // steady state runs within the footprint warm-up established.
+      const std::uint64_t drawn = 256 + 64 * (rng_() % 13);  // 256 .. 1024
+      const std::uint64_t t = step < shape_.warmup_steps ? kMaxSeqLen : drawn;
       const std::uint64_t b = shape_.batch, c = shape_.width, h = shape_.heads;
       const std::uint64_t act = b * t * c * 2;  // bf16 (B, T, C)
       std::vector<std::vector<std::uint32_t>> saved(shape_.layers);
@@ -148,8 +160,13 @@ class TraceBuilder {
 
 struct ReplayResult {
   std::uint64_t peak_live = 0;
-  std::uint64_t reserved = 0;
+  std::uint64_t reserved = 0;    // arena: the capacity held (the device budget); malloc: peak footprint
+  std::uint64_t high_water = 0;  // arena: planned regions + dynamic high-water mark
   std::uint64_t os_allocs_after_warmup = 0;
+  // arena: the parts of os_allocs_after_warmup (see replay_arena)
+  std::uint64_t backend_allocs_after_warmup = 0;
+  std::uint64_t growths_after_warmup = 0;
+  std::uint64_t pinned_growths_after_warmup = 0;
   std::uint64_t compactions = 0;
   std::uint64_t bytes_moved = 0;
   Status status;
@@ -190,7 +207,11 @@ ReplayResult replay_arena(const std::vector<TraceOp>& ops, std::uint32_t ids, co
   }
   std::vector<ArenaHandle> handles(ids);
   int step = 0;
-  std::uint64_t raw_at_warmup = 0;
+  // Allocations that get memory from the OS, counted from the end of warm-up: calls into the
+  // backend's allocator (mmap / cudaMalloc, DeviceStats::raw_allocs), and growths of the device
+  // arena's and the pinned pool's high-water marks (ArenaStats::growths): on the cpu backend the
+  // budget is mapped lazily, so bytes above the mark are pages the OS has yet to provide.
+  std::uint64_t raw_at_warmup = 0, growths_at_warmup = 0, pinned_at_warmup = 0;
   // The staging slots (parameter prefetch and gradient buckets) are all in flight in the
   // steady state of a pipelined step: the prefetcher refills a slot as soon as it is released.
   for (int k = 0; k < 4; ++k) {
@@ -204,7 +225,11 @@ ReplayResult replay_arena(const std::vector<TraceOp>& ops, std::uint32_t ids, co
     if (op.step_boundary) {
       if (compact_between_steps) r.status = (*dev)->compact();
       if (!r.status.ok()) return r;
-      if (++step == shape.warmup_steps) raw_at_warmup = (*dev)->stats().raw_allocs;
+      if (++step == shape.warmup_steps) {
+        raw_at_warmup = (*dev)->stats().raw_allocs;
+        growths_at_warmup = arena.stats().growths;
+        pinned_at_warmup = (*dev)->pinned().stats().growths;
+      }
       continue;
     }
     if (op.alloc) {
@@ -222,8 +247,13 @@ ReplayResult replay_arena(const std::vector<TraceOp>& ops, std::uint32_t ids, co
   r.status = arena.is_valid();
   auto st = arena.stats();
   r.peak_live = st.peak_live_bytes;
-  r.reserved = st.reserved_bytes;
-  r.os_allocs_after_warmup = (*dev)->stats().raw_allocs - raw_at_warmup;
+  r.reserved = st.capacity;
+  r.high_water = st.reserved_bytes;
+  r.backend_allocs_after_warmup = (*dev)->stats().raw_allocs - raw_at_warmup;
+  r.growths_after_warmup = st.growths - growths_at_warmup;
+  r.pinned_growths_after_warmup = (*dev)->pinned().stats().growths - pinned_at_warmup;
+  r.os_allocs_after_warmup =
+      r.backend_allocs_after_warmup + r.growths_after_warmup + r.pinned_growths_after_warmup;
   r.compactions = st.compactions;
   r.bytes_moved = st.bytes_moved;
   return r;
@@ -355,16 +385,28 @@ int bench_alloc(std::span<const std::string> argv) {
 
   TraceBuilder builder(shape, static_cast<std::uint32_t>(*seed));
   auto ops = builder.build();
-  // A budget comfortably above the worst step; the arena maps it without touching it.
-  const std::uint64_t max_t = 1024;
-  std::uint64_t step_bytes = shape.layers * (shape.batch * max_t * c * 2 * 15 + shape.batch * shape.heads * max_t * max_t * 2) +
-                             2 * shape.batch * max_t * shape.vocab * 2;
-  std::uint64_t budget = align_up(2 * shape.param_bytes + 100ull * (1 << 20) + 2 * step_bytes, 1 << 20);
 
   std::string compact = args->get("compact").value_or("none");
   if (compact != "none" && compact != "step" && compact != "demand") {
     return usage_error("bench alloc", "--compact expects none, step or demand, got '" + compact + "'", usage());
   }
+  // The budget is planned, the way the runtime sizes its arena from a plan rather than guessing:
+  // a dry run of the same trace in an oversized arena (mapped, never touched) measures the
+  // footprint the run needs (planned regions + high-water mark), and the measured run gets
+  // exactly that, rounded up to 1 MiB. What it holds is what reserved_bytes reports.
+  const std::uint64_t max_t = kMaxSeqLen;
+  const std::uint64_t step_bytes =
+      shape.layers * (shape.batch * max_t * c * 2 * 15 + shape.batch * shape.heads * max_t * max_t * 2) +
+      2 * shape.batch * max_t * shape.vocab * 2;
+  const std::uint64_t dry_budget =
+      align_up(2 * shape.param_bytes + 100ull * (1 << 20) + 2 * step_bytes, 1 << 20);
+  ReplayResult dry =
+      replay_arena(ops, builder.ids(), shape, dry_budget, compact == "step", compact == "demand");
+  if (!dry.status.ok()) {
+    std::fprintf(stderr, "strata bench alloc: planning run: %s\n", dry.status.to_string().c_str());
+    return kExitFailure;
+  }
+  const std::uint64_t budget = align_up(dry.high_water, 1 << 20);
   ReplayResult arena = replay_arena(ops, builder.ids(), shape, budget, compact == "step", compact == "demand");
   if (!arena.status.ok()) {
     std::fprintf(stderr, "strata bench alloc: %s\n", arena.status.to_string().c_str());
@@ -386,7 +428,13 @@ int bench_alloc(std::span<const std::string> argv) {
       {"peak_live_bytes", arena.peak_live},
       {"reserved_bytes", arena.reserved},
       {"reserved_over_peak_live", static_cast<double>(arena.reserved) / static_cast<double>(arena.peak_live)},
+      {"high_water_bytes", arena.high_water},
+      {"high_water_over_peak_live",
+       static_cast<double>(arena.high_water) / static_cast<double>(arena.peak_live)},
       {"os_allocs_after_warmup", arena.os_allocs_after_warmup},
+      {"backend_allocs_after_warmup", arena.backend_allocs_after_warmup},
+      {"arena_growths_after_warmup", arena.growths_after_warmup},
+      {"pinned_growths_after_warmup", arena.pinned_growths_after_warmup},
       {"compaction", compact},
       {"compactions", arena.compactions},
       {"bytes_moved", arena.bytes_moved},

@@ -4,6 +4,20 @@
 // tensors in flight, the way the offload pipeline streams optimizer state. The reference it is
 // judged against (fio on the same file system, same block size and queue depth) is measured by
 // bench/nvme_vs_fio.sh, interleaved with this benchmark in the same run.
+//
+// What the read phase measures is the device, not the host's page cache:
+//  - the swap files are opened with O_DIRECT (--direct on, the default), so reads bypass the
+//    cache; the run fails (exit 1) if the file system refused O_DIRECT, unless --direct off;
+//  - before the read phase every file of the store is fdatasynced and dropped from the cache
+//    with posix_fadvise(POSIX_FADV_DONTNEED), which also covers the few pieces the engine does
+//    without O_DIRECT (unaligned edges) and the journal;
+//  - `device_read_bytes` is what the kernel fetched from storage for this process during the
+//    read phase (/proc/self/io read_bytes): about `size` when the device served the reads, 0 on
+//    a file system without a block device (tmpfs).
+// Every tensor gets distinct contents (a tag of tensor and block index in every 4 KiB block of
+// the window's random bytes), and after the timed phases every tensor is read back again and
+// compared in full, untimed.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -38,6 +52,8 @@ constexpr FlagSpec kFlags[] = {
     {"window", "BYTES",
      "pinned memory streamed through, split in 4 tensors in flight (default min(SIZE, 64MiB))"},
     {"hugepages", "on|off", "back the pinned window with transparent huge pages (default on)"},
+    {"direct", "on|off",
+     "O_DIRECT on the swap files (default on; the run fails if the file system refuses it)"},
     {"keep", "", "keep the swap files instead of removing them"},
     {"help", "", "show this help"},
 };
@@ -77,6 +93,66 @@ int fail(const Status& s) {
   return kExitFailure;
 }
 
+// Bytes this process has caused to be fetched from storage (/proc/self/io read_bytes); -1 when
+// the kernel does not report it.
+std::int64_t storage_read_bytes() {
+  FILE* f = std::fopen("/proc/self/io", "r");
+  if (f == nullptr) return -1;
+  char line[128];
+  long long value = -1;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "read_bytes: %lld", &value) == 1) break;
+  }
+  std::fclose(f);
+  return value;
+}
+
+// Writes back and drops from the page cache every regular file under `dirs`, so that the read
+// phase cannot be served from memory.
+Status drop_page_cache(const std::vector<std::string>& dirs) {
+  for (const auto& d : dirs) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(d, ec)) {
+      if (!entry.is_regular_file()) continue;
+      const std::string path = entry.path().string();
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0)
+        return io_error("cannot open " + path + " to drop it from the page cache: " + std::strerror(errno));
+      int err = ::fdatasync(fd) == 0 ? 0 : errno;
+      if (err == 0) err = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+      ::close(fd);
+      if (err != 0) return io_error("cannot drop " + path + " from the page cache: " + std::strerror(err));
+    }
+    if (ec) return io_error("cannot list " + d + ": " + ec.message());
+  }
+  return ok_status();
+}
+
+// Tensor i's contents: its window slot's random bytes with the first 8 bytes of every 4 KiB
+// block replaced by a tag of (tensor, block), so that no two tensors (or blocks) are alike.
+constexpr std::uint64_t kTagEvery = 4096;
+std::uint64_t tag_of(std::uint64_t tensor, std::uint64_t block) {
+  return (tensor << 32 | block) ^ 0x5a17c0de5a17c0deull;
+}
+void stamp(unsigned char* data, std::uint64_t length, std::uint64_t tensor) {
+  for (std::uint64_t off = 0; off < length; off += kTagEvery) {
+    const std::uint64_t tag = tag_of(tensor, off / kTagEvery);
+    std::memcpy(data + off, &tag, std::min<std::uint64_t>(8, length - off));
+  }
+}
+// Whether `data` holds tensor i's contents, given its slot's bytes before stamping.
+bool holds_tensor(const unsigned char* data, const unsigned char* slot_bytes, std::uint64_t length,
+                  std::uint64_t tensor) {
+  for (std::uint64_t off = 0; off < length; off += kTagEvery) {
+    const std::uint64_t tag = tag_of(tensor, off / kTagEvery);
+    const std::uint64_t tag_len = std::min<std::uint64_t>(8, length - off);
+    const std::uint64_t end = std::min(length, off + kTagEvery);
+    if (std::memcmp(data + off, &tag, tag_len) != 0) return false;
+    if (std::memcmp(data + off + tag_len, slot_bytes + off + tag_len, end - off - tag_len) != 0) return false;
+  }
+  return true;
+}
+
 int bench_nvme(std::span<const std::string> argv) {
   auto parsed = Args::parse(argv, kFlags);
   if (!parsed.ok()) return usage_error("bench nvme", parsed.status().message(), usage());
@@ -99,11 +175,17 @@ int bench_nvme(std::span<const std::string> argv) {
     return usage_error("bench nvme", "--verify expects on or off, got '" + verify_text + "'", usage());
   }
   const bool verify = verify_text == "on";
+  const std::string direct_text = args.get("direct").value_or("on");
+  if (direct_text != "on" && direct_text != "off") {
+    return usage_error("bench nvme", "--direct expects on or off, got '" + direct_text + "'", usage());
+  }
+  const bool want_direct = direct_text == "on";
 
   IoEngineConfig aio;
   aio.block_size = *block;
   aio.queue_depth = static_cast<std::uint32_t>(*depth);
   aio.intra_op_parallelism = static_cast<std::uint32_t>(*threads);
+  aio.direct_io = want_direct;
   if (auto b = args.get("backend")) {
     auto kind = parse_io_backend(*b);
     if (!kind.ok()) return usage_error("bench nvme", kind.status().message(), usage());
@@ -156,6 +238,13 @@ int bench_nvme(std::span<const std::string> argv) {
   scfg.checksums = verify;
   auto store = SwapStore::open(**engine, scfg);
   if (!store.ok()) return fail(store.status());
+  if (want_direct && !(*store)->direct_io()) {
+    std::string where;
+    for (const auto& r : roots) where += (where.empty() ? "" : ", ") + r;
+    return fail(unavailable("O_DIRECT was requested but the file system under " + where +
+                            " refused it, so reads would come from the page cache; use a directory on a "
+                            "disk file system, or --direct off to measure buffered I/O"));
+  }
 
   std::vector<ArenaBuffer> slots;
   std::mt19937_64 rng(12345);
@@ -166,8 +255,12 @@ int bench_nvme(std::span<const std::string> argv) {
     for (std::uint64_t w = 0; w < tensor / 8; ++w) words[w] = rng();
     slots.push_back(std::move(b).value());
   }
-  std::vector<unsigned char> expect(static_cast<unsigned char*>(slots[0].data()),
-                                    static_cast<unsigned char*>(slots[0].data()) + tensor);
+  // Each slot's bytes before any tag, to check every tensor against after the run.
+  std::vector<std::vector<unsigned char>> slot_bytes;
+  for (const auto& b : slots) {
+    const auto* p = static_cast<const unsigned char*>(b.data());
+    slot_bytes.emplace_back(p, p + tensor);
+  }
   auto length_of = [&](std::uint64_t i) { return i + 1 < count ? tensor : *size - i * tensor; };
 
   // One phase: every tensor in turn, kSlots of them in flight.
@@ -182,6 +275,7 @@ int bench_nvme(std::span<const std::string> argv) {
         if (!st.ok() && first.ok()) first = st;
       }
       TensorKey key{"bench", static_cast<std::uint32_t>(i)};
+      if (write) stamp(static_cast<unsigned char*>(slots[s].data()), length_of(i), i);  // ~1/512 of the bytes
       inflight[s] = write ? (*store)->write(key, slots[s].data(), length_of(i))
                           : (*store)->read(key, slots[s].data(), length_of(i));
     }
@@ -196,22 +290,50 @@ int bench_nvme(std::span<const std::string> argv) {
   };
   double write_s = 0, write_cpu = 0, read_s = 0, read_cpu = 0;
   if (Status s = run_phase(true, write_s, write_cpu); !s.ok()) return fail(s);
+  const IoEngineStats after_write = (*engine)->stats();
+  if (Status s = drop_page_cache(dirs); !s.ok()) return fail(s);
+  const std::int64_t io_before = storage_read_bytes();
   if (Status s = run_phase(false, read_s, read_cpu); !s.ok()) return fail(s);
-  // Not timed: tensor 0 read back into fresh memory must equal what slot 0 held.
-  auto back = AlignedBuffer::allocate(length_of(0));
+  const std::int64_t io_after = storage_read_bytes();
+  const IoEngineStats after_read = (*engine)->stats();
+  // Not timed: every tensor, read back into fresh memory, must hold its own contents.
+  auto back = AlignedBuffer::allocate(tensor);
   if (!back.ok()) return fail(back.status());
-  if (Status s = (*store)->read({"bench", 0}, back->data(), length_of(0)).wait(); !s.ok()) return fail(s);
-  bool data_ok = std::memcmp(back->data(), expect.data(), length_of(0)) == 0;
+  std::uint64_t verified = 0, bad = 0;
+  std::int64_t first_bad = -1;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    if (Status s =
+            (*store)->read({"bench", static_cast<std::uint32_t>(i)}, back->data(), length_of(i)).wait();
+        !s.ok())
+      return fail(s);
+    if (holds_tensor(static_cast<const unsigned char*>(back->data()), slot_bytes[i % kSlots].data(),
+                     length_of(i), i)) {
+      ++verified;
+    } else if (bad++ == 0) {
+      first_bad = static_cast<std::int64_t>(i);
+    }
+  }
+  const bool data_ok = bad == 0 && verified == count;
+  if (!data_ok)
+    std::fprintf(stderr, "strata bench nvme: %llu tensors differ from what was written (first: %lld)\n",
+                 static_cast<unsigned long long>(bad), static_cast<long long>(first_bad));
 
   const double gb = static_cast<double>(*size) / 1e9;
-  IoEngineStats st = (*engine)->stats();
+  IoEngineStats st = after_read;
   nlohmann::json out;
   out["benchmark"] = "nvme";
   out["backend"] = std::string(to_string((*engine)->backend()));
   out["direct"] = (*store)->direct_io();
+  out["direct_requested"] = want_direct;
   out["verify"] = verify;
   out["hugepages"] = huge_text == "on";
   out["size"] = *size;
+  out["tensors"] = count;
+  out["tensor_bytes"] = tensor;
+  out["bytes_written"] = after_write.bytes_written;                    // by the write phase
+  out["bytes_read"] = after_read.bytes_read - after_write.bytes_read;  // by the read phase
+  out["page_cache_dropped"] = true;
+  out["device_read_bytes"] = io_before >= 0 && io_after >= 0 ? io_after - io_before : -1;
   out["block_size"] = aio.block_size;
   out["queue_depth"] = aio.queue_depth;
   out["threads"] = aio.intra_op_parallelism;
@@ -225,6 +347,7 @@ int bench_nvme(std::span<const std::string> argv) {
   out["buffered_pieces"] = st.buffered_pieces;
   out["pieces"] = st.pieces;
   out["crc32c_hardware"] = crc32c_is_hardware();
+  out["tensors_verified"] = verified;
   out["data_ok"] = data_ok;
   std::printf("%s\n", out.dump(2).c_str());
   return data_ok ? kExitOk : kExitFailure;

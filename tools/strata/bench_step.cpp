@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "cli.hpp"
 #include "kernels/kernels.hpp"
 #include "model_flags.hpp"
@@ -52,11 +53,6 @@ std::string usage() {
          "Times training steps of a built-in model (default: 4 GPT-2-small blocks, width 768, 12\n"
          "heads, 8 x 128 tokens, f32) and the matmul roofline at the same shapes.\n\nflags:\n" +
          format_flags(all_flags());
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 int fail(const Status& s) {
