@@ -164,7 +164,7 @@ struct OffloadEngine::Impl {
   HostMem param_out_staging;                     // host optimizer + NVMe-home params
   std::vector<HostMem> ring;                     // NVMe optimizer pipeline
   std::vector<std::unique_ptr<Event>> landed, uploaded;
-  std::vector<bool> uploaded_recorded;
+  std::vector<char> uploaded_recorded;  // per unit (bytes, not bits: two threads touch different units)
 
   // NVMe.
   std::unique_ptr<IoEngine> io;
@@ -394,7 +394,7 @@ Status OffloadEngine::Impl::setup() {
       STRATA_ASSIGN_OR_RETURN(e, dev.create_event());
       uploaded.push_back(std::move(e));
     }
-    uploaded_recorded.assign(static_cast<std::size_t>(M), false);
+    uploaded_recorded.assign(static_cast<std::size_t>(M), 0);
     CpuOptimizerConfig oc;
     STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -640,7 +640,7 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       if (bytes != host) std::memcpy(host, bytes, n);
       STRATA_RETURN_IF_ERROR(h2d->copy_async(resident + units.resident_offset[uu], host, n, CopyKind::kHostToDevice));
       STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
-      uploaded_recorded[uu] = true;
+      uploaded_recorded[uu] = 1;
       return ok_status();
     }
     case Tier::kHost: {
