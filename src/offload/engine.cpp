@@ -764,7 +764,6 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
 void OffloadEngine::Impl::worker_main() {
   const double cpu0 = thread_cpu_seconds();
   std::vector<GradStats> stats(static_cast<std::size_t>(M));
-  int scanned = 0;
   std::vector<int> forward_order(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
   const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 &&
@@ -788,10 +787,7 @@ void OffloadEngine::Impl::worker_main() {
       }
     }
     if (c.kind == Command::kStop) break;
-    if (c.kind == Command::kAbort) {
-      scanned = 0;
-      continue;
-    }
+    if (c.kind == Command::kAbort) continue;  // the next step's landed units overwrite the stats
     if (c.kind == Command::kLanded) {
       const std::size_t uu = static_cast<std::size_t>(c.unit);
       Status s = landed[uu]->synchronize();
@@ -815,17 +811,12 @@ void OffloadEngine::Impl::worker_main() {
           if (s.ok()) mark_updated(c.unit, c.step);
         }
       }
-      if (!s.ok()) {
-        fail(s);
-        continue;
-      }
-      ++scanned;
+      if (!s.ok()) fail(s);
       continue;
     }
     // kFinish: every unit has landed.
     GradStats total;
     for (const GradStats& g : stats) total.merge(g);
-    scanned = 0;
     const double norm = total.norm();
     {
       std::lock_guard<std::mutex> lock(mu);

@@ -104,7 +104,6 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const offload_detail::Units units = offload_detail::describe_units(layout, settings);
   OffloadPlan plan;
   plan.module_home = units.home;
-  const bool bf16 = config.model.dtype == DType::kBF16;
   auto line = [&](std::string what, Tier tier, std::uint64_t bytes, bool pinned = false) {
     if (bytes == 0) return;
     plan.lines.push_back(PlanLine{std::move(what), tier, pinned, bytes});
@@ -141,7 +140,6 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("parameter fetch staging (pinned)", Tier::kHost,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
   }
-  (void)bf16;
   return plan;
 }
 
