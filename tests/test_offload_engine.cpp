@@ -8,6 +8,7 @@
 #include <random>
 
 #include "harness/harness.hpp"
+#include "offload_fixture.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
 #include "strata/model.hpp"
@@ -15,125 +16,6 @@
 
 namespace strata::testing {
 namespace {
-
-std::unique_ptr<Device> make_device() {
-  DeviceConfig dc;
-  dc.kind = DeviceKind::kCpu;
-  dc.memory_bytes = 256ull << 20;
-  dc.pinned_bytes = 64ull << 20;
-  dc.compute_threads = 1;
-  auto d = Device::create(dc);
-  EXPECT_TRUE(d.ok()) << d.status().to_string();
-  return std::move(d).value();
-}
-
-TrainerConfig tiny(ModelKind kind, DType dtype, std::int64_t accum, double clip) {
-  TrainerConfig t;
-  t.model.kind = kind;
-  t.model.n_layer = 3;
-  t.model.n_embd = 64;
-  t.model.n_head = 4;
-  t.model.n_kv_head = kind == ModelKind::kLlama ? 2 : 0;
-  t.model.n_positions = 32;
-  t.model.vocab_size = 97;  // padded to 128: padding rows must stay untouched everywhere
-  t.model.dtype = dtype;
-  t.micro_batch = 2;
-  t.grad_accum = accum;
-  t.seq_len = 16;
-  t.schedule.kind = LrScheduleKind::kConstant;
-  t.schedule.lr = 1e-2;
-  t.optimizer.weight_decay = 0.1;
-  t.grad_clip = clip;
-  return t;
-}
-
-// Deterministic tokens for step `s`: inputs and next-token targets.
-void batch(const TrainerConfig& c, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
-  const std::size_t n = static_cast<std::size_t>(c.grad_accum * c.micro_batch * c.seq_len);
-  in.resize(n);
-  tg.resize(n);
-  std::mt19937 rng(1000u + static_cast<unsigned>(s));
-  for (std::size_t i = 0; i < n; ++i) {
-    in[i] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.model.vocab_size));
-    tg[i] = i % 7 == 3 ? -1 : static_cast<std::int32_t>((in[i] * 5 + 3) % c.model.vocab_size);
-  }
-}
-
-struct Snapshot {
-  std::vector<double> losses, norms;
-  std::vector<std::vector<float>> param, master, m, v;
-};
-
-Snapshot train(const TrainerConfig& c, const OffloadSettings& s, int steps) {
-  Snapshot out;
-  auto device = make_device();
-  auto engine = OffloadEngine::create(c, s, *device);
-  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
-  if (!engine.ok()) return out;
-  std::vector<std::int32_t> in, tg;
-  for (int i = 0; i < steps; ++i) {
-    batch(c, i, in, tg);
-    auto m = (*engine)->step(in, tg);
-    EXPECT_TRUE(m.ok()) << m.status().to_string();
-    if (!m.ok()) return out;
-    out.losses.push_back(m->loss);
-    out.norms.push_back(m->grad_norm);
-  }
-  const ModelLayout& L = (*engine)->model().layout();
-  for (std::size_t i = 0; i < L.params.size(); ++i) {
-    if (!L.params[i].owns_storage()) continue;
-    const int idx = static_cast<int>(i);
-    auto p = (*engine)->get_param(idx);
-    auto ma = (*engine)->get_master(idx);
-    auto mm = (*engine)->get_exp_avg(idx);
-    auto vv = (*engine)->get_exp_avg_sq(idx);
-    EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << L.params[i].name;
-    if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return out;
-    out.param.push_back(*p);
-    out.master.push_back(*ma);
-    out.m.push_back(*mm);
-    out.v.push_back(*vv);
-  }
-  return out;
-}
-
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
-
-void expect_same(const Snapshot& ref, const Snapshot& got, const std::string& what) {
-  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
-  ASSERT_FALSE(ref.param.empty()) << what;
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
-    EXPECT_EQ(ref.losses[i], got.losses[i]) << what << ": loss of step " << i + 1;
-    EXPECT_EQ(ref.norms[i], got.norms[i]) << what << ": gradient norm of step " << i + 1;
-  }
-  for (std::size_t i = 0; i < ref.param.size(); ++i) {
-    EXPECT_TRUE(bitwise_equal(ref.param[i], got.param[i])) << what << ": working parameter " << i;
-    EXPECT_TRUE(bitwise_equal(ref.master[i], got.master[i])) << what << ": master " << i;
-    EXPECT_TRUE(bitwise_equal(ref.m[i], got.m[i])) << what << ": exp_avg " << i;
-    EXPECT_TRUE(bitwise_equal(ref.v[i], got.v[i])) << what << ": exp_avg_sq " << i;
-  }
-}
-
-struct Placement {
-  Tier params, optimizer;
-};
-
-const Placement kPlacements[] = {
-    {Tier::kDevice, Tier::kHost}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kHost},
-    {Tier::kHost, Tier::kNvme},   {Tier::kNvme, Tier::kHost},   {Tier::kNvme, Tier::kNvme},
-};
-
-OffloadSettings settings_for(Placement p, const TempDir& dir) {
-  OffloadSettings s;
-  s.params = p.params;
-  s.optimizer = p.optimizer;
-  s.persistence_threshold = 0;  // every module moves
-  s.nvme_path = {dir.path().string()};
-  s.io.backend = IoBackendKind::kAuto;
-  return s;
-}
 
 struct MatrixCase {
   ModelKind kind;

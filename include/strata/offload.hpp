@@ -21,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/checkpoint.hpp"
 #include "strata/engine.hpp"
 #include "strata/nvme.hpp"
 #include "strata/status.hpp"
@@ -157,6 +158,21 @@ class OffloadEngine {
 
   Status save_weights(const std::string& path, WeightFormat format = WeightFormat::kHuggingFace);
   Status load_weights(const std::string& path);
+
+  // The complete training state — per parameter its working copy, fp32 master and Adam moments,
+  // wherever each lives, plus the step count that drives the schedule and bias correction — as a
+  // checkpoint under `root` (checkpoint.hpp: atomic, checksummed, one file per module, tensors
+  // named "param/", "master/", "exp_avg/", "exp_avg_sq/" + the parameter's name). client_state
+  // is the caller's JSON object (data position, RNG, run settings), returned by
+  // load_checkpoint. Waits for updates in flight. Returns the published directory.
+  Result<std::string> save_checkpoint(const std::string& root, const std::string& client_state = "{}",
+                                      int keep = 2);
+  // Restores a checkpoint (a checkpoint directory, or a root: the one its `latest` names) saved
+  // under any placement. Everything is verified first — every file's checksum, the model
+  // config, every tensor's presence, dtype and shape — so a bad checkpoint is an error naming
+  // the file or tensor and leaves the engine as it was. (An I/O error while reading after that
+  // leaves the state undefined: load again.) The next step() continues as step manifest.step+1.
+  Result<CheckpointManifest> load_checkpoint(const std::string& path);
 
   OffloadStats stats() const;
   Model& model();

@@ -39,7 +39,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
@@ -48,6 +50,8 @@
 #include "model/staging.hpp"
 #include "offload/internal.hpp"
 #include "runtime/evaluate.hpp"
+#include "strata/checkpoint.hpp"
+#include "strata/safetensors.hpp"
 #include "runtime/optimizer_cuda.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
@@ -264,6 +268,9 @@ struct OffloadEngine::Impl {
   Status write_unit_optim(int u, const std::vector<float>& blob);
   Status write_values(int index, std::span<const float> values, bool master_too);
   Result<std::vector<float>> read_state(int index, int which);  // 0 working, 1 master, 2 m, 3 v
+  // A unit's working parameters and [master | m | v] (fp32 layout) for every placement.
+  Status read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob);
+  Status write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob);
   Status initialize();
 };
 
@@ -603,6 +610,37 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
   const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
   std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4, o.n * 4);
   return out;
+}
+
+Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
+  STRATA_RETURN_IF_ERROR(read_unit_params(u, pbytes));
+  if (!opt_on_device) return read_unit_optim(u, blob);
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  blob.assign(3 * n, 0.0f);
+  if (n == 0) return ok_status();
+  const std::uint64_t g = grad_begin(u);
+  if (bf16) {
+    STRATA_RETURN_IF_ERROR(stager->download(blob.data(), reinterpret_cast<const char*>(dmaster) + g, n * 4));
+  } else {  // fp32 on the device: the resident parameters are the master
+    for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      std::memcpy(blob.data() + o.grad_in_unit / 4, pbytes.data() + o.param_in_unit, o.n * 4);
+    }
+  }
+  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + n, reinterpret_cast<const char*>(dm) + g, n * 4));
+  return stager->download(blob.data() + 2 * n, reinterpret_cast<const char*>(dv) + g, n * 4);
+}
+
+Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob) {
+  STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
+  if (!opt_on_device) return write_unit_optim(u, blob);
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  if (n == 0) return ok_status();
+  const std::uint64_t g = grad_begin(u);
+  if (bf16) STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + g, blob.data(), n * 4));
+  STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dm) + g, blob.data() + n, n * 4));
+  STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dv) + g, blob.data() + 2 * n, n * 4));
+  return compute->synchronize();
 }
 
 // ---- the host optimizer thread ---------------------------------------------------------------
@@ -1400,6 +1438,148 @@ Status OffloadEngine::load_weights(const std::string& path) {
   Impl& t = *impl_;
   return read_weights(t.layout(), path,
                       [&](int index, std::span<const float> values) { return t.write_values(index, values, true); });
+}
+
+namespace {
+
+std::string module_file(int u) {
+  char name[40];
+  std::snprintf(name, sizeof name, "module-%04d.safetensors", u);
+  return name;
+}
+
+// The first key whose value differs between two model configs, as "key: a vs b".
+std::string config_difference(const std::string& saved, const std::string& current) {
+  const auto a = nlohmann::json::parse(saved, nullptr, false);
+  const auto b = nlohmann::json::parse(current, nullptr, false);
+  if (a.is_discarded() || b.is_discarded() || !a.is_object() || !b.is_object()) return "unreadable config";
+  for (auto it = b.begin(); it != b.end(); ++it) {
+    if (!a.contains(it.key())) return it.key() + ": missing in the checkpoint";
+    if (a[it.key()] != it.value()) return it.key() + ": checkpoint " + a[it.key()].dump() + ", this run " + it.value().dump();
+  }
+  for (auto it = a.begin(); it != a.end(); ++it) {
+    if (!b.contains(it.key())) return it.key() + ": only in the checkpoint";
+  }
+  return "";
+}
+
+}  // namespace
+
+Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  CheckpointManifest manifest;
+  manifest.step = t.steps;
+  manifest.model_config = hf_config_json(t.config.model);
+  manifest.placement = "parameters on " + std::string(to_string(t.settings.params)) + ", optimizer state on " +
+                       std::string(to_string(t.settings.optimizer));
+  manifest.client_state = client_state;
+  const ModelLayout& L = t.layout();
+  const char* working = t.bf16 ? "BF16" : "F32";
+  const std::uint64_t wsize = t.bf16 ? 2 : 4;
+  return publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+    std::vector<char> pbytes;
+    std::vector<float> blob;
+    for (int u = 0; u < t.M; ++u) {
+      const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
+      if (mine.empty()) continue;
+      STRATA_RETURN_IF_ERROR(t.read_unit_state(u, pbytes, blob));
+      const std::size_t n = t.units.gbytes[static_cast<std::size_t>(u)] / 4;
+      SafetensorsWriter w;
+      for (int k : mine) {
+        const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
+        const ParamDesc& p = L.params[static_cast<std::size_t>(o.index)];
+        const float* master = blob.data() + o.grad_in_unit / 4;
+        STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, pbytes.data() + o.param_in_unit, o.n * wsize));
+        STRATA_RETURN_IF_ERROR(w.add("master/" + p.name, "F32", p.shape, master, o.n * 4));
+        STRATA_RETURN_IF_ERROR(w.add("exp_avg/" + p.name, "F32", p.shape, master + n, o.n * 4));
+        STRATA_RETURN_IF_ERROR(w.add("exp_avg_sq/" + p.name, "F32", p.shape, master + 2 * n, o.n * 4));
+      }
+      w.set_metadata("module", L.modules[static_cast<std::size_t>(u)].name);
+      const std::string name = module_file(u);
+      STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+      names->push_back(name);
+    }
+    return ok_status();
+  });
+}
+
+Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
+  Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
+  STRATA_ASSIGN_OR_RETURN(CheckpointManifest manifest, read_checkpoint_manifest(dir, true));
+  const std::string diff = config_difference(manifest.model_config, hf_config_json(t.config.model));
+  if (!diff.empty()) {
+    return failed_precondition("checkpoint '" + dir + "' is of another model (" + diff +
+                               "); a checkpoint loads only into the model it was saved from");
+  }
+  // Every tensor located and checked before any state changes.
+  std::vector<SafetensorsFile> files;
+  files.reserve(manifest.files.size());
+  std::map<std::string, std::size_t> where;
+  for (const auto& f : manifest.files) {
+    STRATA_ASSIGN_OR_RETURN(SafetensorsFile sf, SafetensorsFile::open(dir + "/" + f.name));
+    files.push_back(std::move(sf));
+    for (const auto& e : files.back().entries()) where[e.name] = files.size() - 1;
+  }
+  const ModelLayout& L = t.layout();
+  const std::string working = t.bf16 ? "BF16" : "F32";
+  std::size_t expected = 0;
+  for (const OwnedParam& o : t.owned) {
+    const ParamDesc& p = L.params[static_cast<std::size_t>(o.index)];
+    for (const char* kind : {"param/", "master/", "exp_avg/", "exp_avg_sq/"}) {
+      const std::string name = kind + p.name;
+      auto it = where.find(name);
+      if (it == where.end()) return data_loss("checkpoint '" + dir + "' has no tensor '" + name + "'");
+      const SafetensorsEntry* e = files[it->second].find(name);
+      const std::string dtype = std::string(kind) == "param/" ? working : "F32";
+      if (e->dtype != dtype || e->shape != p.shape) {
+        return data_loss("checkpoint file '" + files[it->second].path() + "': tensor '" + name + "' is " + e->dtype +
+                         " of another shape or dtype than this model's " + dtype + " parameter");
+      }
+      ++expected;
+    }
+  }
+  if (where.size() != expected) {
+    return data_loss("checkpoint '" + dir + "' holds " + std::to_string(where.size()) + " tensors; this model has " +
+                     std::to_string(expected));
+  }
+  STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  const std::uint64_t wsize = t.bf16 ? 2 : 4;
+  std::vector<char> pbytes;
+  std::vector<float> blob;
+  for (int u = 0; u < t.M; ++u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    const auto& mine = t.owned_of_unit[uu];
+    if (mine.empty()) continue;
+    const std::size_t n = t.units.gbytes[uu] / 4;
+    pbytes.assign(t.units.pbytes[uu], 0);
+    blob.assign(3 * n, 0.0f);
+    for (int k : mine) {
+      const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
+      const std::string& pname = L.params[static_cast<std::size_t>(o.index)].name;
+      float* master = blob.data() + o.grad_in_unit / 4;
+      auto read = [&](const std::string& name, void* dst, std::uint64_t bytes) {
+        return files[where[name]].read(name, dst, bytes);
+      };
+      STRATA_RETURN_IF_ERROR(read("param/" + pname, pbytes.data() + o.param_in_unit, o.n * wsize));
+      STRATA_RETURN_IF_ERROR(read("master/" + pname, master, o.n * 4));
+      STRATA_RETURN_IF_ERROR(read("exp_avg/" + pname, master + n, o.n * 4));
+      STRATA_RETURN_IF_ERROR(read("exp_avg_sq/" + pname, master + 2 * n, o.n * 4));
+    }
+    STRATA_RETURN_IF_ERROR(t.write_unit_state(u, pbytes, blob));
+  }
+  STRATA_RETURN_IF_ERROR(t.compute->synchronize());
+  {
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.steps = manifest.step;
+    std::fill(t.updated_step.begin(), t.updated_step.end(), manifest.step);
+    t.norm_step = manifest.step;
+  }
+  t.grad_norm = 0.0;
+  return manifest;
 }
 
 OffloadStats OffloadEngine::stats() const {

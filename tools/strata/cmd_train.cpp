@@ -1,6 +1,7 @@
 // strata train: trains a built-in GPT (GPT-2 or LLaMA style) on the built-in corpus or a text
-// file, on one device without offload, with a live progress line, periodic validation and a
-// summary that compares the loss with the unigram baseline of the data.
+// file, its state placed over device memory, host memory and NVMe by the offload engine, with a
+// live progress line, periodic validation, atomic checkpoints of every tier (--checkpoint-dir,
+// --resume) and a summary that compares the loss with the unigram baseline of the data.
 //
 // Precedence of settings: the defaults below < a DeepSpeed-style --config file < flags.
 // Exit codes: 0 trained, 1 a file could not be read/written or training failed, 2 bad flags.
@@ -21,10 +22,12 @@
 
 #include "cli.hpp"
 #include "model_flags.hpp"
+#include "strata/checkpoint.hpp"
 #include "strata/config.hpp"
 #include "strata/data.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
+#include "strata/nvme.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
 
@@ -106,6 +109,14 @@ constexpr FlagSpec kTrainFlags[] = {
      "where fp32 master weights and Adam moments live and the optimizer runs: none (device), cpu or "
      "nvme (default cpu)"},
     {"nvme-path", "DIR", "swap directory of the NVMe tier (default: a fresh directory under $TMPDIR, removed at exit)"},
+    {"checkpoint-dir", "DIR",
+     "save the complete training state (every tier) under DIR at the end and every --checkpoint-every "
+     "steps; atomic: DIR/latest names the newest complete checkpoint"},
+    {"checkpoint-every", "K", "save a checkpoint every K steps (default 0: only at the end)"},
+    {"keep-checkpoints", "N", "checkpoints kept under --checkpoint-dir (default 2)"},
+    {"resume", "PATH",
+     "continue from a checkpoint (a checkpoint directory, or a --checkpoint-dir: its latest) up to --steps; "
+     "the same model, data, batch shape and seed are required, the placement may differ"},
     {"plan", "", "print the memory plan (bytes per tier) and exit"},
     {"quiet", "", "no progress line (the summary is still printed)"},
     {"help", "", "show this help"},
@@ -260,8 +271,15 @@ int run_train(std::span<const std::string> argv) {
   tc.seed = static_cast<std::uint64_t>(seed);
   std::int64_t val_every = std::max<std::int64_t>(1, steps / 10);
   std::int64_t val_windows = Defaults::kValWindows;
+  std::int64_t checkpoint_every = 0, keep_checkpoints = 2;
   s = int_flag(args, "val-every", 0, 1ll << 40, &val_every);
   if (s.ok()) s = int_flag(args, "val-windows", 0, 1ll << 40, &val_windows);
+  if (s.ok()) s = int_flag(args, "checkpoint-every", 0, 1ll << 40, &checkpoint_every);
+  if (s.ok()) s = int_flag(args, "keep-checkpoints", 1, 1 << 20, &keep_checkpoints);
+  const std::string checkpoint_dir = args.get("checkpoint-dir").value_or("");
+  if (s.ok() && checkpoint_dir.empty() && (args.has("checkpoint-every") || args.has("keep-checkpoints"))) {
+    s = invalid_argument("flags '--checkpoint-every' and '--keep-checkpoints' need '--checkpoint-dir'");
+  }
   if (s.ok() && args.has("vocab") != args.has("merges")) {
     s = invalid_argument(
         "flags '--vocab' and '--merges' go together (a GPT-2 BPE tokenizer needs both files)");
@@ -277,7 +295,8 @@ int run_train(std::span<const std::string> argv) {
   }
   std::ofstream metrics;
   if (auto p = args.get("metrics")) {
-    metrics.open(*p, std::ios::trunc);
+    // A resumed run continues the record of the run it resumes.
+    metrics.open(*p, args.has("resume") ? std::ios::app : std::ios::trunc);
     if (!metrics) return fail(io_error("--metrics file '" + *p + "' cannot be opened for writing"));
   }
   const std::string out_dir = args.get("out").value_or("");
@@ -366,6 +385,45 @@ int run_train(std::span<const std::string> argv) {
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
 
+  // What a checkpoint must agree on for the resumed run to see the batches the original would
+  // have: Batcher's batch i depends only on (tokens, B, T, seed).
+  Json identity;
+  identity["data"] = data.name;
+  identity["tokenizer"] = data.tokenizer->name();
+  identity["train_tokens"] = data.train.size();
+  identity["train_tokens_crc32c"] = crc32c(data.train.data(), data.train.size() * sizeof(std::int32_t));
+  identity["micro_batch"] = tc.micro_batch;
+  identity["grad_accum"] = tc.grad_accum;
+  identity["seq_len"] = tc.seq_len;
+  identity["seed"] = tc.seed;
+  std::int64_t first_step = 0;
+  if (auto path = args.get("resume")) {
+    auto m = tr.load_checkpoint(*path);
+    if (!m.ok()) return fail(m.status().with_context("--resume"));
+    const Json saved = Json::parse(m->client_state);
+    for (auto it = identity.begin(); it != identity.end(); ++it) {
+      if (!saved.contains(it.key()) || saved[it.key()] != it.value()) {
+        return fail(failed_precondition(
+            "--resume: checkpoint '" + m->dir + "' was trained with " + it.key() + " = " +
+            (saved.contains(it.key()) ? saved[it.key()].dump() : std::string("(absent)")) + ", this run has " +
+            it.value().dump() + "; resuming needs the same data, batch shape and seed"));
+      }
+    }
+    first_step = m->step;
+    if (first_step >= steps) {
+      return fail(failed_precondition("--resume: checkpoint '" + m->dir + "' is at step " + std::to_string(first_step) +
+                                      "; --steps " + std::to_string(steps) + " leaves nothing to train"));
+    }
+    std::printf("resume   from %s (step %lld, saved with %s)\n", m->dir.c_str(), static_cast<long long>(first_step),
+                m->placement.c_str());
+  }
+  auto save_checkpoint = [&]() -> Status {
+    auto dir = tr.save_checkpoint(checkpoint_dir, identity.dump(), static_cast<int>(keep_checkpoints));
+    if (!dir.ok()) return dir.status();
+    if (!args.has("quiet")) std::printf("  checkpoint %s\n", dir->c_str());
+    return ok_status();
+  };
+
   const ModelLayout& layout = tr.model().layout();
   const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len;
   std::printf(
@@ -413,7 +471,7 @@ int run_train(std::span<const std::string> argv) {
     val_tokens = r->tokens;
     return ok_status();
   };
-  for (std::int64_t step = 0; step < steps; ++step) {
+  for (std::int64_t step = first_step; step < steps; ++step) {
     inputs.clear();
     targets.clear();
     for (std::int64_t a = 0; a < tc.grad_accum; ++a) {
@@ -429,7 +487,7 @@ int run_train(std::span<const std::string> argv) {
     train_seconds += m->seconds;
     recent_seconds = 0.8 * recent_seconds + 0.2 * m->seconds;
     recent_tokens = 0.8 * recent_tokens + 0.2 * static_cast<double>(m->tokens);
-    if (step == 0) {
+    if (step == first_step) {
       recent_seconds = m->seconds;
       recent_tokens = static_cast<double>(m->tokens);
     }
@@ -441,7 +499,8 @@ int run_train(std::span<const std::string> argv) {
       if (!v.ok()) return fail(v.with_context("validation"));
     }
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    const double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(steps - step - 1);
+    const double eta =
+        elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(steps - step - 1);
     const double tok_s = recent_tokens / std::max(recent_seconds, 1e-9);
     if (metrics.is_open()) {
       Json j;
@@ -465,11 +524,16 @@ int run_train(std::span<const std::string> argv) {
       if (do_val)
         std::printf("\n  validation loss %.4f (%lld tokens)\n", last_val, static_cast<long long>(val_tokens));
       std::fflush(stdout);
-    } else if (!quiet && (step == 0 || last || (step + 1) % log_every == 0 || do_val)) {
+    } else if (!quiet && (step == first_step || last || (step + 1) % log_every == 0 || do_val)) {
       std::printf("%s", line);
       if (do_val) std::printf(" | val loss %.4f", last_val);
       std::printf("\n");
       std::fflush(stdout);
+    }
+    if (!checkpoint_dir.empty() && (last || (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0))) {
+      if (live) std::printf("\n");
+      Status c = save_checkpoint();
+      if (!c.ok()) return fail(c.with_context("checkpoint after step " + std::to_string(step + 1)));
     }
   }
   if (live) std::printf("\n");
@@ -486,6 +550,7 @@ int run_train(std::span<const std::string> argv) {
     train_loss += recent_losses[i] / tail;
   Json summary;
   summary["steps"] = steps;
+  summary["first_step"] = first_step + 1;
   summary["train_loss"] = train_loss;
   summary["final_step_loss"] = recent_losses.back();
   if (can_validate) {
@@ -494,7 +559,7 @@ int run_train(std::span<const std::string> argv) {
   }
   summary["unigram_entropy"] = unigram;
   summary["wall_s"] = wall;
-  summary["tokens_per_s"] = static_cast<double>(tokens_per_step * steps) / train_seconds;
+  summary["tokens_per_s"] = static_cast<double>(tokens_per_step * (steps - first_step)) / train_seconds;
   summary["parameters"] = layout.num_parameters();
   {
     const OffloadStats os = tr.stats();
@@ -526,7 +591,7 @@ int run_train(std::span<const std::string> argv) {
     if (!out) return fail(io_error("cannot write '" + run_path + "'"));
   }
 
-  std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(steps),
+  std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(steps - first_step),
               clock_text(wall).c_str(), thousands(summary["tokens_per_s"].get<double>()).c_str());
   std::printf("  train loss       %.4f nats/token (mean of the last %zu steps)\n", train_loss, tail);
   if (can_validate) {

@@ -1,0 +1,100 @@
+// strata train --checkpoint-dir / --resume: a run resumed from its step-3 checkpoint under another
+// placement writes the same weights, byte for byte, and logs the same losses as the uninterrupted
+// run; resuming with other data, batch shape or seed, or past --steps, is refused naming why.
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "harness/harness.hpp"
+
+namespace strata::testing {
+namespace {
+
+std::string tiny_flags(int layers = 2, int batch = 2) {
+  return "--layers " + std::to_string(layers) + " --batch " + std::to_string(batch) +
+         " --width 32 --heads 2 --seq-len 32 --threads 1 --quiet ";
+}
+const std::string kTiny = tiny_flags();
+
+std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+std::string read_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(CliCheckpoint, ResumedRunWritesTheSameWeightsAsTheUninterruptedOne) {
+  TempDir dir("strata-cli-ckpt");
+  const std::string ck = (dir / "ck").string();
+  // The uninterrupted run: params on NVMe, optimizer on the host (the default), checkpoints at
+  // steps 3 and 6.
+  auto a = run_cli("train " + kTiny + "--steps 6 --val-every 0 --checkpoint-dir " + ck +
+                   " --checkpoint-every 3 --metrics " + (dir / "a.jsonl").string() + " --save-weights " +
+                   (dir / "a.safetensors").string());
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000003"));
+  ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000006"));
+  EXPECT_EQ(read_bytes(dir / "ck" / "latest"), "step-00000006\n");
+
+  // Resumed from step 3 with everything on the device.
+  auto b = run_cli("train " + kTiny + "--steps 6 --val-every 0 --resume " + ck + "/step-00000003" +
+                   " --offload-param none --offload-optimizer none --metrics " + (dir / "b.jsonl").string() +
+                   " --save-weights " + (dir / "b.safetensors").string());
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("resume   from " + ck + "/step-00000003 (step 3"), std::string::npos) << b.output;
+  const std::string wa = read_bytes(dir / "a.safetensors");
+  ASSERT_GT(wa.size(), 1000u);
+  EXPECT_TRUE(wa == read_bytes(dir / "b.safetensors")) << "the resumed run's weights differ";
+  const auto ma = read_jsonl(dir / "a.jsonl");
+  const auto mb = read_jsonl(dir / "b.jsonl");
+  ASSERT_EQ(ma.size(), 6u);
+  ASSERT_EQ(mb.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(mb[i]["step"], ma[i + 3]["step"]);
+    EXPECT_EQ(mb[i]["loss"].get<double>(), ma[i + 3]["loss"].get<double>()) << "step " << i + 4;
+    EXPECT_EQ(mb[i]["grad_norm"].get<double>(), ma[i + 3]["grad_norm"].get<double>()) << "step " << i + 4;
+    EXPECT_EQ(mb[i]["lr"].get<double>(), ma[i + 3]["lr"].get<double>()) << "step " << i + 4;
+  }
+}
+
+TEST(CliCheckpoint, ResumeRefusesWhatWouldChangeTheRun) {
+  TempDir dir("strata-cli-ckpt");
+  const std::string ck = (dir / "ck").string();
+  auto a = run_cli("train " + kTiny + "--steps 2 --val-every 0 --checkpoint-dir " + ck);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+
+  auto r = run_cli("train " + kTiny + "--steps 4 --resume " + ck + " --seed 7");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("was trained with seed = 1234, this run has 7"), std::string::npos) << r.output;
+
+  r = run_cli("train " + tiny_flags(2, 3) + "--steps 4 --resume " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("micro_batch = 2, this run has 3"), std::string::npos) << r.output;
+
+  r = run_cli("train " + kTiny + "--steps 2 --resume " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("is at step 2; --steps 2 leaves nothing to train"), std::string::npos) << r.output;
+
+  r = run_cli("train " + kTiny + "--steps 4 --resume " + (dir / "nothing").string());
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find((dir / "nothing").string() + "' is not a directory"), std::string::npos) << r.output;
+
+  r = run_cli("train " + tiny_flags(3, 2) + "--steps 4 --resume " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("n_layer: checkpoint 2, this run 3"), std::string::npos) << r.output;
+
+  r = run_cli("train " + kTiny + "--steps 4 --checkpoint-every 2");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("need '--checkpoint-dir'"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace strata::testing
