@@ -29,6 +29,12 @@
 
 namespace strata {
 
+namespace nvme_detail {
+struct IoFaults;
+}
+namespace offload_detail {
+struct EngineFaults;
+}
 class Device;
 class Stream;
 struct Config;
@@ -182,6 +188,11 @@ class OffloadEngine {
   struct Impl;
 
  private:
+  friend struct offload_detail::EngineFaults;
+  static Result<std::unique_ptr<OffloadEngine>> create_with_faults(const TrainerConfig& config,
+                                                                   const OffloadSettings& settings, Device& device,
+                                                                   Stream* compute,
+                                                                   const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -194,6 +194,8 @@ struct OffloadEngine::Impl {
   std::int64_t norm_step = 0;              // the last step whose norm is known
   double norm_value = 0.0;
   Status worker_error;
+  bool worker_busy = false;  // a command is being processed (guarded by mu)
+  const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
   double worker_cpu = 0.0;
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -242,6 +244,19 @@ struct OffloadEngine::Impl {
   Status check_worker();
   Status wait_updated(int u);
   Status wait_all_updates();
+  // Waits until the optimizer thread has processed every command (whatever its error state).
+  void drain_worker();
+  // After a failed step: every slot and bucket forgotten (their contents may be partial) and
+  // the trace re-recorded. Streams must be idle.
+  void reset_pass_state();
+  // A step, loss or evaluation failed: let the streams finish, forget the pass; returns `s`.
+  Status abandon_pass(Status s) {
+    (void)compute->synchronize();
+    if (h2d) (void)h2d->synchronize();
+    if (gstream) (void)gstream->synchronize();
+    reset_pass_state();
+    return s;
+  }
 
   // The pass.
   void begin_pass();
@@ -428,7 +443,11 @@ Status OffloadEngine::Impl::setup() {
   if (any_nvme_home || settings.optimizer == Tier::kNvme) {
     IoEngineConfig ioc = settings.io;
     ioc.nvme_path = settings.nvme_path;
-    STRATA_ASSIGN_OR_RETURN(io, IoEngine::create(ioc, &dev.pinned()));
+    if (io_faults != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(io, nvme_detail::IoFaults::create_engine(ioc, &dev.pinned(), io_faults));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(io, IoEngine::create(ioc, &dev.pinned()));
+    }
     SwapStoreConfig sc;
     sc.dirs = settings.nvme_path;
     sc.capacity = offload_detail::swap_capacity(plan, settings);
@@ -821,9 +840,21 @@ void OffloadEngine::Impl::worker_main() {
       commands.pop_front();
       if (!worker_error.ok() && c.kind != Command::kStop) {
         // After an error nothing more is applied; the step's caller reports it.
+        if (commands.empty()) cv.notify_all();
         continue;
       }
+      worker_busy = true;
     }
+    struct Idle {  // however the command ends
+      Impl* t;
+      ~Idle() {
+        {
+          std::lock_guard<std::mutex> lock(t->mu);
+          t->worker_busy = false;
+        }
+        t->cv.notify_all();
+      }
+    } idle{this};
     if (c.kind == Command::kStop) break;
     if (c.kind == Command::kAbort) continue;  // the next step's landed units overwrite the stats
     if (c.kind == Command::kLanded) {
@@ -898,6 +929,34 @@ Status OffloadEngine::Impl::wait_updated(int u) {
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; });
   return worker_error;
+}
+
+void OffloadEngine::Impl::drain_worker() {
+  if (opt_on_device) return;
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return commands.empty() && !worker_busy; });
+}
+
+void OffloadEngine::Impl::reset_pass_state() {
+  for (ParamSlot& slot : pslots) {
+    if (slot.unit >= 0) {
+      slot_of[static_cast<std::size_t>(slot.unit)] = -1;
+      bound_params[static_cast<std::size_t>(slot.unit)] = nullptr;
+    }
+    slot.unit = -1;
+    slot.used = false;
+  }
+  for (GradSlot& g : gslots) {
+    if (g.unit >= 0) {
+      gslot_of[static_cast<std::size_t>(g.unit)] = -1;
+      bound_grads[static_cast<std::size_t>(g.unit)] = nullptr;
+    }
+    g.unit = -1;
+  }
+  trace.clear();
+  record.clear();
+  trace_ok = false;
+  pos = 0;
 }
 
 Status OffloadEngine::Impl::wait_all_updates() {
@@ -1278,6 +1337,20 @@ OffloadEngine::~OffloadEngine() {
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
                                                              const OffloadSettings& settings, Device& device,
                                                              Stream* compute) {
+  return create_with_faults(config, settings, device, compute, nullptr);
+}
+
+Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
+                                                                            const OffloadSettings& settings,
+                                                                            Device& device,
+                                                                            const nvme_detail::IoFaults* faults) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, faults);
+}
+
+Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const TrainerConfig& config,
+                                                                         const OffloadSettings& settings,
+                                                                         Device& device, Stream* compute,
+                                                                         const nvme_detail::IoFaults* faults) {
   STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, settings));
   STRATA_RETURN_IF_ERROR(plan.check_fits(device, settings));
   auto impl = std::make_unique<Impl>();
@@ -1286,6 +1359,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
   impl->plan = std::move(plan);
   impl->device = &device;
   impl->compute = compute;
+  impl->io_faults = faults;
   std::unique_ptr<OffloadEngine> engine(new OffloadEngine(std::move(impl)));
   STRATA_RETURN_IF_ERROR(engine->impl_->setup());
   return engine;
@@ -1321,7 +1395,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   if (t.opt_on_device) {
     if (s.ok()) s = t.device_update(m.lr, m.step);
     if (s.ok()) s = t.compute->synchronize();
-    STRATA_RETURN_IF_ERROR(s);
+    if (!s.ok()) return t.abandon_pass(s);
   } else {
     // Every stream's errors surface before the step's update may run: a failed fetch or copy
     // aborts the step and leaves parameters and optimizer state as they were.
@@ -1335,9 +1409,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     t.cv.notify_all();
     if (!s.ok()) {
       // Let the optimizer thread drain this step's landed units before the caller retries.
-      (void)t.compute->synchronize();
-      (void)t.h2d->synchronize();
-      (void)t.gstream->synchronize();
+      s = t.abandon_pass(s);
+      t.drain_worker();
       return s;
     }
     std::unique_lock<std::mutex> lock(t.mu);
@@ -1390,13 +1463,14 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
   t.begin_pass();
-  STRATA_RETURN_IF_ERROR(t.run_forward(false));
-  STRATA_RETURN_IF_ERROR(t.end_pass());
-  STRATA_RETURN_IF_ERROR(t.model->copy_losses(0));
-  STRATA_RETURN_IF_ERROR(t.compute->synchronize());
-  STRATA_RETURN_IF_ERROR(t.h2d->synchronize());
-  const LossSum s = t.model->loss_sum(0);
-  return s.sum / static_cast<double>(s.count);
+  Status s = t.run_forward(false);
+  if (s.ok()) s = t.end_pass();
+  if (s.ok()) s = t.model->copy_losses(0);
+  if (s.ok()) s = t.compute->synchronize();
+  if (s.ok()) s = t.h2d->synchronize();
+  if (!s.ok()) return t.abandon_pass(s);
+  const LossSum sum = t.model->loss_sum(0);
+  return sum.sum / static_cast<double>(sum.count);
 }
 
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
@@ -1408,7 +1482,8 @@ Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens,
     return t.end_pass();
   };
   auto r = detail::evaluate_windows_with(*t.model, tokens, t.config.seq_len, t.config.micro_batch, max_windows, forward);
-  STRATA_RETURN_IF_ERROR(t.h2d->synchronize());
+  Status s = r.ok() ? t.h2d->synchronize() : r.status();
+  if (!s.ok()) return t.abandon_pass(s);
   return r;
 }
 
@@ -1507,7 +1582,8 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.check_worker());
+  // Allowed after a failed step (the way to recover from one): the error stays until the
+  // checkpoint is verified and loaded.
   STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
   STRATA_ASSIGN_OR_RETURN(CheckpointManifest manifest, read_checkpoint_manifest(dir, true));
   const std::string diff = config_difference(manifest.model_config, hf_config_json(t.config.model));
@@ -1546,7 +1622,12 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     return data_loss("checkpoint '" + dir + "' holds " + std::to_string(where.size()) + " tensors; this model has " +
                      std::to_string(expected));
   }
-  STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  t.drain_worker();
+  (void)t.abandon_pass(ok_status());
+  {
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.worker_error = ok_status();
+  }
   const std::uint64_t wsize = t.bf16 ? 2 : 4;
   std::vector<char> pbytes;
   std::vector<float> blob;

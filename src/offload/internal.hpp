@@ -11,6 +11,7 @@
 #include "strata/engine.hpp"
 #include "strata/model.hpp"
 #include "strata/offload.hpp"
+#include "nvme/faults.hpp"
 
 namespace strata::offload_detail {
 
@@ -153,5 +154,12 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const OffloadSetting
                               std::max<std::uint64_t>(plan.grad_slot_bytes * 3 + plan.param_slot_bytes, 1u << 20);
   return align_up(plan.nvme_bytes + plan.nvme_bytes / 8 + slack, 1u << 20);
 }
+
+// Tests only: an engine whose I/O engine injects `faults` (src/nvme/faults.hpp), which must
+// outlive it.
+struct EngineFaults {
+  static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config, const OffloadSettings& settings,
+                                                       Device& device, const nvme_detail::IoFaults* faults);
+};
 
 }  // namespace strata::offload_detail
