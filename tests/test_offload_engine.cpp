@@ -51,6 +51,42 @@ INSTANTIATE_TEST_SUITE_P(Matrix, OffloadEquivalence,
                                            MatrixCase{ModelKind::kLlama, DType::kBF16, 1, 0.5},
                                            MatrixCase{ModelKind::kLlama, DType::kF32, 2, 0.0}));
 
+// The NVMe optimizer in sub-groups smaller than a module and than its larger parameters (awkward
+// sizes 40961 and 4097; a parameter is split at multiples of 64 of its elements) gives the bits of
+// the unsplit update, and its pinned ring shrinks with the sub-group.
+TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 2, 1.0);
+  TempDir dir("strata-offload");
+  const Snapshot ref = train(c, OffloadSettings{}, 3);
+  ASSERT_EQ(ref.losses.size(), 3u);
+  std::uint64_t whole_ring = 0;
+  for (std::int64_t sub_group : {std::int64_t{1'000'000'000}, std::int64_t{40961}, std::int64_t{4097}}) {
+    for (Placement p : {Placement{Tier::kNvme, Tier::kNvme}, Placement{Tier::kDevice, Tier::kNvme}}) {
+      OffloadSettings s = settings_for(p, dir);
+      s.sub_group_size = sub_group;
+      auto plan = OffloadPlan::make(c, s);
+      ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+      std::uint64_t ring = 0;
+      for (const PlanLine& l : plan->lines)
+        if (l.what == "optimizer pipeline ring (pinned)") ring = l.bytes;
+      if (sub_group == 1'000'000'000) whole_ring = ring;
+      if (sub_group == 4097) {
+        EXPECT_LT(ring * 4, whole_ring) << "the ring holds sub-groups, not modules";
+      }
+      const Snapshot got = train(c, s, 3);
+      expect_same(ref, got, "sub_group_size " + std::to_string(sub_group) + ", params on " +
+                                std::string(to_string(p.params)));
+      std::filesystem::remove_all(dir.path());
+      std::filesystem::create_directories(dir.path());
+    }
+  }
+  OffloadSettings bad = settings_for({Tier::kNvme, Tier::kNvme}, dir);
+  bad.sub_group_size = 63;
+  const Status s = bad.validate();
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("zero_optimization.sub_group_size = 63"), std::string::npos) << s.message();
+}
+
 // The resident trainer is the all-device placement of the same engine.
 TEST(OffloadEngine, TheTrainerIsTheAllDevicePlacement) {
   const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);

@@ -60,6 +60,11 @@ struct OffloadSettings {
                                                     // with at most this many elements stay resident
   bool pin_memory = false;          // host-tier state in the pinned pool (offload_*.pin_memory)
   int nvme_buffer_count = 4;        // offload_optimizer.buffer_count: the NVMe pipeline's ring
+  // zero_optimization.sub_group_size: the most elements of optimizer state the NVMe pipeline
+  // moves and updates as one piece (one ring buffer holds [master | m | v] of one sub-group).
+  // Modules larger than this are split, at multiples of 64 elements of a parameter, so the
+  // update is the same bits whatever the size.
+  std::int64_t sub_group_size = 1'000'000'000;
   // With clipping off, update a module's state as soon as its gradients land, overlapped with the
   // rest of backward (host tier). Off: update after backward, in forward order, overlapped with
   // the next step's forward. Either way the result is the same bits.

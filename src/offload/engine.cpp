@@ -166,7 +166,8 @@ struct OffloadEngine::Impl {
   HostMem host_grads, host_params, host_master, host_m, host_v;
   std::vector<std::uint64_t> host_param_offset;  // per unit, into host_params
   HostMem param_out_staging;                     // host optimizer + NVMe-home params
-  std::vector<HostMem> ring;                     // NVMe optimizer pipeline
+  std::vector<HostMem> ring;                     // NVMe optimizer pipeline: one sub-group each
+  HostMem param_out[2];                          // NVMe optimizer: updated parameters, alternating units
   std::vector<std::unique_ptr<Event>> landed, uploaded;
   std::vector<char> uploaded_recorded;  // per unit (bytes, not bits: two threads touch different units)
 
@@ -435,6 +436,9 @@ Status OffloadEngine::Impl::setup() {
       STRATA_ASSIGN_OR_RETURN(HostMem h, HostMem::make(dev, true, units.ring_buffer_bytes, "offload.optim_ring"));
       ring.push_back(std::move(h));
     }
+    for (HostMem& h : param_out) {
+      STRATA_ASSIGN_OR_RETURN(h, HostMem::make(dev, true, units.param_out_bytes, "offload.param_out"));
+    }
   }
   if (any_nvme_home && settings.optimizer == Tier::kHost) {
     STRATA_ASSIGN_OR_RETURN(param_out_staging,
@@ -551,7 +555,16 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   blob.resize(3 * n);
   if (settings.optimizer == Tier::kNvme) {
-    return swap->read(TensorKey{unit_key("optim", u), 0}, blob.data(), blob.size() * 4).wait();
+    const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+    std::vector<float> piece;
+    for (std::size_t c = 0; c + 1 < b.size(); ++c) {
+      const std::size_t len = b[c + 1] - b[c];
+      piece.resize(3 * len);
+      STRATA_RETURN_IF_ERROR(
+          swap->read(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(), 3 * len * 4).wait());
+      for (int k = 0; k < 3; ++k) std::memcpy(blob.data() + k * n + b[c], piece.data() + k * len, len * 4);
+    }
+    return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
   std::memcpy(blob.data(), host_master.bytes() + g, n * 4);
@@ -563,7 +576,16 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
 Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& blob) {
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   if (settings.optimizer == Tier::kNvme) {
-    return swap->write(TensorKey{unit_key("optim", u), 0}, blob.data(), blob.size() * 4).wait();
+    const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+    std::vector<float> piece;
+    for (std::size_t c = 0; c + 1 < b.size(); ++c) {
+      const std::size_t len = b[c + 1] - b[c];
+      piece.resize(3 * len);
+      for (int k = 0; k < 3; ++k) std::memcpy(piece.data() + k * len, blob.data() + k * n + b[c], len * 4);
+      STRATA_RETURN_IF_ERROR(
+          swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(), 3 * len * 4).wait());
+    }
+    return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
   std::memcpy(host_master.bytes() + g, blob.data(), n * 4);
@@ -733,87 +755,128 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   return publish_params(u, out_unit);
 }
 
-// Streams [master | m | v] of each unit in `order` through the pinned ring: reads run ahead of
-// the update by up to ring.size() - 1 units, each unit is written back as soon as it is updated.
+// Streams the optimizer state of each unit in `order` through the pinned ring, one sub-group
+// ([master | m | v] of up to sub_group_size elements, swap key "optim.<u>" shard c) per buffer:
+// reads run ahead of the update by up to ring.size() - 1 sub-groups and each is written back as
+// soon as it is updated. A unit's updated working parameters gather in one of two staging
+// buffers and go to their home after its last sub-group. Writes retire in issue order; a unit
+// counts as updated (its parameters may be fetched) once all of its writes have retired, since a
+// read before that would return the previous version.
 Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr,
                                               float scale) {
+  struct Item {
+    int unit;
+    std::size_t group;
+  };
+  std::vector<Item> items;
+  for (int u : order) {
+    for (std::size_t c = 0; c + 1 < units.sub_groups[static_cast<std::size_t>(u)].size(); ++c) items.push_back({u, c});
+  }
   const std::size_t R = ring.size();
-  std::vector<IoHandle> reads(order.size()), writes(R * 2);
-  std::size_t issued = 0;
-  // A unit counts as updated (its parameters may be fetched) once both of its writes are
-  // published; until then a read would return the previous version.
-  std::vector<int> writing(R, -1);
-  auto retire = [&](std::size_t r) -> Status {
-    for (int w = 0; w < 2; ++w) {
-      IoHandle& h = writes[r * 2 + static_cast<std::size_t>(w)];
-      if (h.valid()) {
-        Status s = h.wait();
-        h = IoHandle();
-        if (!s.ok()) return s;
-      }
+  std::vector<IoHandle> reads(items.size());
+  struct Pending {
+    std::uint64_t seq;
+    IoHandle handle;   // invalid: nothing to wait for (parameters published synchronously)
+    int unit_done;     // >= 0: the unit's last write
+  };
+  std::deque<Pending> writes;
+  std::uint64_t seq = 0;
+  std::vector<std::uint64_t> ring_seq(R, 0);
+  std::uint64_t out_seq[2] = {0, 0};
+  auto retire_through = [&](std::uint64_t through) -> Status {
+    Status first;
+    while (!writes.empty() && writes.front().seq <= through) {
+      Pending p = std::move(writes.front());
+      writes.pop_front();
+      Status s = p.handle.valid() ? p.handle.wait() : ok_status();
+      if (!s.ok() && first.ok()) first = s;
+      if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, step);
     }
-    if (writing[r] >= 0) mark_updated(writing[r], step);
-    writing[r] = -1;
-    return ok_status();
+    return first;
   };
-  auto issue = [&](std::size_t i) {
+  auto push_write = [&](IoHandle h, int unit_done) {
+    writes.push_back(Pending{++seq, std::move(h), unit_done});
+    return seq;
+  };
+  auto bounds = [&](const Item& it) {
+    const auto& b = units.sub_groups[static_cast<std::size_t>(it.unit)];
+    return std::pair<std::uint64_t, std::uint64_t>{b[it.group], b[it.group + 1]};
+  };
+  auto issue = [&](std::size_t i) -> Status {
     const std::size_t r = i % R;
-    // The ring buffer's previous unit must be fully written back before it is overwritten.
-    STRATA_RETURN_IF_ERROR(retire(r));
-    const int u = order[i];
-    reads[i] = swap->read(TensorKey{unit_key("optim", u), 0}, ring[r].data(), 3 * units.gbytes[static_cast<std::size_t>(u)]);
+    // The ring buffer's previous sub-group must be fully written back before it is overwritten.
+    STRATA_RETURN_IF_ERROR(retire_through(ring_seq[r]));
+    const auto [b0, b1] = bounds(items[i]);
+    reads[i] = swap->read(TensorKey{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)},
+                          ring[r].data(), 12 * (b1 - b0));
     return ok_status();
   };
+  const std::uint64_t wsize = bf16 ? 2 : 4;
   Status first_error;
-  for (std::size_t i = 0; i < order.size() && first_error.ok(); ++i) {
-    while (issued < order.size() && issued < i + R - 1) {
+  std::size_t issued = 0, units_started = 0;
+  char* out_unit = nullptr;
+  for (std::size_t i = 0; i < items.size() && first_error.ok(); ++i) {
+    while (issued < items.size() && issued < i + R - 1) {
       first_error = issue(issued++);
       if (!first_error.ok()) break;
     }
     if (!first_error.ok()) break;
     const std::size_t r = i % R;
-    const int u = order[i];
+    const int u = items[i].unit;
     const std::size_t uu = static_cast<std::size_t>(u);
+    const auto [b0, b1] = bounds(items[i]);
+    const std::uint64_t len = b1 - b0;
+    const bool first_group = items[i].group == 0;
+    const bool last_group = items[i].group + 2 == units.sub_groups[uu].size();
     Status s = reads[i].wait();
     if (!s.ok()) {
-      first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "'");
+      first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "' (sub-group " +
+                                   std::to_string(items[i].group) + ")");
       break;
     }
-    const std::size_t n = units.gbytes[uu] / 4;
+    if (first_group) {
+      ++units_started;
+      // The staging buffer's previous unit must be written to its home first.
+      first_error = retire_through(out_seq[(units_started - 1) % 2]);
+      if (!first_error.ok()) break;
+      out_unit = param_out[(units_started - 1) % 2].bytes();
+    }
     float* master = ring[r].floats();
-    char* out_unit = ring[r].bytes() + align_up(3 * units.gbytes[uu], 4096);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      const std::uint64_t a = o.grad_in_unit / 4;
+      const std::uint64_t lo = std::max<std::uint64_t>(a, b0), hi = std::min<std::uint64_t>(a + o.n, b1);
+      if (lo >= hi) continue;
       OptimizerBuffers b;
-      b.master = master + o.grad_in_unit / 4;
-      b.grad = host_grads.bytes() + o.grad_offset;
+      b.master = master + (lo - b0);
+      b.grad = host_grads.bytes() + grad_begin(u) + lo * 4;
       b.grad_dtype = DType::kF32;
-      b.exp_avg = master + n + o.grad_in_unit / 4;
-      b.exp_avg_sq = master + 2 * n + o.grad_in_unit / 4;
+      b.exp_avg = master + len + (lo - b0);
+      b.exp_avg_sq = master + 2 * len + (lo - b0);
       b.moment_dtype = DType::kF32;
-      b.param_out = bf16 ? out_unit + o.param_in_unit : nullptr;
+      char* out = out_unit + o.param_in_unit + (lo - a) * wsize;
+      b.param_out = bf16 ? out : nullptr;
       b.out_dtype = DType::kBF16;
-      b.n = o.n;
+      b.n = hi - lo;
       first_error = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
       if (!first_error.ok()) break;
+      if (!bf16) std::memcpy(out, b.master, b.n * 4);  // fp32: the working copy is the master
     }
     if (!first_error.ok()) break;
-    // fp32: the unit's working layout is its master layout.
-    const char* params = bf16 ? out_unit : reinterpret_cast<const char*>(master);
-    writes[r * 2] = swap->write(TensorKey{unit_key("optim", u), 0}, master, 3 * units.gbytes[uu]);
+    ring_seq[r] = push_write(
+        swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1);
+    if (!last_group) continue;
     if (units.home[uu] == Tier::kNvme) {
-      writes[r * 2 + 1] = swap->write(TensorKey{unit_key("param", u), 0}, params, units.pbytes[uu]);
+      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]), u);
     } else {
-      first_error = publish_params(u, params);
+      first_error = publish_params(u, out_unit);  // copied out at once: the staging buffer is free again
+      if (first_error.ok()) push_write(IoHandle(), u);
     }
-    if (first_error.ok()) writing[r] = u;
   }
-  for (std::size_t r = 0; r < R; ++r) {
-    Status s = retire(r);
-    if (first_error.ok() && !s.ok()) first_error = s;
-  }
-  for (std::size_t i = 0; i < reads.size(); ++i) {
-    if (reads[i].valid()) (void)reads[i].wait();
+  Status s = retire_through(UINT64_MAX);
+  if (first_error.ok()) first_error = s;
+  for (IoHandle& h : reads) {
+    if (h.valid()) (void)h.wait();
   }
   return first_error;
 }

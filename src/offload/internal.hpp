@@ -32,7 +32,40 @@ struct Units {
   std::uint64_t grad_slot_bytes = 0;
   std::uint32_t ring_buffers = 0;  // NVMe optimizer pipeline
   std::uint64_t ring_buffer_bytes = 0;
+  // NVMe optimizer: per module, the sub-group boundaries in elements of its fp32 layout
+  // (0 = b0 < b1 < ... < bk = n); sub-group c is [b_c, b_c+1), swap key "optim.<u>" shard c.
+  std::vector<std::vector<std::uint64_t>> sub_groups;
+  std::uint64_t param_out_bytes = 0;  // NVMe optimizer: one updated-parameter staging buffer
 };
+
+// Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
+// padding between parameters). A parameter is split only at multiples of 64 of its own elements,
+// so every SIMD lane sees the element it sees in an unsplit update: the same bits.
+inline std::vector<std::uint64_t> sub_group_bounds(const ModelLayout& layout, std::size_t m, std::uint64_t limit) {
+  const ModuleDesc& md = layout.modules[m];
+  const std::uint64_t n_unit = (md.grad_end - md.grad_begin) / 4;
+  std::vector<std::uint64_t> b{0};
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> params;  // (first element in the unit, count)
+  for (int i : md.params) {
+    const ParamDesc& p = layout.params[static_cast<std::size_t>(i)];
+    if (!p.owns_storage()) continue;
+    params.emplace_back((p.grad_offset - md.grad_begin) / 4, static_cast<std::uint64_t>(p.numel()));
+  }
+  std::sort(params.begin(), params.end());
+  for (const auto& [a, n] : params) {
+    std::uint64_t pos = 0;
+    while (pos < n) {
+      const std::uint64_t used = a + pos - b.back();
+      const std::uint64_t room = used < limit ? limit - used : 0;
+      if (room >= n - pos) break;
+      pos += room / 64 * 64;
+      if (a + pos > b.back()) b.push_back(a + pos);
+      if (room < 64 && a + pos == b.back() && used == 0) pos += 64;  // limit < 64: never (validated)
+    }
+  }
+  if (b.back() != n_unit) b.push_back(n_unit);
+  return b;
+}
 
 inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
   std::vector<std::vector<int>> s(layout.modules.size());
@@ -101,10 +134,16 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   if (settings.optimizer == Tier::kNvme) {
     u.ring_buffers = static_cast<std::uint32_t>(std::max(3, settings.nvme_buffer_count));
     std::uint64_t most = 0;
+    u.sub_groups.resize(M);
     for (std::size_t m = 0; m < M; ++m) {
-      most = std::max(most, align_up(3 * u.gbytes[m], 4096) + align_up(u.pbytes[m], 4096));
+      u.sub_groups[m] = sub_group_bounds(layout, m, static_cast<std::uint64_t>(settings.sub_group_size));
+      for (std::size_t c = 0; c + 1 < u.sub_groups[m].size(); ++c) {
+        most = std::max(most, 12 * (u.sub_groups[m][c + 1] - u.sub_groups[m][c]));
+      }
+      u.param_out_bytes = std::max(u.param_out_bytes, u.pbytes[m]);
     }
-    u.ring_buffer_bytes = std::max<std::uint64_t>(most, 4096);
+    u.ring_buffer_bytes = align_up(std::max<std::uint64_t>(most, 4096), 4096);
+    u.param_out_bytes = align_up(std::max<std::uint64_t>(u.param_out_bytes, 1), 4096);
   }
   return u;
 }

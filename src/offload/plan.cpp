@@ -47,6 +47,10 @@ Status OffloadSettings::validate() const {
     return invalid_argument("zero_optimization.offload_optimizer.buffer_count = " +
                             std::to_string(nvme_buffer_count) + " must be in [2, 64]");
   }
+  if (optimizer == Tier::kNvme && sub_group_size < 64) {
+    return invalid_argument("zero_optimization.sub_group_size = " + std::to_string(sub_group_size) +
+                            " must be >= 64 (elements)");
+  }
   if (host_threads < 0) {
     return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
   }
@@ -86,6 +90,7 @@ Status OffloadSettings::apply(const Config& config) {
   persistence_threshold = z.stage3_param_persistence_threshold;
   pin_memory = z.offload_optimizer.pin_memory || z.offload_param.pin_memory;
   nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
+  sub_group_size = z.sub_group_size;
   if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
     return invalid_argument(config.source +
                             ": zero_optimization.offload_optimizer.ratio = " +
@@ -134,6 +139,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("fp32 master + exp_avg + exp_avg_sq", Tier::kNvme, 3 * layout.grad_bytes);
     line("optimizer pipeline ring (pinned)", Tier::kHost,
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
+    line("updated parameter staging (pinned)", Tier::kHost, 2 * units.param_out_bytes, true);
   }
   if (units.nvme_param_bytes > 0) {
     line("working parameters", Tier::kNvme, units.nvme_param_bytes);
