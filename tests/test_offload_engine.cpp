@@ -53,7 +53,8 @@ INSTANTIATE_TEST_SUITE_P(Matrix, OffloadEquivalence,
 
 // The NVMe optimizer in sub-groups smaller than a module and than its larger parameters (awkward
 // sizes 40961 and 4097; a parameter is split at multiples of 64 of its elements) gives the bits of
-// the unsplit update, and its pinned ring shrinks with the sub-group.
+// the unsplit update, and its pinned ring shrinks with the sub-group; gradients waiting on NVMe
+// (written and restored between micro-batches, read with each sub-group) give the same bits too.
 TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
   const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 2, 1.0);
   TempDir dir("strata-offload");
@@ -64,6 +65,8 @@ TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
     for (Placement p : {Placement{Tier::kNvme, Tier::kNvme}, Placement{Tier::kDevice, Tier::kNvme}}) {
       OffloadSettings s = settings_for(p, dir);
       s.sub_group_size = sub_group;
+      // Gradients wait on NVMe for the device-parameter case (restored between micro-batches).
+      if (p.params == Tier::kDevice) s.gradients = Tier::kNvme;
       auto plan = OffloadPlan::make(c, s);
       ASSERT_TRUE(plan.ok()) << plan.status().to_string();
       std::uint64_t ring = 0;
@@ -75,7 +78,8 @@ TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
       }
       const Snapshot got = train(c, s, 3);
       expect_same(ref, got, "sub_group_size " + std::to_string(sub_group) + ", params on " +
-                                std::string(to_string(p.params)));
+                                std::string(to_string(p.params)) + ", gradients on " +
+                                std::string(to_string(s.gradients)));
       std::filesystem::remove_all(dir.path());
       std::filesystem::create_directories(dir.path());
     }
@@ -85,6 +89,21 @@ TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
   const Status s = bad.validate();
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("zero_optimization.sub_group_size = 63"), std::string::npos) << s.message();
+  OffloadSettings host_opt = settings_for({Tier::kNvme, Tier::kHost}, dir);
+  host_opt.gradients = Tier::kNvme;
+  const Status g = host_opt.validate();
+  EXPECT_FALSE(g.ok());
+  EXPECT_NE(g.message().find("gradients = nvme needs the optimizer state on NVMe"), std::string::npos) << g.message();
+  // The plan moves the gradients from host memory to NVMe.
+  OffloadSettings on_nvme = settings_for({Tier::kNvme, Tier::kNvme}, dir);
+  auto host_plan = OffloadPlan::make(c, on_nvme);
+  on_nvme.gradients = Tier::kNvme;
+  auto nvme_plan = OffloadPlan::make(c, on_nvme);
+  ASSERT_TRUE(host_plan.ok() && nvme_plan.ok());
+  auto layout = describe_model(c.model);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(nvme_plan->nvme_bytes, host_plan->nvme_bytes + layout->grad_bytes);
+  EXPECT_LT(nvme_plan->host_bytes + layout->grad_bytes / 2, host_plan->host_bytes);
 }
 
 // The resident trainer is the all-device placement of the same engine.
@@ -235,7 +254,12 @@ TEST(OffloadPlan, CountsEveryTierAndPrintsIt) {
   }());
   EXPECT_GT(plan->device_bytes, 0u);
   EXPECT_GT(plan->pinned_bytes, 0u);
-  EXPECT_EQ(plan->param_slots, 3u + 2u * 2u);
+  // LLaMA's modules read one unit each: the running one, two ahead, one trailing release.
+  EXPECT_EQ(plan->param_slots, 1u * (1u + 2u) + 1u);
+  // GPT-2's head also reads the embedding's unit (tied weights): two per module.
+  auto gpt2 = OffloadPlan::make(tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0), s);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status().to_string();
+  EXPECT_EQ(gpt2->param_slots, 2u * (1u + 2u) + 1u);
   const std::string text = plan->to_string();
   EXPECT_NE(text.find("nvme"), std::string::npos) << text;
   EXPECT_NE(text.find("0 resident on the device"), std::string::npos) << text;

@@ -52,6 +52,11 @@ struct OffloadSettings {
   // device's fused update; gradients stay on the device), kHost (CPU Adam on host memory;
   // gradients stream out to host), kNvme (CPU Adam streaming state through a pinned ring).
   Tier optimizer = Tier::kDevice;  // zero_optimization.offload_optimizer.device
+  // Where fp32 gradients wait for an off-device optimizer between backward and the update:
+  // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
+  // through one pinned staging buffer on the way out and in; needs optimizer = kNvme). A Strata
+  // setting (DeepSpeed keeps them in host memory): --offload-gradients.
+  Tier gradients = Tier::kHost;
   std::vector<std::string> nvme_path;  // swap directories (offload_*.nvme_path / aio.nvme_path)
   // Modules fetched ahead of the one running, bounded by prefetch_elements (0 disables prefetch).
   int prefetch_modules = 2;

@@ -168,6 +168,9 @@ struct OffloadEngine::Impl {
   HostMem param_out_staging;                     // host optimizer + NVMe-home params
   std::vector<HostMem> ring;                     // NVMe optimizer pipeline: one sub-group each
   HostMem param_out[2];                          // NVMe optimizer: updated parameters, alternating units
+  bool grads_on_nvme = false;
+  HostMem grad_staging;                          // NVMe gradients: every landing and restore, in gstream order
+  std::vector<GradStats> landed_stats;           // NVMe gradients: scanned on the way out (gstream thread)
   std::vector<std::unique_ptr<Event>> landed, uploaded;
   std::vector<char> uploaded_recorded;  // per unit (bytes, not bits: two threads touch different units)
 
@@ -282,6 +285,9 @@ struct OffloadEngine::Impl {
   Status write_unit_params(int u, const std::vector<char>& bytes);
   Status read_unit_optim(int u, std::vector<float>& blob);  // [master | m | v], host/nvme tiers
   Status write_unit_optim(int u, const std::vector<float>& blob);
+  // NVMe gradients: unit u's fp32 gradients as swap shards "grad.<u>" (the optimizer's sub-groups).
+  Status write_grad_shards(int u, const char* src);
+  Status read_grad_shards(int u, char* dst);
   Status write_values(int index, std::span<const float> values, bool master_too);
   Result<std::vector<float>> read_state(int index, int which);  // 0 working, 1 master, 2 m, 3 v
   // A unit's working parameters and [master | m | v] (fp32 layout) for every placement.
@@ -402,7 +408,13 @@ Status OffloadEngine::Impl::setup() {
   // Host tiers.
   const bool pin = settings.pin_memory;
   if (!opt_on_device) {
-    STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+    grads_on_nvme = settings.gradients == Tier::kNvme;
+    if (grads_on_nvme) {
+      STRATA_ASSIGN_OR_RETURN(grad_staging, HostMem::make(dev, true, units.grad_slot_bytes, "offload.grad_staging"));
+      landed_stats.assign(static_cast<std::size_t>(M), GradStats{});
+    } else {
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+    }
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
     for (int u = 0; u < M; ++u) {
@@ -594,6 +606,36 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
   return ok_status();
 }
 
+Status OffloadEngine::Impl::write_grad_shards(int u, const char* src) {
+  const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+  std::vector<IoHandle> h;
+  for (std::size_t c = 0; c + 1 < b.size(); ++c) {
+    h.push_back(swap->write(TensorKey{unit_key("grad", u), static_cast<std::uint32_t>(c)}, src + b[c] * 4,
+                            (b[c + 1] - b[c]) * 4));
+  }
+  Status first;
+  for (IoHandle& x : h) {
+    Status s = x.wait();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
+Status OffloadEngine::Impl::read_grad_shards(int u, char* dst) {
+  const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+  std::vector<IoHandle> h;
+  for (std::size_t c = 0; c + 1 < b.size(); ++c) {
+    h.push_back(swap->read(TensorKey{unit_key("grad", u), static_cast<std::uint32_t>(c)}, dst + b[c] * 4,
+                           (b[c + 1] - b[c]) * 4));
+  }
+  Status first;
+  for (IoHandle& x : h) {
+    Status s = x.wait();
+    if (first.ok() && !s.ok()) first = s;
+  }
+  return first;
+}
+
 Status OffloadEngine::Impl::write_values(int index, std::span<const float> values, bool master_too) {
   const int k = owned_index(index);
   if (k < 0) return invalid_argument("set_param: no parameter with index " + std::to_string(index));
@@ -773,7 +815,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     for (std::size_t c = 0; c + 1 < units.sub_groups[static_cast<std::size_t>(u)].size(); ++c) items.push_back({u, c});
   }
   const std::size_t R = ring.size();
-  std::vector<IoHandle> reads(items.size());
+  std::vector<IoHandle> reads(items.size()), grad_reads(items.size());
   struct Pending {
     std::uint64_t seq;
     IoHandle handle;   // invalid: nothing to wait for (parameters published synchronously)
@@ -807,8 +849,12 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     // The ring buffer's previous sub-group must be fully written back before it is overwritten.
     STRATA_RETURN_IF_ERROR(retire_through(ring_seq[r]));
     const auto [b0, b1] = bounds(items[i]);
-    reads[i] = swap->read(TensorKey{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)},
-                          ring[r].data(), 12 * (b1 - b0));
+    const TensorKey key{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)};
+    reads[i] = swap->read(key, ring[r].data(), 12 * (b1 - b0));
+    if (grads_on_nvme) {
+      grad_reads[i] = swap->read(TensorKey{unit_key("grad", items[i].unit), key.shard}, ring[r].bytes() + 12 * (b1 - b0),
+                                 4 * (b1 - b0));
+    }
     return ok_status();
   };
   const std::uint64_t wsize = bf16 ? 2 : 4;
@@ -829,6 +875,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const bool first_group = items[i].group == 0;
     const bool last_group = items[i].group + 2 == units.sub_groups[uu].size();
     Status s = reads[i].wait();
+    if (s.ok() && grads_on_nvme) s = grad_reads[i].wait();
     if (!s.ok()) {
       first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "' (sub-group " +
                                    std::to_string(items[i].group) + ")");
@@ -849,7 +896,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       if (lo >= hi) continue;
       OptimizerBuffers b;
       b.master = master + (lo - b0);
-      b.grad = host_grads.bytes() + grad_begin(u) + lo * 4;
+      b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4 : host_grads.bytes() + grad_begin(u) + lo * 4;
       b.grad_dtype = DType::kF32;
       b.exp_avg = master + len + (lo - b0);
       b.exp_avg_sq = master + 2 * len + (lo - b0);
@@ -876,6 +923,9 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   Status s = retire_through(UINT64_MAX);
   if (first_error.ok()) first_error = s;
   for (IoHandle& h : reads) {
+    if (h.valid()) (void)h.wait();
+  }
+  for (IoHandle& h : grad_reads) {
     if (h.valid()) (void)h.wait();
   }
   return first_error;
@@ -923,7 +973,9 @@ void OffloadEngine::Impl::worker_main() {
     if (c.kind == Command::kLanded) {
       const std::size_t uu = static_cast<std::size_t>(c.unit);
       Status s = landed[uu]->synchronize();
-      if (s.ok()) {
+      if (s.ok() && grads_on_nvme) {
+        stats[uu] = landed_stats[uu];  // scanned on the gstream thread, before the landed event
+      } else if (s.ok()) {
         auto r = host_opt->scan_gradients(host_grads.bytes() + grad_begin(c.unit), DType::kF32, units.gbytes[uu] / 4,
                                           1.0f, false);
         if (r.ok()) {
@@ -1205,8 +1257,14 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
-      STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, host_grads.bytes() + grad_begin(u), units.gbytes[uu],
-                                                 CopyKind::kHostToDevice));
+      const char* from = host_grads.bytes() + grad_begin(u);
+      if (grads_on_nvme) {
+        char* staging = grad_staging.bytes();
+        STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe read of grad." + std::to_string(u),
+                                                [this, u, staging]() { return read_grad_shards(u, staging); }));
+        from = staging;
+      }
+      STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, from, units.gbytes[uu], CopyKind::kHostToDevice));
       STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
       STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
     }
@@ -1226,9 +1284,29 @@ Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t s
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
-    STRATA_RETURN_IF_ERROR(
-        gstream->copy_async(host_grads.bytes() + grad_begin(u), g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
-    STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+    if (grads_on_nvme) {
+      // Out through the one staging buffer (gstream order keeps its uses apart), scanned for the
+      // norm on the way when this is the step's last touch, then to NVMe.
+      char* staging = grad_staging.bytes();
+      STRATA_RETURN_IF_ERROR(gstream->copy_async(staging, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
+      STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+      const bool scan = last_micro && step > 0;
+      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad." + std::to_string(u),
+                                              [this, u, staging, scan]() -> Status {
+                                                if (scan) {
+                                                  const std::size_t uu = static_cast<std::size_t>(u);
+                                                  STRATA_ASSIGN_OR_RETURN(
+                                                      landed_stats[uu],
+                                                      host_opt->scan_gradients(staging, DType::kF32,
+                                                                               units.gbytes[uu] / 4, 1.0f, false));
+                                                }
+                                                return write_grad_shards(u, staging);
+                                              }));
+    } else {
+      STRATA_RETURN_IF_ERROR(
+          gstream->copy_async(host_grads.bytes() + grad_begin(u), g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
+      STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+    }
     g.unit = -1;
     gslot_of[uu] = -1;
     bound_grads[uu] = nullptr;

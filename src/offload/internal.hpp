@@ -106,8 +106,11 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     if (settings.optimizer != Tier::kDevice && u.home[m] != Tier::kNvme) u.host_param_bytes += u.pbytes[m];
   }
   if (u.param_slot_bytes > 0) {
-    // The running module reads at most two units (a tied weight), plus the look-ahead.
-    u.param_slots = static_cast<std::uint32_t>(3 + 2 * settings.prefetch_modules);
+    // The running module and each module of the look-ahead read at most `reads` units (2 with a
+    // tied weight), plus one slot whose release trails the running module.
+    std::size_t reads = 1;
+    for (const auto& st : u.storage) reads = std::max(reads, st.size());
+    u.param_slots = static_cast<std::uint32_t>(reads * static_cast<std::size_t>(1 + settings.prefetch_modules) + 1);
     u.param_slot_bytes = align_up(u.param_slot_bytes, 4096);
   }
   if (settings.optimizer != Tier::kDevice) {
@@ -138,7 +141,9 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     for (std::size_t m = 0; m < M; ++m) {
       u.sub_groups[m] = sub_group_bounds(layout, m, static_cast<std::uint64_t>(settings.sub_group_size));
       for (std::size_t c = 0; c + 1 < u.sub_groups[m].size(); ++c) {
-        most = std::max(most, 12 * (u.sub_groups[m][c + 1] - u.sub_groups[m][c]));
+        // [master | m | v], and the gradients when they wait on NVMe.
+        const std::uint64_t per = settings.gradients == Tier::kNvme ? 16 : 12;
+        most = std::max(most, per * (u.sub_groups[m][c + 1] - u.sub_groups[m][c]));
       }
       u.param_out_bytes = std::max(u.param_out_bytes, u.pbytes[m]);
     }

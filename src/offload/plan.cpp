@@ -27,6 +27,14 @@ Status OffloadSettings::validate() const {
         "zero_optimization.offload_param.device = " + std::string(to_string(params)) +
         " needs the optimizer off the device too: set zero_optimization.offload_optimizer.device to cpu or nvme");
   }
+  if (gradients == Tier::kDevice) {
+    return invalid_argument("offload gradients = device: gradients live on the device only with the optimizer there; "
+                            "choose host or nvme");
+  }
+  if (gradients == Tier::kNvme && optimizer != Tier::kNvme) {
+    return invalid_argument("offload gradients = nvme needs the optimizer state on NVMe too "
+                            "(zero_optimization.offload_optimizer.device = nvme)");
+  }
   if ((params == Tier::kNvme || optimizer == Tier::kNvme) && nvme_path.empty()) {
     return invalid_argument(
         "an NVMe tier needs a directory: set zero_optimization.offload_*.nvme_path (or aio.nvme_path, or "
@@ -127,7 +135,12 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
        offload_detail::activation_bytes_estimate(config));
   const bool pin = settings.pin_memory;
   if (settings.optimizer != Tier::kDevice) {
-    line("gradients (fp32, host)", Tier::kHost, layout.grad_bytes, pin);
+    if (settings.gradients == Tier::kNvme) {
+      line("gradients (fp32)", Tier::kNvme, layout.grad_bytes);
+      line("gradient staging (pinned)", Tier::kHost, units.grad_slot_bytes, true);
+    } else {
+      line("gradients (fp32, host)", Tier::kHost, layout.grad_bytes, pin);
+    }
     line("working parameters (host copy)", Tier::kHost, units.host_param_bytes, pin);
   }
   if (settings.optimizer == Tier::kHost) {

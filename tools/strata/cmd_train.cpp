@@ -108,6 +108,9 @@ constexpr FlagSpec kTrainFlags[] = {
     {"offload-optimizer", "TIER",
      "where fp32 master weights and Adam moments live and the optimizer runs: none (device), cpu or "
      "nvme (default cpu)"},
+    {"offload-gradients", "TIER",
+     "where fp32 gradients wait for an off-device optimizer: cpu (host memory, default) or nvme (needs "
+     "--offload-optimizer nvme; for models whose gradients do not fit in host memory)"},
     {"nvme-path", "DIR", "swap directory of the NVMe tier (default: a fresh directory under $TMPDIR, removed at exit)"},
     {"checkpoint-dir", "DIR",
      "save the complete training state (every tier) under DIR at the end and every --checkpoint-every "
@@ -344,7 +347,9 @@ int run_train(std::span<const std::string> argv) {
   if (!s.ok()) return usage(s);
 
   // ---- placement, plan, device and engine ----
-  for (const auto& [flag, tier] : {std::pair{"offload-param", &offload.params}, std::pair{"offload-optimizer", &offload.optimizer}}) {
+  for (const auto& [flag, tier] : {std::pair{"offload-param", &offload.params},
+                                   std::pair{"offload-optimizer", &offload.optimizer},
+                                   std::pair{"offload-gradients", &offload.gradients}}) {
     if (auto v = args.get(flag)) {
       auto t = parse_tier(*v);
       if (!t.ok()) return usage(invalid_argument("flag '--" + std::string(flag) + "': " + t.status().message()));
