@@ -100,7 +100,11 @@ struct OffloadPlan {
   std::uint64_t device_bytes = 0;  // arena: regions + activations
   std::uint64_t host_bytes = 0;    // ordinary host memory (pinned excluded)
   std::uint64_t pinned_bytes = 0;  // pinned pool
-  std::uint64_t nvme_bytes = 0;    // swap files
+  std::uint64_t nvme_bytes = 0;    // state on NVMe
+  // The swap files the engine preallocates: nvme_bytes plus room for the versions being
+  // rewritten while their previous version is live (the writes one step can have in flight)
+  // and allocation granularity per swap key. This is what must be free on disk.
+  std::uint64_t swap_bytes = 0;
   std::uint32_t param_slots = 0;
   std::uint64_t param_slot_bytes = 0;
   std::uint32_t grad_slots = 0;

@@ -466,7 +466,7 @@ Status OffloadEngine::Impl::setup() {
     }
     SwapStoreConfig sc;
     sc.dirs = settings.nvme_path;
-    sc.capacity = offload_detail::swap_capacity(plan, settings);
+    sc.capacity = plan.swap_bytes;
     STRATA_ASSIGN_OR_RETURN(swap, SwapStore::open(*io, sc));
   }
 

@@ -191,12 +191,24 @@ inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config) {
 
 inline constexpr std::uint64_t kCudaWorkspaceBytes = 64ull << 20;
 
-// Swap space: every key once, plus room for the versions being rewritten (a write goes to fresh
-// extents and frees the old ones only once published) and checksum-block rounding.
-inline std::uint64_t swap_capacity(const OffloadPlan& plan, const OffloadSettings& settings) {
-  const std::uint64_t slack = static_cast<std::uint64_t>(settings.nvme_buffer_count + 4) *
-                              std::max<std::uint64_t>(plan.grad_slot_bytes * 3 + plan.param_slot_bytes, 1u << 20);
-  return align_up(plan.nvme_bytes + plan.nvme_bytes / 8 + slack, 1u << 20);
+// Swap space: every key once; room for the versions being rewritten (a write goes to fresh
+// extents and frees the old ones only once published): at most the NVMe optimizer ring, the two
+// staging buffers of updated parameters, one unit of gradients and one of host-optimizer
+// parameters in flight at a time; and per key, rounding to the allocation granule.
+inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, const OffloadSettings& settings) {
+  if (plan.nvme_bytes == 0) return 0;
+  std::uint64_t keys = 0;
+  for (std::size_t m = 0; m < u.home.size(); ++m) {
+    if (u.home[m] == Tier::kNvme) ++keys;
+    if (!u.sub_groups.empty()) {
+      const std::uint64_t shards = u.sub_groups[m].size() - 1;
+      keys += shards * (settings.gradients == Tier::kNvme ? 2 : 1);
+    }
+  }
+  const std::uint64_t granule = align_up(std::max<std::uint64_t>(settings.io.block_size, 4096), 64u << 10);
+  const std::uint64_t in_flight = static_cast<std::uint64_t>(u.ring_buffers) * u.ring_buffer_bytes +
+                                  2 * u.param_out_bytes + u.grad_slot_bytes + u.param_slot_bytes;
+  return align_up(plan.nvme_bytes + 2 * in_flight + keys * granule + (64u << 20), 1u << 20);
 }
 
 // Tests only: an engine whose I/O engine injects `faults` (src/nvme/faults.hpp), which must

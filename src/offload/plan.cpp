@@ -159,6 +159,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("parameter fetch staging (pinned)", Tier::kHost,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
   }
+  plan.swap_bytes = offload_detail::swap_capacity(plan, units, settings);
   return plan;
 }
 
@@ -210,7 +211,7 @@ Status OffloadPlan::check_fits(const Device& device, const OffloadSettings& sett
       return not_found("offload plan: cannot use NVMe directory '" + dir + "' (nvme_path): it does not exist or is not accessible");
     }
     const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    const std::uint64_t need = offload_detail::swap_capacity(*this, settings);
+    const std::uint64_t need = swap_bytes;
     if (need > free_bytes * settings.nvme_path.size()) {
       return out_of_memory("offload plan: the NVMe tier needs " + format_bytes(need) + " of swap space but '" + dir +
                            "' has " + format_bytes(free_bytes) + " free; free disk space or choose another nvme_path");
@@ -230,7 +231,9 @@ std::string OffloadPlan::to_string() const {
     o << buf;
   }
   o << "  total: device " << format_bytes(device_bytes) << ", host " << format_bytes(host_bytes) << " + pinned "
-    << format_bytes(pinned_bytes) << ", nvme " << format_bytes(nvme_bytes) << "\n";
+    << format_bytes(pinned_bytes) << ", nvme " << format_bytes(nvme_bytes);
+  if (swap_bytes > 0) o << " (swap files " << format_bytes(swap_bytes) << ")";
+  o << "\n";
   int homes[3] = {0, 0, 0};
   for (Tier t : module_home) homes[static_cast<int>(t)]++;
   o << "  modules' working parameters: " << homes[0] << " resident on the device, " << homes[1] << " on host, "
