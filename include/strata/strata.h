@@ -19,7 +19,8 @@
  * STRATA_FAILED_PRECONDITION and leaves the device alive. A device carries at most one engine
  * at a time (the engine plans the device's whole arena). Pointers passed in (token arrays,
  * strings, settings) are only read during the call; the library keeps no reference to them.
- * Out-structs are written only when the call returns STRATA_OK.
+ * Out-structs are written only when the call returns STRATA_OK; a handle out-parameter is set
+ * to NULL when the call fails.
  *
  * Threads: any number of devices and engines may be used from different threads at once. One
  * engine (and its device) must be driven from one thread at a time; calls on the same engine
@@ -136,8 +137,10 @@ STRATA_C_EXPORT void strata_engine_settings_init(strata_engine_settings* setting
  * (defaults). `json_config` may be NULL; otherwise it is a DeepSpeed-style config (the keys of
  * docs/config.md: optimizer, scheduler, gradient_clipping, bf16, train_micro_batch_size_per_gpu,
  * gradient_accumulation_steps, zero_optimization.offload_param / offload_optimizer, aio, ...)
- * applied on top of `settings`; sections it leaves out keep the settings' values. Errors name the
- * settings field or the config key. */
+ * applied on top of `settings`; sections it leaves out keep the settings' values (a
+ * zero_optimization section without offload_param keeps settings.params_tier, and so on). Of the
+ * `strata` section only adam_isa applies here: the device already exists, with the budgets of
+ * its strata_device_settings. Errors name the settings field or the config key. */
 STRATA_C_EXPORT strata_status strata_engine_create(strata_device* device,
                                                    const strata_engine_settings* settings,
                                                    const char* json_config, strata_engine** out);
