@@ -49,12 +49,14 @@
 #include "offload/internal.hpp"
 #include "runtime/evaluate.hpp"
 #include "runtime/optimizer_cuda.hpp"
+#include "runtime/trace.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
 
+using detail::TraceCounter;
 using offload_detail::Units;
 
 namespace {
@@ -198,6 +200,13 @@ struct OffloadEngine::Impl {
   std::size_t pos = 0;
   bool cyclic = false;  // the pass that follows repeats this trace (more micro-batches this step)
 
+  // The timeline and busy/stall seconds (runtime/trace.hpp); tracks are added in setup().
+  detail::Tracer tracer;
+  struct Tracks {
+    int caller = 0, compute = 0, h2d = 0, grads = 0, copy_h2d = 0, copy_d2h = 0, optimizer = 0;
+    int nvme_fetch = 0, nvme_publish = 0, nvme_ring = 0;  // ring buffer r: nvme_ring + r
+  } track;
+
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
   std::int64_t steps = 0;
@@ -222,6 +231,14 @@ struct OffloadEngine::Impl {
     for (std::size_t k = 0; k < owned.size(); ++k)
       if (owned[k].index == target) return static_cast<int>(k);
     return -1;
+  }
+  // A copy with its span on a copy-engine track.
+  Status traced_copy(Stream& s, int copy_track, const char* what, void* dst, const void* src, std::uint64_t n,
+                     CopyKind kind, int u) {
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(s, copy_track));
+    STRATA_RETURN_IF_ERROR(s.copy_async(dst, src, n, kind));
+    return tracer.stream_end(s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D,
+                             what, u, n);
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -283,6 +300,18 @@ Status OffloadEngine::Impl::setup() {
   }
   STRATA_ASSIGN_OR_RETURN(h2d, dev.create_stream("offload.h2d"));
   STRATA_ASSIGN_OR_RETURN(gstream, dev.create_stream("offload.grads"));
+  track.caller = tracer.add_track("engine caller (host)");
+  track.compute = tracer.add_track("stream " + compute->name() + " (compute)");
+  track.h2d = tracer.add_track("stream offload.h2d");
+  track.grads = tracer.add_track("stream offload.grads");
+  track.copy_h2d = tracer.add_track("copy engine host->device");
+  track.copy_d2h = tracer.add_track("copy engine device->host");
+  track.optimizer = tracer.add_track("host optimizer thread");
+  track.nvme_fetch = tracer.add_track("NVMe I/O: parameter reads");
+  track.nvme_publish = tracer.add_track("NVMe I/O: parameter writes");
+  track.nvme_ring = track.nvme_publish + 1;
+  for (std::uint32_t r = 0; settings.optimizer == Tier::kNvme && r < units.ring_buffers; ++r)
+    tracer.add_track("NVMe I/O: optimizer ring " + std::to_string(r));
 
   Model::Options mo;
   mo.max_batch = config.micro_batch;
@@ -638,7 +667,10 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
     case Tier::kDevice: {
       char* host = host_params.bytes() + host_param_offset[uu];
       if (bytes != host) std::memcpy(host, bytes, n);
-      STRATA_RETURN_IF_ERROR(h2d->copy_async(resident + units.resident_offset[uu], host, n, CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
+      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu], host, n,
+                                         CopyKind::kHostToDevice, u));
+      STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload", u, n));
       STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
       uploaded_recorded[uu] = 1;
       return ok_status();
@@ -648,8 +680,10 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       if (bytes != host) std::memcpy(host, bytes, n);
       return ok_status();
     }
-    case Tier::kNvme:
+    case Tier::kNvme: {
+      detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, n);
       return swap->write(TensorKey{unit_key("param", u), 0}, bytes, n).wait();
+    }
   }
   return ok_status();
 }
@@ -658,6 +692,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     OptimizerBuffers b;
@@ -673,6 +708,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b));
     if (!bf16) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
   }
+  span.reset();
   return publish_params(u, out_unit);
 }
 
@@ -686,6 +722,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   // A unit counts as updated (its parameters may be fetched) once both of its writes are
   // published; until then a read would return the previous version.
   std::vector<int> writing(R, -1);
+  std::vector<std::int64_t> issued_at(order.size() + R, 0);  // reads by position, then writes by ring buffer
   auto retire = [&](std::size_t r) -> Status {
     for (int w = 0; w < 2; ++w) {
       IoHandle& h = writes[r * 2 + static_cast<std::size_t>(w)];
@@ -695,7 +732,11 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
         if (!s.ok()) return s;
       }
     }
-    if (writing[r] >= 0) mark_updated(writing[r], step);
+    if (writing[r] >= 0) {
+      tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeWrite, "write", writing[r],
+                      3 * units.gbytes[static_cast<std::size_t>(writing[r])], issued_at[order.size() + r]);
+      mark_updated(writing[r], step);
+    }
     writing[r] = -1;
     return ok_status();
   };
@@ -704,6 +745,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     // The ring buffer's previous unit must be fully written back before it is overwritten.
     STRATA_RETURN_IF_ERROR(retire(r));
     const int u = order[i];
+    issued_at[i] = tracer.now_ns();
     reads[i] = swap->read(TensorKey{unit_key("optim", u), 0}, ring[r].data(), 3 * units.gbytes[static_cast<std::size_t>(u)]);
     return ok_status();
   };
@@ -718,6 +760,8 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const int u = order[i];
     const std::size_t uu = static_cast<std::size_t>(u);
     Status s = reads[i].wait();
+    tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeRead, "read", u, 3 * units.gbytes[uu],
+                    issued_at[i]);
     if (!s.ok()) {
       first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "'");
       break;
@@ -725,6 +769,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const std::size_t n = units.gbytes[uu] / 4;
     float* master = ring[r].floats();
     char* out_unit = ring[r].bytes() + align_up(3 * units.gbytes[uu], 4096);
+    std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       OptimizerBuffers b;
@@ -740,8 +785,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       first_error = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
       if (!first_error.ok()) break;
     }
+    span.reset();
     if (!first_error.ok()) break;
     // fp32: the unit's working layout is its master layout.
+    issued_at[order.size() + r] = tracer.now_ns();
     const char* params = bf16 ? out_unit : reinterpret_cast<const char*>(master);
     writes[r * 2] = swap->write(TensorKey{unit_key("optim", u), 0}, master, 3 * units.gbytes[uu]);
     if (units.home[uu] == Tier::kNvme) {
@@ -792,6 +839,7 @@ void OffloadEngine::Impl::worker_main() {
       const std::size_t uu = static_cast<std::size_t>(c.unit);
       Status s = landed[uu]->synchronize();
       if (s.ok()) {
+        detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
         auto r = host_opt->scan_gradients(host_grads.bytes() + grad_begin(c.unit), DType::kF32, units.gbytes[uu] / 4,
                                           1.0f, false);
         if (r.ok()) {
@@ -824,7 +872,11 @@ void OffloadEngine::Impl::worker_main() {
       norm_step = c.step;
     }
     cv.notify_all();
-    if (immediate_ok) continue;
+    if (immediate_ok) {
+      std::lock_guard<std::mutex> lock(mu);
+      worker_cpu = thread_cpu_seconds() - cpu0;
+      continue;
+    }
     if (!total.finite()) {
       fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
                             std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
@@ -858,7 +910,11 @@ Status OffloadEngine::Impl::check_worker() {
 Status OffloadEngine::Impl::wait_updated(int u) {
   if (opt_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; });
+  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; };
+  if (!ready()) {
+    detail::HostSpan span(tracer, track.caller, TraceCounter::kUpdateStall, "wait update", u);
+    cv.wait(lock, ready);
+  }
   return worker_error;
 }
 
@@ -923,18 +979,23 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t n = units.pbytes[uu];
   STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
+  STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
   if (units.home[uu] == Tier::kNvme) {
     SwapStore* store = swap.get();
     void* staging = slot.staging.data();
     TensorKey key{unit_key("param", u), 0};
-    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n]() {
+    detail::Tracer* tr = &tracer;
+    const int lane = track.nvme_fetch;
+    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
+      detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
       return store->read(key, staging, n).wait();
     }));
-    STRATA_RETURN_IF_ERROR(h2d->copy_async(slot.dev, staging, n, CopyKind::kHostToDevice));
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else {
-    STRATA_RETURN_IF_ERROR(
-        h2d->copy_async(slot.dev, host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice));
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev,
+                                       host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
   }
+  STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "fetch", u, n));
   STRATA_RETURN_IF_ERROR(h2d->record(*slot.fetched));
   slot.unit = u;
   slot.used = false;
@@ -948,7 +1009,11 @@ Status OffloadEngine::Impl::access_params(int m) {
     if (units.pbytes[uu] == 0) continue;
     STRATA_RETURN_IF_ERROR(wait_updated(u));
     if (units.home[uu] == Tier::kDevice) {
-      if (!opt_on_device && uploaded_recorded[uu]) STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
+      if (!opt_on_device && uploaded_recorded[uu]) {
+        STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
+        STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
+        STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait upload", u));
+      }
       continue;
     }
     ++accesses;
@@ -959,7 +1024,9 @@ Status OffloadEngine::Impl::access_params(int m) {
       STRATA_ASSIGN_OR_RETURN(s, fetch(u, m));
     }
     ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(compute->wait(*slot.fetched));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait fetch", u));
     slot.used = true;
     bound_params[uu] = slot.dev;
     STRATA_RETURN_IF_ERROR(bind(u));
@@ -1045,8 +1112,11 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
+      STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
       STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, host_grads.bytes() + grad_begin(u), units.gbytes[uu],
                                                  CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(
+          tracer.stream_end(*gstream, track.grads, TraceCounter::kH2D, "restore gradients", u, units.gbytes[uu]));
       STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
       STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
     }
@@ -1066,8 +1136,10 @@ Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t s
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
-    STRATA_RETURN_IF_ERROR(
-        gstream->copy_async(host_grads.bytes() + grad_begin(u), g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
+    STRATA_RETURN_IF_ERROR(traced_copy(*gstream, track.copy_d2h, "copy", host_grads.bytes() + grad_begin(u), g.dev,
+                                       units.gbytes[uu], CopyKind::kDeviceToHost, u));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     g.unit = -1;
     gslot_of[uu] = -1;
@@ -1088,7 +1160,10 @@ Status OffloadEngine::Impl::run_forward(bool for_backward) {
   for (int m = 0; m < M; ++m) {
     note_access(m);
     STRATA_RETURN_IF_ERROR(access_params(m));
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute,
+                                             for_backward ? "forward" : "forward (no grad)", m));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
   return ok_status();
@@ -1100,7 +1175,9 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
     STRATA_RETURN_IF_ERROR(release_grads(m, last_micro, step, lr));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
@@ -1275,13 +1352,16 @@ std::string OffloadEngine::optimizer_name() const {
 Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  detail::HostSpan step_span(t.tracer, t.track.caller, TraceCounter::kNone, "step");
   const auto start = std::chrono::steady_clock::now();
   StepMetrics m;
   m.step = t.steps + 1;
   m.lr = t.config.schedule.at(t.steps);
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
+    if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, m.step);
+    if (s.ok()) s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step", -1);
     if (s.ok()) s = t.compute->synchronize();
     STRATA_RETURN_IF_ERROR(s);
   } else {
@@ -1303,6 +1383,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
       return s;
     }
     std::unique_lock<std::mutex> lock(t.mu);
+    detail::HostSpan wait_span(t.tracer, t.track.caller, TraceCounter::kUpdateStall, "wait gradient norm");
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
@@ -1369,6 +1450,7 @@ Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens,
     STRATA_RETURN_IF_ERROR(t.run_forward(false));
     return t.end_pass();
   };
+  detail::HostSpan span(t.tracer, t.track.caller, TraceCounter::kNone, "evaluate");
   auto r = detail::evaluate_windows_with(*t.model, tokens, t.config.seq_len, t.config.micro_batch, max_windows, forward);
   STRATA_RETURN_IF_ERROR(t.h2d->synchronize());
   return r;
@@ -1418,9 +1500,30 @@ OffloadStats OffloadEngine::stats() const {
   s.prefetch_hits = t.hits;
   s.trace_mismatches = t.mismatches;
   s.allocations_after_warmup = t.have_baseline ? t.allocation_count() - t.alloc_baseline : 0;
+  s.stream_times = t.tracer.timing();
+  s.compute_seconds = t.tracer.seconds(TraceCounter::kCompute);
+  s.fetch_stall_seconds = t.tracer.seconds(TraceCounter::kFetchStall);
+  s.h2d_seconds = t.tracer.seconds(TraceCounter::kH2D);
+  s.d2h_seconds = t.tracer.seconds(TraceCounter::kD2H);
+  s.nvme_read_seconds = t.tracer.seconds(TraceCounter::kNvmeRead);
+  s.nvme_write_seconds = t.tracer.seconds(TraceCounter::kNvmeWrite);
+  s.optimizer_seconds = t.tracer.seconds(TraceCounter::kOptimizer);
+  s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
   std::lock_guard<std::mutex> lock(t.mu);
   s.optimizer_cpu_seconds = t.worker_cpu;
   return s;
+}
+
+void OffloadEngine::observe(const ObserveSettings& settings) {
+  impl_->tracer.set_spans(settings.trace, settings.max_trace_spans);
+  impl_->tracer.set_timing(settings.stream_times);
+}
+
+Status OffloadEngine::write_trace(const std::string& path) const {
+  const Impl& t = *impl_;
+  return t.tracer.write_json(path, "strata offload engine", [&t](int u) {
+    return u >= 0 && u < t.M ? t.layout().modules[static_cast<std::size_t>(u)].name : std::to_string(u);
+  });
 }
 
 }  // namespace strata
