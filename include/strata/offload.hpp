@@ -117,13 +117,13 @@ struct OffloadStats {
   // always measured (a clock around the work or the wait); stream-side ones only while
   // ObserveSettings::stream_times is on (`stream_times` says whether they were).
   bool stream_times = false;
-  double compute_seconds = 0.0;      // stream: module forward/backward and the device optimizer
-  double fetch_stall_seconds = 0.0;  // stream: compute idle until fetched/updated parameters landed
-  double h2d_seconds = 0.0;          // stream: host-to-device copies (fetches, uploads, restores)
-  double d2h_seconds = 0.0;          // stream: device-to-host gradient copies
-  double nvme_read_seconds = 0.0;    // host: NVMe reads, issue until seen complete, summed per request
-  double nvme_write_seconds = 0.0;   // host: NVMe writes, likewise
-  double optimizer_seconds = 0.0;    // host: wall time of the host optimizer's scans and updates
+  double compute_seconds = 0.0;       // stream: module forward/backward and the device optimizer
+  double fetch_stall_seconds = 0.0;   // stream: compute idle until fetched/updated parameters landed
+  double h2d_seconds = 0.0;           // stream: host-to-device copies (fetches, uploads, restores)
+  double d2h_seconds = 0.0;           // stream: device-to-host gradient copies
+  double nvme_read_seconds = 0.0;     // host: NVMe reads, issue until seen complete, summed per request
+  double nvme_write_seconds = 0.0;    // host: NVMe writes, likewise
+  double optimizer_seconds = 0.0;     // host: wall time of the host optimizer's scans and updates
   double update_stall_seconds = 0.0;  // host: the caller blocked on the host optimizer (an update
                                       // or the gradient norm)
   double hit_rate() const {

@@ -237,8 +237,8 @@ struct OffloadEngine::Impl {
                      CopyKind kind, int u) {
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(s, copy_track));
     STRATA_RETURN_IF_ERROR(s.copy_async(dst, src, n, kind));
-    return tracer.stream_end(s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D,
-                             what, u, n);
+    return tracer.stream_end(
+        s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D, what, u, n);
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -668,8 +668,8 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       char* host = host_params.bytes() + host_param_offset[uu];
       if (bytes != host) std::memcpy(host, bytes, n);
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
-      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu], host, n,
-                                         CopyKind::kHostToDevice, u));
+      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
+                                         host, n, CopyKind::kHostToDevice, u));
       STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload", u, n));
       STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
       uploaded_recorded[uu] = 1;
@@ -692,7 +692,8 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
-  std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
+  std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer,
+                                       "adam", u);
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     OptimizerBuffers b;
@@ -760,8 +761,8 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const int u = order[i];
     const std::size_t uu = static_cast<std::size_t>(u);
     Status s = reads[i].wait();
-    tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeRead, "read", u, 3 * units.gbytes[uu],
-                    issued_at[i]);
+    tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeRead, "read", u,
+                    3 * units.gbytes[uu], issued_at[i]);
     if (!s.ok()) {
       first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "'");
       break;
@@ -769,7 +770,8 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const std::size_t n = units.gbytes[uu] / 4;
     float* master = ring[r].floats();
     char* out_unit = ring[r].bytes() + align_up(3 * units.gbytes[uu], 4096);
-    std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
+    std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer,
+                                         "adam", u);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       OptimizerBuffers b;
@@ -986,14 +988,17 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
     TensorKey key{unit_key("param", u), 0};
     detail::Tracer* tr = &tracer;
     const int lane = track.nvme_fetch;
-    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
-      detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
-      return store->read(key, staging, n).wait();
-    }));
-    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
+    STRATA_RETURN_IF_ERROR(
+        h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
+          detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
+          return store->read(key, staging, n).wait();
+        }));
+    STRATA_RETURN_IF_ERROR(
+        traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else {
     STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev,
-                                       host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
+                                       host_params.bytes() + host_param_offset[uu], n,
+                                       CopyKind::kHostToDevice, u));
   }
   STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "fetch", u, n));
   STRATA_RETURN_IF_ERROR(h2d->record(*slot.fetched));
@@ -1012,7 +1017,8 @@ Status OffloadEngine::Impl::access_params(int m) {
       if (!opt_on_device && uploaded_recorded[uu]) {
         STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
         STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
-        STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait upload", u));
+        STRATA_RETURN_IF_ERROR(
+            tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait upload", u));
       }
       continue;
     }
@@ -1026,7 +1032,8 @@ Status OffloadEngine::Impl::access_params(int m) {
     ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(compute->wait(*slot.fetched));
-    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait fetch", u));
+    STRATA_RETURN_IF_ERROR(
+        tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait fetch", u));
     slot.used = true;
     bound_params[uu] = slot.dev;
     STRATA_RETURN_IF_ERROR(bind(u));
@@ -1115,8 +1122,8 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
       STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, host_grads.bytes() + grad_begin(u), units.gbytes[uu],
                                                  CopyKind::kHostToDevice));
-      STRATA_RETURN_IF_ERROR(
-          tracer.stream_end(*gstream, track.grads, TraceCounter::kH2D, "restore gradients", u, units.gbytes[uu]));
+      STRATA_RETURN_IF_ERROR(tracer.stream_end(*gstream, track.grads, TraceCounter::kH2D, "restore gradients",
+                                               u, units.gbytes[uu]));
       STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
       STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
     }
@@ -1137,9 +1144,10 @@ Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t s
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
-    STRATA_RETURN_IF_ERROR(traced_copy(*gstream, track.copy_d2h, "copy", host_grads.bytes() + grad_begin(u), g.dev,
-                                       units.gbytes[uu], CopyKind::kDeviceToHost, u));
-    STRATA_RETURN_IF_ERROR(tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
+    STRATA_RETURN_IF_ERROR(traced_copy(*gstream, track.copy_d2h, "copy", host_grads.bytes() + grad_begin(u),
+                                       g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
+    STRATA_RETURN_IF_ERROR(
+        tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     g.unit = -1;
     gslot_of[uu] = -1;
@@ -1361,7 +1369,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   if (t.opt_on_device) {
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, m.step);
-    if (s.ok()) s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step", -1);
+    if (s.ok())
+      s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step", -1);
     if (s.ok()) s = t.compute->synchronize();
     STRATA_RETURN_IF_ERROR(s);
   } else {

@@ -647,8 +647,8 @@ int run_train(std::span<const std::string> argv) {
   if (auto p = args.get("save-weights"))
     std::printf("  weights (Hugging Face safetensors): %s\n", p->c_str());
   if (!out_dir.empty())
-    std::printf("  run saved in %s (strata export --run %s --weights OUT; strata report %s)\n", out_dir.c_str(),
-                out_dir.c_str(), out_dir.c_str());
+    std::printf("  run saved in %s (strata export --run %s --weights OUT; strata report %s)\n",
+                out_dir.c_str(), out_dir.c_str(), out_dir.c_str());
   if (!trace_path.empty()) std::printf("  trace: %s (open in ui.perfetto.dev)\n", trace_path.c_str());
   return kExitOk;
 }
