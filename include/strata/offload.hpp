@@ -14,6 +14,7 @@
 // Destroy it before its Device.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -132,12 +133,37 @@ struct OffloadStats {
   // Device arena + pinned pool allocations and backend allocations made after the first step.
   std::uint64_t allocations_after_warmup = 0;
   double optimizer_cpu_seconds = 0.0;  // CPU time of the host optimizer thread
+  // Where the time went, in seconds since create() (docs/observability.md). The engines overlap,
+  // so these add up to more than the wall time when the overlap works. Host-side figures are
+  // always measured (a clock around the work or the wait); stream-side ones only while
+  // ObserveSettings::stream_times is on (`stream_times` says whether they were).
+  bool stream_times = false;
+  double compute_seconds = 0.0;       // stream: module forward/backward and the device optimizer
+  double fetch_stall_seconds = 0.0;   // stream: compute idle until fetched/updated parameters landed
+  double h2d_seconds = 0.0;           // stream: host-to-device copies (fetches, uploads, restores)
+  double d2h_seconds = 0.0;           // stream: device-to-host gradient copies
+  double nvme_read_seconds = 0.0;     // host: NVMe reads, issue until seen complete, summed per request
+  double nvme_write_seconds = 0.0;    // host: NVMe writes, likewise
+  double optimizer_seconds = 0.0;     // host: wall time of the host optimizer's scans and updates
+  double update_stall_seconds = 0.0;  // host: the caller blocked on the host optimizer (an update
+                                      // or the gradient norm)
   double hit_rate() const {
     return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
   }
 };
 
 class Model;
+
+// What the engine records beyond its always-on counters. Either may change between steps.
+struct ObserveSettings {
+  // Busy/stall seconds of the streams (OffloadStats): two host functions on the stream around
+  // each module's work and each copy. Cheap on the cpu backend; on cuda each is a
+  // cudaLaunchHostFunc, which costs a few microseconds of stream time.
+  bool stream_times = false;
+  // Buffer every span for write_trace() (implies stream_times); at most max_trace_spans are kept.
+  bool trace = false;
+  std::size_t max_trace_spans = 4'000'000;
+};
 
 class OffloadEngine {
  public:
@@ -195,6 +221,11 @@ class OffloadEngine {
   Result<CheckpointManifest> load_checkpoint(const std::string& path);
 
   OffloadStats stats() const;
+  void observe(const ObserveSettings& settings);
+  // The spans buffered since observe({.trace = true}) as Chrome/Perfetto trace JSON: one track
+  // per stream (compute, offload.h2d, offload.grads), per copy engine direction, the host
+  // optimizer thread, the NVMe lanes and the engine's caller (docs/observability.md).
+  Status write_trace(const std::string& path) const;
   Model& model();
   std::int64_t steps_done() const;
   std::string optimizer_name() const;

@@ -53,12 +53,14 @@
 #include "strata/checkpoint.hpp"
 #include "strata/safetensors.hpp"
 #include "runtime/optimizer_cuda.hpp"
+#include "runtime/trace.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
 
+using detail::TraceCounter;
 using offload_detail::Units;
 
 namespace {
@@ -208,6 +210,13 @@ struct OffloadEngine::Impl {
   std::size_t pos = 0;
   bool cyclic = false;  // the pass that follows repeats this trace (more micro-batches this step)
 
+  // The timeline and busy/stall seconds (runtime/trace.hpp); tracks are added in setup().
+  detail::Tracer tracer;
+  struct Tracks {
+    int caller = 0, compute = 0, h2d = 0, grads = 0, copy_h2d = 0, copy_d2h = 0, optimizer = 0;
+    int nvme_fetch = 0, nvme_publish = 0, nvme_ring = 0;  // ring buffer r: nvme_ring + r
+  } track;
+
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
   std::int64_t steps = 0;
@@ -232,6 +241,14 @@ struct OffloadEngine::Impl {
     for (std::size_t k = 0; k < owned.size(); ++k)
       if (owned[k].index == target) return static_cast<int>(k);
     return -1;
+  }
+  // A copy with its span on a copy-engine track.
+  Status traced_copy(Stream& s, int copy_track, const char* what, void* dst, const void* src, std::uint64_t n,
+                     CopyKind kind, int u) {
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(s, copy_track));
+    STRATA_RETURN_IF_ERROR(s.copy_async(dst, src, n, kind));
+    return tracer.stream_end(
+        s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D, what, u, n);
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -312,6 +329,18 @@ Status OffloadEngine::Impl::setup() {
   }
   STRATA_ASSIGN_OR_RETURN(h2d, dev.create_stream("offload.h2d"));
   STRATA_ASSIGN_OR_RETURN(gstream, dev.create_stream("offload.grads"));
+  track.caller = tracer.add_track("engine caller (host)");
+  track.compute = tracer.add_track("stream " + compute->name() + " (compute)");
+  track.h2d = tracer.add_track("stream offload.h2d");
+  track.grads = tracer.add_track("stream offload.grads");
+  track.copy_h2d = tracer.add_track("copy engine host->device");
+  track.copy_d2h = tracer.add_track("copy engine device->host");
+  track.optimizer = tracer.add_track("host optimizer thread");
+  track.nvme_fetch = tracer.add_track("NVMe I/O: parameter reads");
+  track.nvme_publish = tracer.add_track("NVMe I/O: parameter writes");
+  track.nvme_ring = track.nvme_publish + 1;
+  for (std::uint32_t r = 0; settings.optimizer == Tier::kNvme && r < units.ring_buffers; ++r)
+    tracer.add_track("NVMe I/O: optimizer ring " + std::to_string(r));
 
   Model::Options mo;
   mo.max_batch = config.micro_batch;
@@ -759,7 +788,10 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
     case Tier::kDevice: {
       char* host = host_params.bytes() + host_param_offset[uu];
       if (bytes != host) std::memcpy(host, bytes, n);
-      STRATA_RETURN_IF_ERROR(h2d->copy_async(resident + units.resident_offset[uu], host, n, CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
+      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
+                                         host, n, CopyKind::kHostToDevice, u));
+      STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload", u, n));
       STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
       uploaded_recorded[uu] = 1;
       return ok_status();
@@ -769,8 +801,10 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       if (bytes != host) std::memcpy(host, bytes, n);
       return ok_status();
     }
-    case Tier::kNvme:
+    case Tier::kNvme: {
+      detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, n);
       return swap->write(TensorKey{unit_key("param", u), 0}, bytes, n).wait();
+    }
   }
   return ok_status();
 }
@@ -779,6 +813,8 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer,
+                                       "adam", u);
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     OptimizerBuffers b;
@@ -794,6 +830,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b));
     if (!bf16) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
   }
+  span.reset();
   return publish_params(u, out_unit);
 }
 
@@ -816,10 +853,15 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   }
   const std::size_t R = ring.size();
   std::vector<IoHandle> reads(items.size()), grad_reads(items.size());
+  std::vector<std::int64_t> read_issued_at(items.size(), 0);
   struct Pending {
     std::uint64_t seq;
-    IoHandle handle;   // invalid: nothing to wait for (parameters published synchronously)
-    int unit_done;     // >= 0: the unit's last write
+    IoHandle handle;  // invalid: nothing to wait for (parameters published synchronously)
+    int unit_done;    // >= 0: the unit's last write
+    int trace_track;  // where its span goes (-1: none)
+    int unit;
+    std::uint64_t bytes;
+    std::int64_t issued_at;
   };
   std::deque<Pending> writes;
   std::uint64_t seq = 0;
@@ -832,12 +874,16 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       writes.pop_front();
       Status s = p.handle.valid() ? p.handle.wait() : ok_status();
       if (!s.ok() && first.ok()) first = s;
+      if (s.ok() && p.trace_track >= 0) {
+        tracer.add_span(p.trace_track, TraceCounter::kNvmeWrite, "write", p.unit, p.bytes, p.issued_at);
+      }
       if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, step);
     }
     return first;
   };
-  auto push_write = [&](IoHandle h, int unit_done) {
-    writes.push_back(Pending{++seq, std::move(h), unit_done});
+  auto push_write = [&](IoHandle h, int unit_done, int trace_track, int unit, std::uint64_t bytes,
+                        std::int64_t issued_at) {
+    writes.push_back(Pending{++seq, std::move(h), unit_done, trace_track, unit, bytes, issued_at});
     return seq;
   };
   auto bounds = [&](const Item& it) {
@@ -850,6 +896,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     STRATA_RETURN_IF_ERROR(retire_through(ring_seq[r]));
     const auto [b0, b1] = bounds(items[i]);
     const TensorKey key{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)};
+    read_issued_at[i] = tracer.now_ns();
     reads[i] = swap->read(key, ring[r].data(), 12 * (b1 - b0));
     if (grads_on_nvme) {
       grad_reads[i] = swap->read(TensorKey{unit_key("grad", items[i].unit), key.shard}, ring[r].bytes() + 12 * (b1 - b0),
@@ -876,6 +923,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const bool last_group = items[i].group + 2 == units.sub_groups[uu].size();
     Status s = reads[i].wait();
     if (s.ok() && grads_on_nvme) s = grad_reads[i].wait();
+    if (s.ok()) {
+      tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeRead, "read", u,
+                      (grads_on_nvme ? 16 : 12) * len, read_issued_at[i]);
+    }
     if (!s.ok()) {
       first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "' (sub-group " +
                                    std::to_string(items[i].group) + ")");
@@ -889,6 +940,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       out_unit = param_out[(units_started - 1) % 2].bytes();
     }
     float* master = ring[r].floats();
+    std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       const std::uint64_t a = o.grad_in_unit / 4;
@@ -909,15 +961,19 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       if (!first_error.ok()) break;
       if (!bf16) std::memcpy(out, b.master, b.n * 4);  // fp32: the working copy is the master
     }
+    span.reset();
     if (!first_error.ok()) break;
     ring_seq[r] = push_write(
-        swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1);
+        swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1,
+        track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns());
     if (!last_group) continue;
     if (units.home[uu] == Tier::kNvme) {
-      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]), u);
+      const std::int64_t t0 = tracer.now_ns();
+      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]),
+                                                    u, track.nvme_publish, u, units.pbytes[uu], t0);
     } else {
       first_error = publish_params(u, out_unit);  // copied out at once: the staging buffer is free again
-      if (first_error.ok()) push_write(IoHandle(), u);
+      if (first_error.ok()) push_write(IoHandle(), u, -1, u, 0, 0);
     }
   }
   Status s = retire_through(UINT64_MAX);
@@ -976,6 +1032,7 @@ void OffloadEngine::Impl::worker_main() {
       if (s.ok() && grads_on_nvme) {
         stats[uu] = landed_stats[uu];  // scanned on the gstream thread, before the landed event
       } else if (s.ok()) {
+        detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
         auto r = host_opt->scan_gradients(host_grads.bytes() + grad_begin(c.unit), DType::kF32, units.gbytes[uu] / 4,
                                           1.0f, false);
         if (r.ok()) {
@@ -1008,7 +1065,11 @@ void OffloadEngine::Impl::worker_main() {
       norm_step = c.step;
     }
     cv.notify_all();
-    if (immediate_ok) continue;
+    if (immediate_ok) {
+      std::lock_guard<std::mutex> lock(mu);
+      worker_cpu = thread_cpu_seconds() - cpu0;
+      continue;
+    }
     if (!total.finite()) {
       fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
                             std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
@@ -1042,7 +1103,11 @@ Status OffloadEngine::Impl::check_worker() {
 Status OffloadEngine::Impl::wait_updated(int u) {
   if (opt_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; });
+  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; };
+  if (!ready()) {
+    detail::HostSpan span(tracer, track.caller, TraceCounter::kUpdateStall, "wait update", u);
+    cv.wait(lock, ready);
+  }
   return worker_error;
 }
 
@@ -1135,18 +1200,26 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t n = units.pbytes[uu];
   STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
+  STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
   if (units.home[uu] == Tier::kNvme) {
     SwapStore* store = swap.get();
     void* staging = slot.staging.data();
     TensorKey key{unit_key("param", u), 0};
-    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n]() {
-      return store->read(key, staging, n).wait();
-    }));
-    STRATA_RETURN_IF_ERROR(h2d->copy_async(slot.dev, staging, n, CopyKind::kHostToDevice));
-  } else {
+    detail::Tracer* tr = &tracer;
+    const int lane = track.nvme_fetch;
     STRATA_RETURN_IF_ERROR(
-        h2d->copy_async(slot.dev, host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice));
+        h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
+          detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
+          return store->read(key, staging, n).wait();
+        }));
+    STRATA_RETURN_IF_ERROR(
+        traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
+  } else {
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev,
+                                       host_params.bytes() + host_param_offset[uu], n,
+                                       CopyKind::kHostToDevice, u));
   }
+  STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "fetch", u, n));
   STRATA_RETURN_IF_ERROR(h2d->record(*slot.fetched));
   slot.unit = u;
   slot.used = false;
@@ -1160,7 +1233,12 @@ Status OffloadEngine::Impl::access_params(int m) {
     if (units.pbytes[uu] == 0) continue;
     STRATA_RETURN_IF_ERROR(wait_updated(u));
     if (units.home[uu] == Tier::kDevice) {
-      if (!opt_on_device && uploaded_recorded[uu]) STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
+      if (!opt_on_device && uploaded_recorded[uu]) {
+        STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
+        STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
+        STRATA_RETURN_IF_ERROR(
+            tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait upload", u));
+      }
       continue;
     }
     ++accesses;
@@ -1171,7 +1249,10 @@ Status OffloadEngine::Impl::access_params(int m) {
       STRATA_ASSIGN_OR_RETURN(s, fetch(u, m));
     }
     ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(compute->wait(*slot.fetched));
+    STRATA_RETURN_IF_ERROR(
+        tracer.stream_end(*compute, track.compute, TraceCounter::kFetchStall, "wait fetch", u));
     slot.used = true;
     bound_params[uu] = slot.dev;
     STRATA_RETURN_IF_ERROR(bind(u));
@@ -1200,6 +1281,7 @@ Status OffloadEngine::Impl::release_after(int m) {
 Status OffloadEngine::Impl::prefetch_ahead() {
   if (settings.prefetch_modules == 0 || settings.prefetch_elements == 0) return ok_status();
   std::int64_t budget = settings.prefetch_elements;
+  bool fetched_any = false;
   for (std::size_t j = pos; j < pos + static_cast<std::size_t>(settings.prefetch_modules); ++j) {
     const int code = predicted(j);
     if (code < 0) break;
@@ -1210,8 +1292,11 @@ Status OffloadEngine::Impl::prefetch_ahead() {
       // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
       // of how fast the optimizer thread runs.
       STRATA_RETURN_IF_ERROR(wait_updated(u));
+      // The budget bounds what is fetched beyond the first unit: a module larger than the whole
+      // budget is still fetched one ahead, or it would never be prefetched at all.
       budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
-      if (budget < 0) return ok_status();
+      if (budget < 0 && fetched_any) return ok_status();
+      fetched_any = true;
       // ... into a free slot.
       bool free_slot = false;
       for (const ParamSlot& sl : pslots) free_slot = free_slot || sl.unit < 0;
@@ -1261,10 +1346,18 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       if (grads_on_nvme) {
         char* staging = grad_staging.bytes();
         STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe read of grad." + std::to_string(u),
-                                                [this, u, staging]() { return read_grad_shards(u, staging); }));
+                                                [this, u, staging]() {
+                                                  detail::HostSpan span(tracer, track.nvme_fetch,
+                                                                        TraceCounter::kNvmeRead, "read gradients", u,
+                                                                        units.gbytes[static_cast<std::size_t>(u)]);
+                                                  return read_grad_shards(u, staging);
+                                                }));
         from = staging;
       }
+      STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
       STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, from, units.gbytes[uu], CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(tracer.stream_end(*gstream, track.grads, TraceCounter::kH2D, "restore gradients",
+                                               u, units.gbytes[uu]));
       STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
       STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
     }
@@ -1284,28 +1377,31 @@ Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t s
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
+    char* out = grads_on_nvme ? grad_staging.bytes() : host_grads.bytes() + grad_begin(u);
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
+    STRATA_RETURN_IF_ERROR(
+        traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
+    STRATA_RETURN_IF_ERROR(
+        tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
+    STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     if (grads_on_nvme) {
       // Out through the one staging buffer (gstream order keeps its uses apart), scanned for the
       // norm on the way when this is the step's last touch, then to NVMe.
-      char* staging = grad_staging.bytes();
-      STRATA_RETURN_IF_ERROR(gstream->copy_async(staging, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
-      STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
       const bool scan = last_micro && step > 0;
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad." + std::to_string(u),
-                                              [this, u, staging, scan]() -> Status {
+                                              [this, u, out, scan]() -> Status {
+                                                const std::size_t uu = static_cast<std::size_t>(u);
                                                 if (scan) {
-                                                  const std::size_t uu = static_cast<std::size_t>(u);
                                                   STRATA_ASSIGN_OR_RETURN(
                                                       landed_stats[uu],
-                                                      host_opt->scan_gradients(staging, DType::kF32,
+                                                      host_opt->scan_gradients(out, DType::kF32,
                                                                                units.gbytes[uu] / 4, 1.0f, false));
                                                 }
-                                                return write_grad_shards(u, staging);
+                                                detail::HostSpan span(tracer, track.nvme_publish,
+                                                                      TraceCounter::kNvmeWrite, "write gradients", u,
+                                                                      units.gbytes[uu]);
+                                                return write_grad_shards(u, out);
                                               }));
-    } else {
-      STRATA_RETURN_IF_ERROR(
-          gstream->copy_async(host_grads.bytes() + grad_begin(u), g.dev, units.gbytes[uu], CopyKind::kDeviceToHost));
-      STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     }
     g.unit = -1;
     gslot_of[uu] = -1;
@@ -1326,7 +1422,10 @@ Status OffloadEngine::Impl::run_forward(bool for_backward) {
   for (int m = 0; m < M; ++m) {
     note_access(m);
     STRATA_RETURN_IF_ERROR(access_params(m));
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute,
+                                             for_backward ? "forward" : "forward (no grad)", m));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
   return ok_status();
@@ -1338,7 +1437,9 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
     STRATA_RETURN_IF_ERROR(release_grads(m, last_micro, step, lr));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
@@ -1528,13 +1629,17 @@ std::string OffloadEngine::optimizer_name() const {
 Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  detail::HostSpan step_span(t.tracer, t.track.caller, TraceCounter::kNone, "step");
   const auto start = std::chrono::steady_clock::now();
   StepMetrics m;
   m.step = t.steps + 1;
   m.lr = t.config.schedule.at(t.steps);
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
+    if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, m.step);
+    if (s.ok())
+      s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step", -1);
     if (s.ok()) s = t.compute->synchronize();
     if (!s.ok()) return t.abandon_pass(s);
   } else {
@@ -1555,6 +1660,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
       return s;
     }
     std::unique_lock<std::mutex> lock(t.mu);
+    detail::HostSpan wait_span(t.tracer, t.track.caller, TraceCounter::kUpdateStall, "wait gradient norm");
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
@@ -1622,6 +1728,7 @@ Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens,
     STRATA_RETURN_IF_ERROR(t.run_forward(false));
     return t.end_pass();
   };
+  detail::HostSpan span(t.tracer, t.track.caller, TraceCounter::kNone, "evaluate");
   auto r = detail::evaluate_windows_with(*t.model, tokens, t.config.seq_len, t.config.micro_batch, max_windows, forward);
   Status s = r.ok() ? t.h2d->synchronize() : r.status();
   if (!s.ok()) return t.abandon_pass(s);
@@ -1820,9 +1927,30 @@ OffloadStats OffloadEngine::stats() const {
   s.prefetch_hits = t.hits;
   s.trace_mismatches = t.mismatches;
   s.allocations_after_warmup = t.have_baseline ? t.allocation_count() - t.alloc_baseline : 0;
+  s.stream_times = t.tracer.timing();
+  s.compute_seconds = t.tracer.seconds(TraceCounter::kCompute);
+  s.fetch_stall_seconds = t.tracer.seconds(TraceCounter::kFetchStall);
+  s.h2d_seconds = t.tracer.seconds(TraceCounter::kH2D);
+  s.d2h_seconds = t.tracer.seconds(TraceCounter::kD2H);
+  s.nvme_read_seconds = t.tracer.seconds(TraceCounter::kNvmeRead);
+  s.nvme_write_seconds = t.tracer.seconds(TraceCounter::kNvmeWrite);
+  s.optimizer_seconds = t.tracer.seconds(TraceCounter::kOptimizer);
+  s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
   std::lock_guard<std::mutex> lock(t.mu);
   s.optimizer_cpu_seconds = t.worker_cpu;
   return s;
+}
+
+void OffloadEngine::observe(const ObserveSettings& settings) {
+  impl_->tracer.set_spans(settings.trace, settings.max_trace_spans);
+  impl_->tracer.set_timing(settings.stream_times);
+}
+
+Status OffloadEngine::write_trace(const std::string& path) const {
+  const Impl& t = *impl_;
+  return t.tracer.write_json(path, "strata offload engine", [&t](int u) {
+    return u >= 0 && u < t.M ? t.layout().modules[static_cast<std::size_t>(u)].name : std::to_string(u);
+  });
 }
 
 }  // namespace strata

@@ -98,10 +98,14 @@ constexpr FlagSpec kTrainFlags[] = {
      "windows of seq-len+1 tokens per validation, from the start of the validation text "
      "(default 64; 0 = all)"},
     {"metrics", "FILE",
-     "write one JSON object per step (step, loss, val_loss when computed, tokens_per_s, ...)"},
+     "write one JSON object per step: loss, val_loss when computed, lr, grad norm, step time and its "
+     "breakdown per engine, bytes per tier, traffic per link (docs/observability.md; default "
+     "DIR/metrics.jsonl with --out)"},
+    {"trace", "FILE", "write a Chrome/Perfetto trace of the run (open it in ui.perfetto.dev)"},
     {"save-weights", "FILE", "write the final weights as Hugging Face safetensors"},
     {"out", "DIR",
-     "save the run: DIR/weights.safetensors (native layout, see strata export) and DIR/run.json"},
+     "save the run: DIR/weights.safetensors (native layout, see strata export), DIR/run.json and "
+     "DIR/metrics.jsonl (strata report DIR draws them)"},
     {"offload-param", "TIER",
      "where working parameters live: none (device), cpu (host) or nvme (default nvme; a config's "
      "zero_optimization.offload_param wins over the default, this flag over both)"},
@@ -184,6 +188,53 @@ std::vector<std::string> present_keys(const std::string& path) {
     for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
   }
   return keys;
+}
+
+// One step's record for the metrics file: the step's numbers, where its time went (OffloadStats
+// deltas over the step() call), the plan's bytes per tier and the traffic per link.
+Json step_record(const StepMetrics& m, const OffloadStats& before, const OffloadStats& after,
+                 const OffloadPlan& plan) {
+  Json j;
+  j["step"] = m.step;
+  j["loss"] = m.loss;
+  j["lr"] = m.lr;
+  j["grad_norm"] = m.grad_norm;
+  j["tokens"] = m.tokens;
+  j["tokens_per_s"] = static_cast<double>(m.tokens) / std::max(m.seconds, 1e-9);
+  j["step_s"] = m.seconds;
+  Json t;
+  if (after.stream_times) {
+    t["compute"] = after.compute_seconds - before.compute_seconds;
+    t["fetch_stall"] = after.fetch_stall_seconds - before.fetch_stall_seconds;
+    t["h2d"] = after.h2d_seconds - before.h2d_seconds;
+    t["d2h"] = after.d2h_seconds - before.d2h_seconds;
+  }
+  t["nvme_read"] = after.nvme_read_seconds - before.nvme_read_seconds;
+  t["nvme_write"] = after.nvme_write_seconds - before.nvme_write_seconds;
+  t["optimizer"] = after.optimizer_seconds - before.optimizer_seconds;
+  t["optimizer_cpu"] = after.optimizer_cpu_seconds - before.optimizer_cpu_seconds;
+  t["update_stall"] = after.update_stall_seconds - before.update_stall_seconds;
+  j["time_s"] = t;
+  // The plan's bytes: allocated up front, so constant over the run.
+  j["bytes"] = Json{{"device", plan.device_bytes},
+                    {"host", plan.host_bytes},
+                    {"pinned", plan.pinned_bytes},
+                    {"nvme", plan.nvme_bytes}};
+  j["traffic"] = Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
+                      {"d2h", after.bytes_d2h - before.bytes_d2h},
+                      {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
+                      {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written}};
+  j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
+  j["param_accesses"] = after.param_accesses - before.param_accesses;
+  return j;
+}
+
+Status write_json_file(const std::string& path, const Json& j) {
+  std::ofstream out(path, std::ios::trunc);
+  out << j.dump(2) << '\n';
+  out.flush();
+  if (!out) return io_error("cannot write '" + path + "'");
+  return ok_status();
 }
 
 struct Data {
@@ -290,18 +341,7 @@ int run_train(std::span<const std::string> argv) {
   if (!s.ok()) return usage(s);
 
   // ---- files ----
-  for (const char* flag : {"metrics", "save-weights"}) {
-    if (auto p = args.get(flag)) {
-      Status w = check_writable(*p, std::string("--") + flag + " file");
-      if (!w.ok()) return fail(w);
-    }
-  }
-  std::ofstream metrics;
-  if (auto p = args.get("metrics")) {
-    // A resumed run continues the record of the run it resumes.
-    metrics.open(*p, args.has("resume") ? std::ios::app : std::ios::trunc);
-    if (!metrics) return fail(io_error("--metrics file '" + *p + "' cannot be opened for writing"));
-  }
+  // The run directory first: --metrics or --trace may point into it.
   const std::string out_dir = args.get("out").value_or("");
   if (!out_dir.empty()) {
     std::error_code ec;
@@ -309,6 +349,22 @@ int run_train(std::span<const std::string> argv) {
     if (ec || ::access(out_dir.c_str(), W_OK) != 0) {
       return fail(io_error("--out directory '" + out_dir + "' cannot be created or written"));
     }
+  }
+  for (const char* flag : {"metrics", "save-weights", "trace"}) {
+    if (auto p = args.get(flag)) {
+      Status w = check_writable(*p, std::string("--") + flag + " file");
+      if (!w.ok()) return fail(w);
+    }
+  }
+  std::ofstream metrics;
+  std::string metrics_path = args.get("metrics").value_or("");
+  if (metrics_path.empty() && !out_dir.empty()) {
+    metrics_path = (std::filesystem::path(out_dir) / "metrics.jsonl").string();
+  }
+  if (!metrics_path.empty()) {
+    // A resumed run continues the record of the run it resumes.
+    metrics.open(metrics_path, args.has("resume") ? std::ios::app : std::ios::trunc);
+    if (!metrics) return fail(io_error("--metrics file '" + metrics_path + "' cannot be opened for writing"));
   }
 
   Data data;
@@ -389,6 +445,26 @@ int run_train(std::span<const std::string> argv) {
   auto engine = OffloadEngine::create(tc, offload, **device);
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
+  const std::string trace_path = args.get("trace").value_or("");
+  ObserveSettings observe;
+  observe.stream_times = metrics.is_open() || !trace_path.empty();
+  observe.trace = !trace_path.empty();
+  tr.observe(observe);
+  // The trace is written however the run ends: a failed step is when it is most wanted.
+  struct TraceWriter {
+    OffloadEngine& engine;
+    std::string path;
+    Status write() {
+      if (path.empty()) return ok_status();
+      Status s = engine.write_trace(path);
+      path.clear();
+      return s;
+    }
+    ~TraceWriter() {
+      Status s = write();
+      if (!s.ok()) std::fprintf(stderr, "strata train: %s\n", s.message().c_str());
+    }
+  } trace_writer{tr, trace_path};
 
   // What a checkpoint must agree on for the resumed run to see the batches the original would
   // have: Batcher's batch i depends only on (tokens, B, T, seed).
@@ -459,6 +535,38 @@ int run_train(std::span<const std::string> argv) {
               uses_nvme ? offload.nvme_path.front().c_str() : "", tr.plan().to_string().c_str());
   std::fflush(stdout);
 
+  // The run's configuration goes to DIR/run.json first, so a run that stops early can still be
+  // reported; the summary is added at the end.
+  Json run;
+  run["model"] = Json::parse(model_config_to_json(tc.model));
+  run["micro_batch"] = tc.micro_batch;
+  run["grad_accum"] = tc.grad_accum;
+  run["seq_len"] = tc.seq_len;
+  run["seed"] = tc.seed;
+  run["data"] = data.name;
+  run["tokenizer"] = data.tokenizer->name();
+  run["steps"] = steps;
+  run["parameters"] = layout.num_parameters();
+  run["lr"] = tc.schedule.lr;
+  run["warmup_steps"] = tc.schedule.warmup_steps;
+  run["grad_clip"] = tc.grad_clip;
+  run["weight_decay"] = tc.optimizer.weight_decay;
+  run["optimizer"] = tr.optimizer_name();
+  run["device"] = (*device)->info().name;
+  run["compute_threads"] = (*device)->info().compute_threads;
+  run["offload"] = Json{{"param", std::string(to_string(offload.params))},
+                        {"optimizer", std::string(to_string(offload.optimizer))}};
+  run["plan"] = Json{{"device", tr.plan().device_bytes},
+                     {"host", tr.plan().host_bytes},
+                     {"pinned", tr.plan().pinned_bytes},
+                     {"nvme", tr.plan().nvme_bytes}};
+  run["stream_times"] = observe.stream_times;
+  const std::string run_path = out_dir.empty() ? "" : (std::filesystem::path(out_dir) / "run.json").string();
+  if (!run_path.empty()) {
+    s = write_json_file(run_path, run);
+    if (!s.ok()) return fail(s);
+  }
+
   // ---- the loop ----
   const bool live = !args.has("quiet") && ::isatty(STDOUT_FILENO) == 1;
   const bool quiet = args.has("quiet");
@@ -484,11 +592,14 @@ int run_train(std::span<const std::string> argv) {
       inputs.insert(inputs.end(), mb_in.begin(), mb_in.end());
       targets.insert(targets.end(), mb_tg.begin(), mb_tg.end());
     }
+    const OffloadStats before = metrics.is_open() ? tr.stats() : OffloadStats{};
     auto m = tr.step(inputs, targets);
     if (!m.ok()) {
       if (live) std::printf("\n");
       return fail(m.status().with_context("step " + std::to_string(step + 1)));
     }
+    Json record;
+    if (metrics.is_open()) record = step_record(*m, before, tr.stats(), tr.plan());
     train_seconds += m->seconds;
     recent_seconds = 0.8 * recent_seconds + 0.2 * m->seconds;
     recent_tokens = 0.8 * recent_tokens + 0.2 * static_cast<double>(m->tokens);
@@ -508,17 +619,11 @@ int run_train(std::span<const std::string> argv) {
         elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(steps - step - 1);
     const double tok_s = recent_tokens / std::max(recent_seconds, 1e-9);
     if (metrics.is_open()) {
-      Json j;
-      j["step"] = m->step;
-      j["loss"] = m->loss;
-      if (do_val) j["val_loss"] = last_val;
-      j["lr"] = m->lr;
-      j["grad_norm"] = m->grad_norm;
-      j["tokens"] = m->tokens;
-      j["tokens_per_s"] = static_cast<double>(m->tokens) / std::max(m->seconds, 1e-9);
-      j["elapsed_s"] = elapsed;
-      metrics << j.dump() << '\n';
+      if (do_val) record["val_loss"] = last_val;
+      record["elapsed_s"] = elapsed;
+      metrics << record.dump() << '\n';
       metrics.flush();
+      if (!metrics) return fail(io_error("cannot write the metrics file '" + metrics_path + "'"));
     }
     char line[256];
     std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %s tok/s | %s elapsed | ETA %s",
@@ -545,6 +650,8 @@ int run_train(std::span<const std::string> argv) {
   const double wall = std::chrono::duration<double>(Clock::now() - start).count();
 
   // ---- outputs ----
+  s = trace_writer.write();
+  if (!s.ok()) return fail(s);
   if (auto p = args.get("save-weights")) {
     Status w = tr.save_weights(*p, WeightFormat::kHuggingFace);
     if (!w.ok()) return fail(w);
@@ -581,19 +688,9 @@ int run_train(std::span<const std::string> argv) {
     const std::string weights = (std::filesystem::path(out_dir) / "weights.safetensors").string();
     Status w = tr.save_weights(weights, WeightFormat::kNative);
     if (!w.ok()) return fail(w);
-    Json run;
-    run["model"] = Json::parse(model_config_to_json(tc.model));
-    run["micro_batch"] = tc.micro_batch;
-    run["grad_accum"] = tc.grad_accum;
-    run["seq_len"] = tc.seq_len;
-    run["seed"] = tc.seed;
-    run["data"] = data.name;
-    run["tokenizer"] = data.tokenizer->name();
     run["summary"] = summary;
-    const std::string run_path = (std::filesystem::path(out_dir) / "run.json").string();
-    std::ofstream out(run_path, std::ios::trunc);
-    out << run.dump(2) << '\n';
-    if (!out) return fail(io_error("cannot write '" + run_path + "'"));
+    Status w2 = write_json_file(run_path, run);
+    if (!w2.ok()) return fail(w2);
   }
 
   std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(steps - first_step),
@@ -620,8 +717,9 @@ int run_train(std::span<const std::string> argv) {
   if (auto p = args.get("save-weights"))
     std::printf("  weights (Hugging Face safetensors): %s\n", p->c_str());
   if (!out_dir.empty())
-    std::printf("  run saved in %s (strata export --run %s --weights OUT)\n", out_dir.c_str(),
-                out_dir.c_str());
+    std::printf("  run saved in %s (strata export --run %s --weights OUT; strata report %s)\n",
+                out_dir.c_str(), out_dir.c_str(), out_dir.c_str());
+  if (!trace_path.empty()) std::printf("  trace: %s (open in ui.perfetto.dev)\n", trace_path.c_str());
   return kExitOk;
 }
 
