@@ -118,6 +118,19 @@ TEST(CliEstimate, ConfigOffloadTuningChangesThePlan) {
       << strict.output;
 }
 
+TEST(CliEstimate, VocabularySizeIsPartOfTheShape) {
+  auto r = run_cli(std::string("estimate --json --vocab-size 50257 ") + kShape);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["vocab_size"], 50257);
+  TrainerConfig t = same_shape();
+  t.model.vocab_size = 50257;
+  auto plan = OffloadPlan::make(t, OffloadSettings{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_EQ(row(j, 0, "device", "device")["total"]["device"], plan->device_bytes);
+  EXPECT_EQ(run_cli(std::string("estimate --vocab-size 0 ") + kShape).exit_code, 2);
+}
+
 TEST(CliEstimate, UsageErrorsExitTwo) {
   auto flag = run_cli("estimate --device-memory lots");
   EXPECT_EQ(flag.exit_code, 2) << flag.output;

@@ -23,6 +23,8 @@ constexpr FlagSpec kEstimateFlags[] = {
     {"device-memory", "BYTES", "device budget (e.g. 80GiB); placements above it are marked"},
     {"host-memory", "BYTES", "host budget, pinned included"},
     {"nvme-free", "BYTES", "free space of the NVMe directories (swap reserve included)"},
+    {"vocab-size", "N",
+     "vocabulary size (default 256: the byte tokenizer strata train uses without --vocab)"},
     {"json", "", "print JSON"},
     {"help", "", "show this help"},
 };
@@ -76,6 +78,9 @@ int run_estimate(std::span<const std::string> argv) {
   }
   if (Status s = apply_settings_flags(args, &rs); !s.ok()) {
     return usage_error("estimate", s.message(), estimate_usage());
+  }
+  if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok()) {
+    return usage_error("estimate", v.message(), estimate_usage());
   }
   EstimateBudgets budgets;
   constexpr std::uint64_t kMax = ~0ull;
