@@ -3,6 +3,7 @@
 #include <string>
 
 #include "harness/harness.hpp"
+#include "strata/config.hpp"
 #include "strata/options.hpp"
 
 namespace strata {
@@ -142,6 +143,123 @@ TEST(CliConfig, UsageErrorsExitTwo) {
   auto help = run_cli("config --help");
   EXPECT_EQ(help.exit_code, 0) << help.output;
   EXPECT_NE(help.output.find("--json"), std::string::npos) << help.output;
+}
+
+// ---- DeepSpeed configs as people write them ----------------------------------------------------
+
+std::string corpus(const std::string& name) {
+  return std::string(STRATA_SOURCE_DIR) + "/tests/data/ds_configs/" + name;
+}
+
+std::size_t count(const std::string& haystack, const std::string& needle) {
+  std::size_t n = 0;
+  for (std::size_t pos = haystack.find(needle); pos != std::string::npos;
+       pos = haystack.find(needle, pos + 1))
+    ++n;
+  return n;
+}
+
+TEST(CliConfig, HuggingFaceAutoConfigShowsResolutionPlanAndIgnoredKeys) {
+  auto r =
+      run_clean("", "config " + corpus("hf_trainer_zero3_auto.json") + " --batch 6 --lr 2e-4 --layers 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // "auto" resolved from the flags or Strata's defaults, and said so.
+  EXPECT_NE(r.output.find("train_micro_batch_size_per_gpu: auto -> 6 (from --batch)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("optimizer.params.lr: auto -> 0.0002 (from --lr)"), std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find("gradient_accumulation_steps: auto -> 1 (Strata's default; --grad-accum not given)"),
+      std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("train_batch_size: auto -> 6 ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("scheduler.params.total_num_steps: auto -> 600 ("), std::string::npos) << r.output;
+  // The plan of the config's placement (parameters and optimizer on the host).
+  EXPECT_NE(r.output.find("placement: parameters on host, optimizer state on host"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("memory plan:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Adam exp_avg_sq"), std::string::npos) << r.output;
+  // Ignored keys, each once, with the reason.
+  EXPECT_EQ(count(r.output, "  wall_clock_breakdown: strata train reports tokens/s"), 1u) << r.output;
+  EXPECT_EQ(count(r.output, "  zero_optimization.overlap_comm: no collectives at world size 1"), 1u)
+      << r.output;
+  EXPECT_EQ(count(r.output, "  fp16.loss_scale: "), 1u) << r.output;
+}
+
+TEST(CliConfig, JsonOutputCarriesTheResolvedAutoValues) {
+  auto r =
+      run_clean("", "config " + corpus("hf_trainer_zero2_auto.json") + " --json --batch 5 --grad-accum 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["train_micro_batch_size_per_gpu"], 5);
+  EXPECT_EQ(j["gradient_accumulation_steps"], 3);
+  EXPECT_EQ(j["train_batch_size"], 15);
+  EXPECT_EQ(j["optimizer"]["params"]["betas"][1], 0.95);
+  EXPECT_EQ(j["zero_optimization"]["offload_optimizer"]["device"], "cpu");
+}
+
+TEST(CliConfig, StrictRefusesIgnoredKeys) {
+  const std::string file = corpus("monitoring_and_profiling.json");
+  auto loose = run_clean("", "config " + file);
+  EXPECT_EQ(loose.exit_code, 0) << loose.output;
+  auto strict = run_clean("", "config " + file + " --strict");
+  EXPECT_EQ(strict.exit_code, 1) << strict.output;
+  EXPECT_NE(strict.output.find(file + ": tensorboard: ignored by Strata ("), std::string::npos)
+      << strict.output;
+  EXPECT_NE(strict.output.find("--strict refuses ignored keys"), std::string::npos) << strict.output;
+  auto clean = run_clean("", "config " + corpus("zero3_offload_cpu.json") + " --strict");
+  EXPECT_EQ(clean.exit_code, 1) << clean.output;  // overlap_comm etc. are ignored at world size 1
+  EXPECT_NE(clean.output.find("zero_optimization.overlap_comm: ignored by Strata"), std::string::npos)
+      << clean.output;
+}
+
+TEST(CliConfig, RefusedAndMisspeltKeysExitOneNamingTheKey) {
+  auto lamb = run_clean("", "config " + corpus("refused_lamb.json"));
+  EXPECT_EQ(lamb.exit_code, 1) << lamb.output;
+  EXPECT_NE(lamb.output.find("optimizer.type: \"Lamb\" is not supported: LAMB is not implemented; use AdamW"),
+            std::string::npos)
+      << lamb.output;
+  auto fp16 = run_clean("", "config " + corpus("refused_fp16_enabled.json"));
+  EXPECT_EQ(fp16.exit_code, 1) << fp16.output;
+  EXPECT_NE(fp16.output.find(
+                "fp16.enabled: true is refused: this engine trains in fp32 or bf16 (use bf16.enabled)"),
+            std::string::npos)
+      << fp16.output;
+  auto typo = run_clean("", "config " + corpus("misspelt_keys.json"));
+  EXPECT_EQ(typo.exit_code, 1) << typo.output;
+  EXPECT_NE(typo.output.find("did you mean 'gradient_accumulation_steps'?"), std::string::npos)
+      << typo.output;
+}
+
+TEST(CliConfig, TrainResolvesAutoAndListsIgnoredKeysTheSameWay) {
+  const std::string file = corpus("hf_trainer_zero2_auto.json");
+  const std::string tiny =
+      " --layers 1 --width 32 --heads 2 --seq-len 32 --threads 1 --val-windows 1 --quiet";
+  auto r = run_clean("", "train --config " + file + " --batch 2 --steps 2" + tiny);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("config   train_micro_batch_size_per_gpu: auto -> 2 (from --batch)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(
+      r.output.find("config   scheduler.params.warmup_num_steps: auto -> 1 (Strata's default; --warmup not "
+                    "given)"),
+      std::string::npos)
+      << r.output;
+  EXPECT_EQ(count(r.output, "config   ignored wall_clock_breakdown: "), 1u) << r.output;
+  EXPECT_NE(r.output.find("2 steps x 64 tokens (batch 2 x accum 1 x seq 32)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("optimizer state on host"), std::string::npos)
+      << r.output;  // offload_optimizer cpu
+  auto strict = run_clean("", "train --config " + file + " --strict --steps 2" + tiny);
+  EXPECT_EQ(strict.exit_code, 1) << strict.output;
+  EXPECT_NE(strict.output.find("wall_clock_breakdown: ignored by Strata"), std::string::npos)
+      << strict.output;
+}
+
+TEST(CliConfig, KeysPrintsTheTable) {
+  auto r = run_clean("", "config --keys");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output, config_keys_markdown());
+  EXPECT_NE(r.output.find("| `wall_clock_breakdown` | ignored |"), std::string::npos) << r.output;
+  EXPECT_EQ(run_clean("", "config --keys x.json").exit_code, 2);
 }
 
 }  // namespace

@@ -61,7 +61,9 @@ TEST(Harness, InheritedTunablesDoNotReachTests) {
 TEST(Harness, ProbesGiveAReasonOrNothing) {
   for (const std::string& why : {io_uring_unavailable_reason(), libaio_unavailable_reason(),
                                  o_direct_unsupported_reason(temp_root())}) {
-    if (!why.empty()) EXPECT_NE(why.find("failed"), std::string::npos) << why;
+    if (!why.empty()) {
+      EXPECT_NE(why.find("failed"), std::string::npos) << why;
+    }
   }
   EXPECT_EQ(io_uring_unavailable_reason(), io_uring_unavailable_reason()) << "probed once";
   const auto missing = o_direct_unsupported_reason(temp_root() / "no-such-dir-for-strata-probe");

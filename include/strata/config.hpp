@@ -10,15 +10,22 @@
 // sub_group_size, offload_param.buffer_size, ...) stay element counts here; only true byte sizes
 // (aio.block_size and the byte-valued `strata` options) accept unit strings such as "64MiB".
 //
-// Validation is strict and complete: every problem in a file is reported at once, one per line, each
-// naming the full key path ("zero_optimization.offload_param.device"), what was expected and what
-// was found; unknown keys are errors with a did-you-mean suggestion. A config either loads entirely
-// or leaves the caller's Options untouched.
+// Validation is complete: every problem in a file is reported at once, one per line, each naming the
+// full key path ("zero_optimization.offload_param.device"), what was expected and what was found.
+// Every DeepSpeed key Strata knows of is in one table (config_keys()): honoured keys take effect;
+// ignored keys (logging, profiling, monitoring, communication tuning that does nothing at world size
+// 1) are accepted and listed in Config::ignored with the reason, or refused in strict mode; refused
+// keys (features Strata does not have) are errors saying what to use instead. Keys in no table and
+// read by no section are errors with a did-you-mean suggestion. `"auto"` (the Hugging Face
+// integration's placeholder) is accepted where the table allows it and recorded in
+// Config::auto_keys; the key keeps its default here and the caller resolves it (TrainerConfig::apply
+// keeps the caller's value). A config either loads entirely or leaves the caller's Options untouched.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -123,6 +130,46 @@ struct SchedulerConfig {
   double cos_min_ratio = 1e-4;       // WarmupCosineLR: end of decay, as a fraction of lr
 };
 
+// What Strata does with a DeepSpeed key.
+enum class KeyUse : std::uint8_t {
+  kHonoured,  // takes effect with DeepSpeed's meaning (the note says what it sets)
+  kIgnored,   // accepted, changes nothing here (the note says why); an error in strict mode
+  kRefused,   // an error (the note says why and what to use instead)
+};
+std::string_view to_string(KeyUse value);
+
+// One row of the key table.
+struct ConfigKey {
+  // The dotted key path ("zero_optimization.offload_param.device"); a refused *value* of a key is
+  // written "optimizer.type=Lamb".
+  std::string_view path;
+  KeyUse use;
+  std::string_view note;
+  // The row covers every key below `path` (e.g. "tensorboard"); the reader does not look inside.
+  bool section = false;
+  // Accepts "auto"; `auto_from` says what resolves it (a CLI flag such as "--batch", or a rule).
+  bool auto_ok = false;
+  std::string_view auto_from = {};
+  // For a refused key: the value (as compact JSON text, e.g. "false") that is what Strata does
+  // anyway, so that a config spelling it out is accepted.
+  std::string_view inert = {};
+};
+
+// The table, in documentation order. docs/config.md's key table is generated from it
+// (strata config --keys) and a test checks that the two agree.
+std::span<const ConfigKey> config_keys();
+// The row for `path` (exact), or null.
+const ConfigKey* find_config_key(std::string_view path);
+
+struct IgnoredKey {
+  std::string path;
+  std::string reason;
+};
+
+struct ParseOptions {
+  bool strict = false;  // ignored keys are errors
+};
+
 struct Config {
   // Batch sizes as written; absent ones are derived once the data-parallel size is known
   // (resolve_batch_sizes).
@@ -141,6 +188,14 @@ struct Config {
   // parse_config for the precedence rules).
   Options strata;
   std::string source = "<defaults>";  // the file (or name) the config came from
+  // Keys the file sets that Strata accepts but does not act on, each once, in document order.
+  std::vector<IgnoredKey> ignored;
+  // Keys the file sets to "auto", in document order (they hold their defaults here).
+  std::vector<std::string> auto_keys;
+  bool is_auto(std::string_view path) const;
+  // Whether the file sets `path` (a dotted key path, "auto" included).
+  bool has(std::string_view path) const;
+  std::vector<std::string> present_paths;  // every key path the file sets, in document order
 };
 
 struct BatchSizes {
@@ -166,10 +221,13 @@ Result<BatchSizes> resolve_batch_sizes(const Config& config, std::int64_t data_p
 // Errors: kInvalidArgument with every problem found, one per line, each "<source>: <key path>: ...";
 // invalid JSON is reported as "<source>:<line>:<column>: invalid JSON: ...".
 Result<Config> parse_config(std::string_view json_text, std::string_view source_name,
-                            Options* options = nullptr);
+                            Options* options = nullptr, ParseOptions parse = {});
 
 // Reads `path` and parses it as above. A missing file is kNotFound, an unreadable one kIoError.
-Result<Config> load_config_file(const std::string& path, Options* options = nullptr);
+Result<Config> load_config_file(const std::string& path, Options* options = nullptr, ParseOptions parse = {});
+
+// The key table as a Markdown table (docs/config.md).
+std::string config_keys_markdown();
 
 // The resolved config with every default filled in, as indented JSON that parse_config accepts
 // again (absent batch sizes and an absent scheduler print as null).

@@ -14,6 +14,7 @@
 // Destroy it before its Device.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -89,9 +90,15 @@ struct OffloadSettings {
 
 // The memory plan: every buffer of the engine, its tier and bytes, computed before anything is
 // allocated.
+// What a plan line holds, for the per-kind totals of strata estimate.
+enum class StateKind : std::uint8_t { kParameters, kGradients, kOptimizer, kActivations };
+inline constexpr int kStateKinds = 4;
+std::string_view to_string(StateKind kind);
+
 struct PlanLine {
   std::string what;  // "working parameters (resident modules)", "Adam exp_avg", ...
   Tier tier = Tier::kDevice;
+  StateKind kind = StateKind::kParameters;
   bool pinned = false;  // host lines: from the pinned pool
   std::uint64_t bytes = 0;
 };
@@ -118,6 +125,43 @@ struct OffloadPlan {
   Status check_fits(const Device& device, const OffloadSettings& settings) const;
   std::string to_string() const;  // a table, one line per buffer, then the totals per tier
 };
+
+// strata estimate: the plan of every placement (params x optimizer tier) and ZeRO stage, each made
+// by OffloadPlan::make, so the bytes are the engine's own. ZeRO stages run single-process today
+// (world size 1): every stage of one placement has the same bytes; the stage column records which
+// stages DeepSpeed allows for that placement (offload_param needs 3, offload_optimizer 1-3).
+struct TierBytes {
+  std::uint64_t device = 0;
+  std::uint64_t host = 0;  // ordinary host memory
+  std::uint64_t pinned = 0;
+  std::uint64_t nvme = 0;
+};
+
+struct EstimateBudgets {
+  std::uint64_t device = 0;  // 0: no limit
+  std::uint64_t host = 0;    // host + pinned
+  std::uint64_t nvme = 0;    // free space of the NVMe directories
+};
+
+struct PlacementEstimate {
+  int zero_stage = 0;
+  Tier params = Tier::kDevice;
+  Tier optimizer = Tier::kDevice;
+  OffloadPlan plan;
+  std::array<TierBytes, kStateKinds> by_kind{};  // indexed by StateKind
+  std::uint64_t device_need = 0;  // device_bytes, plus the cuda kernel workspace on that backend
+  std::uint64_t nvme_need = 0;    // swap space to reserve (the NVMe bytes with rewrite slack)
+  bool fits_device = true;
+  bool fits_host = true;
+  bool fits_nvme = true;
+  bool fits() const { return fits_device && fits_host && fits_nvme; }
+};
+
+// `base` supplies everything but the two tiers (prefetch, persistence, buffer counts, nvme_path:
+// an NVMe placement needs a path only as a name, nothing is touched on disk). `cuda`: count the
+// cuda backend's kernel workspace in the device need, as check_fits does.
+Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& config, const OffloadSettings& base,
+                                                           const EstimateBudgets& budgets, bool cuda = false);
 
 struct OffloadStats {
   std::int64_t steps = 0;

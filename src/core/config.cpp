@@ -15,6 +15,7 @@ namespace strata {
 namespace {
 
 using config_detail::Choice;
+using config_detail::describe_value;
 using config_detail::Json;
 using config_detail::NumberRange;
 using config_detail::ReadContext;
@@ -45,50 +46,80 @@ std::string_view name_of(const std::array<Choice<E>, N>& choices, E value) {
   return "none";
 }
 
-// DeepSpeed keys that users' configs commonly carry and that Strata does not implement, per
-// section; they are reported as unsupported instead of as typos.
-struct UnsupportedKeys {
-  std::string_view section;
-  std::string_view keys;  // space-separated
-};
-constexpr std::array<UnsupportedKeys, 6> kUnsupported = {{
-    {"",
-     "wall_clock_breakdown memory_breakdown prescale_gradients gradient_predivide_factor sparse_gradients "
-     "amp "
-     "activation_checkpointing flops_profiler tensorboard wandb csv_monitor comms_logger elasticity "
-     "autotuning "
-     "communication_data_type data_types zero_allow_untested_optimizer zero_force_ds_cpu_optimizer "
-     "dump_state "
-     "checkpoint data_efficiency compression_training pipeline sparse_attention curriculum_learning "
-     "fp32_allreduce"},
-    {"zero_optimization",
-     "round_robin_gradients load_from_fp32_weights elastic_checkpoint ignore_unused_parameters cpu_offload "
-     "cpu_offload_params cpu_offload_use_pin_memory legacy_stage1 zero_hpz_partition_size "
-     "zero_quantized_weights "
-     "zero_quantized_gradients mics_shard_size mics_hierarchical_params_gather memory_efficient_linear "
-     "use_multi_rank_bucket_allreduce stage3_module_granularity_threshold zeropp_loco_param "
-     "log_trace_cache_warnings"},
-    {"fp16", "auto_cast fp16_master_weights_and_grads"},
-    {"bf16", "immediate_grad_update check_grad_overflow"},
-    {"optimizer.params", "bias_correction amsgrad torch_adam fused"},
-    {"scheduler.params", "last_batch_iteration"},
-}};
-
-void register_unsupported_keys(ReadContext* ctx) {
-  for (const auto& u : kUnsupported) {
-    std::vector<std::string_view> keys;
-    for (std::size_t pos = 0; pos < u.keys.size();) {
-      std::size_t end = std::min(u.keys.find(' ', pos), u.keys.size());
-      keys.push_back(u.keys.substr(pos, end - pos));
-      pos = end + 1;
+// The key table's pass over the file, before the sections are read: records "auto" values, ignored
+// keys (in strict mode: errors) and refused keys (errors), and tells the reader which keys it has
+// dealt with. Refused keys are erased so that the reader does not report them a second time.
+void apply_key_table(Json* object, const std::string& section, ReadContext* ctx, Config* c, bool strict) {
+  std::vector<std::string> erase;
+  for (auto it = object->begin(); it != object->end(); ++it) {
+    const std::string path = section.empty() ? it.key() : section + "." + it.key();
+    c->present_paths.push_back(path);
+    const ConfigKey* key = find_config_key(path);
+    Json& value = it.value();
+    if (key == nullptr) {
+      if (value.is_object()) apply_key_table(&value, path, ctx, c, strict);
+      continue;
     }
-    ctx->add_unsupported(std::string(u.section), std::move(keys));
+    if (value.is_string() && value.get_ref<const std::string&>() == "auto" && key->auto_ok) {
+      c->auto_keys.push_back(path);
+      ctx->mark_auto(path);
+    } else if (value.is_string()) {
+      // A refused value ("optimizer.type": "Lamb"). Lion and Adagrad are valid configs that this
+      // engine cannot run: TrainerConfig::apply refuses them with the same row's note.
+      const std::string& text = value.get_ref<const std::string&>();
+      const bool engine_refuses =
+          path == "optimizer.type" && (config_detail::equals_ignore_case(text, "Lion") ||
+                                       config_detail::equals_ignore_case(text, "Adagrad"));
+      const ConfigKey* refused = nullptr;
+      for (const ConfigKey& k : config_keys()) {
+        const std::string_view kp = k.path;
+        if (k.use == KeyUse::kRefused && kp.size() == path.size() + 1 + text.size() &&
+            kp.rfind(path + "=", 0) == 0 &&
+            config_detail::equals_ignore_case(kp.substr(path.size() + 1), text)) {
+          refused = &k;
+        }
+      }
+      if (refused != nullptr && !engine_refuses) {
+        ctx->errors.add(path, describe_value(value) + " is not supported: " + std::string(refused->note));
+        ctx->mark_handled(path);
+        erase.push_back(it.key());
+        continue;
+      }
+    }
+    switch (key->use) {
+      case KeyUse::kHonoured:
+        if (path == "optimizer.params" && std::find(erase.begin(), erase.end(), "type") != erase.end()) break;
+        if (value.is_object() && !key->section) apply_key_table(&value, path, ctx, c, strict);
+        break;
+      case KeyUse::kIgnored:
+        ctx->mark_handled(path);
+        if (strict) {
+          ctx->errors.add(
+              path, "ignored by Strata (" + std::string(key->note) + "); --strict refuses ignored keys");
+        } else {
+          c->ignored.push_back({path, std::string(key->note)});
+        }
+        break;
+      case KeyUse::kRefused:
+        ctx->mark_handled(path);
+        if (!key->inert.empty() && value.dump() == key->inert) break;  // what Strata does anyway
+        ctx->errors.add(path, "not supported: " + std::string(key->note));
+        erase.push_back(it.key());
+        break;
+    }
   }
+  // A refused optimizer: its parameters cannot be checked against anything, and would only add noise.
+  if (section == "optimizer" && std::find(erase.begin(), erase.end(), "type") != erase.end() &&
+      object->contains("params")) {
+    ctx->mark_handled("optimizer.params");
+    erase.push_back("params");
+  }
+  for (const std::string& k : erase) object->erase(k);
 }
 
 // A batch size: a positive integer, or null for "derive it at launch".
 void read_batch_key(Section& s, std::string_view key, std::optional<std::int64_t>* out) {
-  if (s.has(key) && s.declare(key)->is_null()) {
+  if (const Json* v = s.declare(key); v != nullptr && v->is_null()) {
     out->reset();
     return;
   }
@@ -151,8 +182,28 @@ void read_zero(Section s, ZeroConfig* c) {
   } else {
     s.read_bool("stage3_gather_fp16_weights_on_model_save", &c->stage3_gather_16bit_weights_on_model_save);
   }
+  const bool has_param = s.has("offload_param"), has_optimizer = s.has("offload_optimizer");
   read_offload_param(s.child("offload_param"), &c->offload_param);
   read_offload_optimizer(s.child("offload_optimizer"), &c->offload_optimizer);
+  // DeepSpeed's older boolean spellings of the offload sections.
+  struct Alias {
+    std::string_view key;
+    bool conflicts;
+    std::string_view instead;
+  };
+  for (const Alias& a : {Alias{"cpu_offload", has_optimizer, "offload_optimizer"},
+                         Alias{"cpu_offload_params", has_param, "offload_param"}}) {
+    bool on = false;
+    if (s.has(a.key) && a.conflicts) {
+      s.reject(a.key, "is the older spelling of " + std::string(a.instead) + "; give only one of them");
+    } else if (s.read_bool(a.key, &on) && on) {
+      (a.key == "cpu_offload" ? c->offload_optimizer.device : c->offload_param.device) = OffloadDevice::kCpu;
+    }
+  }
+  if (bool pin = false; s.read_bool("cpu_offload_use_pin_memory", &pin) && pin) {
+    c->offload_optimizer.pin_memory = true;
+    c->offload_param.pin_memory = true;
+  }
   s.finish();
 }
 
@@ -262,7 +313,7 @@ void read_scheduler(Section s, SchedulerConfig* c) {
     s.declare("params");
     return;
   }
-  if (!s.has("type")) {
+  if (!s.has("type") && !s.context()->handled(s.key_path("type"))) {
     s.error("type", "missing; expected one of \"WarmupLR\", \"WarmupCosineLR\", \"WarmupDecayLR\"");
   }
   if (!s.read_choice<SchedulerType>("type", &c->type, kSchedulers, false)) {
@@ -294,7 +345,8 @@ void read_scheduler(Section s, SchedulerConfig* c) {
   if (needs_total) {
     const bool given = p.has("total_num_steps");
     if (p.read_int("total_num_steps", &c->total_num_steps, 1)) {
-      if (c->warmup_num_steps > c->total_num_steps) {
+      // An "auto" warmup is resolved against the total later.
+      if (c->warmup_num_steps > c->total_num_steps && !p.context()->is_auto(p.key_path("warmup_num_steps"))) {
         p.error("total_num_steps", "expected at least warmup_num_steps (" +
                                        std::to_string(c->warmup_num_steps) +
                                        (p.has("warmup_num_steps") ? "" : ", its default") + "), found " +
@@ -447,7 +499,55 @@ void check_cross_fields(const Config& c, ReadContext* ctx) {
   }
 }
 
+// Every section of the file, in document order of the schema.
+void read_sections(ReadContext* ctx, const Json& root, Config* config) {
+  Config& c = *config;
+  Section top(ctx, "", &root);
+  read_batch_key(top, "train_batch_size", &c.train_batch_size);
+  read_batch_key(top, "train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu);
+  read_batch_key(top, "gradient_accumulation_steps", &c.gradient_accumulation_steps);
+  top.read_number("gradient_clipping", &c.gradient_clipping, NumberRange::at_least(0));
+  top.read_int("steps_per_print", &c.steps_per_print, 1);
+  read_fp16(top.child("fp16"), &c.fp16);
+  if (top.has("bf16") && top.has("bfloat16")) {
+    top.declare("bf16");
+    top.reject("bfloat16", "is DeepSpeed's older name of the bf16 section; give only one of them");
+  } else {
+    for (std::string_view name : {"bf16", "bfloat16"}) {
+      Section bf16 = top.child(name);
+      bf16.read_bool("enabled", &c.bf16.enabled);
+      bf16.finish();
+    }
+  }
+  read_zero(top.child("zero_optimization"), &c.zero_optimization);
+  read_aio(top.child("aio"), &c.aio);
+  read_optimizer(top.child("optimizer"), &c.optimizer);
+  read_scheduler(top.child("scheduler"), &c.scheduler);
+  read_strata(top.child("strata"), &c.strata);
+  top.finish();
+}
+
 }  // namespace
+
+namespace config_detail {
+
+// The key paths the reader reads (for the test that keeps the key table complete): those of an
+// empty file plus those that only a scheduler of each kind reads.
+std::vector<std::string> declared_key_paths() {
+  std::vector<std::string> out;
+  for (const char* text : {"{}", R"({"scheduler": {"type": "WarmupCosineLR", "params": {}}})",
+                           R"({"scheduler": {"type": "WarmupDecayLR", "params": {}}})"}) {
+    ReadContext ctx{"keys"};
+    Config c;
+    read_sections(&ctx, Json::parse(text), &c);
+    for (std::string& p : ctx.registered_paths()) {
+      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(std::move(p));
+    }
+  }
+  return out;
+}
+
+}  // namespace config_detail
 
 std::string_view to_string(OffloadDevice value) { return name_of(kOffloadDevices, value); }
 std::string_view to_string(AioBackend value) { return name_of(kAioBackends, value); }
@@ -503,9 +603,17 @@ Result<BatchSizes> resolve_batch_sizes(const Config& config, std::int64_t data_p
   return out;
 }
 
-Result<Config> parse_config(std::string_view json_text, std::string_view source_name, Options* options) {
+bool Config::is_auto(std::string_view path) const {
+  return std::find(auto_keys.begin(), auto_keys.end(), path) != auto_keys.end();
+}
+
+bool Config::has(std::string_view path) const {
+  return std::find(present_paths.begin(), present_paths.end(), path) != present_paths.end();
+}
+
+Result<Config> parse_config(std::string_view json_text, std::string_view source_name, Options* options,
+                            ParseOptions parse) {
   ReadContext ctx{std::string(source_name)};
-  register_unsupported_keys(&ctx);
   STRATA_ASSIGN_OR_RETURN(Json root, config_detail::parse_json(json_text, &ctx.errors));
   if (!root.is_object()) {
     return invalid_argument(std::string(source_name) + ": expected a JSON object at the top level, found " +
@@ -514,25 +622,9 @@ Result<Config> parse_config(std::string_view json_text, std::string_view source_
 
   Config c;
   c.source = std::string(source_name);
+  apply_key_table(&root, "", &ctx, &c, parse.strict);
   c.strata = options != nullptr ? *options : Options();
-  Section top(&ctx, "", &root);
-  read_batch_key(top, "train_batch_size", &c.train_batch_size);
-  read_batch_key(top, "train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu);
-  read_batch_key(top, "gradient_accumulation_steps", &c.gradient_accumulation_steps);
-  top.read_number("gradient_clipping", &c.gradient_clipping, NumberRange::at_least(0));
-  top.read_int("steps_per_print", &c.steps_per_print, 1);
-  read_fp16(top.child("fp16"), &c.fp16);
-  {
-    Section bf16 = top.child("bf16");
-    bf16.read_bool("enabled", &c.bf16.enabled);
-    bf16.finish();
-  }
-  read_zero(top.child("zero_optimization"), &c.zero_optimization);
-  read_aio(top.child("aio"), &c.aio);
-  read_optimizer(top.child("optimizer"), &c.optimizer);
-  read_scheduler(top.child("scheduler"), &c.scheduler);
-  read_strata(top.child("strata"), &c.strata);
-  top.finish();
+  read_sections(&ctx, root, &c);
   ctx.resolve_unknown_keys();
   check_cross_fields(c, &ctx);
   apply_environment(&c.strata, &ctx.errors);
@@ -542,7 +634,7 @@ Result<Config> parse_config(std::string_view json_text, std::string_view source_
   return c;
 }
 
-Result<Config> load_config_file(const std::string& path, Options* options) {
+Result<Config> load_config_file(const std::string& path, Options* options, ParseOptions parse) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   if (f == nullptr) {
     const int err = errno;
@@ -557,7 +649,7 @@ Result<Config> load_config_file(const std::string& path, Options* options) {
   const int err = errno;
   std::fclose(f);
   if (failed) return io_error("config file '" + path + "': read failed: " + std::strerror(err));
-  return parse_config(text, path, options);
+  return parse_config(text, path, options, parse);
 }
 
 std::string to_json(const Config& c) {

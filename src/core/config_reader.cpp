@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <unordered_set>
 
+#include "strata/config.hpp"
 #include "strata/options.hpp"
 
 namespace strata::config_detail {
@@ -140,7 +141,9 @@ std::string describe_type_and_value(const Json& value) {
   }
   text += describe_value(value);
   if (value.is_string() && value.get_ref<const std::string&>() == "auto") {
-    text += " (\"auto\" is resolved by the Hugging Face integration; Strata needs the value itself)";
+    text +=
+        " (\"auto\" is accepted only where the Hugging Face integration fills a value in; see "
+        "docs/config.md)";
   }
   return text;
 }
@@ -168,25 +171,36 @@ void ReadContext::register_key(const std::string& section_path, std::string_view
   if (std::find(paths.begin(), paths.end(), full) == paths.end()) paths.push_back(std::move(full));
 }
 
+std::vector<std::string> ReadContext::registered_paths() const {
+  std::vector<std::string> out;
+  for (const auto& [leaf, paths] : paths_by_leaf_) out.insert(out.end(), paths.begin(), paths.end());
+  return out;
+}
+
 void ReadContext::add_unknown_key(std::string section_path, std::string key,
                                   std::vector<std::string> declared_here) {
   unknown_.push_back(
       {errors.reserve_line(), std::move(section_path), std::move(key), std::move(declared_here)});
 }
 
-void ReadContext::add_unsupported(std::string section_path, std::vector<std::string_view> keys) {
-  unsupported_[std::move(section_path)] = std::move(keys);
-}
-
 void ReadContext::resolve_unknown_keys() {
   for (const auto& u : unknown_) {
     const std::string full = join_path(u.section_path, u.key);
     std::string line = errors.source() + ": " + full + ": ";
-    auto unsupported = unsupported_.find(u.section_path);
-    if (unsupported != unsupported_.end() && std::find(unsupported->second.begin(), unsupported->second.end(),
-                                                       u.key) != unsupported->second.end()) {
-      line += "a DeepSpeed key that Strata does not support; remove it";
-    } else if (std::string match = closest_match(u.key, u.declared_here); !match.empty()) {
+    // Candidates: the keys read at this level and the key table's keys of this level.
+    std::vector<std::string> candidates = u.declared_here;
+    for (const ConfigKey& k : config_keys()) {
+      const std::string_view path = k.path;
+      if (path.find('=') != std::string_view::npos) continue;
+      const std::size_t dot = path.rfind('.');
+      const std::string_view parent =
+          dot == std::string_view::npos ? std::string_view() : path.substr(0, dot);
+      const std::string leaf(dot == std::string_view::npos ? path : path.substr(dot + 1));
+      if (parent == u.section_path &&
+          std::find(candidates.begin(), candidates.end(), leaf) == candidates.end())
+        candidates.push_back(leaf);
+    }
+    if (std::string match = closest_match(u.key, candidates); !match.empty()) {
       line += "unknown key; did you mean '" + match + "'?";
     } else if (auto elsewhere = paths_by_leaf_.find(u.key); elsewhere != paths_by_leaf_.end()) {
       line += "unknown key here; did you mean '" + elsewhere->second.front() + "'?";
@@ -232,7 +246,7 @@ bool Section::has(std::string_view key) const {
 const Json* Section::declare(std::string_view key) {
   if (std::find(declared_.begin(), declared_.end(), key) == declared_.end()) declared_.emplace_back(key);
   ctx_->register_key(path_, key);
-  if (object_ == nullptr) return nullptr;
+  if (object_ == nullptr || ctx_->is_auto(key_path(key))) return nullptr;
   auto it = object_->find(std::string(key));
   return it == object_->end() ? nullptr : &*it;
 }
@@ -249,12 +263,31 @@ void Section::expect(std::string_view key, const Json& found, std::string_view w
 bool Section::read_bool(std::string_view key, bool* out) {
   const Json* v = declare(key);
   if (v == nullptr) return false;
-  if (!v->is_boolean()) {
-    expect(key, *v, "true or false", true);
-    return false;
+  if (v->is_boolean()) {
+    *out = v->get<bool>();
+    return true;
   }
-  *out = v->get<bool>();
-  return true;
+  if (std::int64_t x = -1; json_to_integer(*v, &x) && (x == 0 || x == 1)) {
+    *out = x == 1;
+    return true;
+  }
+  if (v->is_string()) {
+    const auto& text = v->get_ref<const std::string&>();
+    for (std::string_view t : {"true", "yes", "on", "t", "y", "1"}) {
+      if (equals_ignore_case(text, t)) {
+        *out = true;
+        return true;
+      }
+    }
+    for (std::string_view f : {"false", "no", "off", "f", "n", "0"}) {
+      if (equals_ignore_case(text, f)) {
+        *out = false;
+        return true;
+      }
+    }
+  }
+  expect(key, *v, "true or false", true);
+  return false;
 }
 
 bool Section::read_int(std::string_view key, std::int64_t* out, std::int64_t min, std::int64_t max) {
@@ -364,7 +397,8 @@ void Section::reject(std::string_view key, std::string_view message) {
 void Section::finish() {
   if (object_ == nullptr) return;
   for (const auto& item : object_->items()) {
-    if (std::find(declared_.begin(), declared_.end(), item.key()) == declared_.end()) {
+    if (std::find(declared_.begin(), declared_.end(), item.key()) == declared_.end() &&
+        !ctx_->handled(key_path(item.key()))) {
       ctx_->add_unknown_key(path_, item.key(), declared_);
     }
   }

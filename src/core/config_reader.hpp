@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -73,14 +74,19 @@ class ReadContext {
   ErrorList errors;
 
   void register_key(const std::string& section_path, std::string_view key);
+  // Every key path registered so far.
+  std::vector<std::string> registered_paths() const;
   // An undeclared key: its message is written by resolve_unknown_keys(), once every section has
   // declared its keys.
   void add_unknown_key(std::string section_path, std::string key, std::vector<std::string> declared_here);
   void resolve_unknown_keys();
 
-  // Keys that DeepSpeed knows but Strata does not implement, per section path ("" = top level):
-  // reported as unsupported rather than as typos.
-  void add_unsupported(std::string section_path, std::vector<std::string_view> keys);
+  // Paths the key table already dealt with (ignored, refused or "auto"): not unknown keys, and an
+  // "auto" value is not read (the key keeps its default).
+  void mark_handled(std::string path) { handled_.insert(std::move(path)); }
+  bool handled(const std::string& path) const { return handled_.count(path) != 0; }
+  void mark_auto(std::string path) { auto_.insert(std::move(path)); }
+  bool is_auto(const std::string& path) const { return auto_.count(path) != 0; }
 
  private:
   struct Unknown {
@@ -90,7 +96,8 @@ class ReadContext {
     std::vector<std::string> declared_here;
   };
   std::map<std::string, std::vector<std::string>, std::less<>> paths_by_leaf_;
-  std::map<std::string, std::vector<std::string_view>, std::less<>> unsupported_;
+  std::set<std::string, std::less<>> handled_;
+  std::set<std::string, std::less<>> auto_;
   std::vector<Unknown> unknown_;
 };
 
@@ -127,8 +134,10 @@ class Section {
   // Declares `key`; returns its value, or null when absent.
   const Json* declare(std::string_view key);
 
-  // The readers declare `key`. Present and valid: store into *out, return true. Present and
-  // invalid: record an error, return false. Absent: return false and leave *out alone.
+  // The readers declare `key`. A key set to "auto" (accepted by the key table) reads as absent.
+  // Booleans are taken as DeepSpeed's loader (pydantic) takes them: true/false, 0/1, and the
+  // strings true/false, yes/no, on/off, t/f, y/n, 1/0 in any case. Present and valid: store into *out, return
+  // true. Present and invalid: record an error, return false. Absent: return false and leave *out alone.
   bool read_bool(std::string_view key, bool* out);
   bool read_int(std::string_view key, std::int64_t* out, std::int64_t min,
                 std::int64_t max = std::numeric_limits<std::int64_t>::max());
@@ -188,5 +197,9 @@ class Section {
 // Parses `text` as JSON. On a syntax error returns the Status "<source>:<line>:<col>: invalid JSON:
 // ...". Duplicate keys (which JSON parsers silently resolve) are added to `errors` with their path.
 Result<Json> parse_json(std::string_view text, ErrorList* errors);
+
+// The key paths the config reader reads (config.cpp), for the test that keeps the key table
+// complete.
+std::vector<std::string> declared_key_paths();
 
 }  // namespace strata::config_detail

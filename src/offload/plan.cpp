@@ -94,8 +94,10 @@ Status OffloadSettings::apply(const Config& config) {
     }
   }
   io.nvme_path = nvme_path;
-  prefetch_elements = z.stage3_prefetch_bucket_size;
-  persistence_threshold = z.stage3_param_persistence_threshold;
+  // "auto" keeps this placement's value (Strata's default unless the caller set one).
+  if (!config.is_auto("zero_optimization.stage3_prefetch_bucket_size")) prefetch_elements = z.stage3_prefetch_bucket_size;
+  if (!config.is_auto("zero_optimization.stage3_param_persistence_threshold"))
+    persistence_threshold = z.stage3_param_persistence_threshold;
   pin_memory = z.offload_optimizer.pin_memory || z.offload_param.pin_memory;
   nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
   sub_group_size = z.sub_group_size;
@@ -117,46 +119,49 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const offload_detail::Units units = offload_detail::describe_units(layout, settings);
   OffloadPlan plan;
   plan.module_home = units.home;
-  auto line = [&](std::string what, Tier tier, std::uint64_t bytes, bool pinned = false) {
+  auto line = [&](std::string what, Tier tier, StateKind kind, std::uint64_t bytes, bool pinned = false) {
     if (bytes == 0) return;
-    plan.lines.push_back(PlanLine{std::move(what), tier, pinned, bytes});
+    plan.lines.push_back(PlanLine{std::move(what), tier, kind, pinned, bytes});
     if (tier == Tier::kDevice) plan.device_bytes += bytes;
     if (tier == Tier::kHost) (pinned ? plan.pinned_bytes : plan.host_bytes) += bytes;
     if (tier == Tier::kNvme) plan.nvme_bytes += bytes;
   };
   for (const RegionSpec& r : offload_detail::device_regions(layout, units, settings)) {
-    line("device region " + r.name, Tier::kDevice, r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
+    const StateKind kind = r.name.rfind("optim.", 0) == 0 ? StateKind::kOptimizer
+                           : r.name.rfind("offload.grad", 0) == 0 ? StateKind::kGradients
+                                                                   : StateKind::kParameters;
+    line("device region " + r.name, Tier::kDevice, kind, r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
   plan.param_slots = units.param_slots;
   plan.param_slot_bytes = units.param_slot_bytes;
   plan.grad_slots = units.grad_slots;
   plan.grad_slot_bytes = units.grad_slot_bytes;
-  line("activations, activation gradients, token buffers", Tier::kDevice,
+  line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
        offload_detail::activation_bytes_estimate(config));
   const bool pin = settings.pin_memory;
   if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
-      line("gradients (fp32)", Tier::kNvme, layout.grad_bytes);
-      line("gradient staging (pinned)", Tier::kHost, units.grad_slot_bytes, true);
+      line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, layout.grad_bytes);
+      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
     } else {
-      line("gradients (fp32, host)", Tier::kHost, layout.grad_bytes, pin);
+      line("gradients (fp32, host)", Tier::kHost, StateKind::kGradients, layout.grad_bytes, pin);
     }
-    line("working parameters (host copy)", Tier::kHost, units.host_param_bytes, pin);
+    line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
   }
   if (settings.optimizer == Tier::kHost) {
-    line("fp32 master weights", Tier::kHost, layout.grad_bytes, pin);
-    line("Adam exp_avg", Tier::kHost, layout.grad_bytes, pin);
-    line("Adam exp_avg_sq", Tier::kHost, layout.grad_bytes, pin);
+    line("fp32 master weights", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
+    line("Adam exp_avg", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
+    line("Adam exp_avg_sq", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
   }
   if (settings.optimizer == Tier::kNvme) {
-    line("fp32 master + exp_avg + exp_avg_sq", Tier::kNvme, 3 * layout.grad_bytes);
-    line("optimizer pipeline ring (pinned)", Tier::kHost,
+    line("fp32 master + exp_avg + exp_avg_sq", Tier::kNvme, StateKind::kOptimizer, 3 * layout.grad_bytes);
+    line("optimizer pipeline ring (pinned)", Tier::kHost, StateKind::kOptimizer,
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
-    line("updated parameter staging (pinned)", Tier::kHost, 2 * units.param_out_bytes, true);
+    line("updated parameter staging (pinned)", Tier::kHost, StateKind::kParameters, 2 * units.param_out_bytes, true);
   }
   if (units.nvme_param_bytes > 0) {
-    line("working parameters", Tier::kNvme, units.nvme_param_bytes);
-    line("parameter fetch staging (pinned)", Tier::kHost,
+    line("working parameters", Tier::kNvme, StateKind::kParameters, units.nvme_param_bytes);
+    line("parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
   }
   plan.swap_bytes = offload_detail::swap_capacity(plan, units, settings);
@@ -218,6 +223,62 @@ Status OffloadPlan::check_fits(const Device& device, const OffloadSettings& sett
     }
   }
   return ok_status();
+}
+
+std::string_view to_string(StateKind kind) {
+  switch (kind) {
+    case StateKind::kParameters:
+      return "parameters";
+    case StateKind::kGradients:
+      return "gradients";
+    case StateKind::kOptimizer:
+      return "optimizer";
+    case StateKind::kActivations:
+      return "activations";
+  }
+  return "unknown";
+}
+
+Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& config, const OffloadSettings& base,
+                                                           const EstimateBudgets& budgets, bool cuda) {
+  std::vector<PlacementEstimate> out;
+  constexpr Tier kTiers[] = {Tier::kDevice, Tier::kHost, Tier::kNvme};
+  for (Tier params : kTiers) {
+    for (Tier optimizer : kTiers) {
+      // The engine keeps the optimizer next to or below the parameters (OffloadSettings::validate).
+      if (params != Tier::kDevice && optimizer == Tier::kDevice) continue;
+      OffloadSettings s = base;
+      s.params = params;
+      s.optimizer = optimizer;
+      if ((params == Tier::kNvme || optimizer == Tier::kNvme) && s.nvme_path.empty()) {
+        s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
+        s.io.nvme_path = s.nvme_path;
+      }
+      STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, s));
+      PlacementEstimate e;
+      e.params = params;
+      e.optimizer = optimizer;
+      for (const PlanLine& l : plan.lines) {
+        TierBytes& t = e.by_kind[static_cast<std::size_t>(l.kind)];
+        if (l.tier == Tier::kDevice) t.device += l.bytes;
+        if (l.tier == Tier::kHost) (l.pinned ? t.pinned : t.host) += l.bytes;
+        if (l.tier == Tier::kNvme) t.nvme += l.bytes;
+      }
+      e.device_need = plan.device_bytes + (cuda ? offload_detail::kCudaWorkspaceBytes : 0);
+      e.nvme_need = plan.swap_bytes;
+      e.fits_device = budgets.device == 0 || e.device_need <= budgets.device;
+      e.fits_host = budgets.host == 0 || plan.host_bytes + plan.pinned_bytes <= budgets.host;
+      e.fits_nvme = budgets.nvme == 0 || e.nvme_need <= budgets.nvme;
+      e.plan = std::move(plan);
+      // DeepSpeed's rules: parameter offload is stage 3 only, optimizer offload stages 1-3.
+      const int first = params != Tier::kDevice ? 3 : optimizer != Tier::kDevice ? 1 : 0;
+      for (int stage = first; stage <= 3; ++stage) {
+        e.zero_stage = stage;
+        out.push_back(e);
+      }
+    }
+  }
+  return out;
 }
 
 std::string OffloadPlan::to_string() const {

@@ -109,62 +109,73 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
     return std::find(present_keys.begin(), present_keys.end(), key) != present_keys.end();
   };
   const std::string& src = config.source;
+  // A key set to "auto" keeps this config's value (the caller's default or flag).
+  auto given = [&](std::string_view path) { return !config.is_auto(path); };
   if (config.fp16.enabled) {
-    return invalid_argument(
-        src + ": fp16.enabled: fp16 training is not supported by this trainer (use bf16.enabled)");
+    return invalid_argument(src + ": fp16.enabled: " + std::string(find_config_key("fp16.enabled")->note));
   }
   const auto& zero = config.zero_optimization;
   // zero_optimization.offload_* and aio are the placement's (OffloadSettings::apply).
   if (zero.stage > 0) {
-    STRATA_LOG(kWarn, kRuntime) << src << ": zero_optimization.stage " << zero.stage
-                                << " has no effect on a single device; training without partitioning";
+    STRATA_LOG(kInfo, kRuntime) << src << ": zero_optimization.stage " << zero.stage
+                                << " trains like stage 0 in one process (world size 1)";
   }
   if (present("optimizer")) {
     const OptimizerConfig& o = config.optimizer;
     if (o.type != OptimizerType::kAdam && o.type != OptimizerType::kAdamW) {
-      return invalid_argument(src + ": optimizer.type: " + std::string(to_string(o.type)) +
-                              " is not supported by this trainer (Adam, AdamW)");
+      const std::string row = "optimizer.type=" + std::string(to_string(o.type));
+      return invalid_argument(src + ": optimizer.type: \"" + std::string(to_string(o.type)) +
+                              "\" is not supported: " + std::string(find_config_key(row)->note));
     }
-    optimizer.lr = o.lr;
-    optimizer.beta1 = o.betas[0];
-    optimizer.beta2 = o.betas[1];
-    optimizer.eps = o.eps;
-    optimizer.weight_decay = o.weight_decay;
+    if (given("optimizer.params.lr")) {
+      optimizer.lr = o.lr;
+      schedule.lr = o.lr;
+    }
+    if (given("optimizer.params.betas")) {
+      optimizer.beta1 = o.betas[0];
+      optimizer.beta2 = o.betas[1];
+    }
+    if (given("optimizer.params.eps")) optimizer.eps = o.eps;
+    if (given("optimizer.params.weight_decay")) optimizer.weight_decay = o.weight_decay;
     optimizer.decoupled = o.type == OptimizerType::kAdamW || o.adam_w_mode;
-    schedule.lr = o.lr;
   }
   if (present("scheduler")) {
     const SchedulerConfig& s = config.scheduler;
     schedule.log_warmup = s.warmup_type == WarmupType::kLog;
-    schedule.warmup_steps = s.warmup_num_steps;
+    if (given("scheduler.params.warmup_num_steps")) schedule.warmup_steps = s.warmup_num_steps;
+    if (given("scheduler.params.warmup_min_lr")) schedule.warmup_min_lr = s.warmup_min_lr;
+    schedule.warmup_max_lr = given("scheduler.params.warmup_max_lr") ? s.warmup_max_lr : schedule.lr;
+    if (s.type != SchedulerType::kWarmupLR && given("scheduler.params.total_num_steps")) {
+      schedule.total_steps = s.total_num_steps;
+    }
     switch (s.type) {
       case SchedulerType::kNone:
         schedule.kind = LrScheduleKind::kConstant;
         break;
       case SchedulerType::kWarmupLR:
         schedule.kind = LrScheduleKind::kWarmupLR;
-        schedule.warmup_min_lr = s.warmup_min_lr;
-        schedule.warmup_max_lr = s.warmup_max_lr;
         break;
       case SchedulerType::kWarmupDecayLR:
         schedule.kind = LrScheduleKind::kWarmupDecay;
-        schedule.warmup_min_lr = s.warmup_min_lr;
-        schedule.warmup_max_lr = s.warmup_max_lr;
-        schedule.total_steps = s.total_num_steps;
         break;
       case SchedulerType::kWarmupCosineLR:
         schedule.kind = LrScheduleKind::kWarmupCosine;
-        schedule.total_steps = s.total_num_steps;
         schedule.warmup_min_ratio = s.warmup_min_ratio;
         schedule.min_ratio = s.cos_min_ratio;
         break;
     }
   }
-  if (present("gradient_clipping")) grad_clip = config.gradient_clipping;
-  if (present("bf16")) model.dtype = config.bf16.enabled ? DType::kBF16 : DType::kF32;
-  if (config.train_batch_size || config.train_micro_batch_size_per_gpu ||
-      config.gradient_accumulation_steps) {
-    auto sizes = resolve_batch_sizes(config, 1);
+  if (present("gradient_clipping") && given("gradient_clipping")) grad_clip = config.gradient_clipping;
+  const std::string_view bf16_key = config.has("bfloat16.enabled") ? "bfloat16.enabled" : "bf16.enabled";
+  if ((present("bf16") || present("bfloat16")) && given(bf16_key)) {
+    model.dtype = config.bf16.enabled ? DType::kBF16 : DType::kF32;
+  }
+  // Batch sizes: an "auto" micro batch or accumulation is this config's; an "auto" total is derived.
+  Config sizes_of = config;
+  if (config.is_auto("train_micro_batch_size_per_gpu")) sizes_of.train_micro_batch_size_per_gpu = micro_batch;
+  if (config.is_auto("gradient_accumulation_steps")) sizes_of.gradient_accumulation_steps = grad_accum;
+  if (sizes_of.train_batch_size || sizes_of.train_micro_batch_size_per_gpu || sizes_of.gradient_accumulation_steps) {
+    auto sizes = resolve_batch_sizes(sizes_of, 1);
     if (!sizes.ok()) return sizes.status().with_context(src);
     micro_batch = sizes->train_micro_batch_size_per_gpu;
     grad_accum = sizes->gradient_accumulation_steps;

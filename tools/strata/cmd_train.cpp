@@ -22,6 +22,7 @@
 
 #include "cli.hpp"
 #include "model_flags.hpp"
+#include "settings.hpp"
 #include "strata/checkpoint.hpp"
 #include "strata/config.hpp"
 #include "strata/data.hpp"
@@ -37,22 +38,8 @@ namespace {
 using Json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
 
-// The default run: sized by measurement to finish in about two minutes on two cores (see
-// docs/training.md) with the validation loss far below the corpus's unigram entropy.
-struct Defaults {
-  static constexpr std::int64_t kLayers = 4;
-  static constexpr std::int64_t kHeads = 4;
-  static constexpr std::int64_t kWidth = 256;
-  static constexpr std::int64_t kSeqLen = 128;
-  static constexpr std::int64_t kBatch = 8;
-  static constexpr std::int64_t kSteps = 600;
-  static constexpr double kLr = 3e-3;
-  static constexpr double kMinLrRatio = 0.1;
-  static constexpr double kWeightDecay = 0.1;
-  static constexpr double kGradClip = 1.0;
-  static constexpr std::int64_t kValWindows = 64;
-  static constexpr std::uint64_t kSeed = 1234;
-};
+// Validation windows per evaluation (the other defaults are in settings.hpp).
+constexpr std::int64_t kValWindows = 64;
 
 // The default swap directory of the NVMe tier: fresh under $TMPDIR, removed when the run ends.
 class TempSwapDir {
@@ -77,18 +64,6 @@ class TempSwapDir {
 };
 
 constexpr FlagSpec kTrainFlags[] = {
-    {"config", "FILE", "DeepSpeed-style JSON: optimizer, scheduler, gradient_clipping, bf16, batch sizes"},
-    {"steps", "N", "optimizer steps (default 600, or the config's scheduler total_num_steps)"},
-    {"batch", "N", "sequences per micro-batch (default 8)"},
-    {"grad-accum", "N", "micro-batches per step (default 1)"},
-    {"seq-len", "T", "tokens per sequence (default 128)"},
-    {"lr", "X", "peak learning rate (default 3e-3)"},
-    {"warmup", "N", "learning-rate warmup steps (default 5% of --steps)"},
-    {"min-lr-ratio", "X",
-     "learning rate at the end of the cosine decay, as a fraction of --lr (default 0.1)"},
-    {"weight-decay", "X", "AdamW weight decay of the weight matrices (default 0.1)"},
-    {"grad-clip", "X", "clip the global gradient norm to X; 0 = off (default 1.0)"},
-    {"seed", "N", "parameter initialisation and batch order (default 1234)"},
     {"data", "FILE", "train on a text file (split 90/10 at a line boundary) instead of the built-in corpus"},
     {"val-data", "FILE", "validate on this text file instead of the split"},
     {"vocab", "FILE", "GPT-2 BPE vocab.json (with --merges); default: byte tokens"},
@@ -106,16 +81,6 @@ constexpr FlagSpec kTrainFlags[] = {
     {"out", "DIR",
      "save the run: DIR/weights.safetensors (native layout, see strata export), DIR/run.json and "
      "DIR/metrics.jsonl (strata report DIR draws them)"},
-    {"offload-param", "TIER",
-     "where working parameters live: none (device), cpu (host) or nvme (default nvme; a config's "
-     "zero_optimization.offload_param wins over the default, this flag over both)"},
-    {"offload-optimizer", "TIER",
-     "where fp32 master weights and Adam moments live and the optimizer runs: none (device), cpu or "
-     "nvme (default cpu)"},
-    {"offload-gradients", "TIER",
-     "where fp32 gradients wait for an off-device optimizer: cpu (host memory, default) or nvme (needs "
-     "--offload-optimizer nvme; for models whose gradients do not fit in host memory)"},
-    {"nvme-path", "DIR", "swap directory of the NVMe tier (default: a fresh directory under $TMPDIR, removed at exit)"},
     {"checkpoint-dir", "DIR",
      "save the complete training state (every tier) under DIR at the end and every --checkpoint-every "
      "steps; atomic: DIR/latest names the newest complete checkpoint"},
@@ -130,7 +95,8 @@ constexpr FlagSpec kTrainFlags[] = {
 };
 
 std::vector<FlagSpec> all_flags() {
-  std::vector<FlagSpec> f(std::begin(kTrainFlags), std::end(kTrainFlags));
+  std::vector<FlagSpec> f(std::begin(kSettingsFlags), std::end(kSettingsFlags));
+  f.insert(f.end(), std::begin(kTrainFlags), std::end(kTrainFlags));
   f.insert(f.end(), std::begin(kModelFlags), std::end(kModelFlags));
   return f;
 }
@@ -175,19 +141,6 @@ Status check_writable(const std::string& path, std::string_view what) {
                     "' does not exist or is not writable");
   }
   return ok_status();
-}
-
-// The top-level keys a config file sets (so sections it leaves out keep our defaults).
-std::vector<std::string> present_keys(const std::string& path) {
-  std::vector<std::string> keys;
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, false, true);
-  if (j.is_object()) {
-    for (auto it = j.begin(); it != j.end(); ++it) keys.push_back(it.key());
-  }
-  return keys;
 }
 
 // One step's record for the metrics file: the step's numbers, where its time went (OffloadStats
@@ -263,68 +216,22 @@ int run_train(std::span<const std::string> argv) {
   }
   auto usage = [&](const Status& s) { return usage_error("train", s.message(), train_usage()); };
 
-  // ---- settings: defaults < --config < flags ----
-  TrainerConfig tc;
-  tc.model.kind = ModelKind::kGpt2;
-  tc.model.n_layer = Defaults::kLayers;
-  tc.model.n_head = Defaults::kHeads;
-  tc.model.n_embd = Defaults::kWidth;
-  tc.micro_batch = Defaults::kBatch;
-  tc.seq_len = Defaults::kSeqLen;
-  tc.optimizer.beta2 = 0.95;
-  tc.optimizer.weight_decay = Defaults::kWeightDecay;
-  tc.schedule.kind = LrScheduleKind::kWarmupCosine;
-  tc.schedule.lr = Defaults::kLr;
-  tc.schedule.min_ratio = Defaults::kMinLrRatio;
-  tc.grad_clip = Defaults::kGradClip;
-  tc.seed = Defaults::kSeed;
-  std::int64_t steps = Defaults::kSteps;
-  bool schedule_from_config = false;
-  Options options;
-  OffloadSettings offload;
-  offload.params = Tier::kNvme;
-  offload.optimizer = Tier::kHost;
-  if (auto path = args.get("config")) {
-    auto config = load_config_file(*path, &options);
-    if (!config.ok()) return fail(config.status());
-    const auto keys = present_keys(*path);
-    Status s = tc.apply(*config, keys);
-    if (!s.ok()) return fail(s);
-    if (std::find(keys.begin(), keys.end(), "zero_optimization") != keys.end() ||
-        std::find(keys.begin(), keys.end(), "aio") != keys.end()) {
-      s = offload.apply(*config);
-      if (!s.ok()) return fail(s);
-    }
-    if (std::find(keys.begin(), keys.end(), "scheduler") != keys.end() &&
-        config->scheduler.total_num_steps > 0) {
-      steps = config->scheduler.total_num_steps;
-      schedule_from_config = true;
-    }
+  // ---- settings: defaults < --config < flags (settings.hpp) ----
+  RunSettings rs;
+  if (Status c = load_settings(args, args.get("config").value_or(""), &rs); !c.ok()) return fail(c);
+  if (Status f = apply_settings_flags(args, &rs); !f.ok()) return usage(f);
+  TrainerConfig& tc = rs.trainer;
+  OffloadSettings& offload = rs.offload;
+  Options& options = rs.options;
+  const std::int64_t steps = rs.steps;
+  if (rs.config) {
+    for (const AutoValue& a : auto_resolution(rs, args)) std::printf("config   %s\n", a.line().c_str());
+    for (const IgnoredKey& k : rs.config->ignored)
+      std::printf("config   ignored %s: %s\n", k.path.c_str(), k.reason.c_str());
   }
-  std::int64_t seed = static_cast<std::int64_t>(tc.seed);
-  Status s = int_flag(args, "steps", 1, 1ll << 40, &steps);
-  if (s.ok()) s = int_flag(args, "batch", 1, 1 << 20, &tc.micro_batch);
-  if (s.ok()) s = int_flag(args, "grad-accum", 1, 1 << 20, &tc.grad_accum);
-  if (s.ok()) s = int_flag(args, "seq-len", 1, 1 << 20, &tc.seq_len);
-  if (s.ok()) s = int_flag(args, "seed", 0, std::numeric_limits<std::int64_t>::max(), &seed);
-  if (s.ok()) s = double_flag(args, "weight-decay", 0.0, 1e3, &tc.optimizer.weight_decay);
-  if (s.ok()) s = double_flag(args, "grad-clip", 0.0, 1e12, &tc.grad_clip);
-  if (s.ok()) s = double_flag(args, "min-lr-ratio", 0.0, 1.0, &tc.schedule.min_ratio);
-  if (s.ok() && args.has("lr")) {
-    double lr = tc.schedule.lr;
-    s = double_flag(args, "lr", 0.0, 10.0, &lr);
-    tc.schedule.lr = lr;
-    tc.optimizer.lr = lr;
-    tc.schedule.warmup_max_lr = lr;
-  }
-  if (!schedule_from_config || args.has("steps")) tc.schedule.total_steps = steps;
-  if (!schedule_from_config) tc.schedule.warmup_steps = std::max<std::int64_t>(1, steps / 20);
-  if (s.ok()) s = int_flag(args, "warmup", 0, 1ll << 40, &tc.schedule.warmup_steps);
-  if (s.ok()) s = apply_model_flags(args, tc.seq_len, &tc.model);
-  if (!s.ok()) return usage(s);
-  tc.seed = static_cast<std::uint64_t>(seed);
+  Status s;
   std::int64_t val_every = std::max<std::int64_t>(1, steps / 10);
-  std::int64_t val_windows = Defaults::kValWindows;
+  std::int64_t val_windows = kValWindows;
   std::int64_t checkpoint_every = 0, keep_checkpoints = 2;
   s = int_flag(args, "val-every", 0, 1ll << 40, &val_every);
   if (s.ok()) s = int_flag(args, "val-windows", 0, 1ll << 40, &val_windows);
@@ -403,20 +310,7 @@ int run_train(std::span<const std::string> argv) {
   if (!s.ok()) return usage(s);
 
   // ---- placement, plan, device and engine ----
-  for (const auto& [flag, tier] : {std::pair{"offload-param", &offload.params},
-                                   std::pair{"offload-optimizer", &offload.optimizer},
-                                   std::pair{"offload-gradients", &offload.gradients}}) {
-    if (auto v = args.get(flag)) {
-      auto t = parse_tier(*v);
-      if (!t.ok()) return usage(invalid_argument("flag '--" + std::string(flag) + "': " + t.status().message()));
-      *tier = *t;
-    }
-  }
   std::unique_ptr<TempSwapDir> temp_swap;
-  if (auto dir = args.get("nvme-path")) {
-    offload.nvme_path = {*dir};
-    offload.io.nvme_path = offload.nvme_path;
-  }
   const bool uses_nvme = offload.params == Tier::kNvme || offload.optimizer == Tier::kNvme;
   if (uses_nvme && offload.nvme_path.empty()) {
     auto t = TempSwapDir::create();

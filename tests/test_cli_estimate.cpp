@@ -1,0 +1,151 @@
+// `strata estimate` run as a user would: its JSON equals the plan the library computes for the same
+// model, the budgets mark what does not fit, a config's offload tuning changes the numbers, and bad
+// flags exit 2.
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "harness/harness.hpp"
+#include "strata/engine.hpp"
+#include "strata/offload.hpp"
+
+namespace strata {
+namespace {
+
+using testing::run_cli;
+
+constexpr const char* kShape = "--model gpt2 --layers 2 --width 64 --heads 2 --seq-len 32 --batch 2";
+
+TrainerConfig same_shape() {
+  TrainerConfig t;
+  t.model.kind = ModelKind::kGpt2;
+  t.model.n_layer = 2;
+  t.model.n_embd = 64;
+  t.model.n_head = 2;
+  t.model.n_positions = 32;
+  t.model.vocab_size = 256;  // the byte tokenizer strata train uses by default
+  t.seq_len = 32;
+  t.micro_batch = 2;
+  return t;
+}
+
+const nlohmann::json& row(const nlohmann::json& j, int stage, const char* params, const char* optimizer) {
+  for (const auto& r : j["placements"]) {
+    if (r["zero_stage"] == stage && r["offload_param"] == params && r["offload_optimizer"] == optimizer)
+      return r;
+  }
+  ADD_FAILURE() << "no row " << stage << " " << params << " " << optimizer;
+  return j;
+}
+
+TEST(CliEstimate, JsonMatchesTheLibraryPlanByteForByte) {
+  auto r = run_cli(std::string("estimate --json ") + kShape);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["world_size"], 1);
+  EXPECT_EQ(j["placements"].size(), 14u);
+  for (const auto& [params, optimizer] :
+       {std::pair{Tier::kDevice, Tier::kDevice}, std::pair{Tier::kDevice, Tier::kHost},
+        std::pair{Tier::kNvme, Tier::kNvme}}) {
+    OffloadSettings s;
+    s.params = params;
+    s.optimizer = optimizer;
+    s.nvme_path = {"/x"};
+    s.io.nvme_path = s.nvme_path;
+    auto plan = OffloadPlan::make(same_shape(), s);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    const std::string p(to_string(params)), o(to_string(optimizer));
+    const auto& got = row(j, 3, p.c_str(), o.c_str());
+    EXPECT_EQ(got["total"]["device"], plan->device_bytes) << p << "/" << o;
+    EXPECT_EQ(got["total"]["host"], plan->host_bytes) << p << "/" << o;
+    EXPECT_EQ(got["total"]["pinned"], plan->pinned_bytes) << p << "/" << o;
+    EXPECT_EQ(got["total"]["nvme"], plan->nvme_bytes) << p << "/" << o;
+  }
+  // Stage 0 exists only for the all-device placement; parameter offload only at stage 3.
+  EXPECT_EQ(row(j, 0, "device", "device")["total"], row(j, 3, "device", "device")["total"]);
+  for (const auto& r2 : j["placements"]) {
+    if (r2["offload_param"] != "device") {
+      EXPECT_EQ(r2["zero_stage"], 3);
+    }
+  }
+}
+
+TEST(CliEstimate, BudgetsMarkWhatDoesNotFit) {
+  auto all = run_cli(std::string("estimate --json ") + kShape);
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  auto j = nlohmann::json::parse(all.output);
+  const std::uint64_t dd = row(j, 0, "device", "device")["device_need"];
+  const std::uint64_t dh = row(j, 1, "device", "host")["device_need"];
+  ASSERT_LT(dh, dd);
+  const std::string budget = std::to_string((dd + dh) / 2);
+  auto r =
+      run_cli(std::string("estimate --json ") + kShape + " --device-memory " + budget + " --nvme-free 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto b = nlohmann::json::parse(r.output);
+  EXPECT_EQ(row(b, 0, "device", "device")["fits"]["device"], false);
+  EXPECT_EQ(row(b, 1, "device", "host")["fits"]["all"], true);
+  EXPECT_EQ(row(b, 3, "nvme", "nvme")["fits"]["nvme"], false);
+  // The table says the same.
+  auto text = run_cli(std::string("estimate ") + kShape + " --device-memory " + budget);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("world size 1"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("no (device)"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("| yes"), std::string::npos) << text.output;
+}
+
+TEST(CliEstimate, ConfigOffloadTuningChangesThePlan) {
+  testing::TempDir dir("strata-cli-estimate");
+  // Every module leaves the device (persistence 0), so the plan is the library's for that setting.
+  const std::string file = testing::write_file(
+      dir / "ds.json",
+      R"({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"},
+          "offload_optimizer": {"device": "cpu"}}, "wall_clock_breakdown": false})");
+  auto base = run_cli(std::string("estimate --json ") + kShape);
+  auto tuned = run_cli(std::string("estimate --json ") + kShape + " --config " + file);
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.output;
+  const std::uint64_t before = row(nlohmann::json::parse(base.output), 3, "host", "host")["total"]["device"];
+  const std::uint64_t after = row(nlohmann::json::parse(tuned.output), 3, "host", "host")["total"]["device"];
+  EXPECT_NE(after, before);
+  OffloadSettings s;
+  s.params = Tier::kHost;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;
+  auto plan = OffloadPlan::make(same_shape(), s);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_EQ(after, plan->device_bytes);
+  // --strict applies to the config here too.
+  auto strict = run_cli(std::string("estimate ") + kShape + " --config " + file + " --strict");
+  EXPECT_EQ(strict.exit_code, 1) << strict.output;
+  EXPECT_NE(strict.output.find("wall_clock_breakdown: ignored by Strata"), std::string::npos)
+      << strict.output;
+}
+
+TEST(CliEstimate, VocabularySizeIsPartOfTheShape) {
+  auto r = run_cli(std::string("estimate --json --vocab-size 50257 ") + kShape);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["vocab_size"], 50257);
+  TrainerConfig t = same_shape();
+  t.model.vocab_size = 50257;
+  auto plan = OffloadPlan::make(t, OffloadSettings{});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_EQ(row(j, 0, "device", "device")["total"]["device"], plan->device_bytes);
+  EXPECT_EQ(run_cli(std::string("estimate --vocab-size 0 ") + kShape).exit_code, 2);
+}
+
+TEST(CliEstimate, UsageErrorsExitTwo) {
+  auto flag = run_cli("estimate --device-memory lots");
+  EXPECT_EQ(flag.exit_code, 2) << flag.output;
+  EXPECT_NE(flag.output.find("device-memory"), std::string::npos) << flag.output;
+  auto shape = run_cli("estimate --width 65 --heads 2");
+  EXPECT_EQ(shape.exit_code, 2) << shape.output;
+  EXPECT_NE(shape.output.find("--width"), std::string::npos) << shape.output;
+  auto extra = run_cli("estimate model.json");
+  EXPECT_EQ(extra.exit_code, 2) << extra.output;
+  auto help = run_cli("estimate --help");
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  EXPECT_NE(help.output.find("--nvme-free"), std::string::npos) << help.output;
+}
+
+}  // namespace
+}  // namespace strata

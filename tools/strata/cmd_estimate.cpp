@@ -1,0 +1,188 @@
+// strata estimate [flags]: bytes per tier (device, host, pinned host, NVMe) for parameters,
+// gradients, optimizer state and activations under every offload placement and ZeRO stage, and
+// which placements fit the given budgets. Every number is the engine's own plan
+// (estimate_placements calls OffloadPlan::make), so what this prints is what strata train
+// allocates. Exit 0 printed, 1 a config that does not load, 2 bad flags.
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "model_flags.hpp"
+#include "settings.hpp"
+#include "strata/config.hpp"
+#include "strata/offload.hpp"
+
+namespace strata::cli {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr FlagSpec kEstimateFlags[] = {
+    {"device-memory", "BYTES", "device budget (e.g. 80GiB); placements above it are marked"},
+    {"host-memory", "BYTES", "host budget, pinned included"},
+    {"nvme-free", "BYTES", "free space of the NVMe directories (swap reserve included)"},
+    {"vocab-size", "N",
+     "vocabulary size (default 256: the byte tokenizer strata train uses without --vocab)"},
+    {"json", "", "print JSON"},
+    {"help", "", "show this help"},
+};
+
+std::vector<FlagSpec> all_flags() {
+  std::vector<FlagSpec> f(std::begin(kEstimateFlags), std::end(kEstimateFlags));
+  for (const FlagSpec& flag : kSettingsFlags) {
+    // Only what changes the bytes: the model, batch, sequence and the config's offload tuning.
+    if (flag.name == "config" || flag.name == "strict" || flag.name == "batch" || flag.name == "seq-len" ||
+        flag.name == "grad-accum")
+      f.push_back(flag);
+  }
+  f.insert(f.end(), std::begin(kModelFlags), std::end(kModelFlags));
+  return f;
+}
+
+std::string estimate_usage() {
+  return "usage: strata estimate [flags]\n\n"
+         "Bytes per tier for parameters, gradients, optimizer state and activations under every\n"
+         "placement (offload_param x offload_optimizer: device | host | nvme) and ZeRO stage, from the\n"
+         "engine's own memory plan, and whether each fits the budgets. ZeRO stages 1-3 run as one\n"
+         "process today (world size 1): every stage of a placement needs the same bytes; the stage\n"
+         "column lists the stages DeepSpeed allows for the placement.\n\nflags:\n" +
+         format_flags(all_flags());
+}
+
+std::string tier_name(Tier t) { return std::string(to_string(t)); }
+
+Json tier_json(const TierBytes& t) {
+  return Json{{"device", t.device}, {"host", t.host}, {"pinned", t.pinned}, {"nvme", t.nvme}};
+}
+
+std::string budget_text(std::uint64_t b) { return b == 0 ? "no limit" : format_bytes(b); }
+
+int run_estimate(std::span<const std::string> argv) {
+  const auto flags = all_flags();
+  auto parsed = Args::parse(argv, flags);
+  if (!parsed.ok()) return usage_error("estimate", parsed.status().message(), estimate_usage());
+  const Args& args = *parsed;
+  if (args.has("help")) {
+    std::fputs(estimate_usage().c_str(), stdout);
+    return kExitOk;
+  }
+  if (!args.positionals().empty()) {
+    return usage_error("estimate", "unexpected argument '" + args.positionals()[0] + "'", estimate_usage());
+  }
+  RunSettings rs;
+  if (Status s = load_settings(args, args.get("config").value_or(""), &rs); !s.ok()) {
+    std::fprintf(stderr, "strata estimate: %s\n", s.message().c_str());
+    return kExitFailure;
+  }
+  if (Status s = apply_settings_flags(args, &rs); !s.ok()) {
+    return usage_error("estimate", s.message(), estimate_usage());
+  }
+  if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok()) {
+    return usage_error("estimate", v.message(), estimate_usage());
+  }
+  EstimateBudgets budgets;
+  constexpr std::uint64_t kMax = ~0ull;
+  auto device = args.get_bytes("device-memory", 0, 1, kMax);
+  auto host = args.get_bytes("host-memory", 0, 1, kMax);
+  auto nvme = args.get_bytes("nvme-free", 0, 1, kMax);
+  for (const auto* r : {&device, &host, &nvme}) {
+    if (!r->ok()) return usage_error("estimate", r->status().message(), estimate_usage());
+  }
+  budgets = {*device, *host, *nvme};
+  const bool cuda = args.get("device").value_or("") == "cuda";
+  auto rows = estimate_placements(rs.trainer, rs.offload, budgets, cuda);
+  if (!rows.ok()) {
+    std::fprintf(stderr, "strata estimate: %s\n", rows.status().message().c_str());
+    return kExitFailure;
+  }
+  const TrainerConfig& tc = rs.trainer;
+
+  if (args.has("json")) {
+    Json out;
+    out["world_size"] = 1;
+    out["note"] = "ZeRO stages run as one process: every stage of a placement has the same bytes";
+    out["model"] = Json::parse(model_config_to_json(tc.model));
+    out["micro_batch"] = tc.micro_batch;
+    out["seq_len"] = tc.seq_len;
+    out["budgets"] = {{"device", budgets.device}, {"host", budgets.host}, {"nvme", budgets.nvme}};
+    Json list = Json::array();
+    for (const PlacementEstimate& e : *rows) {
+      Json j;
+      j["zero_stage"] = e.zero_stage;
+      j["offload_param"] = tier_name(e.params);
+      j["offload_optimizer"] = tier_name(e.optimizer);
+      Json kinds;
+      for (int k = 0; k < kStateKinds; ++k) {
+        kinds[std::string(to_string(static_cast<StateKind>(k)))] =
+            tier_json(e.by_kind[static_cast<std::size_t>(k)]);
+      }
+      j["bytes"] = std::move(kinds);
+      j["total"] = {{"device", e.plan.device_bytes},
+                    {"host", e.plan.host_bytes},
+                    {"pinned", e.plan.pinned_bytes},
+                    {"nvme", e.plan.nvme_bytes}};
+      j["device_need"] = e.device_need;
+      j["nvme_need"] = e.nvme_need;
+      j["fits"] = {
+          {"device", e.fits_device}, {"host", e.fits_host}, {"nvme", e.fits_nvme}, {"all", e.fits()}};
+      list.push_back(std::move(j));
+    }
+    out["placements"] = std::move(list);
+    std::printf("%s\n", out.dump(2).c_str());
+    return kExitOk;
+  }
+
+  std::printf("model    %s: %lld layers, width %lld, %lld heads, context %lld, vocab %lld, %s%s\n",
+              std::string(to_string(tc.model.kind)).c_str(), static_cast<long long>(tc.model.n_layer),
+              static_cast<long long>(tc.model.n_embd), static_cast<long long>(tc.model.n_head),
+              static_cast<long long>(tc.model.n_positions), static_cast<long long>(tc.model.vocab_size),
+              std::string(to_string(tc.model.dtype)).c_str(),
+              tc.model.activation_checkpointing ? ", activation checkpointing" : "");
+  std::printf("batch    micro batch %lld x sequence %lld\n", static_cast<long long>(tc.micro_batch),
+              static_cast<long long>(tc.seq_len));
+  std::printf("budgets  device %s, host %s, nvme %s\n", budget_text(budgets.device).c_str(),
+              budget_text(budgets.host).c_str(), budget_text(budgets.nvme).c_str());
+  std::printf(
+      "ZeRO stages run as one process (world size 1): each stage of a placement needs the same bytes.\n\n");
+  std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %s\n", "stage", "params", "optimizer", "device",
+              "host", "pinned", "nvme", "swap", "fits");
+  for (const PlacementEstimate& e : *rows) {
+    std::string fits = e.fits() ? "yes" : "no (";
+    if (!e.fits()) {
+      std::string why;
+      if (!e.fits_device) why += "device";
+      if (!e.fits_host) why += std::string(why.empty() ? "" : ", ") + "host";
+      if (!e.fits_nvme) why += std::string(why.empty() ? "" : ", ") + "nvme";
+      fits += why + ")";
+    }
+    std::printf("%-5d %-6s %-9s | %10s %10s %10s %10s | %10s | %s\n", e.zero_stage,
+                tier_name(e.params).c_str(), tier_name(e.optimizer).c_str(),
+                format_bytes(e.device_need).c_str(), format_bytes(e.plan.host_bytes).c_str(),
+                format_bytes(e.plan.pinned_bytes).c_str(), format_bytes(e.plan.nvme_bytes).c_str(),
+                format_bytes(e.nvme_need).c_str(), fits.c_str());
+  }
+  std::printf("\nby kind (device / host / pinned / nvme), one row per placement:\n");
+  std::printf("%-6s %-9s | %-36s | %-36s | %-36s | %s\n", "params", "optimizer", "parameters", "gradients",
+              "optimizer state", "activations");
+  auto cell = [](const TierBytes& t) {
+    return format_bytes(t.device) + " / " + format_bytes(t.host) + " / " + format_bytes(t.pinned) + " / " +
+           format_bytes(t.nvme);
+  };
+  for (std::size_t i = 0; i < rows->size(); ++i) {
+    const PlacementEstimate& e = (*rows)[i];
+    if (i > 0 && (*rows)[i - 1].params == e.params && (*rows)[i - 1].optimizer == e.optimizer) continue;
+    std::printf("%-6s %-9s | %-36s | %-36s | %-36s | %s\n", tier_name(e.params).c_str(),
+                tier_name(e.optimizer).c_str(), cell(e.by_kind[0]).c_str(), cell(e.by_kind[1]).c_str(),
+                cell(e.by_kind[2]).c_str(), format_bytes(e.by_kind[3].device).c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+STRATA_CLI_COMMAND(estimate, "bytes per tier for every placement and ZeRO stage, and which fit the budgets",
+                   run_estimate);
+
+}  // namespace strata::cli

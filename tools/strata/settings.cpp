@@ -1,0 +1,148 @@
+// defaults < --config < flags, shared by strata train, config and estimate (settings.hpp).
+#include "settings.hpp"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "model_flags.hpp"
+
+namespace strata::cli {
+
+Status load_settings(const Args& args, const std::string& config_path, RunSettings* rs) {
+  TrainerConfig& tc = rs->trainer;
+  tc.model.kind = ModelKind::kGpt2;
+  tc.model.n_layer = Defaults::kLayers;
+  tc.model.n_head = Defaults::kHeads;
+  tc.model.n_embd = Defaults::kWidth;
+  tc.micro_batch = Defaults::kBatch;
+  tc.seq_len = Defaults::kSeqLen;
+  tc.optimizer.beta2 = Defaults::kBeta2;
+  tc.optimizer.weight_decay = Defaults::kWeightDecay;
+  tc.optimizer.lr = Defaults::kLr;
+  tc.schedule.kind = LrScheduleKind::kWarmupCosine;
+  tc.schedule.lr = Defaults::kLr;
+  tc.schedule.warmup_max_lr = Defaults::kLr;
+  tc.schedule.min_ratio = Defaults::kMinLrRatio;
+  tc.grad_clip = Defaults::kGradClip;
+  tc.seed = Defaults::kSeed;
+  rs->offload.params = Tier::kNvme;
+  rs->offload.optimizer = Tier::kHost;
+  if (config_path.empty()) return ok_status();
+  auto config = load_config_file(config_path, &rs->options, ParseOptions{args.has("strict")});
+  if (!config.ok()) return config.status();
+  std::vector<std::string> top;
+  for (const std::string& p : config->present_paths) {
+    if (p.find('.') == std::string::npos) top.push_back(p);
+  }
+  STRATA_RETURN_IF_ERROR(tc.apply(*config, top));
+  if (config->has("zero_optimization") || config->has("aio")) {
+    STRATA_RETURN_IF_ERROR(rs->offload.apply(*config));
+  }
+  rs->config = std::move(*config);
+  return ok_status();
+}
+
+Status apply_settings_flags(const Args& args, RunSettings* rs) {
+  TrainerConfig& tc = rs->trainer;
+  const Config* config = rs->config ? &*rs->config : nullptr;
+  auto from_config = [&](std::string_view path) {
+    return config != nullptr && config->has(path) && !config->is_auto(path);
+  };
+  // A scheduler's total_num_steps is the run length unless --steps says otherwise; its warmup
+  // stays unless --warmup says otherwise.
+  const bool total_from_config =
+      from_config("scheduler.params.total_num_steps") && config->scheduler.type != SchedulerType::kWarmupLR;
+  const bool warmup_from_config = from_config("scheduler.params.warmup_num_steps");
+  if (total_from_config) rs->steps = config->scheduler.total_num_steps;
+  std::int64_t seed = static_cast<std::int64_t>(tc.seed);
+  STRATA_RETURN_IF_ERROR(int_flag(args, "steps", 1, 1ll << 40, &rs->steps));
+  STRATA_RETURN_IF_ERROR(int_flag(args, "batch", 1, 1 << 20, &tc.micro_batch));
+  STRATA_RETURN_IF_ERROR(int_flag(args, "grad-accum", 1, 1 << 20, &tc.grad_accum));
+  STRATA_RETURN_IF_ERROR(int_flag(args, "seq-len", 1, 1 << 20, &tc.seq_len));
+  STRATA_RETURN_IF_ERROR(int_flag(args, "seed", 0, std::numeric_limits<std::int64_t>::max(), &seed));
+  STRATA_RETURN_IF_ERROR(double_flag(args, "weight-decay", 0.0, 1e3, &tc.optimizer.weight_decay));
+  STRATA_RETURN_IF_ERROR(double_flag(args, "grad-clip", 0.0, 1e12, &tc.grad_clip));
+  STRATA_RETURN_IF_ERROR(double_flag(args, "min-lr-ratio", 0.0, 1.0, &tc.schedule.min_ratio));
+  if (args.has("lr")) {
+    double lr = tc.schedule.lr;
+    STRATA_RETURN_IF_ERROR(double_flag(args, "lr", 0.0, 10.0, &lr));
+    tc.schedule.lr = lr;
+    tc.optimizer.lr = lr;
+    tc.schedule.warmup_max_lr = lr;
+  }
+  if (!total_from_config || args.has("steps")) tc.schedule.total_steps = rs->steps;
+  if (!warmup_from_config) tc.schedule.warmup_steps = std::max<std::int64_t>(1, rs->steps / 20);
+  STRATA_RETURN_IF_ERROR(int_flag(args, "warmup", 0, 1ll << 40, &tc.schedule.warmup_steps));
+  STRATA_RETURN_IF_ERROR(apply_model_flags(args, tc.seq_len, &tc.model));
+  tc.seed = static_cast<std::uint64_t>(seed);
+  for (const auto& [flag, tier] : {std::pair{"offload-param", &rs->offload.params},
+                                   std::pair{"offload-optimizer", &rs->offload.optimizer},
+                                   std::pair{"offload-gradients", &rs->offload.gradients}}) {
+    if (auto v = args.get(flag)) {
+      auto t = parse_tier(*v);
+      if (!t.ok()) return invalid_argument("flag '--" + std::string(flag) + "': " + t.status().message());
+      *tier = *t;
+    }
+  }
+  if (auto dir = args.get("nvme-path")) {
+    rs->offload.nvme_path = {*dir};
+    rs->offload.io.nvme_path = rs->offload.nvme_path;
+  }
+  return ok_status();
+}
+
+namespace {
+
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// The resolved value of an "auto" key.
+std::string auto_value(std::string_view path, const RunSettings& rs) {
+  const TrainerConfig& tc = rs.trainer;
+  if (path == "train_batch_size") return std::to_string(tc.micro_batch * tc.grad_accum);
+  if (path == "train_micro_batch_size_per_gpu") return std::to_string(tc.micro_batch);
+  if (path == "gradient_accumulation_steps") return std::to_string(tc.grad_accum);
+  if (path == "gradient_clipping") return number(tc.grad_clip);
+  if (path == "bf16.enabled" || path == "bfloat16.enabled")
+    return tc.model.dtype == DType::kBF16 ? "true" : "false";
+  if (path == "fp16.enabled") return "false";
+  if (path == "optimizer.params.lr") return number(tc.optimizer.lr);
+  if (path == "optimizer.params.betas")
+    return "[" + number(tc.optimizer.beta1) + ", " + number(tc.optimizer.beta2) + "]";
+  if (path == "optimizer.params.eps") return number(tc.optimizer.eps);
+  if (path == "optimizer.params.weight_decay") return number(tc.optimizer.weight_decay);
+  if (path == "scheduler.params.warmup_min_lr") return number(tc.schedule.warmup_min_lr);
+  if (path == "scheduler.params.warmup_max_lr") return number(tc.schedule.warmup_max_lr);
+  if (path == "scheduler.params.warmup_num_steps") return std::to_string(tc.schedule.warmup_steps);
+  if (path == "scheduler.params.total_num_steps") return std::to_string(rs.steps);
+  if (path == "zero_optimization.stage3_prefetch_bucket_size")
+    return std::to_string(rs.offload.prefetch_elements);
+  if (path == "zero_optimization.stage3_param_persistence_threshold")
+    return std::to_string(rs.offload.persistence_threshold);
+  if (path == "zero_optimization.reduce_bucket_size" && rs.config)
+    return std::to_string(rs.config->zero_optimization.reduce_bucket_size);
+  return "?";
+}
+
+}  // namespace
+
+std::vector<AutoValue> auto_resolution(const RunSettings& rs, const Args& args) {
+  std::vector<AutoValue> lines;
+  if (!rs.config) return lines;
+  for (const std::string& path : rs.config->auto_keys) {
+    const ConfigKey* key = find_config_key(path);
+    std::string from = key != nullptr ? std::string(key->auto_from) : "";
+    std::string source = from;
+    if (from.rfind("--", 0) == 0) {
+      const std::string flag = from.substr(0, from.find(' '));
+      source = args.has(flag.substr(2)) ? "from " + flag : "Strata's default; " + flag + " not given";
+    }
+    lines.push_back({path, auto_value(path, rs), source});
+  }
+  return lines;
+}
+
+}  // namespace strata::cli
