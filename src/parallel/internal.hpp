@@ -33,7 +33,12 @@
 
 namespace strata::detail {
 
+class CommQueue;
+
 struct WorkState {
+  // The queue it was submitted to (null for a handle finished at once). A Comm outlives every
+  // wait on its handles, so this stays valid for as long as wait() can use it.
+  CommQueue* queue = nullptr;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -70,6 +75,11 @@ class CommQueue {
   CommWork submit_async(Start start);
   // Waits until everything submitted so far has completed; the first failure, if any.
   Status drain();
+  // Called by a thread about to wait for `state`: when the queue thread is asleep and `state`
+  // is the next operation and a blocking one, runs it on the calling thread instead (true).
+  // Waking the queue thread and being woken back costs two scheduler hand-offs, which dominate
+  // small messages; the MPI library's own blocking calls pay neither.
+  bool run_inline(const WorkState* state);
   bool broken() const;
 
  private:
@@ -84,6 +94,8 @@ class CommQueue {
   };
 
   void run();
+  // Runs a dequeued blocking operation and completes its handle.
+  void execute(Entry& e);
   // Polls every in-flight operation once (or until none is left); completes the finished ones.
   void poll_in_flight(bool until_empty);
   void fail(const Status& s);
@@ -96,6 +108,8 @@ class CommQueue {
   std::condition_variable cv_;
   std::deque<Entry> pending_;
   bool stopping_ = false;
+  bool worker_active_ = true;   // the queue thread is not asleep (it owns in_flight_ then)
+  bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
   Status failure_;
   std::vector<InFlight> in_flight_;  // queue thread only
   std::thread thread_;               // last: started after every other member exists

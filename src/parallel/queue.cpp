@@ -36,6 +36,7 @@ CommQueue::~CommQueue() {
 
 CommWork CommQueue::submit(Op op) {
   auto state = std::make_shared<WorkState>();
+  state->queue = this;
   {
     std::lock_guard lock(mu_);
     pending_.push_back(Entry{state, std::move(op), nullptr});
@@ -46,6 +47,7 @@ CommWork CommQueue::submit(Op op) {
 
 CommWork CommQueue::submit_async(Start start) {
   auto state = std::make_shared<WorkState>();
+  state->queue = this;
   {
     std::lock_guard lock(mu_);
     pending_.push_back(Entry{state, nullptr, std::move(start)});
@@ -101,13 +103,47 @@ void CommQueue::poll_in_flight(bool until_empty) {
   }
 }
 
+void CommQueue::execute(Entry& e) {
+  if (Status earlier = earlier_failure(); !earlier.ok()) {
+    e.state->complete(
+        cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
+    return;
+  }
+  Status s = e.op();
+  if (breaks_comm(s)) fail(s);
+  e.state->complete(std::move(s));
+}
+
+bool CommQueue::run_inline(const WorkState* state) {
+  Entry e;
+  {
+    std::lock_guard lock(mu_);
+    if (worker_active_ || inline_active_ || pending_.empty() || pending_.front().state.get() != state ||
+        !pending_.front().op) {
+      return false;
+    }
+    e = std::move(pending_.front());
+    pending_.pop_front();
+    inline_active_ = true;
+  }
+  execute(e);
+  {
+    std::lock_guard lock(mu_);
+    inline_active_ = false;
+  }
+  cv_.notify_all();
+  return true;
+}
+
 void CommQueue::run() {
   for (;;) {
     Entry e;
     {
       std::unique_lock lock(mu_);
       if (in_flight_.empty()) {
-        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+        worker_active_ = false;
+        cv_.wait(lock, [&] { return (stopping_ || !pending_.empty()) && !inline_active_; });
+        worker_active_ = true;
       }
       if (pending_.empty()) {
         if (in_flight_.empty()) return;  // stopping, and everything queued has completed
@@ -119,16 +155,14 @@ void CommQueue::run() {
       e = std::move(pending_.front());
       pending_.pop_front();
     }
-    if (e.op) poll_in_flight(true);  // a blocking operation starts after everything before it
+    if (e.op) {
+      poll_in_flight(true);  // a blocking operation starts after everything before it
+      execute(e);
+      continue;
+    }
     if (Status earlier = earlier_failure(); !earlier.ok()) {
       e.state->complete(
           cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
-      continue;
-    }
-    if (e.op) {
-      Status s = e.op();
-      if (breaks_comm(s)) fail(s);
-      e.state->complete(std::move(s));
       continue;
     }
     Result<Poll> poll = e.start();
@@ -175,6 +209,11 @@ Status check_count(std::size_t count, DType dtype, const char* what) {
 
 Status CommWork::wait() const {
   if (!state_) return ok_status();
+  {
+    std::lock_guard lock(state_->mu);
+    if (state_->done) return state_->status;
+  }
+  if (state_->queue != nullptr) state_->queue->run_inline(state_.get());
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
   return state_->status;
