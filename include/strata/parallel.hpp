@@ -111,7 +111,9 @@ struct WorkState;
 }
 
 // The handle of one enqueued operation. Copyable; all copies observe the same operation.
-// A default-constructed handle is complete and OK. Thread-safe.
+// A default-constructed handle is complete and OK. Thread-safe. The Comm that issued it must
+// outlive every wait() on it: a waiting thread may run the operation itself (when the Comm's
+// queue thread is idle and the operation is next, which saves two thread hand-offs).
 class CommWork {
  public:
   CommWork() = default;
