@@ -29,6 +29,7 @@ enum class Option : std::uint16_t {
   kLogSubsys,       // all | ALLOC,NVME,... | ^ALLOC,...
   kDtypeIsa,        // dtype conversion path: auto | scalar | avx2 | avx512
   kAdamIsa,         // CPU optimizer code path: auto | avx512 | avx2 | scalar
+  kCommTimeout,     // seconds a collective or send/recv may take before it fails
   kCount
 };
 

@@ -34,6 +34,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "SIMD path for bulk dtype conversion: auto (the best this CPU has), scalar, avx2 or avx512"},
     {Option::kAdamIsa, "adam_isa", OptionKind::kString, "auto",
      "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
+    {Option::kCommTimeout, "comm_timeout", OptionKind::kFloat, "300",
+     "seconds a collective or send/recv may take before it fails and the job is aborted"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

@@ -1,0 +1,161 @@
+// Private pieces of the comm layer: the operation handle's state, the in-order queue every Comm
+// runs its operations on, and the context's shared state that backends report failures to.
+//
+// Life of an operation: the calling thread validates the arguments (a bad argument completes the
+// handle with the error at once and leaves the Comm usable), then appends a closure to the
+// Comm's CommQueue and returns the handle. The queue's thread runs closures one at a time in
+// append order; a closure starts the backend's non-blocking operation and polls it until it
+// completes or its deadline (start + CommConfig::timeout) passes. The first failure (other than
+// kInvalidArgument, a caller's mistake that leaves the peers in a known state) marks the
+// queue broken: every later closure is not run and its handle gets kCancelled naming that
+// failure, and the failure goes to the context (watchdog, see context.cpp).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "strata/build_config.hpp"
+#include "strata/parallel.hpp"
+
+#if STRATA_HAVE_MPI
+// The C API only: the deprecated C++ bindings would come in with mpi.h otherwise.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+namespace strata::detail {
+
+class CommQueue;
+
+struct WorkState {
+  // The queue it was submitted to (null for a handle finished at once). A Comm outlives every
+  // wait on its handles, so this stays valid for as long as wait() can use it.
+  CommQueue* queue = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+
+  void complete(Status s);
+};
+
+// A handle that is already complete with `status` (argument errors, size-1 shortcuts).
+CommWork finished_work(Status status);
+
+class CommQueue {
+ public:
+  // A blocking operation: runs to completion (or failure) on the queue thread.
+  using Op = std::function<Status()>;
+  // An operation that completes later: polled until it returns true (done) or an error (which
+  // includes its own deadline passing).
+  using Poll = std::function<Result<bool>()>;
+  // Starts an asynchronous operation (posts it to the library) and returns its poll.
+  using Start = std::function<Result<Poll>()>;
+  using FailureSink = std::function<void(const Status&)>;
+
+  // `label` names the Comm in cancellation messages; `on_failure` is told of the first failure.
+  CommQueue(std::string label, FailureSink on_failure);
+  // Runs what is queued, then stops the thread.
+  ~CommQueue();
+  CommQueue(const CommQueue&) = delete;
+  CommQueue& operator=(const CommQueue&) = delete;
+
+  // Starts after every earlier operation has completed.
+  CommWork submit(Op op);
+  // Starts after every earlier blocking operation has completed, without waiting for earlier
+  // asynchronous ones (point-to-point: a send and the matching recv may both be in flight).
+  CommWork submit_async(Start start);
+  // Waits until everything submitted so far has completed; the first failure, if any.
+  Status drain();
+  // Called by a thread about to wait for `state`: when the queue thread is asleep and `state`
+  // is the next operation and a blocking one, runs it on the calling thread instead (true).
+  // Waking the queue thread and being woken back costs two scheduler hand-offs, which dominate
+  // small messages; the MPI library's own blocking calls pay neither.
+  bool run_inline(const WorkState* state);
+  bool broken() const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<WorkState> state;
+    Op op;        // blocking, or
+    Start start;  // asynchronous
+  };
+  struct InFlight {
+    std::shared_ptr<WorkState> state;
+    Poll poll;
+  };
+
+  void run();
+  // Runs a dequeued blocking operation and completes its handle.
+  void execute(Entry& e);
+  // Polls every in-flight operation once (or until none is left); completes the finished ones.
+  void poll_in_flight(bool until_empty);
+  void fail(const Status& s);
+  static bool breaks_comm(const Status& s);
+  Status earlier_failure() const;
+
+  std::string label_;
+  FailureSink on_failure_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Entry> pending_;
+  bool stopping_ = false;
+  bool worker_active_ = true;   // the queue thread is not asleep (it owns in_flight_ then)
+  bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
+  Status failure_;
+  std::vector<InFlight> in_flight_;  // queue thread only
+  std::thread thread_;               // last: started after every other member exists
+};
+
+// "group 'dp' (world ranks 0,2)".
+std::string describe_group(const std::string& name, const std::vector<int>& world_ranks);
+// "4097 x f32".
+std::string describe_count(std::size_t count, DType dtype);
+// Checks shared by every backend; `what` names the operation.
+Status check_count(std::size_t count, DType dtype, const char* what);
+
+}  // namespace strata::detail
+
+namespace strata {
+
+struct CommContext::Impl {
+  CommConfig config;
+  bool owns_mpi = false;  // this context called MPI_Init_thread
+  int rank = 0;
+  int size = 1;
+
+  // The first failure of any Comm, and the watchdog that aborts the job after it.
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  Status failure;
+  bool closing = false;
+  std::thread watchdog;
+
+  void report_failure(const Status& status);
+  void watch();
+  [[noreturn]] void abort_job(const char* why) const;
+};
+
+namespace detail {
+#if STRATA_HAVE_MPI
+// Takes ownership of `comm` (freed by the Comm unless it failed; see mpi_comm.cpp).
+std::unique_ptr<Comm> make_mpi_comm(CommContext::Impl& context, MPI_Comm comm, std::string name);
+// Fails when this build has no NCCL. `bootstrap` is owned as above; the unique id travels on it.
+Result<std::unique_ptr<Comm>> make_nccl_comm(CommContext::Impl& context, MPI_Comm bootstrap,
+                                             std::string name);
+// The world ranks of `comm`'s members, in its rank order.
+std::vector<int> world_ranks_of(MPI_Comm comm);
+// "MPI_Allreduce failed: <MPI's error string>".
+Status mpi_status(int rc, const std::string& what);
+#endif
+}  // namespace detail
+
+}  // namespace strata

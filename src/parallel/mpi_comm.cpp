@@ -1,0 +1,281 @@
+// The mpi backend: host buffers, the MPI library's non-blocking collectives, polled on the
+// Comm's queue thread so that a deadline can be enforced (a blocking MPI call cannot be
+// interrupted).
+//
+// bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
+// buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
+// grow to the largest call and are then reused, so steady-state calls allocate nothing.
+// Moves without arithmetic (all_gather, broadcast, send/recv) carry bf16 as 16-bit integers.
+#include "strata/build_config.hpp"
+
+#if STRATA_HAVE_MPI
+
+#include <algorithm>
+#include <thread>
+
+#include "parallel/internal.hpp"
+
+namespace strata::detail {
+namespace {
+
+MPI_Datatype wire_type(DType dtype) { return dtype == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm(CommContext::Impl& context, MPI_Comm comm, std::string name)
+      : context_(context),
+        comm_(comm),
+        name_(std::move(name)),
+        world_ranks_(world_ranks_of(comm)),
+        label_(describe_group(name_, world_ranks_)),
+        queue_(label_, [&context](const Status& s) { context.report_failure(s); }) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+
+  ~MpiComm() override {
+    Status s = queue_.drain();
+    // A failed Comm may still have an operation posted inside MPI; freeing the communicator
+    // under it is undefined, and the job is being aborted anyway (context.cpp).
+    if (s.ok() && !queue_.broken()) MPI_Comm_free(&comm_);
+  }
+
+  CommBackend backend() const override { return CommBackend::kMpi; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  const std::vector<int>& world_ranks() const override { return world_ranks_; }
+
+  CommWork all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op) override {
+    if (Status s = check_count(count, dtype, "all_reduce"); !s.ok())
+      return finished_work(s.with_context(label_));
+    const std::string what =
+        "all_reduce(" + std::string(to_string(op)) + ") of " + describe_count(count, dtype);
+    return queue_.submit([=, this]() -> Status {
+      const int n = static_cast<int>(count);
+      if (dtype == DType::kF32) {
+        MPI_Request req;
+        const void* src = send == recv ? MPI_IN_PLACE : send;
+        STRATA_RETURN_IF_ERROR(start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), count);
+        return ok_status();
+      }
+      float* wide = widen(static_cast<const bf16*>(send), count, scratch_);
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (op == ReduceOp::kAvg) divide(wide, count);
+      convert(wide, static_cast<bf16*>(recv), count);
+      return ok_status();
+    });
+  }
+
+  CommWork reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dtype,
+                          ReduceOp op) override {
+    if (Status s = check_count(recv_count * static_cast<std::size_t>(size_), dtype, "reduce_scatter");
+        !s.ok()) {
+      return finished_work(s.with_context(label_));
+    }
+    const std::string what = "reduce_scatter(" + std::string(to_string(op)) + ") of " +
+                             describe_count(recv_count, dtype) + " per rank";
+    return queue_.submit([=, this]() -> Status {
+      const int n = static_cast<int>(recv_count);
+      const std::size_t total = recv_count * static_cast<std::size_t>(size_);
+      if (dtype == DType::kF32) {
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), recv_count);
+        return ok_status();
+      }
+      float* wide = widen(static_cast<const bf16*>(send), total, scratch_);
+      if (scratch_out_.size() < recv_count) scratch_out_.resize(recv_count);
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(start(
+          MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (op == ReduceOp::kAvg) divide(scratch_out_.data(), recv_count);
+      convert(scratch_out_.data(), static_cast<bf16*>(recv), recv_count);
+      return ok_status();
+    });
+  }
+
+  CommWork all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) override {
+    if (Status s = check_count(send_count * static_cast<std::size_t>(size_), dtype, "all_gather"); !s.ok()) {
+      return finished_work(s.with_context(label_));
+    }
+    const std::string what = "all_gather of " + describe_count(send_count, dtype) + " per rank";
+    return queue_.submit([=, this]() -> Status {
+      const int n = static_cast<int>(send_count);
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Iallgather(send, n, wire_type(dtype), recv, n, wire_type(dtype), comm_, &req), what));
+      return finish(req, what);
+    });
+  }
+
+  CommWork broadcast(void* buf, std::size_t count, DType dtype, int root) override {
+    if (Status s = check_count(count, dtype, "broadcast"); !s.ok())
+      return finished_work(s.with_context(label_));
+    if (root < 0 || root >= size_) return finished_work(bad_rank("broadcast", "root", root));
+    const std::string what = "broadcast of " + describe_count(count, dtype) + " from group rank " +
+                             std::to_string(root) + " (world rank " + std::to_string(world_ranks_[root]) +
+                             ")";
+    return queue_.submit([=, this]() -> Status {
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Ibcast(buf, static_cast<int>(count), wire_type(dtype), root, comm_, &req), what));
+      return finish(req, what);
+    });
+  }
+
+  CommWork send(const void* buf, std::size_t count, DType dtype, int peer) override {
+    if (Status s = check_count(count, dtype, "send"); !s.ok()) return finished_work(s.with_context(label_));
+    if (peer < 0 || peer >= size_ || peer == rank_) return finished_work(bad_rank("send", "peer", peer));
+    const std::string what = "send of " + describe_count(count, dtype) + " to group rank " +
+                             std::to_string(peer) + " (world rank " + std::to_string(world_ranks_[peer]) +
+                             ")";
+    return queue_.submit_async([=, this]() -> Result<CommQueue::Poll> {
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Isend(buf, static_cast<int>(count), wire_type(dtype), peer, kTag, comm_, &req), what));
+      return poll_of(req, what, -1, dtype);
+    });
+  }
+
+  CommWork recv(void* buf, std::size_t count, DType dtype, int peer) override {
+    if (Status s = check_count(count, dtype, "recv"); !s.ok()) return finished_work(s.with_context(label_));
+    if (peer < 0 || peer >= size_ || peer == rank_) return finished_work(bad_rank("recv", "peer", peer));
+    const std::string what = "recv of " + describe_count(count, dtype) + " from group rank " +
+                             std::to_string(peer) + " (world rank " + std::to_string(world_ranks_[peer]) +
+                             ")";
+    return queue_.submit_async([=, this]() -> Result<CommQueue::Poll> {
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(buf, static_cast<int>(count), wire_type(dtype), peer, kTag, comm_, &req), what));
+      return poll_of(req, what, static_cast<long long>(count), dtype);
+    });
+  }
+
+  CommWork barrier() override {
+    return queue_.submit([this]() -> Status {
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(start(MPI_Ibarrier(comm_, &req), "barrier"));
+      return finish(req, "barrier");
+    });
+  }
+
+  Result<std::unique_ptr<Comm>> split(int color, int key, std::string_view name) override {
+    if (color < 0)
+      return invalid_argument("split of " + label_ + ": color " + std::to_string(color) + " < 0");
+    // MPI_Comm_split is blocking and collective: run it on the queue, in order with the rest.
+    MPI_Comm child = MPI_COMM_NULL;
+    const std::string what = "split into '" + std::string(name) + "'";
+    STRATA_RETURN_IF_ERROR(queue_
+                               .submit([&]() -> Status {
+                                 int rc = MPI_Comm_split(comm_, color, key, &child);
+                                 return rc == MPI_SUCCESS ? ok_status()
+                                                          : mpi_status(rc, what + " on " + label_);
+                               })
+                               .wait());
+    MPI_Comm_set_errhandler(child, MPI_ERRORS_RETURN);
+    return make_mpi_comm(context_, child, std::string(name));
+  }
+
+ private:
+  static constexpr int kTag = 7;
+
+  static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
+
+  Status bad_rank(const char* what, const char* role, int r) const {
+    return invalid_argument(std::string(what) + " on " + label_ + ": " + role + " " + std::to_string(r) +
+                            " is not another rank of this group of " + std::to_string(size_));
+  }
+
+  Status start(int rc, const std::string& what) const {
+    return rc == MPI_SUCCESS ? ok_status() : mpi_status(rc, what + " on " + label_);
+  }
+
+  Status timeout_error(const std::string& what) const {
+    const double secs = std::chrono::duration<double>(context_.config.timeout).count();
+    return unavailable("comm timeout: " + what + " on " + label_ + ", this is group rank " +
+                       std::to_string(rank_) + " (world rank " + std::to_string(context_.rank) +
+                       "), did not complete within " + std::to_string(secs) +
+                       " s (comm_timeout / STRATA_COMM_TIMEOUT): a peer died, hangs, or called a "
+                       "different operation");
+  }
+
+  // Polls `req` until it completes or the deadline passes. Yielding between polls keeps an
+  // oversubscribed machine (more ranks than cores) moving.
+  Status finish(MPI_Request& req, const std::string& what) const {
+    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    for (;;) {
+      int flag = 0;
+      const int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
+      if (flag) return ok_status();
+      if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
+      std::this_thread::yield();
+    }
+  }
+
+  // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.
+  CommQueue::Poll poll_of(MPI_Request req, std::string what, long long expect, DType dtype) const {
+    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    return [this, req, what = std::move(what), expect, dtype, deadline]() mutable -> Result<bool> {
+      int flag = 0;
+      MPI_Status st;
+      const int rc = MPI_Test(&req, &flag, &st);
+      if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
+      if (!flag) {
+        if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
+        return false;
+      }
+      if (expect >= 0) {
+        int got = 0;
+        MPI_Get_count(&st, wire_type(dtype), &got);
+        if (got != expect) {
+          return invalid_argument(what + " on " + label_ + ": the peer sent " + std::to_string(got) +
+                                  " elements, expected " + std::to_string(expect));
+        }
+      }
+      return true;
+    };
+  }
+
+  static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
+    if (scratch.size() < n) scratch.resize(n);
+    convert(src, scratch.data(), n);
+    return scratch.data();
+  }
+
+  void divide(float* x, std::size_t n) const {
+    const float d = static_cast<float>(size_);
+    for (std::size_t i = 0; i < n; ++i) x[i] /= d;
+  }
+
+  CommContext::Impl& context_;
+  MPI_Comm comm_;
+  std::string name_;
+  std::vector<int> world_ranks_;
+  std::string label_;
+  int rank_ = 0;
+  int size_ = 1;
+  // fp32 staging for bf16 reductions; touched only by the queue thread.
+  std::vector<float> scratch_;
+  std::vector<float> scratch_out_;
+  CommQueue queue_;  // last: its thread uses the members above, and stops first
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi_comm(CommContext::Impl& context, MPI_Comm comm, std::string name) {
+  return std::make_unique<MpiComm>(context, comm, std::move(name));
+}
+
+}  // namespace strata::detail
+
+#endif  // STRATA_HAVE_MPI

@@ -1,0 +1,144 @@
+// The comm layer in one process: the rank grid's formula, the comm tunables, and a world of one
+// rank (MPI's singleton start, no mpirun). Multi-process behaviour is in test_dist_comm.cpp.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <set>
+
+#include "harness/harness.hpp"
+#include "strata/build_config.hpp"
+#include "strata/parallel.hpp"
+
+namespace strata {
+namespace {
+
+TEST(RankGrid, FormulaPlacesTensorParallelInnermost) {
+  auto g = RankGrid::create(24, 2, 3);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  EXPECT_EQ(g->dp(), 4);
+  EXPECT_TRUE(g->is_valid());
+  // rank = (dp * PP + pp) * TP + tp, written out for a few points.
+  EXPECT_EQ(g->rank_of({0, 0, 0}), 0);
+  EXPECT_EQ(g->rank_of({1, 0, 0}), 1);
+  EXPECT_EQ(g->rank_of({0, 1, 0}), 2);
+  EXPECT_EQ(g->rank_of({1, 2, 0}), 5);
+  EXPECT_EQ(g->rank_of({0, 0, 1}), 6);
+  EXPECT_EQ(g->rank_of({1, 2, 3}), 23);
+  for (int r = 0; r < 24; ++r) {
+    const GridCoord c = g->coord_of(r);
+    EXPECT_EQ(g->rank_of(c), r);
+    EXPECT_EQ(r, (c.dp * 3 + c.pp) * 2 + c.tp);
+  }
+  EXPECT_EQ(g->group_ranks(GridAxis::kTensor, 5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(g->group_ranks(GridAxis::kPipeline, 7), (std::vector<int>{7, 9, 11}));
+  EXPECT_EQ(g->group_ranks(GridAxis::kData, 3), (std::vector<int>{3, 9, 15, 21}));
+}
+
+TEST(RankGrid, GroupsAlongEachAxisPartitionTheWorld) {
+  for (auto [w, tp, pp] :
+       {std::tuple{8, 2, 2}, std::tuple{12, 3, 2}, std::tuple{6, 1, 6}, std::tuple{5, 5, 1}}) {
+    auto g = RankGrid::create(w, tp, pp);
+    ASSERT_TRUE(g.ok());
+    for (GridAxis axis : {GridAxis::kTensor, GridAxis::kPipeline, GridAxis::kData}) {
+      std::set<int> seen;
+      std::set<int> indices;
+      for (int r = 0; r < w; ++r) {
+        const std::vector<int> members = g->group_ranks(axis, r);
+        ASSERT_EQ(static_cast<int>(members.size()), g->size(axis));
+        // The group rank of r is its coordinate on the axis.
+        const GridCoord c = g->coord_of(r);
+        const int coord = axis == GridAxis::kTensor ? c.tp : axis == GridAxis::kPipeline ? c.pp : c.dp;
+        EXPECT_EQ(members[coord], r);
+        for (int m : members) {
+          EXPECT_EQ(g->group_index(axis, m), g->group_index(axis, r))
+              << "w=" << w << " axis " << to_string(axis);
+        }
+        seen.insert(r);
+        indices.insert(g->group_index(axis, r));
+      }
+      EXPECT_EQ(static_cast<int>(seen.size()), w);
+      EXPECT_EQ(static_cast<int>(indices.size()), w / g->size(axis));
+      EXPECT_EQ(*indices.rbegin(), w / g->size(axis) - 1);
+    }
+  }
+}
+
+TEST(RankGrid, SizesThatDoNotDivideAreErrors) {
+  STRATA_EXPECT_ERROR(RankGrid::create(6, 4, 1).status(), kInvalidArgument, "not a multiple");
+  STRATA_EXPECT_ERROR(RankGrid::create(8, 2, 3).status(), kInvalidArgument, "2 x 3");
+  STRATA_EXPECT_ERROR(RankGrid::create(4, 0, 1).status(), kInvalidArgument, "at least 1");
+}
+
+TEST(CommConfig, TimeoutComesFromTheTunable) {
+  Options o;
+  auto c = CommConfig::from_options(o);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->timeout.count(), 300'000);
+  ASSERT_TRUE(o.set(Option::kCommTimeout, "2.5", "STRATA_COMM_TIMEOUT").ok());
+  c = CommConfig::from_options(o);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->timeout.count(), 2'500);
+  ASSERT_TRUE(o.set(Option::kCommTimeout, "0", "STRATA_COMM_TIMEOUT").ok());
+  STRATA_EXPECT_ERROR(CommConfig::from_options(o).status(), kInvalidArgument, "STRATA_COMM_TIMEOUT");
+  STRATA_EXPECT_ERROR(o.set(Option::kCommTimeout, "soon", "STRATA_COMM_TIMEOUT"), kInvalidArgument,
+                      "comm_timeout");
+}
+
+TEST(CommNames, ParseAndDeviceMapping) {
+  EXPECT_EQ(*parse_comm_backend("mpi"), CommBackend::kMpi);
+  EXPECT_EQ(*parse_comm_backend("nccl"), CommBackend::kNccl);
+  STRATA_EXPECT_ERROR(parse_comm_backend("gloo").status(), kInvalidArgument, "'gloo'");
+  EXPECT_EQ(*comm_backend_for_device("cpu"), CommBackend::kMpi);
+  EXPECT_EQ(*comm_backend_for_device("cuda"), CommBackend::kNccl);
+  STRATA_EXPECT_ERROR(comm_backend_for_device("tpu").status(), kInvalidArgument, "'tpu'");
+  EXPECT_EQ(to_string(ReduceOp::kAvg), "avg");
+  EXPECT_EQ(to_string(GridAxis::kPipeline), "pp");
+}
+
+// A single process (no mpirun) is a world of one: every collective is a copy, and the queue,
+// handles and argument checks behave as on many ranks.
+TEST(CommSingleProcess, WorldOfOne) {
+  if (!STRATA_HAVE_MPI) GTEST_SKIP() << "this build has no MPI";
+  ASSERT_FALSE(launched_by_mpirun());
+  CommConfig config;
+  config.timeout = std::chrono::milliseconds(30'000);
+  auto ctx = CommContext::create(config);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().to_string();
+  EXPECT_EQ((*ctx)->world_size(), 1);
+  EXPECT_EQ((*ctx)->world_rank(), 0);
+  {
+    auto groups = make_process_groups(**ctx, CommBackend::kMpi, 1, 1);
+    ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+    Comm& w = *groups->world;
+    EXPECT_EQ(w.size(), 1);
+    EXPECT_EQ(groups->dp->world_ranks(), std::vector<int>{0});
+    std::vector<float> a(1025);
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i) * 0.5f;
+    std::vector<float> b(1025, -1.0f);
+    std::vector<bf16> h(1025, bf16(3.0f));
+    std::vector<bf16> hout(1025);
+    CommWork w1 = w.all_reduce(a.data(), b.data(), a.size(), DType::kF32, ReduceOp::kAvg);
+    CommWork w2 = w.reduce_scatter(h.data(), hout.data(), h.size(), DType::kBF16, ReduceOp::kSum);
+    CommWork w3 = w.barrier();
+    ASSERT_TRUE(w3.wait().ok());
+    EXPECT_TRUE(w1.test());
+    EXPECT_TRUE(w2.test());
+    EXPECT_EQ(a, b);
+    for (const bf16& x : hout) ASSERT_EQ(static_cast<float>(x), 3.0f);
+    STRATA_EXPECT_ERROR(w.recv(b.data(), 1, DType::kF32, 0).wait(), kInvalidArgument, "peer 0");
+    STRATA_EXPECT_ERROR(w.all_reduce(a.data(), b.data(), 1, DType::kF16, ReduceOp::kSum).wait(),
+                        kInvalidArgument, "dtype f16");
+    STRATA_EXPECT_ERROR(make_process_groups(**ctx, CommBackend::kMpi, 2, 1).status(), kInvalidArgument,
+                        "world size 1");
+    if (!STRATA_HAVE_NCCL) {
+      STRATA_EXPECT_ERROR((*ctx)->world(CommBackend::kNccl).status(), kUnavailable, "no NCCL");
+    }
+    EXPECT_TRUE((*ctx)->failure().ok());
+  }
+  ctx->reset();
+  // MPI cannot start twice in one process: a second context says so instead of crashing.
+  STRATA_EXPECT_ERROR(CommContext::create(config).status(), kFailedPrecondition, "one CommContext");
+}
+
+}  // namespace
+}  // namespace strata
