@@ -1,0 +1,404 @@
+// strata bench offload: for each placement, the offloaded step against its parts run alone in the
+// same process.
+//
+//   step_s          median step time of the placement (after warm-up)
+//   parts_s         each part alone, on a fresh device of the same configuration:
+//                     compute    forward + backward with everything resident (all-device engine)
+//                     h2d, d2h   copies of the bytes one step moved over each link, pinned <-> device
+//                     optimizer  CPU Adam over every parameter with the engine's host threads
+//                                (placements whose optimizer is off the device)
+//                     nvme_read, nvme_write  the bytes one step moved to and from NVMe, through
+//                                a swap store on the same directory, checksums on
+//   lower_bound_s   the largest part: a step cannot be shorter than its busiest engine
+//   efficiency      lower_bound_s / step_s: 1.0 is perfect overlap
+//   stall_s         per step, the compute stream idle waiting for fetches plus the caller
+//                   blocked on the host optimizer (OffloadStats)
+//
+// On the cpu backend "device" compute, copies (memcpy on copy-engine threads), I/O threads and the
+// host optimizer share the machine's cores, so a part alone runs faster than it can inside the
+// step; docs/performance.md says how the figure maps to a GPU machine.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "bench_util.hpp"
+#include "cli.hpp"
+#include "model_flags.hpp"
+#include "strata/alloc.hpp"
+#include "strata/data.hpp"
+#include "strata/device.hpp"
+#include "strata/engine.hpp"
+#include "strata/nvme.hpp"
+#include "strata/offload.hpp"
+#include "strata/optim.hpp"
+
+namespace strata::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Json = nlohmann::ordered_json;
+
+constexpr FlagSpec kOffloadFlags[] = {
+    {"json", "", "print one JSON object (the default output)"},
+    {"steps", "N", "timed steps per placement (default 6)"},
+    {"warmup", "N", "untimed steps first (default 2)"},
+    {"batch", "N", "sequences per step (default 8)"},
+    {"seq-len", "T", "tokens per sequence (default 128)"},
+    {"nvme-path", "DIR", "swap directory (default: a fresh directory under $TMPDIR, removed at exit)"},
+    {"help", "", "show this help"},
+};
+
+std::vector<FlagSpec> all_flags() {
+  std::vector<FlagSpec> f(std::begin(kOffloadFlags), std::end(kOffloadFlags));
+  f.insert(f.end(), std::begin(kModelFlags), std::end(kModelFlags));
+  return f;
+}
+
+std::string usage() {
+  return "usage: strata bench offload [--json] [flags]\n\n"
+         "Times training steps under each placement (all-device; optimizer on host; parameters on\n"
+         "NVMe + optimizer on host; everything on NVMe) and, in the same run, each part of the step\n"
+         "alone; prints efficiency = largest part / step.\n\nflags:\n" +
+         format_flags(all_flags());
+}
+
+int fail(const Status& s) {
+  std::fprintf(stderr, "strata bench offload: %s\n", s.message().c_str());
+  return kExitFailure;
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Placement {
+  const char* name;
+  Tier params, optimizer, gradients;
+};
+
+constexpr Placement kPlacements[] = {
+    {"all on the device", Tier::kDevice, Tier::kDevice, Tier::kHost},
+    {"optimizer on host", Tier::kDevice, Tier::kHost, Tier::kHost},
+    {"parameters on NVMe, optimizer on host", Tier::kNvme, Tier::kHost, Tier::kHost},
+    {"everything on NVMe", Tier::kNvme, Tier::kNvme, Tier::kNvme},
+};
+
+// Copies of `bytes` over one link alone, median of `reps`.
+Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int reps) {
+  if (bytes == 0) return 0.0;
+  STRATA_ASSIGN_OR_RETURN(ArenaBuffer dev, device.allocate(bytes, "bench.copy.device"));
+  STRATA_ASSIGN_OR_RETURN(ArenaBuffer host, device.pinned().allocate(bytes, "bench.copy.host"));
+  STRATA_ASSIGN_OR_RETURN(auto stream, device.create_stream(kind == CopyKind::kHostToDevice ? "bench.h2d" : "bench.d2h"));
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    if (kind == CopyKind::kHostToDevice) {
+      STRATA_RETURN_IF_ERROR(stream->copy_async(dev.data(), host.data(), bytes, kind));
+    } else {
+      STRATA_RETURN_IF_ERROR(stream->copy_async(host.data(), dev.data(), bytes, kind));
+    }
+    STRATA_RETURN_IF_ERROR(stream->synchronize());
+    t.push_back(seconds_since(t0));
+  }
+  return median(t);
+}
+
+// CPU Adam over n parameters (fp32 master, moments and gradients; working copy in `dtype`).
+Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps) {
+  CpuOptimizerConfig oc;
+  STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));
+  oc.threads = threads;
+  STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<float> master(un, 0.01f), grad(un, 1e-3f), m(un, 0.0f), v(un, 0.0f);
+  std::vector<std::uint16_t> out(un);
+  OptimizerBuffers b;
+  b.master = master.data();
+  b.grad = grad.data();
+  b.grad_dtype = DType::kF32;
+  b.exp_avg = m.data();
+  b.exp_avg_sq = v.data();
+  b.moment_dtype = DType::kF32;
+  b.param_out = dtype == DType::kBF16 ? out.data() : nullptr;
+  b.out_dtype = DType::kBF16;
+  b.n = un;
+  OptimizerHyper h;
+  h.weight_decay = 0.1;
+  std::vector<double> t;
+  for (int r = 0; r < reps + 1; ++r) {
+    const auto t0 = Clock::now();
+    STRATA_RETURN_IF_ERROR(opt.update(h, r + 1, 1.0f, b));
+    if (r > 0) t.push_back(seconds_since(t0));  // the first touches the pages
+  }
+  return median(t);
+}
+
+// Writes then reads `write_bytes` / `read_bytes` through a swap store in `dir`, in pieces the size
+// of the engine's, median of `reps`.
+Status time_nvme(const std::string& dir, std::uint64_t read_bytes, std::uint64_t write_bytes, std::uint64_t piece,
+                 int reps, double* read_s, double* write_s) {
+  *read_s = *write_s = 0;
+  const std::uint64_t total = std::max(read_bytes, write_bytes);
+  if (total == 0) return ok_status();
+  piece = std::max<std::uint64_t>(std::min(piece, total), 4096);
+  IoEngineConfig ioc;
+  ioc.nvme_path = {dir};
+  STRATA_ASSIGN_OR_RETURN(auto io, IoEngine::create(ioc));
+  SwapStoreConfig sc;
+  sc.dirs = {dir + "/bench-parts"};
+  std::filesystem::create_directories(sc.dirs[0]);
+  sc.capacity = 2 * (total + piece) + (64u << 20);
+  STRATA_ASSIGN_OR_RETURN(auto store, SwapStore::open(*io, sc));
+  AlignedBuffer buf;
+  STRATA_ASSIGN_OR_RETURN(buf, AlignedBuffer::allocate(total));
+  std::memset(buf.data(), 0x5a, total);
+  auto run = [&](IoOp op, std::uint64_t bytes) -> Result<double> {
+    const auto t0 = Clock::now();
+    std::vector<IoHandle> h;
+    for (std::uint64_t off = 0, k = 0; off < bytes; off += piece, ++k) {
+      const std::uint64_t n = std::min(piece, bytes - off);
+      char* p = static_cast<char*>(buf.data()) + off;
+      h.push_back(op == IoOp::kWrite ? store->write(TensorKey{"bench", static_cast<std::uint32_t>(k)}, p, n)
+                                     : store->read(TensorKey{"bench", static_cast<std::uint32_t>(k)}, p, n));
+    }
+    for (IoHandle& x : h) STRATA_RETURN_IF_ERROR(x.wait());
+    return seconds_since(t0);
+  };
+  std::vector<double> w, r;
+  for (int i = 0; i < reps; ++i) {
+    STRATA_ASSIGN_OR_RETURN(double ws, run(IoOp::kWrite, total));
+    w.push_back(ws * static_cast<double>(write_bytes) / static_cast<double>(total));
+    STRATA_ASSIGN_OR_RETURN(double rs, run(IoOp::kRead, total));
+    r.push_back(rs * static_cast<double>(read_bytes) / static_cast<double>(total));
+  }
+  *read_s = median(r);
+  *write_s = median(w);
+  return ok_status();
+}
+
+int bench_offload(std::span<const std::string> argv) {
+  const auto flags = all_flags();
+  auto parsed = Args::parse(argv, flags);
+  if (!parsed.ok()) return usage_error("bench offload", parsed.status().message(), usage());
+  const Args& args = *parsed;
+  if (args.has("help")) {
+    std::fputs(usage().c_str(), stdout);
+    return kExitOk;
+  }
+  if (!args.positionals().empty()) {
+    return usage_error("bench offload", "unexpected argument '" + args.positionals()[0] + "'", usage());
+  }
+  std::int64_t steps = 6, warmup = 2;
+  TrainerConfig tc;
+  tc.model.n_layer = 4;
+  tc.model.n_head = 4;
+  tc.model.n_embd = 256;
+  tc.model.vocab_size = 256;
+  tc.micro_batch = 8;
+  tc.seq_len = 128;
+  tc.schedule.kind = LrScheduleKind::kConstant;
+  tc.schedule.lr = 1e-3;
+  tc.grad_clip = 1.0;
+  Status s = int_flag(args, "steps", 1, 100000, &steps);
+  if (s.ok()) s = int_flag(args, "warmup", 1, 100000, &warmup);
+  if (s.ok()) s = int_flag(args, "batch", 1, 1 << 20, &tc.micro_batch);
+  if (s.ok()) s = int_flag(args, "seq-len", 1, 1 << 20, &tc.seq_len);
+  if (s.ok()) s = apply_model_flags(args, tc.seq_len, &tc.model);
+  if (!s.ok()) return usage_error("bench offload", s.message(), usage());
+
+  std::string dir = args.get("nvme-path").value_or("");
+  std::string temp_dir;
+  if (dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp != nullptr && *tmp != 0 ? tmp : "/tmp") + "/strata-bench-offload-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) return fail(io_error("cannot create a swap directory '" + tmpl + "'"));
+    dir = temp_dir = tmpl;
+  }
+  struct Cleanup {
+    std::string d;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!d.empty()) std::filesystem::remove_all(d, ec);
+    }
+  } cleanup{temp_dir};
+
+  Options options;
+  std::uint64_t device_need = 0;
+  for (const Placement& p : kPlacements) {
+    OffloadSettings os;
+    os.params = p.params;
+    os.optimizer = p.optimizer;
+    os.gradients = p.gradients;
+    os.nvme_path = {dir};
+    auto plan = OffloadPlan::make(tc, os);
+    if (!plan.ok()) return usage_error("bench offload", plan.status().message(), usage());
+    device_need = std::max(device_need, plan->device_bytes);
+  }
+  DeviceConfig dc;
+  s = device_options(args, device_need + (256u << 20), &options, &dc);
+  if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? usage_error("bench offload", s.message(), usage()) : fail(s);
+  if (dc.kind != DeviceKind::kCpu) {
+    return usage_error("bench offload", "bench offload measures the cpu backend (--device cpu)", usage());
+  }
+  dc.pinned_bytes = std::max<std::uint64_t>(dc.pinned_bytes, 1ull << 30);
+  tc.optimizer_isa = options.get_string(Option::kAdamIsa);
+
+  const Corpus corpus = builtin_corpus(1234, 1u << 20);
+  auto batcher = Batcher::create(make_byte_tokenizer()->encode(corpus.train), tc.micro_batch, tc.seq_len, 1);
+  if (!batcher.ok()) return fail(batcher.status());
+  std::vector<std::int32_t> inputs, targets;
+
+  // Compute alone: forward + backward with everything resident.
+  double compute_s = 0;
+  std::int64_t parameters = 0;
+  int compute_threads = 0;
+  {
+    auto device = Device::create(dc);
+    if (!device.ok()) return fail(device.status());
+    compute_threads = (*device)->info().compute_threads;
+    auto engine = OffloadEngine::create(tc, OffloadSettings{}, **device);
+    if (!engine.ok()) return fail(engine.status());
+    parameters = (*engine)->model().layout().num_parameters();
+    std::vector<double> t;
+    for (std::int64_t i = 0; i < warmup + steps; ++i) {
+      batcher->batch(static_cast<std::uint64_t>(i), inputs, targets);
+      const auto t0 = Clock::now();
+      auto r = (*engine)->loss_and_gradients(inputs, targets);
+      if (!r.ok()) return fail(r.status());
+      if (i >= warmup) t.push_back(seconds_since(t0));
+    }
+    compute_s = median(t);
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int host_threads = std::max(1, cores - std::max(1, compute_threads));
+
+  Json out;
+  out["benchmark"] = "offload";
+  out["model"] = std::string(to_string(tc.model.kind));
+  out["dtype"] = std::string(to_string(tc.model.dtype));
+  out["layers"] = tc.model.n_layer;
+  out["width"] = tc.model.n_embd;
+  out["parameters"] = parameters;
+  out["batch"] = tc.micro_batch;
+  out["seq_len"] = tc.seq_len;
+  out["steps"] = steps;
+  out["compute_threads"] = compute_threads;
+  out["host_threads"] = host_threads;
+  out["cores"] = cores;
+  out["compute_alone_s"] = compute_s;
+  Json rows = Json::array();
+  double all_device_step = 0;
+  int index = 0;
+  for (const Placement& p : kPlacements) {
+    // Each placement's swap files in a directory of their own, removed after it.
+    const std::string swap_dir = dir + "/placement-" + std::to_string(index++);
+    std::filesystem::create_directories(swap_dir);
+    struct RemoveSwap {
+      std::string d;
+      ~RemoveSwap() {
+        std::error_code ec;
+        std::filesystem::remove_all(d, ec);
+      }
+    } remove_swap{swap_dir};
+    OffloadSettings os;
+    os.params = p.params;
+    os.optimizer = p.optimizer;
+    os.gradients = p.gradients;
+    os.nvme_path = {swap_dir};
+    os.io.nvme_path = os.nvme_path;
+    os.persistence_threshold = 0;
+    OffloadStats before, after;
+    std::vector<double> step_times;
+    {
+      auto device = Device::create(dc);
+      if (!device.ok()) return fail(device.status());
+      auto engine = OffloadEngine::create(tc, os, **device);
+      if (!engine.ok()) return fail(engine.status().with_context(p.name));
+      ObserveSettings obs;
+      obs.stream_times = true;
+      (*engine)->observe(obs);
+      for (std::int64_t i = 0; i < warmup + steps; ++i) {
+        if (i == warmup) {
+          Status w = (*engine)->synchronize();
+          if (!w.ok()) return fail(w);
+          before = (*engine)->stats();
+        }
+        batcher->batch(static_cast<std::uint64_t>(i), inputs, targets);
+        const auto t0 = Clock::now();
+        auto m = (*engine)->step(inputs, targets);
+        if (!m.ok()) return fail(m.status().with_context(p.name));
+        if (i >= warmup) step_times.push_back(seconds_since(t0));
+      }
+      // The last step's update overlaps nothing: waiting for it belongs to the timed work.
+      const auto t0 = Clock::now();
+      Status w = (*engine)->synchronize();
+      if (!w.ok()) return fail(w);
+      step_times.back() += seconds_since(t0);
+      after = (*engine)->stats();
+    }
+    const double n = static_cast<double>(steps);
+    const auto per = [&](std::uint64_t a, std::uint64_t b) { return static_cast<std::uint64_t>((b - a) / n); };
+    const std::uint64_t h2d = per(before.bytes_h2d, after.bytes_h2d), d2h = per(before.bytes_d2h, after.bytes_d2h);
+    const std::uint64_t nr = per(before.bytes_nvme_read, after.bytes_nvme_read);
+    const std::uint64_t nw = per(before.bytes_nvme_written, after.bytes_nvme_written);
+    Json parts;
+    parts["compute"] = compute_s;
+    {
+      auto device = Device::create(dc);
+      if (!device.ok()) return fail(device.status());
+      auto a = time_copy(**device, h2d, CopyKind::kHostToDevice, 5);
+      if (!a.ok()) return fail(a.status());
+      auto b = time_copy(**device, d2h, CopyKind::kDeviceToHost, 5);
+      if (!b.ok()) return fail(b.status());
+      parts["h2d"] = *a;
+      parts["d2h"] = *b;
+    }
+    if (p.optimizer != Tier::kDevice) {
+      auto o = time_optimizer(parameters, tc.model.dtype, host_threads, 3);
+      if (!o.ok()) return fail(o.status());
+      parts["optimizer"] = *o;
+    }
+    if (nr + nw > 0) {
+      double rs = 0, ws = 0;
+      Status t = time_nvme(swap_dir, nr, nw, 16u << 20, 3, &rs, &ws);
+      if (!t.ok()) return fail(t);
+      parts["nvme_read"] = rs;
+      parts["nvme_write"] = ws;
+    }
+    double lower = 0;
+    for (auto it = parts.begin(); it != parts.end(); ++it) lower = std::max(lower, it.value().get<double>());
+    const double step_s = median(step_times);
+    if (p.params == Tier::kDevice && p.optimizer == Tier::kDevice) all_device_step = step_s;
+    Json row;
+    row["placement"] = p.name;
+    row["step_s"] = step_s;
+    row["lower_bound_s"] = lower;
+    row["efficiency"] = lower / step_s;
+    row["vs_all_device"] = all_device_step > 0 ? all_device_step / step_s : 1.0;
+    row["parts_s"] = parts;
+    row["stall_s"] = (after.fetch_stall_seconds - before.fetch_stall_seconds + after.update_stall_seconds -
+                      before.update_stall_seconds) /
+                     n;
+    const double accesses = static_cast<double>(after.param_accesses - before.param_accesses);
+    row["prefetch_hit_rate"] =
+        accesses > 0 ? static_cast<double>(after.prefetch_hits - before.prefetch_hits) / accesses : 1.0;
+    row["bytes_per_step"] = Json{{"h2d", h2d}, {"d2h", d2h}, {"nvme_read", nr}, {"nvme_write", nw}};
+    row["allocations_after_warmup"] = after.allocations_after_warmup;
+    rows.push_back(row);
+  }
+  out["placements"] = rows;
+  out["target_efficiency"] = 0.85;
+  std::printf("%s\n", out.dump(2).c_str());
+  return kExitOk;
+}
+
+}  // namespace
+
+STRATA_CLI_BENCH(offload, "time the step of each placement against its parts run alone", bench_offload);
+
+}  // namespace strata::cli
