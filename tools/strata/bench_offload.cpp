@@ -35,6 +35,7 @@
 #include "strata/data.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
+#include "strata/model.hpp"
 #include "strata/nvme.hpp"
 #include "strata/offload.hpp"
 #include "strata/optim.hpp"
@@ -253,26 +254,29 @@ int bench_offload(std::span<const std::string> argv) {
   if (!batcher.ok()) return fail(batcher.status());
   std::vector<std::int32_t> inputs, targets;
 
-  // Compute alone: forward + backward with everything resident.
-  double compute_s = 0;
+  // Compute alone: forward + backward with everything resident. Measured again before each
+  // placement (interleaved), so a change in the machine's load moves both sides of the ratio.
   std::int64_t parameters = 0;
   int compute_threads = 0;
-  {
-    auto device = Device::create(dc);
-    if (!device.ok()) return fail(device.status());
-    compute_threads = (*device)->info().compute_threads;
-    auto engine = OffloadEngine::create(tc, OffloadSettings{}, **device);
-    if (!engine.ok()) return fail(engine.status());
-    parameters = (*engine)->model().layout().num_parameters();
+  auto compute_alone = [&]() -> Result<double> {
+    STRATA_ASSIGN_OR_RETURN(auto device, Device::create(dc));
+    STRATA_ASSIGN_OR_RETURN(auto engine, OffloadEngine::create(tc, OffloadSettings{}, *device));
     std::vector<double> t;
     for (std::int64_t i = 0; i < warmup + steps; ++i) {
       batcher->batch(static_cast<std::uint64_t>(i), inputs, targets);
       const auto t0 = Clock::now();
-      auto r = (*engine)->loss_and_gradients(inputs, targets);
-      if (!r.ok()) return fail(r.status());
+      STRATA_RETURN_IF_ERROR(engine->loss_and_gradients(inputs, targets).status());
       if (i >= warmup) t.push_back(seconds_since(t0));
     }
-    compute_s = median(t);
+    return median(t);
+  };
+  {
+    auto layout = describe_model(tc.model);
+    if (!layout.ok()) return fail(layout.status());
+    parameters = layout->num_parameters();
+    auto probe = Device::create(dc);
+    if (!probe.ok()) return fail(probe.status());
+    compute_threads = (*probe)->info().compute_threads;
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int host_threads = std::max(1, cores - std::max(1, compute_threads));
@@ -290,7 +294,6 @@ int bench_offload(std::span<const std::string> argv) {
   out["compute_threads"] = compute_threads;
   out["host_threads"] = host_threads;
   out["cores"] = cores;
-  out["compute_alone_s"] = compute_s;
   Json rows = Json::array();
   double all_device_step = 0;
   int index = 0;
@@ -312,6 +315,9 @@ int bench_offload(std::span<const std::string> argv) {
     os.nvme_path = {swap_dir};
     os.io.nvme_path = os.nvme_path;
     os.persistence_threshold = 0;
+    auto compute = compute_alone();
+    if (!compute.ok()) return fail(compute.status());
+    const double compute_s = *compute;
     OffloadStats before, after;
     std::vector<double> step_times;
     {
