@@ -18,10 +18,14 @@ inline cudaStream_t stream_of(const KernelContext& ctx) { return static_cast<cud
 
 // A launch that failed to start (bad configuration, no device, an earlier sticky error) is
 // reported here; faults inside a running kernel surface at the stream's next synchronize.
+// cudaErrorNotReady is never a launch failure: it is what a poll of unfinished work leaves as the
+// thread's last error (the device backend clears it after its own polls; a poll elsewhere, in a
+// library or a test, must not turn the next launch into a failure either).
 inline Status launch_status(std::string_view op) {
   const cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess) return ok_status();
-  return device_error(std::string(op) + ": kernel launch failed: " + cudaGetErrorString(err));
+  if (err == cudaSuccess || err == cudaErrorNotReady) return ok_status();
+  return device_error(std::string(op) + ": kernel launch failed: " + cudaGetErrorName(err) + " (" +
+                      cudaGetErrorString(err) + ")");
 }
 
 // ---- storage types: float, or bf16 as uint16_t bit patterns ----
@@ -109,8 +113,10 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
 // Op provides:  static constexpr int kSums;
 //               __device__ void values(int64 r, int64 c, float (&acc)[kSums]) const;  // acc += ...
 //               __device__ void finish(int64 c, const float (&sums)[kSums]) const;
+// 1024 threads per block: without the bound nvcc may give the kernel more registers than a
+// 1024-thread block can have, and the launch fails with "too many resources requested".
 template <class Op>
-__global__ void column_sums_kernel(Op op, std::int64_t rows, std::int64_t cols) {
+__global__ void __launch_bounds__(1024) column_sums_kernel(Op op, std::int64_t rows, std::int64_t cols) {
   __shared__ float partial[Op::kSums][32][33];
   const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float acc[Op::kSums];

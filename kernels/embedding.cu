@@ -2,9 +2,11 @@
 // Forward: one thread per output element. Out-of-range tokens give NaN rows (no device-side
 // error channel; the data loader validates tokens and NaN makes a slip visible in the loss).
 // Backward: like the cpu path, deterministic without atomics: keys token<<32 | position are
-// radix-sorted (CUB, in the caller's workspace), then one block per run of equal tokens sums
-// that token's rows in position order in fp32 and adds the sum to dwte once. dwpe[t] sums the
-// B rows of position t in order.
+// radix-sorted (CUB, in the caller's workspace), then one block per run of equal tokens (and
+// 32-column tile) sums that token's rows in fp32 and adds the sum to dwte once: kRunLanes threads
+// per column split the run (lane y takes rows y, y + kRunLanes, ... of the run, in order) and
+// lane 0 adds the lanes' sums in lane order, so a frequent token's long run is shared out while
+// the order, and so the result, stays fixed. dwpe[t] sums the B rows of position t in order.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda_common.cuh"
@@ -16,6 +18,8 @@ namespace {
 using namespace cuda;
 
 constexpr int kThreads = 256;
+constexpr int kTile = 32;     // columns per wte-backward block (threadIdx.x)
+constexpr int kRunLanes = 8;  // threads per column sharing a run of equal tokens (threadIdx.y)
 
 // ---- kernels ----
 
@@ -44,22 +48,33 @@ __global__ void embedding_keys_kernel(std::uint64_t* keys, const std::int32_t* t
   }
 }
 
-// grid (n sorted positions, column chunks): the block at the start of a run of equal tokens sums
-// the run's dout rows for its columns; blocks elsewhere in a run exit at once.
+// grid (n sorted positions, C / kTile column tiles), block (kTile, kRunLanes): the block at the
+// start of a run of equal tokens sums the run's dout rows for its columns; blocks elsewhere in a
+// run exit at once (the test is the same for the whole block, so no thread skips the barrier).
 template <class TG, class TD>
-__global__ void embedding_wte_backward_kernel(TG* dwte, const TD* dout, const std::uint64_t* sorted,
-                                              std::int64_t n, std::int64_t C, std::int64_t V) {
+__global__ void __launch_bounds__(kTile * kRunLanes)
+    embedding_wte_backward_kernel(TG* dwte, const TD* dout, const std::uint64_t* sorted, std::int64_t n,
+                                  std::int64_t C, std::int64_t V) {
+  __shared__ float partial[kRunLanes][kTile + 1];
   const std::int64_t i = blockIdx.x;
   const std::uint64_t tok = sorted[i] >> 32;
   if (tok >= static_cast<std::uint64_t>(V)) return;
   if (i > 0 && (sorted[i - 1] >> 32) == tok) return;
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * kTile + threadIdx.x;
   float acc = 0.0f;
-  for (std::int64_t j = i; j < n && (sorted[j] >> 32) == tok; ++j) {
-    acc += to_f32(dout[static_cast<std::int64_t>(sorted[j] & 0xffffffffu) * C + c]);
+  if (c < C) {
+    for (std::int64_t j = i + threadIdx.y; j < n && (sorted[j] >> 32) == tok; j += kRunLanes) {
+      acc += to_f32(dout[static_cast<std::int64_t>(sorted[j] & 0xffffffffu) * C + c]);
+    }
   }
-  store(dwte, static_cast<std::int64_t>(tok) * C + c, acc, true);
+  partial[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float total = 0.0f;
+#pragma unroll
+    for (int y = 0; y < kRunLanes; ++y) total += partial[y][threadIdx.x];
+    store(dwte, static_cast<std::int64_t>(tok) * C + c, total, true);
+  }
 }
 
 template <class TG, class TD>
@@ -137,13 +152,14 @@ Status embedding_backward_cuda(const KernelContext& ctx, TensorArg dwte, TensorA
     if (err != cudaSuccess) {
       return device_error(std::string("embedding_backward: token sort: ") + cudaGetErrorString(err));
     }
-    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((C + kThreads - 1) / kThreads));
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((C + kTile - 1) / kTile));
+    const dim3 block(kTile, kRunLanes);
     dispatch(dwte.dtype, [&](auto tg) {
       dispatch(dout.dtype, [&](auto td) {
         using TG = typename decltype(tg)::type;
         using TD = typename decltype(td)::type;
-        embedding_wte_backward_kernel<<<grid, kThreads, 0, stream>>>(typed<TG>(dwte), typed<TD>(dout), sorted,
-                                                                     n, C, V);
+        embedding_wte_backward_kernel<<<grid, block, 0, stream>>>(typed<TG>(dwte), typed<TD>(dout), sorted, n,
+                                                                  C, V);
       });
     });
     STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));

@@ -23,9 +23,7 @@ inline std::string device_kind_name(const ::testing::TestParamInfo<DeviceKind>& 
 class DeviceConformance : public ::testing::TestWithParam<DeviceKind> {
  protected:
   void SetUp() override {
-    if (GetParam() == DeviceKind::kCuda && cuda_device_count() == 0) {
-      GTEST_SKIP() << "no GPU on this machine: the cuda backend's tests need one";
-    }
+    if (GetParam() == DeviceKind::kCuda) STRATA_SKIP_WITHOUT_GPU();
     DeviceConfig cfg;
     cfg.kind = GetParam();
     cfg.memory_bytes = 64ull << 20;

@@ -4,11 +4,13 @@
 set -euo pipefail
 build_dir="$1"
 source_dir="$2"
+# The build's own C++ compiler: a sanitizer build's library needs that compiler's runtime.
+cxx="${3:-c++}"
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 cmake --install "$build_dir" --prefix "$scratch/prefix" >/dev/null
 cmake -S "$source_dir/examples/hello_device" -B "$scratch/example" -G Ninja \
-  -DCMAKE_PREFIX_PATH="$scratch/prefix" >/dev/null
+  -DCMAKE_PREFIX_PATH="$scratch/prefix" -DCMAKE_CXX_COMPILER="$cxx" >/dev/null
 cmake --build "$scratch/example" >/dev/null
 "$scratch/example/hello_device"
 # pkg-config sees the package too.

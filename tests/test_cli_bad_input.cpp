@@ -108,6 +108,26 @@ TEST(CliBadInput, BenchStepOnCudaExitsTwo) {
   });
 }
 
+// train and eval on cuda where there is no GPU (or no CUDA in the build): exit 2 with the
+// reason, like bench step, not a run that failed. On a machine with a GPU they would train.
+TEST(CliBadInput, TrainAndEvalOnCudaWithoutAGpuExitTwo) {
+  const GpuProbe gpu = probe_gpu();
+  if (gpu.state == GpuState::kPresent) GTEST_SKIP() << "this machine has a GPU: --device cuda would run";
+  TempDir dir("strata-cli-cuda");
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "line " + std::to_string(i) + " of the tiny corpus.\n";
+  const std::string data = write_file(dir / "data.txt", text);
+  const std::string weights = (dir / "w.safetensors").string();
+  auto saved = run_cli("train" + kTinyTrain + " --data " + data + " --save-weights " + weights + " --out " +
+                       (dir / "run").string());
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  const std::vector<std::string> gpu_words = {"--device cuda", "device 'cuda'"};
+  expect_usage_errors({
+      {"train --device cuda" + kTinyTrain + " --data " + data + " --out " + (dir / "run2").string(), gpu_words},
+      {"eval --device cuda --weights " + weights + " --data " + data + " --seq-len 16", gpu_words},
+  });
+}
+
 // Files that are there but wrong: exit 1, naming the file and what is wrong with it.
 TEST(CliBadInput, BadFilesExitOneNamingWhatIsWrong) {
   TempDir dir("strata-cli-bad");

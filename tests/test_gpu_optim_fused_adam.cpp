@@ -20,15 +20,6 @@ namespace {
 
 #if STRATA_HAVE_CUDA
 
-// Skips the calling test when there is no usable GPU.
-#define SKIP_WITHOUT_GPU()                                                                   \
-  do {                                                                                       \
-    int count_ = 0;                                                                          \
-    const cudaError_t err_ = cudaGetDeviceCount(&count_);                                    \
-    if (err_ != cudaSuccess) GTEST_SKIP() << "no CUDA device: " << cudaGetErrorString(err_); \
-    if (count_ == 0) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount returned 0";        \
-  } while (0)
-
 #define CUDA_OK(expr)                                                      \
   do {                                                                     \
     const cudaError_t e_ = (expr);                                         \
@@ -73,7 +64,7 @@ void fill(HostTensor& t, std::size_t n, DType gdt, DType pdt, std::uint32_t seed
 }
 
 TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
-  SKIP_WITHOUT_GPU();
+  STRATA_SKIP_WITHOUT_GPU();
   std::vector<std::size_t> sizes = {1, 17, 1023, 65536 + 5, (1u << 20) + 3, 4 * 65536 + 1};
   for (int k = 0; k < 40; ++k) sizes.push_back(100 + 37 * k);  // more tensors than one launch lists
 
@@ -149,9 +140,69 @@ TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) {
   }
 }
 
+// One tensor longer than a launch can list (kMaxBlocks = 320 chunks of 65536 elements), placed
+// after a small one so that the split falls in the middle of the long tensor: its chunks continue
+// in the next launch, re-listed as that launch's first tensor. Every element must still match.
+TEST(GpuFusedAdam, ATensorSpanningLaunchesMatchesTheCpuUpdate) {
+  STRATA_SKIP_WITHOUT_GPU();
+  const std::vector<std::size_t> sizes = {1000, 330ull * 65536 + 7};
+  CpuOptimizerConfig cc;
+  cc.isa = best_optimizer_isa();
+  cc.threads = 2;
+  const CpuOptimizer cpu = std::move(CpuOptimizer::create(cc)).value();
+  const DType pdt = DType::kBF16, gdt = DType::kF32;
+  OptimizerHyper h = OptimizerHyper::defaults(OptimizerKind::kAdamW);
+  h.weight_decay = 0.1;
+  h.lr = 1e-2;
+  std::vector<HostTensor> host(sizes.size());
+  std::vector<DeviceTensor> dev(sizes.size());
+  std::vector<DeviceAdamTensor> list(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const std::size_t n = sizes[t];
+    fill(host[t], n, gdt, pdt, static_cast<std::uint32_t>(t + 101));
+    CUDA_OK(cudaMalloc(&dev[t].param, n * dtype_size(pdt)));
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].master), n * 4));
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].m), n * 4));
+    CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&dev[t].v), n * 4));
+    CUDA_OK(cudaMalloc(&dev[t].grad, n * dtype_size(gdt)));
+    CUDA_OK(cudaMemcpy(dev[t].master, host[t].master.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dev[t].m, host[t].m.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dev[t].v, host[t].v.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dev[t].grad, host[t].grad.data(), n * dtype_size(gdt), cudaMemcpyHostToDevice));
+    list[t] = DeviceAdamTensor{dev[t].param, dev[t].master, dev[t].m, dev[t].v, dev[t].grad, n};
+  }
+  STRATA_ASSERT_OK(fused_adam_cuda(list, pdt, gdt, h, 1, 1.0f, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    const std::size_t n = sizes[t];
+    OptimizerBuffers b;
+    b.master = host[t].master.data();
+    b.grad = host[t].grad.data();
+    b.grad_dtype = gdt;
+    b.exp_avg = host[t].m.data();
+    b.exp_avg_sq = host[t].v.data();
+    b.param_out = host[t].param.data();
+    b.out_dtype = pdt;
+    b.n = n;
+    STRATA_ASSERT_OK(cpu.update(h, 1, 1.0f, b));
+    std::vector<float> master(n);
+    std::vector<unsigned char> param(n * dtype_size(pdt));
+    CUDA_OK(cudaMemcpy(master.data(), dev[t].master, n * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(param.data(), dev[t].param, param.size(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(master.data(), host[t].master.data(), n * 4), 0) << "master, tensor " << t;
+    EXPECT_EQ(std::memcmp(param.data(), host[t].param.data(), param.size()), 0) << "working params, tensor " << t;
+    cudaFree(dev[t].param);
+    cudaFree(dev[t].master);
+    cudaFree(dev[t].m);
+    cudaFree(dev[t].v);
+    cudaFree(dev[t].grad);
+  }
+}
+
 #else
 
-TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) { GTEST_SKIP() << "this build has no CUDA"; }
+TEST(GpuFusedAdam, MatchesTheCpuUpdateBitForBit) { STRATA_SKIP_WITHOUT_GPU(); }
+TEST(GpuFusedAdam, ATensorSpanningLaunchesMatchesTheCpuUpdate) { STRATA_SKIP_WITHOUT_GPU(); }
 
 #endif
 

@@ -70,5 +70,30 @@ TEST(Harness, ProbesGiveAReasonOrNothing) {
   EXPECT_NE(missing.find("no-such-dir-for-strata-probe"), std::string::npos) << missing;
 }
 
+// Run as a child by the test below: a GPU test body.
+TEST(HarnessChild, DISABLED_NeedsAGpu) {
+  STRATA_SKIP_WITHOUT_GPU();
+  SUCCEED();
+}
+
+// On a machine without a GPU a GPU test skips, naming why; with STRATA_REQUIRE_GPU=1 (the
+// documented GPU command) the same test fails instead, so a GPU run cannot pass by skipping.
+TEST(Harness, GpuTestsSkipWithoutAGpuUnlessOneIsRequired) {
+  const GpuProbe gpu = probe_gpu();
+  if (gpu.state != GpuState::kAbsent) GTEST_SKIP() << "this machine has a GPU (or a broken one): nothing to skip";
+  EXPECT_FALSE(gpu.reason.empty());
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string run_child =
+      "'" + self + "' --gtest_also_run_disabled_tests --gtest_filter=HarnessChild.DISABLED_NeedsAGpu";
+  const auto skipped = run_command(run_child);
+  EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_NE(skipped.output.find("[  SKIPPED ] 1 test"), std::string::npos) << skipped.output;
+  EXPECT_NE(skipped.output.find("no GPU: " + gpu.reason), std::string::npos) << skipped.output;
+  const auto required = run_command("STRATA_REQUIRE_GPU=1 " + run_child);
+  EXPECT_NE(required.exit_code, 0) << required.output;
+  EXPECT_NE(required.output.find("STRATA_REQUIRE_GPU=1 but there is no GPU"), std::string::npos) << required.output;
+  EXPECT_NE(required.output.find("[  FAILED  ] 1 test"), std::string::npos) << required.output;
+}
+
 }  // namespace
 }  // namespace strata::testing

@@ -137,6 +137,17 @@ TEST(BpeTokenizer, MergesByRankAndRoundTrips) {
   auto badv = write_file(dir / "bad_vocab.json", "{\"a\": \"x\"}");
   STRATA_EXPECT_ERROR(load_bpe_tokenizer(badv, mpath), kInvalidArgument, "token 'a'");
   STRATA_EXPECT_ERROR(load_bpe_tokenizer(dir / "missing.json", mpath), kNotFound, "missing.json");
+
+  // Two tokens sharing an id: decode would give back the other one's text ("hello" decoded as
+  // "h", breaking fuzz_bpe's round trip). The error names the id and both tokens.
+  nlohmann::json dup = vocab;
+  dup["hello"] = vocab["h"];
+  auto dupv = write_file(dir / "dup_vocab.json", dup.dump());
+  STRATA_EXPECT_ERROR(load_bpe_tokenizer(dupv, mpath), kInvalidArgument, "ids must be distinct");
+  const std::string message = load_bpe_tokenizer(dupv, mpath).status().message();
+  EXPECT_NE(message.find("'hello'"), std::string::npos) << message;
+  EXPECT_NE(message.find("'h'"), std::string::npos) << message;
+  EXPECT_NE(message.find("id " + std::to_string(vocab["h"].get<int>())), std::string::npos) << message;
 }
 
 TEST(Safetensors, WriteReadRoundTripWithMetadata) {
@@ -192,6 +203,10 @@ TEST(Safetensors, CorruptFilesAreRejectedNamingTheProblem) {
       "b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
                       kInvalidArgument, "overlap");
   STRATA_EXPECT_ERROR(SafetensorsFile::open((dir / "missing").string()), kNotFound, "missing");
+  // 2^62 x 4 F32 elements wrap to 0 bytes in 64 bits: without a checked product this empty tensor
+  // was accepted with a shape of 2^64 elements.
+  STRATA_EXPECT_ERROR(SafetensorsFile::open(put("wrap", R"({"t":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", 0)),
+                      kInvalidArgument, "more bytes than 2^64");
 }
 
 }  // namespace

@@ -21,6 +21,17 @@ Status cuda_status(cudaError_t err, const std::string& what) {
   return device_error(what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
+// cudaEventQuery / cudaStreamQuery answer "not finished yet" with cudaErrorNotReady, and the
+// runtime records that as the thread's last error. Left there, the next launcher's
+// cudaGetLastError() would report a kernel that started fine as failed, so a poll clears it here.
+// Any other result means the work is done (successfully or not: a fault surfaces at the next
+// synchronize, which reports it with the stream's name).
+bool finished(cudaError_t query_result) {
+  if (query_result != cudaErrorNotReady) return true;
+  if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+  return false;
+}
+
 class CudaDevice;
 
 // What a stream's host functions and events share: the first error since the last synchronize.
@@ -52,7 +63,7 @@ class CudaEvent final : public Event {
   }
   bool query() override {
     cudaSetDevice(ordinal_);
-    return cudaEventQuery(ev_) != cudaErrorNotReady;
+    return finished(cudaEventQuery(ev_));
   }
   Status synchronize() override {
     cudaSetDevice(ordinal_);
@@ -140,7 +151,7 @@ class CudaStream final : public Stream {
   }
   bool query() override {
     cudaSetDevice(ordinal_);
-    return cudaStreamQuery(stream_) != cudaErrorNotReady;
+    return finished(cudaStreamQuery(stream_));
   }
   void* native_handle() const override { return stream_; }
 

@@ -171,7 +171,10 @@ Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
     for (const auto& d : v["shape"]) {
       if (!d.is_number_integer() || d.get<std::int64_t>() < 0) return bad("shape entries must be non-negative integers");
       e.shape.push_back(d.get<std::int64_t>());
-      numel *= static_cast<std::uint64_t>(e.shape.back());
+      const auto dim = static_cast<std::uint64_t>(e.shape.back());
+      // Checked, or a shape whose element count wraps to a small number would pass the size check.
+      if (dim != 0 && numel > UINT64_MAX / es / dim) return bad("shape " + v["shape"].dump() + " has more bytes than 2^64");
+      numel *= dim;
     }
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {

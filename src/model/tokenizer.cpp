@@ -215,7 +215,18 @@ class BpeTokenizer final : public Tokenizer {
     }
     tok->vocab_size_ = max_id + 1;
     tok->id_to_token_.assign(static_cast<std::size_t>(tok->vocab_size_), "");
-    for (const auto& [s, id] : tok->vocab_) tok->id_to_token_[static_cast<std::size_t>(id)] = s;
+    // Two tokens with one id would make decode() give back the other token's text.
+    std::vector<bool> taken(static_cast<std::size_t>(tok->vocab_size_), false);
+    for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+      const auto id = static_cast<std::size_t>(it.value().get<std::int64_t>());
+      if (taken[id]) {
+        return invalid_argument("tokenizer vocab '" + vocab_path + "': token '" + it.key() + "' has id " +
+                                std::to_string(id) + ", which token '" + tok->id_to_token_[id] +
+                                "' already has; ids must be distinct");
+      }
+      taken[id] = true;
+      tok->id_to_token_[id] = it.key();
+    }
     for (int b = 0; b < 256; ++b) {
       std::string s;
       append_utf8(s, tok->byte_map_[b]);

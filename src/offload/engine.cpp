@@ -50,13 +50,13 @@
 #include "model/staging.hpp"
 #include "offload/internal.hpp"
 #include "runtime/evaluate.hpp"
-#include "strata/checkpoint.hpp"
-#include "strata/safetensors.hpp"
-#include "runtime/optimizer_cuda.hpp"
+#include "runtime/grad_norm_cuda.hpp"
 #include "runtime/trace.hpp"
+#include "strata/checkpoint.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
+#include "strata/safetensors.hpp"
 
 namespace strata {
 
@@ -1545,18 +1545,23 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
                             ": the gradient norm is not finite; lower the learning rate or enable clipping");
   }
   const auto scale = static_cast<float>(clip_coefficient(grad_norm, max_norm));
+  // The bit-exact fused kernel (the cpu update's arithmetic), one call per weight-decay group.
+  std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
   for (const OwnedParam& o : owned) {
     char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
-    detail::AdamHyper h{lr, config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps,
-                        o.decay ? config.optimizer.weight_decay : 0.0, config.optimizer.decoupled};
-    detail::AdamBuffers b;
-    b.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
-    b.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
-    b.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
-    b.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
-    b.param_out = bf16 ? reinterpret_cast<std::uint16_t*>(wp) : nullptr;
-    b.n = o.n;
-    STRATA_RETURN_IF_ERROR(detail::adamw_update_cuda(cs, h, step, scale, b));
+    DeviceAdamTensor x;
+    x.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
+    x.param = bf16 ? static_cast<void*>(wp) : static_cast<void*>(x.master);  // fp32: the master is the weight
+    x.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
+    x.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
+    x.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
+    x.n = o.n;
+    group[o.decay ? 1 : 0].push_back(x);
+  }
+  const DType param_dtype = bf16 ? DType::kBF16 : DType::kF32;
+  for (int decay = 0; decay < 2; ++decay) {
+    STRATA_RETURN_IF_ERROR(fused_adam_cuda(group[decay], param_dtype, DType::kF32,
+                                           hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
   }
   return ok_status();
 }
@@ -1623,7 +1628,7 @@ std::string OffloadEngine::optimizer_name() const {
   if (t.launch->is_cpu()) {
     return std::string("CPU AdamW (") + std::string(to_string(t.device_opt->isa())) + ") on the device's compute threads";
   }
-  return "AdamW on the GPU (src/runtime/optimizer_cuda.cu)";
+  return "fused AdamW on the GPU (fused_adam_cuda)";
 }
 
 Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {

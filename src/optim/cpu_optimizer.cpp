@@ -1,6 +1,7 @@
 // CpuOptimizer: argument checks, ISA selection, the split of a buffer over OpenMP threads, the
 // gradient scan's fixed segmentation, clipping, and optimizer_step() tying them to the loss
 // scaler. The arithmetic lives in kernel_body.inc.
+#include <cpuid.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -76,6 +77,14 @@ Result<OptimizerKind> parse_optimizer_kind(std::string_view text) {
 
 namespace {
 
+// CPUID leaf 1, ECX bit 29. clang's __builtin_cpu_supports does not know "f16c" (gcc's does),
+// so the bit is read directly, the same way under both compilers.
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ecx & (1u << 29)) != 0;
+}
+
 // The features each path's pragma targets, with their __builtin_cpu_supports names.
 std::string missing_features(SimdIsa isa) {
   std::string missing;
@@ -86,7 +95,7 @@ std::string missing_features(SimdIsa isa) {
   if (isa == SimdIsa::kAvx2 || isa == SimdIsa::kAvx512) {
     need(__builtin_cpu_supports("avx2"), "avx2");
     need(__builtin_cpu_supports("fma"), "fma");
-    need(__builtin_cpu_supports("f16c"), "f16c");
+    need(cpu_has_f16c(), "f16c");
   }
   if (isa == SimdIsa::kAvx512) {
     need(__builtin_cpu_supports("avx512f"), "avx512f");

@@ -128,8 +128,9 @@ KernelFn pick_kernel(DType p, DType g, bool decoupled) {
 Status launch(KernelFn kernel, const TensorList& list, int blocks, const UpdateConstants& c,
               cudaStream_t stream) {
   kernel<<<blocks, kThreads, 0, stream>>>(list, c);
+  // cudaErrorNotReady is a poll's leftover (Event::query), not a failure of this launch.
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
+  if (err != cudaSuccess && err != cudaErrorNotReady) {
     return device_error(std::string("fused Adam: kernel launch failed: ") + cudaGetErrorString(err));
   }
   return ok_status();

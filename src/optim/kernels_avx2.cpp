@@ -8,8 +8,14 @@
 
 #include "optim/kernels.hpp"
 
+// clang ignores #pragma GCC target; it takes the same target list as an attribute on every
+// function defined in the region (the sanitizer and fuzz builds use clang).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 
 namespace strata::optim_detail {
 namespace {
@@ -186,4 +192,8 @@ double scan_range_avx2(void* grad, DType dtype, std::size_t begin, std::size_t e
 
 }  // namespace strata::optim_detail
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif

@@ -13,8 +13,14 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+// clang ignores #pragma GCC target; it takes the same target list as an attribute on every
+// function defined in the region (the sanitizer and fuzz builds use clang).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
 
 namespace strata::optim_detail {
 namespace {
@@ -192,5 +198,9 @@ double scan_range_avx512(void* grad, DType dtype, std::size_t begin, std::size_t
 
 }  // namespace strata::optim_detail
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #pragma GCC diagnostic pop

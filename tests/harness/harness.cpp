@@ -1,5 +1,6 @@
 #include "harness/harness.hpp"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <linux/aio_abi.h>
 #include <linux/io_uring.h>
@@ -15,6 +16,11 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+
+#include "strata/build_config.hpp"
+#if STRATA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 extern char** environ;
 
@@ -161,6 +167,45 @@ std::string o_direct_unsupported_reason(const std::filesystem::path& dir) {
   if (!reason.empty()) reason += ": the file system does not support O_DIRECT";
   cache[dir.string()] = reason;
   return reason;
+}
+
+namespace {
+bool g_gpu_required = false;
+}
+
+bool gpu_required() { return g_gpu_required; }
+void set_gpu_required(bool required) { g_gpu_required = required; }
+
+GpuProbe probe_gpu() {
+  static const GpuProbe probe = [] {
+    GpuProbe p;
+#if !STRATA_HAVE_CUDA
+    p.reason = "this build of Strata has no CUDA";
+#else
+    // Without the driver library the machine has no NVIDIA GPU at all; the runtime would report
+    // that as cudaErrorInsufficientDriver, the same code as a driver that is merely too old.
+    void* driver = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (driver == nullptr) {
+      p.reason = "no NVIDIA driver is installed (libcuda.so.1 cannot be loaded)";
+      return p;
+    }
+    ::dlclose(driver);
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err == cudaErrorNoDevice || (err == cudaSuccess && count == 0)) {
+      cudaGetLastError();
+      p.reason = "the NVIDIA driver reports no CUDA device";
+    } else if (err != cudaSuccess) {
+      cudaGetLastError();
+      p.state = GpuState::kBroken;
+      p.reason = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+    } else {
+      p.state = GpuState::kPresent;
+    }
+#endif
+    return p;
+  }();
+  return probe;
 }
 
 }  // namespace strata::testing

@@ -66,7 +66,40 @@ std::string io_uring_unavailable_reason();
 std::string libaio_unavailable_reason();
 std::string o_direct_unsupported_reason(const std::filesystem::path& dir);
 
+// Whether this machine has a GPU to run the `gpu` tests on. Only a machine without one skips:
+// a build without CUDA, no NVIDIA driver installed (libcuda.so.1 cannot be loaded), or a driver
+// that reports cudaErrorNoDevice or zero devices. Any other CUDA error (a driver older than the
+// runtime, a device in a bad state) is kBroken, and the test fails: a broken GPU setup must not
+// read as "skipped". With STRATA_REQUIRE_GPU=1 a missing GPU fails too (the documented GPU test
+// command sets it, so a run on a GPU machine cannot pass by skipping).
+enum class GpuState { kPresent, kAbsent, kBroken };
+struct GpuProbe {
+  GpuState state = GpuState::kAbsent;
+  std::string reason;  // why there is no usable GPU; empty when kPresent
+};
+GpuProbe probe_gpu();
+
+// STRATA_REQUIRE_GPU as main() found it (the harness clears STRATA_* before tests run).
+bool gpu_required();
+void set_gpu_required(bool required);
+
 }  // namespace strata::testing
+
+// The first statement of a GPU test (or its fixture's SetUp): skips without a GPU, fails when
+// the GPU setup is broken or a GPU is required and missing.
+#define STRATA_SKIP_WITHOUT_GPU()                                                               \
+  do {                                                                                          \
+    const ::strata::testing::GpuProbe strata_gpu_ = ::strata::testing::probe_gpu();             \
+    if (strata_gpu_.state == ::strata::testing::GpuState::kBroken) {                            \
+      FAIL() << "the GPU is present but unusable: " << strata_gpu_.reason;                      \
+    }                                                                                           \
+    if (strata_gpu_.state == ::strata::testing::GpuState::kAbsent) {                            \
+      if (::strata::testing::gpu_required()) {                                                  \
+        FAIL() << "STRATA_REQUIRE_GPU=1 but there is no GPU: " << strata_gpu_.reason;           \
+      }                                                                                         \
+      GTEST_SKIP() << "no GPU: " << strata_gpu_.reason;                                         \
+    }                                                                                           \
+  } while (0)
 
 #define STRATA_ASSERT_OK(expr)                                        \
   do {                                                                \

@@ -7,11 +7,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "harness/harness.hpp"
 
 int main(int argc, char** argv) {
+  // Read before the environment is cleared: it tells the GPU tests whether skipping is allowed.
+  const char* require_gpu = std::getenv("STRATA_REQUIRE_GPU");
+  strata::testing::set_gpu_required(require_gpu != nullptr && std::string(require_gpu) == "1");
   const std::vector<std::string> cleared = strata::testing::clear_strata_environment();
   ::testing::InitGoogleTest(&argc, argv);
   if (!cleared.empty() && !GTEST_FLAG_GET(list_tests)) {

@@ -100,6 +100,11 @@ int run_eval(std::span<const std::string> argv) {
   if (!s.ok())
     return s.code() == StatusCode::kInvalidArgument ? usage_error("eval", s.message(), usage()) : fail(s);
   auto device = Device::create(dc);
+  // A device this machine or build does not have (cuda without a GPU): exit 2, as train does.
+  if (!device.ok() && device.status().code() == StatusCode::kUnavailable) {
+    return usage_error("eval", "--device " + std::string(to_string(dc.kind)) + ": " + device.status().message(),
+                       usage());
+  }
   if (!device.ok()) return fail(device.status());
   auto stream = (*device)->create_stream("eval");
   if (!stream.ok()) return fail(stream.status());

@@ -335,6 +335,12 @@ int run_train(std::span<const std::string> argv) {
     dc.pinned_bytes = align_up(plan->pinned_bytes + (64u << 20), 1u << 20);
   }
   auto device = Device::create(dc);
+  // A device this machine or build does not have (cuda without a GPU) is a wrong request, like
+  // a bad flag: exit 2, as bench step does, not a run that failed.
+  if (!device.ok() && device.status().code() == StatusCode::kUnavailable) {
+    return usage_error("train", "--device " + std::string(to_string(dc.kind)) + ": " + device.status().message(),
+                       train_usage());
+  }
   if (!device.ok()) return fail(device.status());
   auto engine = OffloadEngine::create(tc, offload, **device);
   if (!engine.ok()) return fail(engine.status());
