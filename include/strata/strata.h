@@ -63,7 +63,10 @@ typedef enum strata_status {
   STRATA_FAILED_PRECONDITION = 7, /* the handle is in the wrong state for the call */
   STRATA_INTERNAL = 8,            /* a bug in Strata */
   STRATA_DEVICE_ERROR = 9,        /* the accelerator runtime reported an error */
-  STRATA_CANCELLED = 10           /* work skipped because earlier work failed */
+  STRATA_CANCELLED = 10,          /* work skipped because earlier work failed */
+  /* Not a code: keeps the type int-sized, so that any int a caller passes in (e.g. to
+     strata_status_name) is a valid value of it in C++ too. */
+  STRATA_STATUS_MAX_ENUM = 0x7fffffff
 } strata_status;
 
 typedef struct strata_device strata_device; /* opaque */

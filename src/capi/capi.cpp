@@ -283,6 +283,8 @@ const char* strata_status_name(strata_status status) {
       return "DEVICE_ERROR";
     case STRATA_CANCELLED:
       return "CANCELLED";
+    case STRATA_STATUS_MAX_ENUM:
+      break;
   }
   return "UNKNOWN";
 }
