@@ -82,7 +82,7 @@ TEST(CApi, VersionAndStatusNames) {
   EXPECT_EQ(strata_c_api_version(), STRATA_C_API_VERSION);
   EXPECT_STREQ(strata_status_name(STRATA_OK), "OK");
   EXPECT_STREQ(strata_status_name(STRATA_UNAVAILABLE), "UNAVAILABLE");
-  EXPECT_STREQ(strata_status_name(static_cast<strata_status>(-3)), "UNKNOWN");
+  EXPECT_STREQ(strata_status_name(-3), "UNKNOWN");
   // The C codes are the C++ codes.
   EXPECT_EQ(static_cast<int>(StatusCode::kFailedPrecondition), STRATA_FAILED_PRECONDITION);
   EXPECT_EQ(static_cast<int>(StatusCode::kDataLoss), STRATA_DATA_LOSS);

@@ -63,10 +63,7 @@ typedef enum strata_status {
   STRATA_FAILED_PRECONDITION = 7, /* the handle is in the wrong state for the call */
   STRATA_INTERNAL = 8,            /* a bug in Strata */
   STRATA_DEVICE_ERROR = 9,        /* the accelerator runtime reported an error */
-  STRATA_CANCELLED = 10,          /* work skipped because earlier work failed */
-  /* Not a code: keeps the type int-sized, so that any int a caller passes in (e.g. to
-     strata_status_name) is a valid value of it in C++ too. */
-  STRATA_STATUS_MAX_ENUM = 0x7fffffff
+  STRATA_CANCELLED = 10           /* work skipped because earlier work failed */
 } strata_status;
 
 typedef struct strata_device strata_device; /* opaque */
@@ -78,8 +75,9 @@ typedef struct strata_engine strata_engine; /* opaque */
 STRATA_C_EXPORT const char* strata_version(int* major, int* minor, int* patch);
 /* STRATA_C_API_VERSION of the library actually loaded (compare with the header's). */
 STRATA_C_EXPORT int strata_c_api_version(void);
-/* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value outside the enum. Static storage. */
-STRATA_C_EXPORT const char* strata_status_name(strata_status status);
+/* "OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a value outside the enum. Static storage. Takes an
+   int (a strata_status converts to it) so that any value is valid to pass, in C and C++ alike. */
+STRATA_C_EXPORT const char* strata_status_name(int status);
 /* The message of the calling thread's latest failed call ("" when the latest call succeeded).
  * Never NULL. */
 STRATA_C_EXPORT const char* strata_last_error(void);

@@ -259,7 +259,7 @@ const char* strata_version(int* major, int* minor, int* patch) {
 
 int strata_c_api_version(void) { return STRATA_C_API_VERSION; }
 
-const char* strata_status_name(strata_status status) {
+const char* strata_status_name(int status) {
   switch (status) {
     case STRATA_OK:
       return "OK";
@@ -283,8 +283,6 @@ const char* strata_status_name(strata_status status) {
       return "DEVICE_ERROR";
     case STRATA_CANCELLED:
       return "CANCELLED";
-    case STRATA_STATUS_MAX_ENUM:
-      break;
   }
   return "UNKNOWN";
 }

@@ -1342,7 +1342,7 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
-      const char* from = host_grads.bytes() + grad_begin(u);
+      const char* from = grads_on_nvme ? nullptr : host_grads.bytes() + grad_begin(u);
       if (grads_on_nvme) {
         char* staging = grad_staging.bytes();
         STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe read of grad." + std::to_string(u),
