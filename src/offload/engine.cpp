@@ -305,6 +305,7 @@ struct OffloadEngine::Impl {
   // NVMe gradients: unit u's fp32 gradients as swap shards "grad.<u>" (the optimizer's sub-groups).
   Status write_grad_shards(int u, const char* src);
   Status read_grad_shards(int u, char* dst);
+  Status grad_shards_io(int u, char* buf, bool write);
   Status write_values(int index, std::span<const float> values, bool master_too);
   Result<std::vector<float>> read_state(int index, int which);  // 0 working, 1 master, 2 m, 3 v
   // A unit's working parameters and [master | m | v] (fp32 layout) for every placement.
@@ -636,26 +637,20 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
 }
 
 Status OffloadEngine::Impl::write_grad_shards(int u, const char* src) {
-  const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
-  std::vector<IoHandle> h;
-  for (std::size_t c = 0; c + 1 < b.size(); ++c) {
-    h.push_back(swap->write(TensorKey{unit_key("grad", u), static_cast<std::uint32_t>(c)}, src + b[c] * 4,
-                            (b[c + 1] - b[c]) * 4));
-  }
-  Status first;
-  for (IoHandle& x : h) {
-    Status s = x.wait();
-    if (first.ok() && !s.ok()) first = s;
-  }
-  return first;
+  return grad_shards_io(u, const_cast<char*>(src), true);
 }
 
-Status OffloadEngine::Impl::read_grad_shards(int u, char* dst) {
+Status OffloadEngine::Impl::read_grad_shards(int u, char* dst) { return grad_shards_io(u, dst, false); }
+
+// Every shard of unit u's gradients at once (the optimizer's sub-groups), then waits for all.
+Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
   const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
   std::vector<IoHandle> h;
   for (std::size_t c = 0; c + 1 < b.size(); ++c) {
-    h.push_back(swap->read(TensorKey{unit_key("grad", u), static_cast<std::uint32_t>(c)}, dst + b[c] * 4,
-                           (b[c + 1] - b[c]) * 4));
+    const TensorKey key{unit_key("grad", u), static_cast<std::uint32_t>(c)};
+    char* p = buf + b[c] * 4;
+    const std::uint64_t n = (b[c + 1] - b[c]) * 4;
+    h.push_back(write ? swap->write(key, p, n) : swap->read(key, p, n));
   }
   Status first;
   for (IoHandle& x : h) {
