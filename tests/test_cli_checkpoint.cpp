@@ -16,21 +16,6 @@ std::string tiny_flags(int layers = 2, int batch = 2) {
 }
 const std::string kTiny = tiny_flags();
 
-std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> out;
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-std::string read_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 TEST(CliCheckpoint, ResumedRunWritesTheSameWeightsAsTheUninterruptedOne) {
   TempDir dir("strata-cli-ckpt");
   const std::string ck = (dir / "ck").string();
@@ -42,7 +27,7 @@ TEST(CliCheckpoint, ResumedRunWritesTheSameWeightsAsTheUninterruptedOne) {
   ASSERT_EQ(a.exit_code, 0) << a.output;
   ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000003"));
   ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000006"));
-  EXPECT_EQ(read_bytes(dir / "ck" / "latest"), "step-00000006\n");
+  EXPECT_EQ(read_file(dir / "ck" / "latest"), "step-00000006\n");
 
   // Resumed from step 3 with everything on the device.
   auto b = run_cli("train " + kTiny + "--steps 6 --val-every 0 --resume " + ck + "/step-00000003" +
@@ -50,9 +35,9 @@ TEST(CliCheckpoint, ResumedRunWritesTheSameWeightsAsTheUninterruptedOne) {
                    " --save-weights " + (dir / "b.safetensors").string());
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("resume   from " + ck + "/step-00000003 (step 3"), std::string::npos) << b.output;
-  const std::string wa = read_bytes(dir / "a.safetensors");
+  const std::string wa = read_file(dir / "a.safetensors");
   ASSERT_GT(wa.size(), 1000u);
-  EXPECT_TRUE(wa == read_bytes(dir / "b.safetensors")) << "the resumed run's weights differ";
+  EXPECT_TRUE(wa == read_file(dir / "b.safetensors")) << "the resumed run's weights differ";
   const auto ma = read_jsonl(dir / "a.jsonl");
   const auto mb = read_jsonl(dir / "b.jsonl");
   ASSERT_EQ(ma.size(), 6u);

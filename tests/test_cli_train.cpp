@@ -15,21 +15,6 @@ namespace {
 // loaded machine.
 const std::string kTiny = "--layers 1 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1 ";
 
-std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> out;
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
-
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::string corpus_text(int lines) {
   std::string text;
   for (int i = 0; i < lines; ++i) {
@@ -74,20 +59,20 @@ TEST(CliTrain, TrainsWritesMetricsAndTheEvalOfItsWeightsMatchesItsValidation) {
   ASSERT_EQ(e.exit_code, 0) << e.output;
   auto ej = nlohmann::json::parse(e.output);
   EXPECT_EQ(ej["loss"].get<double>(), val_loss);
-  EXPECT_EQ(ej["tokens"].get<std::int64_t>(), static_cast<std::int64_t>(read_text(val).size() / 33 * 32));
+  EXPECT_EQ(ej["tokens"].get<std::int64_t>(), static_cast<std::int64_t>(read_file(val).size() / 33 * 32));
 
   // strata export from the saved run writes the same Hugging Face file as --save-weights.
   const auto exported = dir / "exported.safetensors";
   auto x = run_cli("export --run " + run.string() + " --weights " + exported.string());
   ASSERT_EQ(x.exit_code, 0) << x.output;
-  EXPECT_EQ(read_text(exported), read_text(weights));
+  EXPECT_EQ(read_file(exported), read_file(weights));
   auto file = SafetensorsFile::open(exported.string());
   ASSERT_TRUE(file.ok()) << file.status().to_string();
   EXPECT_NE(file->find("h.0.attn.c_attn.weight"), nullptr);
   auto config = nlohmann::json::parse(file->metadata().at("config"));
   EXPECT_EQ(config["n_layer"], 1);
   EXPECT_EQ(config["n_embd"], 32);
-  auto run_json = nlohmann::json::parse(read_text(run / "run.json"));
+  auto run_json = nlohmann::json::parse(read_file(run / "run.json"));
   EXPECT_EQ(run_json["summary"]["val_loss"].get<double>(), val_loss);
 
   // Exported as bf16, the file evaluates close to (not exactly at) the fp32 loss.

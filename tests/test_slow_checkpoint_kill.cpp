@@ -22,18 +22,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // Starts the CLI with `args`, output discarded. Once the checkpoint root's `latest` changes (the
 // run made progress) it waits `delay` more and kills the process with SIGKILL, unless the run
 // exits first. Returns its exit code, or -1 when it was killed.
 int run_and_kill(const std::vector<std::string>& args, const fs::path& latest, std::chrono::milliseconds delay) {
-  const std::string before = read_bytes(latest);
+  const std::string before = read_file(latest);
   const pid_t pid = ::fork();
   if (pid == 0) {
     const int null = ::open("/dev/null", O_WRONLY);
@@ -50,7 +43,7 @@ int run_and_kill(const std::vector<std::string>& args, const fs::path& latest, s
   std::optional<std::chrono::steady_clock::time_point> deadline;
   for (;;) {
     if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-    if (!deadline && !latest.empty() && read_bytes(latest) != before) deadline = std::chrono::steady_clock::now() + delay;
+    if (!deadline && !latest.empty() && read_file(latest) != before) deadline = std::chrono::steady_clock::now() + delay;
     if (deadline && std::chrono::steady_clock::now() >= *deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -98,11 +91,11 @@ TEST(SlowCheckpoint, KilledAtRandomMomentsAndResumedLosesNothing) {
   }
   std::printf("%d runs killed, %d attempts\n", kills, attempts);
   EXPECT_GE(kills, 5) << "too few kills to mean anything";
-  const std::string ref = read_bytes(dir / "ref.safetensors");
+  const std::string ref = read_file(dir / "ref.safetensors");
   ASSERT_GT(ref.size(), 1000u);
-  EXPECT_TRUE(ref == read_bytes(out)) << "weights after " << kills << " kills differ from the uninterrupted run";
+  EXPECT_TRUE(ref == read_file(out)) << "weights after " << kills << " kills differ from the uninterrupted run";
   // No half-written checkpoint is ever named; leftovers of killed saves are gone or unnamed.
-  EXPECT_EQ(read_bytes(fs::path(ck) / "latest"), "step-00000024\n");
+  EXPECT_EQ(read_file(fs::path(ck) / "latest"), "step-00000024\n");
 }
 
 }  // namespace

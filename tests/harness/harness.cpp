@@ -16,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <sstream>
 
 #include "strata/build_config.hpp"
 #if STRATA_HAVE_CUDA
@@ -71,6 +72,21 @@ std::string write_file(const std::filesystem::path& path, const std::string& con
   std::ofstream out(path, std::ios::binary);
   out << contents;
   return path.string();
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
 }
 
 std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {

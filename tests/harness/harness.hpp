@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "strata/status.hpp"
 
 namespace strata::testing {
@@ -39,6 +41,9 @@ CommandResult run_command(const std::string& command_line);
 CommandResult run_cli(const std::string& args);
 
 std::string write_file(const std::filesystem::path& path, const std::string& contents);
+// A file's bytes ("" when it cannot be read), and a JSON-lines file as one value per line.
+std::string read_file(const std::filesystem::path& path);
+std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path);
 
 // n bytes from a seeded generator (the same bytes for the same seed).
 std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed);
