@@ -180,7 +180,7 @@ TEST(CliConfig, HuggingFaceAutoConfigShowsResolutionPlanAndIgnoredKeys) {
   EXPECT_NE(r.output.find("Adam exp_avg_sq"), std::string::npos) << r.output;
   // Ignored keys, each once, with the reason.
   EXPECT_EQ(count(r.output, "  wall_clock_breakdown: strata train reports tokens/s"), 1u) << r.output;
-  EXPECT_EQ(count(r.output, "  zero_optimization.overlap_comm: no collectives at world size 1"), 1u)
+  EXPECT_EQ(count(r.output, "  zero_optimization.overlap_comm: data parallel reduces and gathers one module at a time"), 1u)
       << r.output;
   EXPECT_EQ(count(r.output, "  fp16.loss_scale: "), 1u) << r.output;
 }

@@ -37,6 +37,7 @@ struct IoFaults;
 namespace offload_detail {
 struct EngineFaults;
 }
+class Comm;
 class Device;
 class Stream;
 struct Config;
@@ -81,6 +82,13 @@ struct OffloadSettings {
   // Host memory the plan may use (0: no limit beyond what the machine has available).
   std::uint64_t host_memory_limit = 0;
   IoEngineConfig io;  // the `aio` section
+  // Data parallel (docs/parallel.md). zero_optimization.stage: with more than one rank, stage 0
+  // all-reduces gradients (optimizer on the device), stages 1 and 2 shard the host optimizer's
+  // state (and in stage 2 its gradients) over the ranks. dp_size is the number of data-parallel
+  // ranks the plan is for: create() sets it from its Comm; strata estimate sets it to ask
+  // "what would each rank need".
+  int zero_stage = 0;
+  int dp_size = 1;
 
   Status validate() const;
   // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
@@ -191,6 +199,11 @@ struct OffloadStats {
   double optimizer_seconds = 0.0;     // host: wall time of the host optimizer's scans and updates
   double update_stall_seconds = 0.0;  // host: the caller blocked on the host optimizer (an update
                                       // or the gradient norm)
+  // Data parallel: bytes of the collectives' buffers this rank handed to the data-parallel group
+  // (a reduce-scatter counts its input, an all-gather its output, an all-reduce its buffer), and
+  // the seconds the engine's threads spent waiting for them.
+  std::uint64_t bytes_dp = 0;
+  double dp_seconds = 0.0;
   double hit_rate() const {
     return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
   }
@@ -214,9 +227,15 @@ class OffloadEngine {
   // Plans, checks the plan against the device, host and disk, allocates everything, initialises
   // parameters from config.seed and optimizer state to zero. The device arena must have no
   // regions yet. Runs the model on `compute`, or on a stream of its own.
+  //
+  // `data_parallel`: the data-parallel group (null or one rank: a single process). Collective:
+  // every rank of the group creates its engine with the same config and settings, and then calls
+  // step(), loss(), evaluate(), the state getters/setters and checkpoint save/load in the same
+  // order; each step's batch is the rank's own share (docs/parallel.md). The engine splits the
+  // group for its threads and keeps it referenced: the Comm must outlive the engine.
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
-                                                       Stream* compute = nullptr);
+                                                       Stream* compute = nullptr, Comm* data_parallel = nullptr);
   ~OffloadEngine();
   OffloadEngine(const OffloadEngine&) = delete;
   OffloadEngine& operator=(const OffloadEngine&) = delete;
@@ -280,7 +299,7 @@ class OffloadEngine {
   friend struct offload_detail::EngineFaults;
   static Result<std::unique_ptr<OffloadEngine>> create_with_faults(const TrainerConfig& config,
                                                                    const OffloadSettings& settings, Device& device,
-                                                                   Stream* compute,
+                                                                   Stream* compute, Comm* data_parallel,
                                                                    const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -3,8 +3,10 @@
 // the config reader consults it, TrainerConfig::apply takes its refusals from it, and
 // docs/config.md's key table is generated from it (a test keeps the two equal).
 //
-// World size: Strata runs one process today, so ZeRO stages 1-3 train exactly like stage 0 and
-// every key that tunes communication has nothing to tune; those are "ignored" with that reason.
+// World size: under mpirun the engine is data parallel (docs/parallel.md): stage 0 all-reduces,
+// stages 1 and 2 shard the host optimizer over the ranks, stage 3 (parameter partitioning) is
+// refused with more than one rank. Its reductions run one module at a time as the module's
+// gradients land, so the bucket keys have nothing to tune; those are "ignored" with that reason.
 #include <algorithm>
 #include <array>
 #include <string>
@@ -18,7 +20,9 @@ constexpr KeyUse H = KeyUse::kHonoured;
 constexpr KeyUse I = KeyUse::kIgnored;
 constexpr KeyUse R = KeyUse::kRefused;
 
-constexpr std::string_view kNoComm = "no collectives at world size 1 (one process), so nothing to tune";
+constexpr std::string_view kNoComm =
+    "data parallel reduces and gathers one module at a time, overlapped with backward and the update: "
+    "the module is the bucket";
 constexpr std::string_view kFp16Off =
     "loss scaling runs only with fp16 training, which this engine refuses (fp16.enabled)";
 constexpr std::string_view kLogging = "logging/monitoring: strata train prints progress and writes --metrics";
@@ -146,9 +150,9 @@ constexpr ConfigKey kKeys[] = {
     // ---- ZeRO ----
     {"zero_optimization", H, "section: ZeRO partitioning and offload"},
     {"zero_optimization.stage", H,
-     "0-3; offload_optimizer needs 1-3 and offload_param needs 3, as in DeepSpeed; at world size 1 every "
-     "stage "
-     "trains identically"},
+     "0-3; offload_optimizer needs 1-3 and offload_param needs 3, as in DeepSpeed; one process: every "
+     "stage trains identically; under mpirun: 0 all-reduces, 1-2 shard the host optimizer, 3 is not built "
+     "for more than one rank"},
     {"zero_optimization.offload_param", H, "section: where working parameters live"},
     {"zero_optimization.offload_param.device", H,
      "none | cpu | nvme -> OffloadSettings::params (device/host/nvme)"},

@@ -31,6 +31,16 @@
 // a unit is never read by compute while its update is pending; a slot is never refilled before
 // compute has passed its last read (slot.free); a bucket is never zeroed or restored before its
 // previous copy out finished (bucket.free).
+//
+// Data parallel (docs/parallel.md). With the optimizer on the device, the step all-reduces the
+// whole gradient after backward (ZeRO stage 0). With the host optimizer, the state is sharded
+// (internal.hpp's DpSlices): the gradient stream reduce-scatters each unit's final gradients into
+// this rank's slice as the unit lands (overlapped with the rest of backward; stage 2 does it for
+// every micro-batch and keeps no unsharded gradients), the optimizer thread all-gathers the
+// per-unit norm statistics (merged in unit, then rank order: the same bits on every rank) and,
+// after updating its slice of a unit, all-gathers the unit's updated parameters. Each of the
+// three threads that talk (caller, gradient stream, optimizer thread) has its own Comm, split
+// from the group, which it uses in the same order on every rank.
 #include <time.h>
 
 #include <algorithm>
@@ -42,6 +52,8 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <array>
+#include <atomic>
 #include <optional>
 #include <thread>
 
@@ -56,6 +68,7 @@
 #include "strata/device.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
+#include "strata/parallel.hpp"
 #include "strata/safetensors.hpp"
 
 namespace strata {
@@ -217,6 +230,20 @@ struct OffloadEngine::Impl {
     int nvme_fetch = 0, nvme_publish = 0, nvme_ring = 0;  // ring buffer r: nvme_ring + r
   } track;
 
+  // Data parallel (null / size 1: one process).
+  Comm* dp = nullptr;
+  int dp_size = 1, dp_rank = 0;
+  bool sharded = false;  // host optimizer state sharded over the ranks (offload_detail::dp_sharded)
+  std::unique_ptr<Comm> dp_caller, dp_grads, dp_params;  // one per thread that talks
+  offload_detail::DpSlices slices;
+  HostMem shard_grads;      // this rank's slices of the reduced gradients
+  HostMem rs_send, rs_recv;  // gradient stream: one unit padded to size x chunk, and this rank's chunk
+  HostMem ag_send, ag_recv;  // optimizer thread: this rank's updated chunk, and the gathered unit
+  std::vector<GradStats> gathered_stats;  // optimizer thread: per rank, per unit
+  std::vector<double> gathered_sums;      // caller: sum_over_ranks
+  std::atomic<std::uint64_t> dp_bytes{0};
+  int dp_tracks[3] = {0, 0, 0};  // caller, gradient stream, optimizer thread
+
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
   std::int64_t steps = 0;
@@ -290,7 +317,23 @@ struct OffloadEngine::Impl {
   Status release_slot(int s);
   Status end_pass();
   Status acquire_grads(int m, bool first_micro);
-  Status release_grads(int m, bool last_micro, std::int64_t step, double lr);
+  Status release_grads(int m, bool first_micro, bool last_micro, std::int64_t step, double lr);
+  // Data parallel.
+  Status setup_data_parallel();
+  // `values` summed over the data-parallel ranks, in rank order (the same bits on every rank).
+  Status sum_over_ranks(std::span<double> values);
+  // Gradient stream: unit u's gradients (in rs_send) reduce-scattered; this rank's slice stored
+  // into (or, accumulate, added to) shard_grads.
+  Status reduce_unit_grads(int u, bool accumulate);
+  // A collective's wait, timed on the data-parallel track; errors name what it was for.
+  Status dp_wait(int trace_track, CommWork w, const char* what, int u, std::uint64_t bytes);
+  Status all_reduce_device_grads();  // optimizer on the device: stage 0
+  // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
+  std::pair<char*, std::uint64_t> unit_grads(int u) const {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
+    return {host_grads.bytes() + grad_begin(u), units.gbytes[uu] / 4};
+  }
   Status run_forward(bool for_backward);
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
@@ -437,11 +480,17 @@ Status OffloadEngine::Impl::setup() {
 
   // Host tiers.
   const bool pin = settings.pin_memory;
+  STRATA_RETURN_IF_ERROR(setup_data_parallel());
   if (!opt_on_device) {
     grads_on_nvme = settings.gradients == Tier::kNvme;
     if (grads_on_nvme) {
       STRATA_ASSIGN_OR_RETURN(grad_staging, HostMem::make(dev, true, units.grad_slot_bytes, "offload.grad_staging"));
       landed_stats.assign(static_cast<std::size_t>(M), GradStats{});
+    } else if (sharded) {
+      // Unsharded gradients only to carry stage 1's accumulation between micro-batches.
+      if (settings.zero_stage < 2 && config.grad_accum > 1) {
+        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+      }
     } else {
       STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
     }
@@ -469,9 +518,20 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, L.grad_bytes, "offload.master"));
-    STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, L.grad_bytes, "offload.exp_avg"));
-    STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, L.grad_bytes, "offload.exp_avg_sq"));
+    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes;
+    STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
+    STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
+    STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
+  }
+  if (sharded) {
+    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk;
+    const std::uint64_t w = bf16 ? 2 : 4;
+    STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * slices.shard_elements, "offload.dp_grads"));
+    STRATA_ASSIGN_OR_RETURN(rs_send, HostMem::make(dev, pin, 4 * P * c, "offload.dp_reduce"));
+    STRATA_ASSIGN_OR_RETURN(rs_recv, HostMem::make(dev, pin, 4 * c, "offload.dp_reduce"));
+    STRATA_ASSIGN_OR_RETURN(ag_send, HostMem::make(dev, pin, w * c, "offload.dp_gather"));
+    STRATA_ASSIGN_OR_RETURN(ag_recv, HostMem::make(dev, pin, w * P * c, "offload.dp_gather"));
+    gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
   }
   if (settings.optimizer == Tier::kNvme) {
     for (std::uint32_t r = 0; r < units.ring_buffers; ++r) {
@@ -534,7 +594,8 @@ Status OffloadEngine::Impl::initialize() {
     const std::size_t uu = static_cast<std::size_t>(u);
     std::vector<char> pbytes(units.pbytes[uu], 0);
     std::vector<float> blob;
-    if (settings.optimizer == Tier::kNvme) blob.assign(3 * units.gbytes[uu] / 4, 0.0f);
+    const bool via_blob = settings.optimizer == Tier::kNvme || sharded;
+    if (via_blob) blob.assign(3 * units.gbytes[uu] / 4, 0.0f);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       values.resize(o.n);
@@ -545,14 +606,16 @@ Status OffloadEngine::Impl::initialize() {
       } else {
         std::memcpy(pbytes.data() + o.param_in_unit, values.data(), o.n * 4);
       }
-      if (settings.optimizer == Tier::kHost) std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
-      if (settings.optimizer == Tier::kNvme) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
+      if (settings.optimizer == Tier::kHost && !sharded) {
+        std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
+      }
+      if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
       if (opt_on_device && bf16) {
         STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
       }
     }
     STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
-    if (settings.optimizer == Tier::kNvme) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
+    if (via_blob) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
   }
   return compute->synchronize();
 }
@@ -608,6 +671,26 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
     }
     return ok_status();
   }
+  if (sharded) {
+    // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm.
+    const std::size_t uu = static_cast<std::size_t>(u);
+    const std::uint64_t c = slices.chunk[uu], len = slices.len[uu], off = slices.offset[uu];
+    std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
+    for (int k = 0; k < 3; ++k) {
+      const HostMem& h = k == 0 ? host_master : k == 1 ? host_m : host_v;
+      std::memcpy(mine.data() + k * c, h.floats() + off, len * 4);
+    }
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
+                                   "gather optimizer state", u, all.size() * 4));
+    for (int r = 0; r < dp_size; ++r) {
+      const std::uint64_t b = std::min<std::uint64_t>(n, static_cast<std::uint64_t>(r) * c);
+      const std::uint64_t l = std::min<std::uint64_t>(c, n - b);
+      for (int k = 0; k < 3; ++k) {
+        std::memcpy(blob.data() + k * n + b, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c, l * 4);
+      }
+    }
+    return ok_status();
+  }
   const std::uint64_t g = grad_begin(u);
   std::memcpy(blob.data(), host_master.bytes() + g, n * 4);
   std::memcpy(blob.data() + n, host_m.bytes() + g, n * 4);
@@ -627,6 +710,14 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
       STRATA_RETURN_IF_ERROR(
           swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(), 3 * len * 4).wait());
     }
+    return ok_status();
+  }
+  if (sharded) {  // every rank is given the whole unit and keeps its slice
+    const std::size_t uu = static_cast<std::size_t>(u);
+    const std::uint64_t b = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
+    std::memcpy(host_master.floats() + off, blob.data() + b, len * 4);
+    std::memcpy(host_m.floats() + off, blob.data() + n + b, len * 4);
+    std::memcpy(host_v.floats() + off, blob.data() + 2 * n + b, len * 4);
     return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
@@ -750,6 +841,74 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
   return compute->synchronize();
 }
 
+// ---- data parallel ---------------------------------------------------------------------------
+
+Status OffloadEngine::Impl::setup_data_parallel() {
+  if (dp == nullptr || dp->size() == 1) return ok_status();
+  dp_size = dp->size();
+  dp_rank = dp->rank();
+  sharded = offload_detail::dp_sharded(settings);
+  STRATA_ASSIGN_OR_RETURN(dp_caller, dp->split(0, dp_rank, "dp.step"));
+  dp_tracks[0] = tracer.add_track("data parallel: step (caller)");
+  if (sharded) {
+    STRATA_ASSIGN_OR_RETURN(dp_grads, dp->split(0, dp_rank, "dp.grads"));
+    STRATA_ASSIGN_OR_RETURN(dp_params, dp->split(0, dp_rank, "dp.params"));
+    slices = offload_detail::dp_slices(units, dp_size, dp_rank);
+    dp_tracks[1] = tracer.add_track("data parallel: gradient reduce-scatter");
+    dp_tracks[2] = tracer.add_track("data parallel: statistics and parameter all-gather");
+  }
+  gathered_sums.reserve(static_cast<std::size_t>(4 * dp_size));
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::dp_wait(int trace_track, CommWork w, const char* what, int u, std::uint64_t bytes) {
+  detail::HostSpan span(tracer, trace_track, TraceCounter::kComm, what, u, bytes);
+  dp_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  Status s = w.wait();
+  if (s.ok()) return s;
+  std::string context = std::string("data parallel: ") + what;
+  if (u >= 0) context += " of module '" + layout().modules[static_cast<std::size_t>(u)].name + "'";
+  return s.with_context(context);
+}
+
+Status OffloadEngine::Impl::sum_over_ranks(std::span<double> values) {
+  const std::size_t n = values.size();
+  gathered_sums.resize(n * static_cast<std::size_t>(dp_size));
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(values.data(), gathered_sums.data(), 2 * n, DType::kF32),
+                                 "sum over ranks", -1, gathered_sums.size() * 8));
+  for (std::size_t i = 0; i < n; ++i) {
+    double total = 0.0;
+    for (int r = 0; r < dp_size; ++r) total += gathered_sums[static_cast<std::size_t>(r) * n + i];
+    values[i] = total;
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
+  float* send = rs_send.floats();
+  std::fill(send + n, send + P * c, 0.0f);
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[1], dp_grads->reduce_scatter(send, rs_recv.data(), c, DType::kF32, ReduceOp::kSum),
+                                 "reduce-scatter gradients", u, 4 * P * c));
+  float* dst = shard_grads.floats() + slices.offset[uu];
+  const float* src = rs_recv.floats();
+  if (accumulate) {
+    for (std::uint64_t i = 0; i < len; ++i) dst[i] += src[i];
+  } else {
+    std::memcpy(dst, src, len * 4);
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::all_reduce_device_grads() {
+  STRATA_RETURN_IF_ERROR(compute->synchronize());
+  const std::size_t n = layout().grad_bytes / 4;
+  return dp_wait(dp_tracks[0], dp_caller->all_reduce(dgrads, dgrads, n, DType::kF32, ReduceOp::kSum),
+                 "all-reduce gradients", -1, n * 4);
+}
+
 // ---- the host optimizer thread ---------------------------------------------------------------
 
 Status OffloadEngine::Impl::start_worker() {
@@ -808,6 +967,42 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  if (sharded) {
+    // This rank's slice [b, b + len) of the unit: its parts of each parameter are updated into
+    // ag_send (the unit's fp32 element positions, working dtype), the ranks' chunks are
+    // all-gathered, and every parameter is copied from there into the unit's working layout.
+    const std::uint64_t b = slices.begin[uu], len = slices.len[uu], c = slices.chunk[uu], off = slices.offset[uu];
+    const std::uint64_t w = bf16 ? 2 : 4;
+    {
+      detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
+      for (int k : owned_of_unit[uu]) {
+        const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+        const std::uint64_t a = o.grad_in_unit / 4;
+        const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
+        if (lo >= hi) continue;
+        OptimizerBuffers ob;
+        ob.master = host_master.floats() + off + (lo - b);
+        ob.grad = shard_grads.bytes() + 4 * (off + (lo - b));
+        ob.grad_dtype = DType::kF32;
+        ob.exp_avg = host_m.floats() + off + (lo - b);
+        ob.exp_avg_sq = host_v.floats() + off + (lo - b);
+        ob.moment_dtype = DType::kF32;
+        char* out = ag_send.bytes() + (lo - b) * w;
+        ob.param_out = bf16 ? out : nullptr;
+        ob.out_dtype = DType::kBF16;
+        ob.n = hi - lo;
+        STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
+        if (!bf16) std::memcpy(out, ob.master, ob.n * 4);
+      }
+    }
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                   "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
+    for (int k : owned_of_unit[uu]) {
+      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      std::memcpy(out_unit + o.param_in_unit, ag_recv.bytes() + o.grad_in_unit / 4 * w, o.n * w);
+    }
+    return publish_params(u, out_unit);
+  }
   std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer,
                                        "adam", u);
   for (int k : owned_of_unit[uu]) {
@@ -987,8 +1182,9 @@ void OffloadEngine::Impl::worker_main() {
   std::vector<GradStats> stats(static_cast<std::size_t>(M));
   std::vector<int> forward_order(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
+  // Not when sharded: a rank's slice alone cannot tell every rank whether to skip the update.
   const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 &&
-                            settings.optimizer == Tier::kHost &&
+                            settings.optimizer == Tier::kHost && !sharded &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
     std::lock_guard<std::mutex> lock(mu);
@@ -1028,8 +1224,8 @@ void OffloadEngine::Impl::worker_main() {
         stats[uu] = landed_stats[uu];  // scanned on the gstream thread, before the landed event
       } else if (s.ok()) {
         detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
-        auto r = host_opt->scan_gradients(host_grads.bytes() + grad_begin(c.unit), DType::kF32, units.gbytes[uu] / 4,
-                                          1.0f, false);
+        const auto [grads, n] = unit_grads(c.unit);
+        auto r = host_opt->scan_gradients(grads, DType::kF32, n, 1.0f, false);
         if (r.ok()) {
           stats[uu] = *r;
         } else {
@@ -1052,7 +1248,22 @@ void OffloadEngine::Impl::worker_main() {
     }
     // kFinish: every unit has landed.
     GradStats total;
-    for (const GradStats& g : stats) total.merge(g);
+    if (sharded) {
+      // Every rank's per-unit statistics, merged unit by unit in rank order.
+      static_assert(sizeof(GradStats) % 4 == 0);
+      Status s = dp_wait(dp_tracks[2], dp_params->all_gather(stats.data(), gathered_stats.data(), stats.size() * sizeof(GradStats) / 4,
+                                               DType::kF32),
+                         "gather gradient statistics", -1, gathered_stats.size() * sizeof(GradStats));
+      if (!s.ok()) {
+        fail(s);
+        continue;
+      }
+      for (int u = 0; u < M; ++u) {
+        for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+      }
+    } else {
+      for (const GradStats& g : stats) total.merge(g);
+    }
     const double norm = total.norm();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -1332,7 +1543,8 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       if (gslots[i].unit < 0) s = static_cast<int>(i);
     if (s < 0) return internal_error("offload: no gradient bucket free for module " + std::to_string(u));
     GradSlot& g = gslots[static_cast<std::size_t>(s)];
-    if (first_micro) {
+    // Stage 2 reduces every micro-batch's gradients on their own: each starts from zero.
+    if (first_micro || (sharded && settings.zero_stage >= 2)) {
       STRATA_RETURN_IF_ERROR(compute->wait(*g.free));
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
@@ -1364,7 +1576,8 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t step, double lr) {
+Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_micro, std::int64_t step,
+                                         double lr) {
   if (opt_on_device) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -1372,13 +1585,23 @@ Status OffloadEngine::Impl::release_grads(int m, bool last_micro, std::int64_t s
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
-    char* out = grads_on_nvme ? grad_staging.bytes() : host_grads.bytes() + grad_begin(u);
+    // Data parallel: the final local gradients (every micro-batch's in stage 2) go to the
+    // reduce-scatter; stage 1's earlier micro-batches wait in host_grads, unreduced.
+    const bool reduce = sharded && (last_micro || settings.zero_stage >= 2);
+    char* out = reduce          ? rs_send.bytes()
+                : grads_on_nvme ? grad_staging.bytes()
+                                : host_grads.bytes() + grad_begin(u);
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
     STRATA_RETURN_IF_ERROR(
         traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
     STRATA_RETURN_IF_ERROR(
         tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+    if (reduce) {
+      const bool accumulate = settings.zero_stage >= 2 && !first_micro;
+      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
+                                              [this, u, accumulate]() { return reduce_unit_grads(u, accumulate); }));
+    }
     if (grads_on_nvme) {
       // Out through the one staging buffer (gstream order keeps its uses apart), scanned for the
       // norm on the way when this is the step's last touch, then to NVMe.
@@ -1435,7 +1658,7 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
-    STRATA_RETURN_IF_ERROR(release_grads(m, last_micro, step, lr));
+    STRATA_RETURN_IF_ERROR(release_grads(m, first_micro, last_micro, step, lr));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
   return ok_status();
@@ -1454,6 +1677,11 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   }
   std::int64_t count = 0;
   for (auto t : targets) count += t >= 0 ? 1 : 0;
+  if (dp_size > 1) {  // the loss is the mean over every rank's tokens
+    double global = static_cast<double>(count);
+    STRATA_RETURN_IF_ERROR(sum_over_ranks(std::span<double>(&global, 1)));
+    count = static_cast<std::int64_t>(global);
+  }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
   if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
   const float dloss = 1.0f / static_cast<float>(count);
@@ -1578,26 +1806,71 @@ OffloadEngine::~OffloadEngine() {
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
                                                              const OffloadSettings& settings, Device& device,
-                                                             Stream* compute) {
-  return create_with_faults(config, settings, device, compute, nullptr);
+                                                             Stream* compute, Comm* data_parallel) {
+  return create_with_faults(config, settings, device, compute, data_parallel, nullptr);
 }
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
                                                                             const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, faults);
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, faults);
 }
 
+namespace {
+
+// What data parallelism supports today; the errors say what to use instead.
+Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
+  const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
+  if (s.zero_stage == 3) {
+    return invalid_argument("zero_optimization.stage 3 with " + ranks +
+                         ": partitioning parameters over the ranks is not built yet; use stage 1 or 2 "
+                         "(parameters stay whole on every rank, offloaded or not)");
+  }
+  if (s.optimizer == Tier::kNvme) {
+    return invalid_argument("offload_optimizer.device nvme with " + ranks +
+                         " is not built yet; use offload_optimizer.device cpu (sharded over the ranks' host memory)");
+  }
+  if (s.optimizer == Tier::kDevice && s.zero_stage >= 1) {
+    return invalid_argument("zero_optimization.stage " + std::to_string(s.zero_stage) +
+                         " with the optimizer on the device and " + ranks +
+                         ": sharding optimizer state in device memory is not built yet; use offload_optimizer.device "
+                         "cpu (state sharded over the ranks' host memory) or stage 0 (gradients all-reduced, state "
+                         "replicated)");
+  }
+  // The optimizer on the device reduces device buffers; the host optimizer reduces host buffers.
+  const bool device_buffers = s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda;
+  const CommBackend want = device_buffers ? CommBackend::kNccl : CommBackend::kMpi;
+  if (dp.backend() != want) {
+    return invalid_argument("data-parallel group '" + dp.name() + "' uses the " + std::string(to_string(dp.backend())) +
+                            " backend, but this placement reduces " + (device_buffers ? "device" : "host") +
+                            " buffers: it needs " + std::string(to_string(want)));
+  }
+  return ok_status();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const TrainerConfig& config,
-                                                                         const OffloadSettings& settings,
+                                                                         const OffloadSettings& settings_in,
                                                                          Device& device, Stream* compute,
+                                                                         Comm* data_parallel,
                                                                          const nvme_detail::IoFaults* faults) {
+  OffloadSettings settings = settings_in;
+  if (data_parallel != nullptr) settings.dp_size = data_parallel->size();
+  if (settings.dp_size > 1) {
+    if (data_parallel == nullptr) {
+      return invalid_argument("offload settings: dp_size = " + std::to_string(settings.dp_size) +
+                              " needs the data-parallel group (the Comm argument of OffloadEngine::create)");
+    }
+    STRATA_RETURN_IF_ERROR(check_data_parallel(settings, device, *data_parallel));
+  }
   STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, settings));
   STRATA_RETURN_IF_ERROR(plan.check_fits(device, settings));
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->settings = settings;
+  impl->dp = data_parallel;
   impl->plan = std::move(plan);
   impl->device = &device;
   impl->compute = compute;
@@ -1636,6 +1909,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   m.lr = t.config.schedule.at(t.steps);
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
+    if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, m.step);
     if (s.ok())
@@ -1671,6 +1945,12 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     total.sum += ls.sum;
     total.count += ls.count;
   }
+  if (t.dp_size > 1) {
+    double sums[2] = {total.sum, static_cast<double>(total.count)};
+    STRATA_RETURN_IF_ERROR(t.sum_over_ranks(sums));
+    total.sum = sums[0];
+    total.count = static_cast<std::int64_t>(sums[1]);
+  }
   t.steps += 1;
   if (!t.have_baseline) {
     STRATA_RETURN_IF_ERROR(t.wait_all_updates());
@@ -1679,7 +1959,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   }
   m.loss = total.sum / static_cast<double>(total.count);
   m.grad_norm = t.grad_norm;
-  m.tokens = static_cast<std::int64_t>(inputs.size());
+  m.tokens = static_cast<std::int64_t>(inputs.size()) * t.dp_size;
   m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return m;
 }
@@ -1801,13 +2081,28 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   const ModelLayout& L = t.layout();
   const char* working = t.bf16 ? "BF16" : "F32";
   const std::uint64_t wsize = t.bf16 ? 2 : 4;
-  return publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
-    std::vector<char> pbytes;
-    std::vector<float> blob;
-    for (int u = 0; u < t.M; ++u) {
-      const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
-      if (mine.empty()) continue;
-      STRATA_RETURN_IF_ERROR(t.read_unit_state(u, pbytes, blob));
+  // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
+  // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
+  // the outcome and the published directory.
+  int gathered_through = 0;  // units whose state every rank has gathered
+  std::vector<char> pbytes;
+  std::vector<float> blob;
+  auto gather_rest = [&]() {
+    for (; gathered_through < t.M; ++gathered_through) {
+      if (t.sharded && !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
+        (void)t.read_unit_optim(gathered_through, blob);
+      }
+    }
+  };
+  Result<std::string> published = std::string();
+  if (t.dp_rank == 0) {
+    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+      for (int u = 0; u < t.M; ++u) {
+        gathered_through = u;
+        const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
+        if (mine.empty()) continue;
+        STRATA_RETURN_IF_ERROR(t.read_unit_state(u, pbytes, blob));
+        gathered_through = u + 1;
       const std::size_t n = t.units.gbytes[static_cast<std::size_t>(u)] / 4;
       SafetensorsWriter w;
       for (int k : mine) {
@@ -1824,8 +2119,26 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
       STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
       names->push_back(name);
     }
+    gathered_through = t.M;
     return ok_status();
-  });
+    });
+  }
+  if (t.dp_size == 1) return published;
+  gather_rest();
+  // The outcome: a flag and the directory, as 4-byte words from rank 0.
+  constexpr std::size_t kWords = 1 + 256;
+  std::array<std::uint32_t, kWords> word{};
+  if (t.dp_rank == 0 && published.ok() && published->size() < 4 * (kWords - 1)) {
+    word[0] = 1;
+    std::memcpy(word.data() + 1, published->data(), published->size());
+  }
+  STRATA_RETURN_IF_ERROR(
+      t.dp_wait(t.dp_tracks[0], t.dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1, 4 * kWords));
+  if (t.dp_rank == 0) return published;
+  if (word[0] != 1) {
+    return io_error("checkpoint under '" + root + "': data-parallel rank 0, which writes it, failed (its log says why)");
+  }
+  return std::string(reinterpret_cast<const char*>(word.data() + 1));
 }
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
@@ -1936,6 +2249,8 @@ OffloadStats OffloadEngine::stats() const {
   s.nvme_write_seconds = t.tracer.seconds(TraceCounter::kNvmeWrite);
   s.optimizer_seconds = t.tracer.seconds(TraceCounter::kOptimizer);
   s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
+  s.bytes_dp = t.dp_bytes.load(std::memory_order_relaxed);
+  s.dp_seconds = t.tracer.seconds(TraceCounter::kComm);
   std::lock_guard<std::mutex> lock(t.mu);
   s.optimizer_cpu_seconds = t.worker_cpu;
   return s;

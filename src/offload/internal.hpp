@@ -170,6 +170,46 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   return r;
 }
 
+// Data parallel with the optimizer off the device (docs/parallel.md): every unit's fp32 range of
+// n elements is cut into `size` chunks of `chunk` elements, chunk = ceil(n / size) rounded up to a
+// multiple of 64 (parameters start at multiples of 64 elements of their unit, kParamAlignment, so
+// each parameter is split at multiples of 64 of its own elements and the update is the same bits
+// as unsplit). Rank r owns elements [r * chunk, min((r + 1) * chunk, n)) of every unit: its
+// gradients come from a reduce-scatter, its optimizer state lives only there, and its updated
+// parameters reach the other ranks by an all-gather. A rank's slices are packed back to back
+// (`offset`) in its shard of master, moments and gradients.
+struct DpSlices {
+  int size = 1;
+  int rank = 0;
+  std::vector<std::uint64_t> chunk, begin, len, offset;  // per unit, in elements
+  std::uint64_t shard_elements = 0;                      // this rank's slices, all units
+  std::uint64_t max_chunk = 0;
+};
+
+inline DpSlices dp_slices(const Units& u, int size, int rank) {
+  DpSlices d;
+  d.size = size;
+  d.rank = rank;
+  const std::size_t M = u.gbytes.size();
+  const auto P = static_cast<std::uint64_t>(size);
+  for (std::size_t m = 0; m < M; ++m) {
+    const std::uint64_t n = u.gbytes[m] / 4;
+    const std::uint64_t c = align_up((n + P - 1) / P, 64);
+    const std::uint64_t b = std::min(n, static_cast<std::uint64_t>(rank) * c);
+    d.chunk.push_back(c);
+    d.begin.push_back(b);
+    d.len.push_back(std::min(c, n - b));
+    d.offset.push_back(d.shard_elements);
+    d.shard_elements += d.len.back();
+    d.max_chunk = std::max(d.max_chunk, c);
+  }
+  return d;
+}
+
+// Whether the engine shards optimizer state over data-parallel ranks (stages 1 and 2 with the
+// optimizer on the host; other combinations are refused or replicate, see check in create()).
+inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.optimizer == Tier::kHost; }
+
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
 // carving, per token, with alignment slack). The cuda backend's kernel workspace comes on top
 // (kCudaWorkspaceBytes, added by OffloadPlan::check_fits).

@@ -59,6 +59,10 @@ Status OffloadSettings::validate() const {
     return invalid_argument("zero_optimization.sub_group_size = " + std::to_string(sub_group_size) +
                             " must be >= 64 (elements)");
   }
+  if (zero_stage < 0 || zero_stage > 3) {
+    return invalid_argument("zero_optimization.stage = " + std::to_string(zero_stage) + " must be 0, 1, 2 or 3");
+  }
+  if (dp_size < 1) return invalid_argument("data-parallel size = " + std::to_string(dp_size) + " must be >= 1");
   if (host_threads < 0) {
     return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
   }
@@ -101,6 +105,7 @@ Status OffloadSettings::apply(const Config& config) {
   pin_memory = z.offload_optimizer.pin_memory || z.offload_param.pin_memory;
   nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
   sub_group_size = z.sub_group_size;
+  zero_stage = static_cast<int>(z.stage);
   if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
     return invalid_argument(config.source +
                             ": zero_optimization.offload_optimizer.ratio = " +
@@ -139,7 +144,26 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
        offload_detail::activation_bytes_estimate(config));
   const bool pin = settings.pin_memory;
-  if (settings.optimizer != Tier::kDevice) {
+  const bool sharded = offload_detail::dp_sharded(settings);
+  if (sharded) {
+    // Rank 0 holds the largest slices: its bytes bound every rank's.
+    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+    const std::uint64_t shard = 4 * d.shard_elements;
+    const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
+    const std::string of = " (this rank's 1/" + std::to_string(settings.dp_size) + ")";
+    line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
+    if (settings.zero_stage < 2 && config.grad_accum > 1) {
+      line("gradient accumulation (fp32, host, unsharded in stage 1)", Tier::kHost, StateKind::kGradients,
+           layout.grad_bytes, pin);
+    }
+    line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
+    line("data-parallel all-gather staging", Tier::kHost, StateKind::kParameters,
+         dtype_size(config.model.dtype) * (P + 1) * d.max_chunk, pin);
+    line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+    line("fp32 master weights" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+    line("Adam exp_avg" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+    line("Adam exp_avg_sq" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+  } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
       line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, layout.grad_bytes);
       line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
@@ -148,7 +172,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
     line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
   }
-  if (settings.optimizer == Tier::kHost) {
+  if (settings.optimizer == Tier::kHost && !sharded) {
     line("fp32 master weights", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
     line("Adam exp_avg", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
     line("Adam exp_avg_sq", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);

@@ -45,6 +45,7 @@ enum class TraceCounter : std::uint8_t {
   kNvmeWrite,    // NVMe writes, likewise
   kOptimizer,    // host optimizer thread: gradient scans and updates (wall)
   kUpdateStall,  // the engine's caller blocked on the host optimizer
+  kComm,         // data-parallel collectives, from enqueue until complete (the thread waits)
   kCount
 };
 

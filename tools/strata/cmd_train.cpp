@@ -5,6 +5,12 @@
 //
 // Precedence of settings: the defaults below < a DeepSpeed-style --config file < flags.
 // Exit codes: 0 trained, 1 a file could not be read/written or training failed, 2 bad flags.
+//
+// Data parallel: started by `mpirun -np N strata train ...`, every rank trains its share of each
+// step's batch (global micro-batch i of a step goes to rank i mod N, so N ranks with --grad-accum
+// A see the batches of one process with A x N) through the engine's data-parallel group
+// (docs/parallel.md). Rank 0 prints, validates and writes the run's files; every rank takes part
+// in checkpoints; errors name the rank.
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +37,7 @@
 #include "strata/nvme.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
+#include "strata/parallel.hpp"
 
 namespace strata::cli {
 namespace {
@@ -196,8 +203,11 @@ struct Data {
   std::vector<std::int32_t> train, validation;
 };
 
+// "rank R: " under mpirun with several ranks (errors go to stderr from every rank).
+std::string g_rank_prefix;
+
 int fail(const Status& s) {
-  std::fprintf(stderr, "strata train: %s\n", s.message().c_str());
+  std::fprintf(stderr, "strata train: %s%s\n", g_rank_prefix.c_str(), s.message().c_str());
   return kExitFailure;
 }
 
@@ -229,6 +239,25 @@ int run_train(std::span<const std::string> argv) {
     for (const IgnoredKey& k : rs.config->ignored)
       std::printf("config   ignored %s: %s\n", k.path.c_str(), k.reason.c_str());
   }
+  // ---- data parallel: one rank per process under mpirun ----
+  std::unique_ptr<CommContext> comm_context;
+  int rank = 0, ranks = 1;
+  if (launched_by_mpirun()) {
+    auto cc = CommConfig::from_options(options);
+    if (!cc.ok()) return usage(cc.status());
+    auto ctx = CommContext::create(*cc);
+    if (!ctx.ok()) return fail(ctx.status().with_context("data parallel under mpirun"));
+    comm_context = std::move(*ctx);
+    rank = comm_context->world_rank();
+    ranks = comm_context->world_size();
+  }
+  const bool leader = rank == 0;
+  if (ranks > 1) {
+    g_rank_prefix = "rank " + std::to_string(rank) + ": ";
+    // One rank speaks: the others' output would repeat it.
+    if (!leader && std::freopen("/dev/null", "w", stdout) == nullptr) return fail(io_error("cannot silence stdout"));
+  }
+
   Status s;
   std::int64_t val_every = std::max<std::int64_t>(1, steps / 10);
   std::int64_t val_windows = kValWindows;
@@ -249,7 +278,8 @@ int run_train(std::span<const std::string> argv) {
 
   // ---- files ----
   // The run directory first: --metrics or --trace may point into it.
-  const std::string out_dir = args.get("out").value_or("");
+  // The run's files are rank 0's (the others have the same losses and weights).
+  const std::string out_dir = leader ? args.get("out").value_or("") : "";
   if (!out_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(out_dir, ec);
@@ -258,13 +288,14 @@ int run_train(std::span<const std::string> argv) {
     }
   }
   for (const char* flag : {"metrics", "save-weights", "trace"}) {
+    if (!leader) break;
     if (auto p = args.get(flag)) {
       Status w = check_writable(*p, std::string("--") + flag + " file");
       if (!w.ok()) return fail(w);
     }
   }
   std::ofstream metrics;
-  std::string metrics_path = args.get("metrics").value_or("");
+  std::string metrics_path = leader ? args.get("metrics").value_or("") : "";
   if (metrics_path.empty() && !out_dir.empty()) {
     metrics_path = (std::filesystem::path(out_dir) / "metrics.jsonl").string();
   }
@@ -312,6 +343,16 @@ int run_train(std::span<const std::string> argv) {
   // ---- placement, plan, device and engine ----
   std::unique_ptr<TempSwapDir> temp_swap;
   const bool uses_nvme = offload.params == Tier::kNvme || offload.optimizer == Tier::kNvme;
+  if (uses_nvme && ranks > 1 && !offload.nvme_path.empty()) {
+    // Every rank swaps its own state: a directory of its own under each path.
+    for (std::string& dir : offload.nvme_path) {
+      dir = (std::filesystem::path(dir) / ("rank-" + std::to_string(rank))).string();
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) return fail(io_error("cannot create the swap directory '" + dir + "' (--nvme-path): " + ec.message()));
+    }
+    offload.io.nvme_path = offload.nvme_path;
+  }
   if (uses_nvme && offload.nvme_path.empty()) {
     auto t = TempSwapDir::create();
     if (!t.ok()) return fail(t.status());
@@ -342,10 +383,19 @@ int run_train(std::span<const std::string> argv) {
                        train_usage());
   }
   if (!device.ok()) return fail(device.status());
-  auto engine = OffloadEngine::create(tc, offload, **device);
+  std::unique_ptr<Comm> dp_group;
+  if (ranks > 1) {
+    // The optimizer on a GPU reduces device buffers (nccl); everything else host buffers (mpi).
+    const CommBackend backend =
+        offload.optimizer == Tier::kDevice && dc.kind == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kMpi;
+    auto w = comm_context->world(backend);
+    if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
+    dp_group = std::move(*w);
+  }
+  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get());
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
-  const std::string trace_path = args.get("trace").value_or("");
+  const std::string trace_path = leader ? args.get("trace").value_or("") : "";
   ObserveSettings observe;
   observe.stream_times = metrics.is_open() || !trace_path.empty();
   observe.trace = !trace_path.empty();
@@ -374,7 +424,7 @@ int run_train(std::span<const std::string> argv) {
   identity["train_tokens"] = data.train.size();
   identity["train_tokens_crc32c"] = crc32c(data.train.data(), data.train.size() * sizeof(std::int32_t));
   identity["micro_batch"] = tc.micro_batch;
-  identity["grad_accum"] = tc.grad_accum;
+  identity["grad_accum"] = tc.grad_accum * ranks;  // micro-batches per step, over all ranks
   identity["seq_len"] = tc.seq_len;
   identity["seed"] = tc.seed;
   std::int64_t first_step = 0;
@@ -406,7 +456,7 @@ int run_train(std::span<const std::string> argv) {
   };
 
   const ModelLayout& layout = tr.model().layout();
-  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len;
+  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len * ranks;
   std::printf(
       "model    %s: %lld layers, width %lld, %lld heads, context %lld, vocab %lld, %s%s; %.2fM parameters\n",
       std::string(to_string(tc.model.kind)).c_str(), static_cast<long long>(tc.model.n_layer),
@@ -430,6 +480,14 @@ int run_train(std::span<const std::string> argv) {
       tc.optimizer.weight_decay, tc.grad_clip);
   std::printf("device   %s, %d compute threads, %s budget\n", (*device)->info().name.c_str(),
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str());
+  if (ranks > 1) {
+    std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
+                "micro-batches of a step; the plan below is per rank\n",
+                ranks, std::string(to_string(dp_group->backend())).c_str(), offload.zero_stage,
+                offload.optimizer == Tier::kHost ? "optimizer state and gradients sharded over the ranks"
+                                                 : "gradients all-reduced, optimizer state replicated",
+                static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * ranks));
+  }
   std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
               std::string(to_string(offload.optimizer)).c_str(), uses_nvme ? ", swap in " : "",
               uses_nvme ? offload.nvme_path.front().c_str() : "", tr.plan().to_string().c_str());
@@ -454,6 +512,7 @@ int run_train(std::span<const std::string> argv) {
   run["optimizer"] = tr.optimizer_name();
   run["device"] = (*device)->info().name;
   run["compute_threads"] = (*device)->info().compute_threads;
+  run["data_parallel"] = Json{{"ranks", ranks}, {"zero_stage", offload.zero_stage}};
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))}};
   run["plan"] = Json{{"device", tr.plan().device_bytes},
@@ -488,7 +547,8 @@ int run_train(std::span<const std::string> argv) {
     inputs.clear();
     targets.clear();
     for (std::int64_t a = 0; a < tc.grad_accum; ++a) {
-      batcher->batch(static_cast<std::uint64_t>(step * tc.grad_accum + a), mb_in, mb_tg);
+      // Global micro-batch (step, a * ranks + rank): one process with grad_accum x ranks sees the same.
+      batcher->batch(static_cast<std::uint64_t>((step * tc.grad_accum + a) * ranks + rank), mb_in, mb_tg);
       inputs.insert(inputs.end(), mb_in.begin(), mb_in.end());
       targets.insert(targets.end(), mb_tg.begin(), mb_tg.end());
     }
@@ -509,7 +569,7 @@ int run_train(std::span<const std::string> argv) {
     }
     recent_losses.push_back(m->loss);
     const bool last = step + 1 == steps;
-    const bool do_val = can_validate && (last || (val_every > 0 && (step + 1) % val_every == 0));
+    const bool do_val = leader && can_validate && (last || (val_every > 0 && (step + 1) % val_every == 0));
     if (do_val) {
       Status v = validate();
       if (!v.ok()) return fail(v.with_context("validation"));
@@ -552,7 +612,7 @@ int run_train(std::span<const std::string> argv) {
   // ---- outputs ----
   s = trace_writer.write();
   if (!s.ok()) return fail(s);
-  if (auto p = args.get("save-weights")) {
+  if (auto p = args.get("save-weights"); p && leader) {
     Status w = tr.save_weights(*p, WeightFormat::kHuggingFace);
     if (!w.ok()) return fail(w);
   }
@@ -577,6 +637,7 @@ int run_train(std::span<const std::string> argv) {
     const OffloadStats os = tr.stats();
     summary["offload_param"] = std::string(to_string(offload.params));
     summary["offload_optimizer"] = std::string(to_string(offload.optimizer));
+    summary["bytes_data_parallel"] = os.bytes_dp;
     summary["bytes_h2d"] = os.bytes_h2d;
     summary["bytes_d2h"] = os.bytes_d2h;
     summary["bytes_nvme_read"] = os.bytes_nvme_read;

@@ -1,0 +1,112 @@
+// `mpirun -np N strata train` against one process on the same global batch (label dist; one
+// test process that starts the mpirun jobs itself, tests/CMakeLists.txt). The ranks' losses,
+// per step, must match the single process within fp32 summation rounding (the data-parallel
+// engine's own equivalence is checked more closely by test_dist_data_parallel), every rank must
+// take part in checkpoints, and a rank's error must name the rank.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <string>
+
+#include "harness/harness.hpp"
+
+namespace strata::testing {
+namespace {
+
+const std::string kTiny = "--layers 2 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1 --quiet ";
+
+std::string mpirun(int np) {
+  std::string cmd = "mpirun --oversubscribe -np " + std::to_string(np) + " ";
+  if (::geteuid() == 0) cmd += "--allow-run-as-root ";
+  return cmd + "-x STRATA_COMM_TIMEOUT=60 " + STRATA_CLI_PATH + " ";
+}
+
+std::vector<double> losses_of(const std::filesystem::path& metrics) {
+  std::vector<double> out;
+  for (const auto& j : read_jsonl(metrics)) out.push_back(j.at("loss").get<double>());
+  return out;
+}
+
+void expect_same_losses(const std::vector<double>& ref, const std::vector<double>& got, const std::string& what) {
+  ASSERT_EQ(ref.size(), got.size()) << what;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_NEAR(got[i], ref[i], 2e-4 * std::fabs(ref[i])) << what << ": loss of step " << i + 1;
+  }
+  EXPECT_LT(got.back(), got.front()) << what << ": the loss fell";
+}
+
+// The default placement (parameters on NVMe, optimizer on the host, sharded over the ranks).
+TEST(DistCliTrain, TwoRanksTrainLikeOneProcessWithTwiceTheAccumulation) {
+  TempDir dir("strata-dist-cli");
+  const std::string flags = kTiny + "--steps 8 --val-every 0 --val-windows 4 ";
+  auto one = run_cli("train " + flags + "--grad-accum 4 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run_command(mpirun(2) + "train " + flags + "--grad-accum 2 --out " + (dir / "run").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("2 data-parallel ranks"), std::string::npos) << two.output;
+  // One rank speaks: the summary appears once.
+  EXPECT_EQ(two.output.find("done:"), two.output.rfind("done:")) << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "run" / "metrics.jsonl"), "2 ranks, NVMe + host");
+  EXPECT_TRUE(std::filesystem::exists(dir / "run" / "weights.safetensors"));
+}
+
+// Stage 0 with the optimizer on the device, and a config file, on 3 ranks.
+TEST(DistCliTrain, ThreeRanksStageZeroFromAConfigFile) {
+  TempDir dir("strata-dist-cli");
+  const std::string config = write_file(dir / "ds.json", R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 0}
+  })");
+  const std::string flags = kTiny + "--steps 6 --val-every 0 --val-windows 4 --config " + config + " ";
+  auto one = run_cli("train " + flags + "--grad-accum 3 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto three = run_command(mpirun(3) + "train " + flags + "--grad-accum 1 --metrics " + (dir / "three.jsonl").string());
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_NE(three.output.find("gradients all-reduced"), std::string::npos) << three.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "three.jsonl"), "3 ranks, stage 0");
+}
+
+// Checkpoints are collective: a run resumed under mpirun continues the uninterrupted one bit
+// for bit (the same ranks, the same order of every sum); resumed in one process with the same
+// global batch it continues it within rounding.
+TEST(DistCliTrain, CheckpointAndResumeUnderMpirun) {
+  TempDir dir("strata-dist-cli");
+  const std::string flags = kTiny + "--val-every 0 --val-windows 4 --steps 6 ";
+  const std::string ck = (dir / "ck").string();
+  auto straight = run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --checkpoint-dir " + ck +
+                              " --checkpoint-every 3 --metrics " + (dir / "straight.jsonl").string());
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000003" / "manifest.json"));
+  auto resumed = run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --resume " + ck + "/step-00000003 --metrics " +
+                             (dir / "resumed.jsonl").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  auto single = run_cli("train " + flags + "--grad-accum 2 --resume " + ck + "/step-00000003 --metrics " +
+                        (dir / "single.jsonl").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const std::vector<double> a = losses_of(dir / "straight.jsonl"), b = losses_of(dir / "resumed.jsonl"),
+                            c = losses_of(dir / "single.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 3u);
+  ASSERT_EQ(c.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a[3 + i], b[i]) << "step " << 4 + i << " resumed under mpirun";
+    EXPECT_NEAR(a[3 + i], c[i], 2e-4 * a[3 + i]) << "step " << 4 + i << " resumed in one process";
+  }
+}
+
+// What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.
+TEST(DistCliTrain, UnsupportedStageIsRefusedNamingTheRank) {
+  TempDir dir("strata-dist-cli");
+  const std::string config =
+      write_file(dir / "ds.json", R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                     "offload_optimizer": {"device": "cpu"}}})");
+  auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --config " + config);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("zero_optimization.stage 3"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace strata::testing
