@@ -96,16 +96,38 @@ TEST(DistCliTrain, CheckpointAndResumeUnderMpirun) {
   }
 }
 
-// What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.
-TEST(DistCliTrain, UnsupportedStageIsRefusedNamingTheRank) {
+// ZeRO-Infinity's placement: parameters partitioned over the ranks and kept on NVMe, each rank
+// in its own directory under --nvme-path, the optimizer sharded on the host.
+TEST(DistCliTrain, StageThreeWithParametersOnNvme) {
   TempDir dir("strata-dist-cli");
-  const std::string config =
-      write_file(dir / "ds.json", R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                                     "offload_optimizer": {"device": "cpu"}}})");
+  std::filesystem::create_directories(dir / "swap");
+  const std::string config = write_file(dir / "ds.json", R"({
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")" + (dir / "swap").string() +
+                                                             R"("}, "offload_optimizer": {"device": "cpu"},
+                          "stage3_param_persistence_threshold": 0}
+  })");
+  const std::string flags = kTiny + "--steps 5 --val-every 0 --val-windows 4 --config " + config + " ";
+  auto one = run_cli("train " + flags + "--grad-accum 2 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --metrics " + (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("ZeRO stage 3"), std::string::npos) << two.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "swap" / "rank-0")) << "each rank swaps in its own directory";
+  EXPECT_TRUE(std::filesystem::exists(dir / "swap" / "rank-1"));
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 ranks, stage 3 on NVMe");
+}
+
+// What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.
+TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
+  TempDir dir("strata-dist-cli");
+  const std::string config = write_file(
+      dir / "ds.json", R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
+                           (dir / "swap").string() + R"("}}})");
+  std::filesystem::create_directories(dir / "swap");
   auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --config " + config);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("zero_optimization.stage 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("offload_optimizer.device nvme with 2 data-parallel ranks"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -4,9 +4,9 @@
 // docs/config.md's key table is generated from it (a test keeps the two equal).
 //
 // World size: under mpirun the engine is data parallel (docs/parallel.md): stage 0 all-reduces,
-// stages 1 and 2 shard the host optimizer over the ranks, stage 3 (parameter partitioning) is
-// refused with more than one rank. Its reductions run one module at a time as the module's
-// gradients land, so the bucket keys have nothing to tune; those are "ignored" with that reason.
+// stages 1 and 2 shard the host optimizer over the ranks, stage 3 also the offloaded parameters.
+// Its reductions run one module at a time as the module's gradients land, so the bucket keys
+// have nothing to tune; those are "ignored" with that reason.
 #include <algorithm>
 #include <array>
 #include <string>
@@ -151,8 +151,8 @@ constexpr ConfigKey kKeys[] = {
     {"zero_optimization", H, "section: ZeRO partitioning and offload"},
     {"zero_optimization.stage", H,
      "0-3; offload_optimizer needs 1-3 and offload_param needs 3, as in DeepSpeed; one process: every "
-     "stage trains identically; under mpirun: 0 all-reduces, 1-2 shard the host optimizer, 3 is not built "
-     "for more than one rank"},
+     "stage trains identically; under mpirun: 0 all-reduces, 1-2 shard the host optimizer, 3 also the "
+     "offloaded parameters"},
     {"zero_optimization.offload_param", H, "section: where working parameters live"},
     {"zero_optimization.offload_param.device", H,
      "none | cpu | nvme -> OffloadSettings::params (device/host/nvme)"},

@@ -234,7 +234,11 @@ struct OffloadEngine::Impl {
   Comm* dp = nullptr;
   int dp_size = 1, dp_rank = 0;
   bool sharded = false;  // host optimizer state sharded over the ranks (offload_detail::dp_sharded)
-  std::unique_ptr<Comm> dp_caller, dp_grads, dp_params;  // one per thread that talks
+  // Stage 3: every unit that is not resident keeps only this rank's slice of its working
+  // parameters at its home (host or NVMe); a fetch all-gathers the slices on the h2d stream.
+  std::vector<char> psharded;  // per unit
+  std::unique_ptr<Comm> dp_caller, dp_grads, dp_params, dp_fetch;  // one per thread that talks
+  HostMem fetch_send, fetch_recv;  // h2d stream: this rank's slice, and the gathered unit
   offload_detail::DpSlices slices;
   HostMem shard_grads;      // this rank's slices of the reduced gradients
   HostMem rs_send, rs_recv;  // gradient stream: one unit padded to size x chunk, and this rank's chunk
@@ -242,7 +246,7 @@ struct OffloadEngine::Impl {
   std::vector<GradStats> gathered_stats;  // optimizer thread: per rank, per unit
   std::vector<double> gathered_sums;      // caller: sum_over_ranks
   std::atomic<std::uint64_t> dp_bytes{0};
-  int dp_tracks[3] = {0, 0, 0};  // caller, gradient stream, optimizer thread
+  int dp_tracks[4] = {0, 0, 0, 0};  // caller, gradient stream, optimizer thread, h2d stream
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
@@ -328,6 +332,15 @@ struct OffloadEngine::Impl {
   // A collective's wait, timed on the data-parallel track; errors name what it was for.
   Status dp_wait(int trace_track, CommWork w, const char* what, int u, std::uint64_t bytes);
   Status all_reduce_device_grads();  // optimizer on the device: stage 0
+  // Stage 3. A unit's working parameters between its layout (param_in_unit) and the fp32
+  // element positions (grad_in_unit / 4, `w` bytes each) in which it is sliced.
+  void to_elements(int u, const char* working, char* elements) const;
+  void from_elements(int u, const char* elements, char* working) const;
+  // This rank's slice (len x w bytes) at the unit's home, and back.
+  Status read_param_slice(int u, char* slice);
+  Status write_param_slice(int u, const char* slice);
+  // h2d stream: the unit gathered from every rank's slice into `working` (its layout).
+  Status gather_unit_params(int u, char* working);
   // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -425,11 +438,14 @@ Status OffloadEngine::Impl::setup() {
   STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
 
+  STRATA_RETURN_IF_ERROR(setup_data_parallel());
+
   // Slots and buckets.
   slot_of.assign(static_cast<std::size_t>(M), -1);
   gslot_of.assign(static_cast<std::size_t>(M), -1);
   bool any_nvme_home = false;
   for (Tier t : units.home) any_nvme_home = any_nvme_home || t == Tier::kNvme;
+  const bool any_psharded = std::find(psharded.begin(), psharded.end(), 1) != psharded.end();
   for (std::uint32_t s = 0; s < units.param_slots; ++s) {
     ParamSlot slot;
     STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.param_slots"));
@@ -437,7 +453,7 @@ Status OffloadEngine::Impl::setup() {
     slot.dev = base + off;
     STRATA_ASSIGN_OR_RETURN(slot.fetched, dev.create_event());
     STRATA_ASSIGN_OR_RETURN(slot.free, dev.create_event());
-    if (any_nvme_home) {
+    if (any_nvme_home || any_psharded) {
       STRATA_ASSIGN_OR_RETURN(slot.staging, HostMem::make(dev, true, units.param_slot_bytes, "offload.fetch_staging"));
     }
     pslots.push_back(std::move(slot));
@@ -480,7 +496,6 @@ Status OffloadEngine::Impl::setup() {
 
   // Host tiers.
   const bool pin = settings.pin_memory;
-  STRATA_RETURN_IF_ERROR(setup_data_parallel());
   if (!opt_on_device) {
     grads_on_nvme = settings.gradients == Tier::kNvme;
     if (grads_on_nvme) {
@@ -497,8 +512,10 @@ Status OffloadEngine::Impl::setup() {
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
     for (int u = 0; u < M; ++u) {
-      host_param_offset[static_cast<std::size_t>(u)] = off;
-      if (units.home[static_cast<std::size_t>(u)] != Tier::kNvme) off += units.pbytes[static_cast<std::size_t>(u)];
+      const std::size_t uu = static_cast<std::size_t>(u);
+      host_param_offset[uu] = off;
+      if (units.home[uu] == Tier::kNvme) continue;
+      off += psharded[uu] ? slices.len[uu] * (bf16 ? 2 : 4) : units.pbytes[uu];
     }
     STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, off, "offload.host_params"));
     for (int u = 0; u < M; ++u) {
@@ -532,6 +549,11 @@ Status OffloadEngine::Impl::setup() {
     STRATA_ASSIGN_OR_RETURN(ag_send, HostMem::make(dev, pin, w * c, "offload.dp_gather"));
     STRATA_ASSIGN_OR_RETURN(ag_recv, HostMem::make(dev, pin, w * P * c, "offload.dp_gather"));
     gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
+  }
+  if (any_psharded) {
+    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk, w = bf16 ? 2 : 4;
+    STRATA_ASSIGN_OR_RETURN(fetch_send, HostMem::make(dev, true, w * c, "offload.dp_fetch"));
+    STRATA_ASSIGN_OR_RETURN(fetch_recv, HostMem::make(dev, true, w * P * c, "offload.dp_fetch"));
   }
   if (settings.optimizer == Tier::kNvme) {
     for (std::uint32_t r = 0; r < units.ring_buffers; ++r) {
@@ -626,6 +648,16 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
   const std::size_t uu = static_cast<std::size_t>(u);
   bytes.resize(units.pbytes[uu]);
   if (bytes.empty()) return ok_status();
+  if (!psharded.empty() && psharded[uu]) {
+    // Collective: every rank's slice, all-gathered on the caller's Comm.
+    const std::uint64_t w = bf16 ? 2 : 4, c = slices.chunk[uu];
+    std::vector<char> mine(c * w, 0), all(c * w * static_cast<std::size_t>(dp_size));
+    STRATA_RETURN_IF_ERROR(read_param_slice(u, mine.data()));
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                   "gather parameters", u, all.size()));
+    from_elements(u, all.data(), bytes.data());
+    return ok_status();
+  }
   switch (units.home[uu]) {
     case Tier::kDevice:
       return stager->download(bytes.data(), resident + units.resident_offset[uu], bytes.size());
@@ -641,6 +673,12 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
 Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& bytes) {
   const std::size_t uu = static_cast<std::size_t>(u);
   if (bytes.empty()) return ok_status();
+  if (!psharded.empty() && psharded[uu]) {  // every rank is given the whole unit and keeps its slice
+    const std::uint64_t w = bf16 ? 2 : 4;
+    std::vector<char> elements(units.gbytes[uu] / 4 * w, 0);
+    to_elements(u, bytes.data(), elements.data());
+    return write_param_slice(u, elements.data() + slices.begin[uu] * w);
+  }
   if (units.home[uu] != Tier::kNvme && !opt_on_device) {
     std::memcpy(host_params.bytes() + host_param_offset[uu], bytes.data(), bytes.size());
   }
@@ -844,6 +882,7 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
 // ---- data parallel ---------------------------------------------------------------------------
 
 Status OffloadEngine::Impl::setup_data_parallel() {
+  psharded.assign(static_cast<std::size_t>(M), 0);
   if (dp == nullptr || dp->size() == 1) return ok_status();
   dp_size = dp->size();
   dp_rank = dp->rank();
@@ -857,7 +896,69 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     dp_tracks[1] = tracer.add_track("data parallel: gradient reduce-scatter");
     dp_tracks[2] = tracer.add_track("data parallel: statistics and parameter all-gather");
   }
+  if (sharded && settings.zero_stage == 3) {
+    for (int u = 0; u < M; ++u) {
+      const std::size_t uu = static_cast<std::size_t>(u);
+      psharded[uu] = units.home[uu] != Tier::kDevice && units.pbytes[uu] > 0 ? 1 : 0;
+    }
+    STRATA_ASSIGN_OR_RETURN(dp_fetch, dp->split(0, dp_rank, "dp.fetch"));
+    dp_tracks[3] = tracer.add_track("data parallel: parameter fetch all-gather");
+  }
   gathered_sums.reserve(static_cast<std::size_t>(4 * dp_size));
+  return ok_status();
+}
+
+void OffloadEngine::Impl::to_elements(int u, const char* working, char* elements) const {
+  const std::uint64_t w = bf16 ? 2 : 4;
+  for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    std::memcpy(elements + o.grad_in_unit / 4 * w, working + o.param_in_unit, o.n * w);
+  }
+}
+
+void OffloadEngine::Impl::from_elements(int u, const char* elements, char* working) const {
+  const std::uint64_t w = bf16 ? 2 : 4;
+  for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    std::memcpy(working + o.param_in_unit, elements + o.grad_in_unit / 4 * w, o.n * w);
+  }
+}
+
+Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t bytes = slices.len[uu] * (bf16 ? 2 : 4);
+  if (bytes == 0) return ok_status();
+  if (units.home[uu] == Tier::kNvme) return swap->read(TensorKey{unit_key("param", u), 0}, slice, bytes).wait();
+  std::memcpy(slice, host_params.bytes() + host_param_offset[uu], bytes);
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t bytes = slices.len[uu] * (bf16 ? 2 : 4);
+  if (bytes == 0) return ok_status();
+  if (units.home[uu] == Tier::kNvme) {
+    detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
+    return swap->write(TensorKey{unit_key("param", u), 0}, slice, bytes).wait();
+  }
+  std::memcpy(host_params.bytes() + host_param_offset[uu], slice, bytes);
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::gather_unit_params(int u, char* working) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t w = bf16 ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  {
+    detail::HostSpan span(tracer, track.nvme_fetch,
+                          units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
+                          u, len * w);
+    STRATA_RETURN_IF_ERROR(read_param_slice(u, fetch_send.bytes()));
+  }
+  std::memset(fetch_send.bytes() + len * w, 0, (c - len) * w);
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[3],
+                                 dp_fetch->all_gather(fetch_send.data(), fetch_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                 "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
+  from_elements(u, fetch_recv.bytes(), working);
   return ok_status();
 }
 
@@ -995,6 +1096,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
         if (!bf16) std::memcpy(out, ob.master, ob.n * 4);
       }
     }
+    if (psharded[uu]) return write_param_slice(u, ag_send.bytes());  // gathered when next fetched
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
                                    "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
     for (int k : owned_of_unit[uu]) {
@@ -1407,7 +1509,13 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   const std::uint64_t n = units.pbytes[uu];
   STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
   STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
-  if (units.home[uu] == Tier::kNvme) {
+  if (!psharded.empty() && psharded[uu]) {
+    char* staging = slot.staging.bytes();
+    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: data-parallel gather of param." + std::to_string(u),
+                                        [this, u, staging]() { return gather_unit_params(u, staging); }));
+    STRATA_RETURN_IF_ERROR(
+        traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
+  } else if (units.home[uu] == Tier::kNvme) {
     SwapStore* store = swap.get();
     void* staging = slot.staging.data();
     TensorKey key{unit_key("param", u), 0};
@@ -1822,11 +1930,6 @@ namespace {
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
   const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
-  if (s.zero_stage == 3) {
-    return invalid_argument("zero_optimization.stage 3 with " + ranks +
-                         ": partitioning parameters over the ranks is not built yet; use stage 1 or 2 "
-                         "(parameters stay whole on every rank, offloaded or not)");
-  }
   if (s.optimizer == Tier::kNvme) {
     return invalid_argument("offload_optimizer.device nvme with " + ranks +
                          " is not built yet; use offload_optimizer.device cpu (sharded over the ranks' host memory)");
@@ -2031,8 +2134,36 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  if (t.dp_size == 1) {
+    return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
+      STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
+      return ok_status();
+    });
+  }
+  // Data parallel: collective, rank 0 writes. Sharded parameters (stage 3) are gathered unit by
+  // unit on every rank first (the whole model's working parameters, as DeepSpeed's
+  // stage3_gather_16bit_weights_on_model_save does).
+  std::vector<std::vector<char>> units(static_cast<std::size_t>(t.M));
+  for (int u = 0; u < t.M; ++u) {
+    if (t.psharded[static_cast<std::size_t>(u)]) STRATA_RETURN_IF_ERROR(t.read_unit_params(u, units[static_cast<std::size_t>(u)]));
+  }
+  if (t.dp_rank != 0) return ok_status();
   return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
-    STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
+    const int k = t.owned_index(index);
+    if (k < 0) return invalid_argument("save_weights: no parameter with index " + std::to_string(index));
+    const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
+    if (!t.psharded[static_cast<std::size_t>(o.unit)]) {
+      STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
+      return ok_status();
+    }
+    const char* p = units[static_cast<std::size_t>(o.unit)].data() + o.param_in_unit;
+    values.resize(o.n);
+    if (t.bf16) {
+      const auto* in = reinterpret_cast<const std::uint16_t*>(p);
+      for (std::size_t i = 0; i < o.n; ++i) values[i] = kernels::bf16_bits_to_f32(in[i]);
+    } else {
+      std::memcpy(values.data(), p, o.n * 4);
+    }
     return ok_status();
   });
 }
@@ -2087,10 +2218,10 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   int gathered_through = 0;  // units whose state every rank has gathered
   std::vector<char> pbytes;
   std::vector<float> blob;
-  auto gather_rest = [&]() {
+  auto gather_rest = [&]() {  // the collective part of read_unit_state, for the units not yet read
     for (; gathered_through < t.M; ++gathered_through) {
       if (t.sharded && !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
-        (void)t.read_unit_optim(gathered_through, blob);
+        (void)t.read_unit_state(gathered_through, pbytes, blob);
       }
     }
   };

@@ -159,7 +159,22 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
     line("data-parallel all-gather staging", Tier::kHost, StateKind::kParameters,
          dtype_size(config.model.dtype) * (P + 1) * d.max_chunk, pin);
-    line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+    if (settings.zero_stage == 3) {
+      // Stage 3: modules that are not resident keep this rank's slice at their home.
+      const std::uint64_t w = dtype_size(config.model.dtype);
+      std::uint64_t resident_copy = 0, host_slices = 0;
+      for (std::size_t m = 0; m < units.home.size(); ++m) {
+        if (units.home[m] == Tier::kDevice) resident_copy += units.pbytes[m];
+        if (units.home[m] == Tier::kHost && units.pbytes[m] > 0) host_slices += w * d.len[m];
+      }
+      line("working parameters (host copy of resident modules)", Tier::kHost, StateKind::kParameters, resident_copy,
+           pin);
+      line("working parameters" + of, Tier::kHost, StateKind::kParameters, host_slices, pin);
+      line("data-parallel parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
+           w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+    } else {
+      line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+    }
     line("fp32 master weights" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
     line("Adam exp_avg" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
     line("Adam exp_avg_sq" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
@@ -183,7 +198,15 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
     line("updated parameter staging (pinned)", Tier::kHost, StateKind::kParameters, 2 * units.param_out_bytes, true);
   }
-  if (units.nvme_param_bytes > 0) {
+  if (units.nvme_param_bytes > 0 && sharded && settings.zero_stage == 3) {
+    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+    std::uint64_t slices = 0;
+    for (std::size_t m = 0; m < units.home.size(); ++m) {
+      if (units.home[m] == Tier::kNvme) slices += dtype_size(config.model.dtype) * d.len[m];
+    }
+    line("working parameters (this rank's 1/" + std::to_string(settings.dp_size) + ")", Tier::kNvme,
+         StateKind::kParameters, slices);  // fetch staging: counted with the data-parallel lines
+  } else if (units.nvme_param_bytes > 0) {
     line("working parameters", Tier::kNvme, StateKind::kParameters, units.nvme_param_bytes);
     line("parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);

@@ -569,7 +569,8 @@ int run_train(std::span<const std::string> argv) {
     }
     recent_losses.push_back(m->loss);
     const bool last = step + 1 == steps;
-    const bool do_val = leader && can_validate && (last || (val_every > 0 && (step + 1) % val_every == 0));
+    // Every rank validates: under stage 3 the forward gathers parameters from all of them.
+    const bool do_val = can_validate && (last || (val_every > 0 && (step + 1) % val_every == 0));
     if (do_val) {
       Status v = validate();
       if (!v.ok()) return fail(v.with_context("validation"));
@@ -612,7 +613,8 @@ int run_train(std::span<const std::string> argv) {
   // ---- outputs ----
   s = trace_writer.write();
   if (!s.ok()) return fail(s);
-  if (auto p = args.get("save-weights"); p && leader) {
+  // Saving weights is collective under mpirun (stage 3 gathers the parameters); rank 0 writes.
+  if (auto p = args.get("save-weights")) {
     Status w = tr.save_weights(*p, WeightFormat::kHuggingFace);
     if (!w.ok()) return fail(w);
   }
@@ -644,6 +646,11 @@ int run_train(std::span<const std::string> argv) {
     summary["bytes_nvme_written"] = os.bytes_nvme_written;
     summary["prefetch_hit_rate"] = os.hit_rate();
     summary["allocations_after_warmup"] = os.allocations_after_warmup;
+  }
+  if (ranks > 1 && !leader && args.has("out")) {
+    Status w = tr.save_weights((std::filesystem::path(*args.get("out")) / "weights.safetensors").string(),
+                               WeightFormat::kNative);
+    if (!w.ok()) return fail(w);
   }
   if (!out_dir.empty()) {
     const std::string weights = (std::filesystem::path(out_dir) / "weights.safetensors").string();
