@@ -39,7 +39,7 @@ constexpr FlagSpec kPlanFlags[] = {
     {"out", "FILE", "write the chosen configuration here (DeepSpeed-style JSON)"},
     {"json", "", "print JSON (machine rates, ranked placements, the chosen one and its config)"},
     {"measure-nvme", "BYTES", "bytes written and read back to measure NVMe (default 128MiB)"},
-    {"measure-steps", "N", "timed resident steps to measure compute (default 3, after 1 warm-up)"},
+    {"measure-steps", "N", "timed resident steps to measure compute (default 5, after 1 warm-up)"},
     {"measure-memory", "BYTES",
      "the most the resident model may take while compute is measured; a model above it is measured "
      "at a smaller depth and scaled (default: half the available memory)"},
@@ -221,6 +221,7 @@ int run_plan(std::span<const std::string> argv) {
     if (!r->ok()) return usage(r->status());
   }
   MeasureSettings ms;
+  ms.steps = 5;
   if (Status v = int_flag(args, "measure-steps", 1, 1000, &ms.steps); !v.ok()) return usage(v);
   ms.nvme_bytes = *measure_nvme;
   ms.compute_memory = *measure_memory;
@@ -254,6 +255,16 @@ int run_plan(std::span<const std::string> argv) {
   const bool fix_params = args.has("offload-param");
   const bool fix_optimizer = args.has("offload-optimizer");
   const bool fix_gradients = args.has("offload-gradients");
+  if (fix_gradients && rs.offload.gradients == Tier::kNvme && fix_optimizer && rs.offload.optimizer != Tier::kNvme) {
+    return usage(invalid_argument("flag '--offload-gradients nvme' needs the optimizer on NVMe: --offload-optimizer nvme"));
+  }
+  if (fix_params && fix_optimizer && rs.offload.params != Tier::kDevice && rs.offload.optimizer == Tier::kDevice) {
+    return usage(invalid_argument("flag '--offload-param " + tier_name(rs.offload.params) +
+                                  "' needs the optimizer off the device too: --offload-optimizer cpu or nvme"));
+  }
+  if (fix_gradients && rs.offload.gradients == Tier::kDevice) {
+    return usage(invalid_argument("flag '--offload-gradients': gradients wait on cpu or nvme"));
+  }
   auto layout = describe_model(rs.trainer.model);
   if (!layout.ok()) return usage(layout.status());
   std::uint64_t largest = 1;

@@ -155,9 +155,10 @@ Result<NvmeTimes> time_nvme(const std::string& dir, std::uint64_t read_bytes, st
   out.cpu_fraction = wall > 0 ? std::min(1.0, cpu / wall) : 0.0;
   // The fixed cost: single 4 KiB reads, each waited for.
   std::vector<double> lat;
+  STRATA_RETURN_IF_ERROR(store->write(TensorKey{"latency", 0}, buf.data(), 4096).wait());
   for (int i = 0; i < 9; ++i) {
     const auto t0 = Clock::now();
-    STRATA_RETURN_IF_ERROR(store->read(TensorKey{"bench", 0}, buf.data(), 4096).wait());
+    STRATA_RETURN_IF_ERROR(store->read(TensorKey{"latency", 0}, buf.data(), 4096).wait());
     lat.push_back(seconds_since(t0));
   }
   out.request_s = median(lat);
