@@ -42,7 +42,8 @@ TEST(CliPlan, WritesAConfigThatConfigAndTrainAccept) {
   EXPECT_EQ(j["chosen"], rows[0]);
   for (const auto& r : rows) {
     EXPECT_GT(r["predicted"]["step_s"].get<double>(), 0.0);
-    EXPECT_GE(r["predicted"]["step_s"].get<double>(), r["predicted"]["parts_s"]["compute"].get<double>() * 0.999);
+    EXPECT_GE(r["predicted"]["step_s"].get<double>(),
+              r["predicted"]["parts_s"]["compute"].get<double>() * 0.999);
   }
   EXPECT_GT(j["machine"]["h2d_bytes_per_s"].get<double>(), 0.0);
   EXPECT_TRUE(j["machine"]["nvme_measured"].get<bool>());
@@ -50,7 +51,9 @@ TEST(CliPlan, WritesAConfigThatConfigAndTrainAccept) {
   const auto written = nlohmann::json::parse(read_file(cfg));
   EXPECT_EQ(written, j["config"]);
   EXPECT_EQ(written["zero_optimization"]["offload_param"]["device"],
-            j["chosen"]["offload_param"] == "device" ? "none" : j["chosen"]["offload_param"] == "host" ? "cpu" : "nvme");
+            j["chosen"]["offload_param"] == "device" ? "none"
+            : j["chosen"]["offload_param"] == "host" ? "cpu"
+                                                     : "nvme");
   EXPECT_EQ(written["strata"]["offload_prefetch_modules"], j["chosen"]["prefetch_modules"]);
   auto c = run_cli("config " + cfg + " --strict");
   EXPECT_EQ(c.exit_code, 0) << c.output;
@@ -98,7 +101,8 @@ TEST(CliPlan, TightDeviceBudgetForcesOffloadThatFits) {
   const std::string cfg = (dir / "tight.json").string();
   const auto j = plan_json("--device-memory " + std::to_string(budget) + " --out " + cfg);
   const auto& chosen = j["chosen"];
-  EXPECT_FALSE(chosen["offload_param"] == "device" && chosen["offload_optimizer"] == "device") << chosen.dump();
+  EXPECT_FALSE(chosen["offload_param"] == "device" && chosen["offload_optimizer"] == "device")
+      << chosen.dump();
   EXPECT_LE(chosen["bytes"]["device"].get<std::uint64_t>(), budget);
   for (const auto& r : j["placements"]) EXPECT_LE(r["bytes"]["device"].get<std::uint64_t>(), budget);
   bool refused_all_device = false;
@@ -140,7 +144,8 @@ TEST(CliPlan, BadFlagsNameTheFlag) {
       {"extra", 2, "unexpected argument 'extra'"},
       {"--out /nonexistent-dir/plan.json", 1, "/nonexistent-dir"},
       {"--nvme-path /nonexistent-dir", 1, "--nvme-path '/nonexistent-dir'"},
-      {"--offload-gradients nvme --offload-optimizer cpu", 2, "--offload-gradients nvme' needs the optimizer on NVMe"},
+      {"--offload-gradients nvme --offload-optimizer cpu", 2,
+       "--offload-gradients nvme' needs the optimizer on NVMe"},
   };
   for (const Case& c : cases) {
     auto r = run_cli("plan " + std::string(kShape) + " " + kQuick + " " + c.flags);

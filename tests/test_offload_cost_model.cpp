@@ -110,8 +110,11 @@ TEST(CostModel, PrefetchHidesFetchesThatOnDemandSerialises) {
   const Units u = units_of(c);
   MachineRates r = rates();
   // The largest unit's copy takes 0.25 s, well under a module's compute.
-  r.h2d_bytes_per_s = static_cast<double>(*std::max_element(u.param_bytes.begin(), u.param_bytes.end())) / 0.25;
-  auto fetch = [&](int unit) { return static_cast<double>(u.param_bytes[static_cast<std::size_t>(unit)]) / r.h2d_bytes_per_s; };
+  r.h2d_bytes_per_s =
+      static_cast<double>(*std::max_element(u.param_bytes.begin(), u.param_bytes.end())) / 0.25;
+  auto fetch = [&](int unit) {
+    return static_cast<double>(u.param_bytes[static_cast<std::size_t>(unit)]) / r.h2d_bytes_per_s;
+  };
   OffloadSettings s;
   s.params = Tier::kHost;
   s.optimizer = Tier::kHost;
@@ -129,7 +132,8 @@ TEST(CostModel, PrefetchHidesFetchesThatOnDemandSerialises) {
   ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
   EXPECT_NEAR(ahead->step_seconds, kCompute + fetch(0), 1e-9);  // only the step's first fetch shows
   EXPECT_EQ(ahead->h2d_bytes, on_demand->h2d_bytes);
-  EXPECT_EQ(ahead->h2d_bytes, 3 * u.param_bytes[0] + 2 * u.param_bytes[1] + 2 * u.param_bytes[2] + u.param_bytes[3]);
+  EXPECT_EQ(ahead->h2d_bytes,
+            3 * u.param_bytes[0] + 2 * u.param_bytes[1] + 2 * u.param_bytes[2] + u.param_bytes[3]);
 }
 
 TEST(CostModel, NvmeOptimizerMovesItsStateOncePerStepAndSlowerDisksCostTime) {

@@ -178,11 +178,11 @@ struct MachineRates {
   double device_update_seconds = 0;  // the optimizer step on the device (optimizer = device)
   double h2d_bytes_per_s = 0;        // pinned host -> device copies
   double d2h_bytes_per_s = 0;
-  double nvme_read_bytes_per_s = 0;   // through the swap store, checksums on
+  double nvme_read_bytes_per_s = 0;  // through the swap store, checksums on
   double nvme_write_bytes_per_s = 0;
-  double nvme_request_seconds = 0;    // fixed cost of one swap request on top of its bytes
-  double adam_elements_per_s = 0;     // CPU Adam on the engine's host optimizer threads
-  double scan_elements_per_s = 0;     // the gradient norm's sum of squares on that thread
+  double nvme_request_seconds = 0;  // fixed cost of one swap request on top of its bytes
+  double adam_elements_per_s = 0;   // CPU Adam on the engine's host optimizer threads
+  double scan_elements_per_s = 0;   // the gradient norm's sum of squares on that thread
   // The cpu backend: the device's compute threads occupy every core, so CPU work of the other
   // engines that runs while compute runs delays it by its CPU seconds over `cores`. Copies and
   // the optimizer are CPU work in full; NVMe transfers by nvme_cpu_fraction (checksums, page
@@ -197,12 +197,12 @@ struct MachineRates {
 // and where it goes. Busy seconds per engine add up to more than the step when they overlap.
 struct StepPrediction {
   double step_seconds = 0;
-  double compute = 0;     // forward + backward (+ the device optimizer)
-  double h2d = 0;         // parameter fetches, gradient restores, uploads of updated parameters
-  double d2h = 0;         // gradients out
-  double nvme_read = 0;   // parameter fetches, optimizer state and gradients in
-  double nvme_write = 0;  // optimizer state, gradients and updated parameters out
-  double optimizer = 0;   // host optimizer thread: gradient scans and CPU Adam
+  double compute = 0;       // forward + backward (+ the device optimizer)
+  double h2d = 0;           // parameter fetches, gradient restores, uploads of updated parameters
+  double d2h = 0;           // gradients out
+  double nvme_read = 0;     // parameter fetches, optimizer state and gradients in
+  double nvme_write = 0;    // optimizer state, gradients and updated parameters out
+  double optimizer = 0;     // host optimizer thread: gradient scans and CPU Adam
   double fetch_stall = 0;   // compute idle, waiting for parameters fetched or updated
   double update_stall = 0;  // the caller waiting for the gradient norm
   double contention = 0;    // shared_cores: the other engines' CPU work taken from compute

@@ -85,9 +85,10 @@ std::vector<std::vector<int>> fetches_of_step(const Units& units, int M, std::in
 
 Status MachineRates::validate(std::size_t modules) const {
   if (forward_seconds.size() != modules || backward_seconds.size() != modules) {
-    return invalid_argument("machine rates: forward_seconds and backward_seconds need one entry per module (" +
-                            std::to_string(modules) + "), got " + std::to_string(forward_seconds.size()) + " and " +
-                            std::to_string(backward_seconds.size()));
+    return invalid_argument(
+        "machine rates: forward_seconds and backward_seconds need one entry per module (" +
+        std::to_string(modules) + "), got " + std::to_string(forward_seconds.size()) + " and " +
+        std::to_string(backward_seconds.size()));
   }
   for (std::size_t m = 0; m < modules; ++m) {
     if (!finite_nonneg(forward_seconds[m]) || !finite_nonneg(backward_seconds[m])) {
@@ -95,18 +96,22 @@ Status MachineRates::validate(std::size_t modules) const {
                               " must be finite and >= 0");
     }
   }
-  const std::pair<const char*, double> positive[] = {
-      {"h2d_bytes_per_s", h2d_bytes_per_s},         {"d2h_bytes_per_s", d2h_bytes_per_s},
-      {"nvme_read_bytes_per_s", nvme_read_bytes_per_s}, {"nvme_write_bytes_per_s", nvme_write_bytes_per_s},
-      {"adam_elements_per_s", adam_elements_per_s}, {"scan_elements_per_s", scan_elements_per_s}};
+  const std::pair<const char*, double> positive[] = {{"h2d_bytes_per_s", h2d_bytes_per_s},
+                                                     {"d2h_bytes_per_s", d2h_bytes_per_s},
+                                                     {"nvme_read_bytes_per_s", nvme_read_bytes_per_s},
+                                                     {"nvme_write_bytes_per_s", nvme_write_bytes_per_s},
+                                                     {"adam_elements_per_s", adam_elements_per_s},
+                                                     {"scan_elements_per_s", scan_elements_per_s}};
   for (const auto& [name, v] : positive) {
-    if (!std::isfinite(v) || v <= 0) return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be > 0");
+    if (!std::isfinite(v) || v <= 0)
+      return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be > 0");
   }
   const std::pair<const char*, double> nonneg[] = {{"device_update_seconds", device_update_seconds},
                                                    {"nvme_request_seconds", nvme_request_seconds},
                                                    {"nvme_cpu_fraction", nvme_cpu_fraction}};
   for (const auto& [name, v] : nonneg) {
-    if (!finite_nonneg(v)) return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be >= 0");
+    if (!finite_nonneg(v))
+      return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be >= 0");
   }
   if (cores < 1) return invalid_argument("machine rates: cores = " + std::to_string(cores) + " must be >= 1");
   return ok_status();
@@ -135,7 +140,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
 
   const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
   const bool grads_nvme = settings.gradients == Tier::kNvme;
-  const bool any_nvme_home = std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  const bool any_nvme_home =
+      std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
                          settings.optimizer == Tier::kHost && !any_nvme_home;
   auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
@@ -186,7 +192,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       for (int u : fetch_at[t]) {
         const std::size_t uu = static_cast<std::size_t>(u);
         host = std::max(host, updated[uu]);  // prefetch_ahead waits for a pending update
-        const double slot_free = t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
+        const double slot_free =
+            t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
         const double start = std::max({h2d_stream, host, slot_free});
         double d = h2d(units.pbytes[uu]);
         cur.h2d += d;
@@ -313,7 +320,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         std::vector<Item> items;
         for (int u = 0; u < M; ++u) {
           const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
-          for (std::size_t c = 0; c + 1 < b.size(); ++c) items.push_back({u, b[c + 1] - b[c], c == 0, c + 2 == b.size()});
+          for (std::size_t c = 0; c + 1 < b.size(); ++c)
+            items.push_back({u, b[c + 1] - b[c], c == 0, c + 2 == b.size()});
         }
         const std::size_t R = units.ring_buffers;
         struct Pending {
@@ -332,7 +340,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         auto retire_through = [&](std::uint64_t through) {
           while (retired < writes.size() && writes[retired].seq <= through) {
             t = std::max(t, writes[retired].done);
-            if (writes[retired].unit_done >= 0) updated[static_cast<std::size_t>(writes[retired].unit_done)] = t;
+            if (writes[retired].unit_done >= 0)
+              updated[static_cast<std::size_t>(writes[retired].unit_done)] = t;
             ++retired;
           }
         };
@@ -391,7 +400,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       if (rates.shared_cores) {
         // The other engines' CPU work, as far as it ran while compute ran, takes its share of
         // the cores compute would have used.
-        const double cpu_work = cur.h2d + cur.d2h + cur.optimizer + rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
+        const double cpu_work =
+            cur.h2d + cur.d2h + cur.optimizer + rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
         const double overlap = period > 0 ? std::min(1.0, cur.compute / period) : 1.0;
         cur.contention = cpu_work * overlap / static_cast<double>(rates.cores);
         cur.step_seconds += cur.contention;
@@ -407,7 +417,8 @@ std::string StepPrediction::to_string() const {
   char buf[160];
   auto line = [&](const char* part, double seconds, std::uint64_t bytes, const char* what) {
     if (bytes > 0) {
-      std::snprintf(buf, sizeof buf, "  %-13s %9.4f s  %12s  %s\n", part, seconds, format_bytes(bytes).c_str(), what);
+      std::snprintf(buf, sizeof buf, "  %-13s %9.4f s  %12s  %s\n", part, seconds,
+                    format_bytes(bytes).c_str(), what);
     } else {
       std::snprintf(buf, sizeof buf, "  %-13s %9.4f s  %12s  %s\n", part, seconds, "", what);
     }

@@ -35,7 +35,8 @@ constexpr FlagSpec kPlanFlags[] = {
     {"device-memory", "BYTES", "device budget (default: the device_memory tunable, 2GiB)"},
     {"host-memory", "BYTES", "host budget, pinned included (default: the memory available now)"},
     {"nvme-free", "BYTES", "swap space the NVMe tier may take (default: the free space of --nvme-path)"},
-    {"vocab-size", "N", "vocabulary size (default 256: the byte tokenizer strata train uses without --vocab)"},
+    {"vocab-size", "N",
+     "vocabulary size (default 256: the byte tokenizer strata train uses without --vocab)"},
     {"out", "FILE", "write the chosen configuration here (DeepSpeed-style JSON)"},
     {"json", "", "print JSON (machine rates, ranked placements, the chosen one and its config)"},
     {"measure-nvme", "BYTES", "bytes written and read back to measure NVMe (default 128MiB)"},
@@ -104,7 +105,10 @@ Json prediction_json(const StepPrediction& p) {
                 {"update_stall", p.update_stall},
                 {"contention", p.contention}}},
               {"bytes_per_step",
-               {{"h2d", p.h2d_bytes}, {"d2h", p.d2h_bytes}, {"nvme_read", p.nvme_read_bytes}, {"nvme_write", p.nvme_write_bytes}}}};
+               {{"h2d", p.h2d_bytes},
+                {"d2h", p.d2h_bytes},
+                {"nvme_read", p.nvme_read_bytes},
+                {"nvme_write", p.nvme_write_bytes}}}};
 }
 
 Json candidate_json(const Candidate& c) {
@@ -209,7 +213,8 @@ int run_plan(std::span<const std::string> argv) {
   RunSettings rs;
   if (Status s = load_settings(args, config_path, &rs); !s.ok()) return fail(s);
   if (Status s = apply_settings_flags(args, &rs); !s.ok()) return usage(s);
-  if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok()) return usage(v);
+  if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok())
+    return usage(v);
   if (Status v = rs.trainer.validate(); !v.ok()) return usage(v);
   constexpr std::uint64_t kMax = ~0ull;
   auto device_mem = args.get_bytes("device-memory", 0, 1u << 20, kMax);
@@ -255,12 +260,16 @@ int run_plan(std::span<const std::string> argv) {
   const bool fix_params = args.has("offload-param");
   const bool fix_optimizer = args.has("offload-optimizer");
   const bool fix_gradients = args.has("offload-gradients");
-  if (fix_gradients && rs.offload.gradients == Tier::kNvme && fix_optimizer && rs.offload.optimizer != Tier::kNvme) {
-    return usage(invalid_argument("flag '--offload-gradients nvme' needs the optimizer on NVMe: --offload-optimizer nvme"));
+  if (fix_gradients && rs.offload.gradients == Tier::kNvme && fix_optimizer &&
+      rs.offload.optimizer != Tier::kNvme) {
+    return usage(invalid_argument(
+        "flag '--offload-gradients nvme' needs the optimizer on NVMe: --offload-optimizer nvme"));
   }
-  if (fix_params && fix_optimizer && rs.offload.params != Tier::kDevice && rs.offload.optimizer == Tier::kDevice) {
-    return usage(invalid_argument("flag '--offload-param " + tier_name(rs.offload.params) +
-                                  "' needs the optimizer off the device too: --offload-optimizer cpu or nvme"));
+  if (fix_params && fix_optimizer && rs.offload.params != Tier::kDevice &&
+      rs.offload.optimizer == Tier::kDevice) {
+    return usage(
+        invalid_argument("flag '--offload-param " + tier_name(rs.offload.params) +
+                         "' needs the optimizer off the device too: --offload-optimizer cpu or nvme"));
   }
   if (fix_gradients && rs.offload.gradients == Tier::kDevice) {
     return usage(invalid_argument("flag '--offload-gradients': gradients wait on cpu or nvme"));
@@ -268,7 +277,8 @@ int run_plan(std::span<const std::string> argv) {
   auto layout = describe_model(rs.trainer.model);
   if (!layout.ok()) return usage(layout.status());
   std::uint64_t largest = 1;
-  for (const ModuleDesc& md : layout->modules) largest = std::max<std::uint64_t>(largest, (md.grad_end - md.grad_begin) / 4);
+  for (const ModuleDesc& md : layout->modules)
+    largest = std::max<std::uint64_t>(largest, (md.grad_end - md.grad_begin) / 4);
   struct Refused {
     std::string placement;
     std::string why;
@@ -294,8 +304,10 @@ int run_plan(std::span<const std::string> argv) {
           left_out.push_back(placement_name(base));
           continue;
         }
-        std::vector<int> depths = params == Tier::kDevice ? std::vector<int>{base.prefetch_modules} : std::vector<int>{0, 1, 2, 4};
-        std::vector<int> buffers = optimizer == Tier::kNvme ? std::vector<int>{3, 4, 8} : std::vector<int>{base.nvme_buffer_count};
+        std::vector<int> depths =
+            params == Tier::kDevice ? std::vector<int>{base.prefetch_modules} : std::vector<int>{0, 1, 2, 4};
+        std::vector<int> buffers =
+            optimizer == Tier::kNvme ? std::vector<int>{3, 4, 8} : std::vector<int>{base.nvme_buffer_count};
         std::vector<std::int64_t> groups{base.sub_group_size};
         if (optimizer == Tier::kNvme) {
           groups.clear();
@@ -306,7 +318,6 @@ int run_plan(std::span<const std::string> argv) {
           }
         }
         std::string why;
-        std::uint64_t least_device = kMax;
         for (int k : depths) {
           for (int r : buffers) {
             for (std::int64_t g : groups) {
@@ -314,22 +325,31 @@ int run_plan(std::span<const std::string> argv) {
               s.prefetch_modules = k;
               // The prefetch budget holds the look-ahead, so the depth is what limits it.
               if (params != Tier::kDevice)
-                s.prefetch_elements = std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
+                s.prefetch_elements =
+                    std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
               s.nvme_buffer_count = r;
               s.sub_group_size = g;
               if (nvme) s.io.nvme_path = s.nvme_path;
               auto e = estimate_placement(rs.trainer, s, budgets, cuda);
               if (!e.ok()) return fail(e.status());
-              least_device = std::min(least_device, e->device_need);
-              if (!e->fits()) {
+              // The cpu backend's device memory is this machine's memory too.
+              const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
+              const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
+              if (!e->fits() || !fits_memory) {
                 if (why.empty()) {
                   if (!e->fits_device)
-                    why = "device needs " + format_bytes(e->device_need) + " > budget " + format_bytes(budgets.device);
+                    why = "device needs " + format_bytes(e->device_need) + " > budget " +
+                          format_bytes(budgets.device);
                   else if (!e->fits_host)
-                    why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) + " > budget " +
-                          format_bytes(budgets.host);
+                    why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) +
+                          " > budget " + format_bytes(budgets.host);
+                  else if (!fits_memory)
+                    why = "device + host need " + format_bytes(all_memory) + " > " +
+                          format_bytes(budgets.host) +
+                          " available (the cpu backend's device memory is host memory)";
                   else
-                    why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) + " free";
+                    why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) +
+                          " free";
                 }
                 continue;
               }
@@ -342,7 +362,8 @@ int run_plan(std::span<const std::string> argv) {
         }
         bool any = false;
         for (const Candidate& c : candidates) {
-          any = any || (c.settings.params == params && c.settings.optimizer == optimizer && c.settings.gradients == gradients);
+          any = any || (c.settings.params == params && c.settings.optimizer == optimizer &&
+                        c.settings.gradients == gradients);
         }
         if (!any) refused.push_back({placement_name(base), why});
       }
@@ -351,7 +372,8 @@ int run_plan(std::span<const std::string> argv) {
   const bool as_json = args.has("json");
   if (candidates.empty()) {
     std::string msg = "no placement fits the budgets (device " + format_bytes(budgets.device) + ", host " +
-                      format_bytes(budgets.host) + (nvme_dir.empty() ? "" : ", nvme " + format_bytes(budgets.nvme)) + "):";
+                      format_bytes(budgets.host) +
+                      (nvme_dir.empty() ? "" : ", nvme " + format_bytes(budgets.nvme)) + "):";
     for (const Refused& r : refused) msg += "\n  " + r.placement + ": " + r.why;
     for (const std::string& p : left_out) msg += "\n  " + p + ": not considered without --nvme-path";
     msg += "\nraise --device-memory or --host-memory, give --nvme-path, or lower --batch / --seq-len";
@@ -386,7 +408,8 @@ int run_plan(std::span<const std::string> argv) {
     // Predictions within 1% are a tie: the one with less device memory wins, then less pinned.
     const double x = a.prediction.step_seconds, y = b.prediction.step_seconds;
     if (std::abs(x - y) > 0.01 * std::min(x, y)) return x < y;
-    if (a.estimate.device_need != b.estimate.device_need) return a.estimate.device_need < b.estimate.device_need;
+    if (a.estimate.device_need != b.estimate.device_need)
+      return a.estimate.device_need < b.estimate.device_need;
     return a.estimate.plan.pinned_bytes < b.estimate.plan.pinned_bytes;
   });
   // The best tuning of each placement, ranked.
@@ -394,8 +417,9 @@ int run_plan(std::span<const std::string> argv) {
   for (const Candidate& c : candidates) {
     bool seen = false;
     for (const Candidate* b : best) {
-      seen = seen || (b->settings.params == c.settings.params && b->settings.optimizer == c.settings.optimizer &&
-                      b->settings.gradients == c.settings.gradients);
+      seen =
+          seen || (b->settings.params == c.settings.params && b->settings.optimizer == c.settings.optimizer &&
+                   b->settings.gradients == c.settings.gradients);
     }
     if (!seen) best.push_back(&c);
   }
@@ -445,7 +469,8 @@ int run_plan(std::span<const std::string> argv) {
     j["placements"] = rows;
     Json ref = Json::array();
     for (const Refused& r2 : refused) ref.push_back({{"placement", r2.placement}, {"why", r2.why}});
-    for (const std::string& p : left_out) ref.push_back({{"placement", p}, {"why", "not considered without --nvme-path"}});
+    for (const std::string& p : left_out)
+      ref.push_back({{"placement", p}, {"why", "not considered without --nvme-path"}});
     j["refused"] = ref;
     j["evaluated"] = candidates.size();
     j["chosen"] = candidate_json(chosen);
@@ -457,15 +482,15 @@ int run_plan(std::span<const std::string> argv) {
   }
 
   const MachineRates& r = *rates;
-  std::printf("machine  %d cores (%d compute threads, host optimizer on %d); measured in %.1f s\n", report.cores,
-              report.compute_threads, report.host_threads, report.seconds);
-  std::printf("  compute   resident step %.4f s (forward %.4f s, backward %.4f s per micro-batch%s)\n", report.step_s,
-              report.forward_s, report.forward_backward_s - report.forward_s,
+  std::printf("machine  %d cores (%d compute threads, host optimizer on %d); measured in %.1f s\n",
+              report.cores, report.compute_threads, report.host_threads, report.seconds);
+  std::printf("  compute   resident step %.4f s (forward %.4f s, backward %.4f s per micro-batch%s)\n",
+              report.step_s, report.forward_s, report.forward_backward_s - report.forward_s,
               report.measured_layers != rs.trainer.model.n_layer
                   ? (", measured at " + std::to_string(report.measured_layers) + " layers and scaled").c_str()
                   : "");
-  std::printf("  copies    h2d %.2f GB/s, d2h %.2f GB/s (%s each way)\n", r.h2d_bytes_per_s / 1e9, r.d2h_bytes_per_s / 1e9,
-              format_bytes(report.copy_bytes).c_str());
+  std::printf("  copies    h2d %.2f GB/s, d2h %.2f GB/s (%s each way)\n", r.h2d_bytes_per_s / 1e9,
+              r.d2h_bytes_per_s / 1e9, format_bytes(report.copy_bytes).c_str());
   if (!ms.nvme_dir.empty()) {
     std::printf("  nvme      read %.2f GB/s, write %.2f GB/s, %.3f ms per request, %.0f%% CPU (%s in %s)\n",
                 r.nvme_read_bytes_per_s / 1e9, r.nvme_write_bytes_per_s / 1e9, 1e3 * r.nvme_request_seconds,
@@ -474,28 +499,31 @@ int run_plan(std::span<const std::string> argv) {
   std::printf("  cpu adam  %.1f M elements/s on %d threads; gradient scan %.1f M elements/s\n",
               r.adam_elements_per_s / 1e6, report.host_threads, r.scan_elements_per_s / 1e6);
   std::printf("budgets  device %s, host %s, nvme %s\n\n", format_bytes(budgets.device).c_str(),
-              format_bytes(budgets.host).c_str(), nvme_dir.empty() ? "(no --nvme-path)" : format_bytes(budgets.nvme).c_str());
-  std::printf("%-4s %-6s %-9s %-9s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n", "rank", "params",
-              "optimizer", "gradients", "prefetch", "buffers", "sub-group", "step s", "compute", "h2d", "d2h", "nvme",
-              "adam", "stalls", "device", "host+pin", "nvme");
+              format_bytes(budgets.host).c_str(),
+              nvme_dir.empty() ? "(no --nvme-path)" : format_bytes(budgets.nvme).c_str());
+  std::printf("%-4s %-6s %-9s %-9s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n", "rank",
+              "params", "optimizer", "gradients", "prefetch", "buffers", "sub-group", "step s", "compute",
+              "h2d", "d2h", "nvme", "adam", "stalls", "device", "host+pin", "nvme");
   int rank = 0;
   for (const Candidate* c : best) {
     const OffloadSettings& s = c->settings;
     const StepPrediction& p = c->prediction;
-    std::printf("%-4d %-6s %-9s %-9s %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s %10s\n", ++rank,
-                tier_name(s.params).c_str(), tier_name(s.optimizer).c_str(),
-                s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.prefetch_modules,
-                s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
-                s.optimizer == Tier::kNvme ? std::to_string(s.sub_group_size).c_str() : "-", p.step_seconds, p.compute,
-                p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.fetch_stall + p.update_stall,
-                format_bytes(c->estimate.device_need).c_str(),
-                format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
-                format_bytes(c->estimate.plan.nvme_bytes).c_str());
+    std::printf(
+        "%-4d %-6s %-9s %-9s %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s %10s\n",
+        ++rank, tier_name(s.params).c_str(), tier_name(s.optimizer).c_str(),
+        s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.prefetch_modules,
+        s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
+        s.optimizer == Tier::kNvme ? std::to_string(s.sub_group_size).c_str() : "-", p.step_seconds,
+        p.compute, p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.fetch_stall + p.update_stall,
+        format_bytes(c->estimate.device_need).c_str(),
+        format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
+        format_bytes(c->estimate.plan.nvme_bytes).c_str());
   }
-  for (const Refused& x : refused) std::printf("  does not fit: %s (%s)\n", x.placement.c_str(), x.why.c_str());
+  for (const Refused& x : refused)
+    std::printf("  does not fit: %s (%s)\n", x.placement.c_str(), x.why.c_str());
   for (const std::string& p : left_out) std::printf("  not considered: %s (no --nvme-path)\n", p.c_str());
-  std::printf("\n%zu tunings evaluated; chosen: %s, prefetch %d", candidates.size(), placement_name(chosen.settings).c_str(),
-              chosen.settings.prefetch_modules);
+  std::printf("\n%zu tunings evaluated; chosen: %s, prefetch %d", candidates.size(),
+              placement_name(chosen.settings).c_str(), chosen.settings.prefetch_modules);
   if (chosen.settings.optimizer == Tier::kNvme) {
     std::printf(", %d ring buffers of sub-groups of %lld elements", chosen.settings.nvme_buffer_count,
                 static_cast<long long>(chosen.settings.sub_group_size));
@@ -511,7 +539,8 @@ int run_plan(std::span<const std::string> argv) {
 
 }  // namespace
 
-STRATA_CLI_COMMAND(plan, "measure this machine, predict every placement's step time and write the fastest config",
+STRATA_CLI_COMMAND(plan,
+                   "measure this machine, predict every placement's step time and write the fastest config",
                    run_plan);
 
 }  // namespace strata::cli

@@ -24,12 +24,16 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 double process_cpu_seconds() {
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
-  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  auto s = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec);
+  };
   return s(ru.ru_utime) + s(ru.ru_stime);
 }
 
@@ -48,7 +52,8 @@ Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int
   if (bytes == 0) return 0.0;
   STRATA_ASSIGN_OR_RETURN(ArenaBuffer dev, device.allocate(bytes, "bench.copy.device"));
   STRATA_ASSIGN_OR_RETURN(ArenaBuffer host, device.pinned().allocate(bytes, "bench.copy.host"));
-  STRATA_ASSIGN_OR_RETURN(auto stream, device.create_stream(kind == CopyKind::kHostToDevice ? "bench.h2d" : "bench.d2h"));
+  STRATA_ASSIGN_OR_RETURN(auto stream,
+                          device.create_stream(kind == CopyKind::kHostToDevice ? "bench.h2d" : "bench.d2h"));
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     const auto t0 = Clock::now();
@@ -206,7 +211,8 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
   std::uint64_t limit = settings.compute_memory;
   if (limit == 0) {
     const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-    limit = pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) / 2 : (4ull << 30);
+    limit = pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) / 2
+                                  : (4ull << 30);
   }
   TrainerConfig mc = config;
   OffloadSettings resident;  // everything on the device
@@ -215,7 +221,7 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
     STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(mc, resident));
     need = plan.device_bytes;
     if (need <= limit || mc.model.n_layer == 1) break;
-    mc.model.n_layer = std::max<std::int64_t>(1, mc.model.n_layer / 2);
+    mc.model.n_layer -= 1;
   }
   if (need > limit) {
     return out_of_memory("measuring compute: one block of the model with everything resident needs " +
@@ -276,9 +282,10 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
   {
     STRATA_ASSIGN_OR_RETURN(ModelLayout ml, describe_model(mc.model));
     STRATA_ASSIGN_OR_RETURN(ModelLayout fl, describe_model(config.model));
-    const double update = std::max(0.0, rep.step_s - static_cast<double>(mc.grad_accum) * rep.forward_backward_s);
-    rates.device_update_seconds =
-        update * static_cast<double>(fl.num_parameters()) / static_cast<double>(std::max<std::int64_t>(1, ml.num_parameters()));
+    const double update =
+        std::max(0.0, rep.step_s - static_cast<double>(mc.grad_accum) * rep.forward_backward_s);
+    rates.device_update_seconds = update * static_cast<double>(fl.num_parameters()) /
+                                  static_cast<double>(std::max<std::int64_t>(1, ml.num_parameters()));
   }
 
   // ---- copies ----
@@ -287,8 +294,10 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
     xdc.memory_bytes = std::max(dc.memory_bytes, align_up(settings.copy_bytes + (16u << 20), 1u << 20));
     xdc.pinned_bytes = std::max(dc.pinned_bytes, align_up(settings.copy_bytes + (16u << 20), 1u << 20));
     STRATA_ASSIGN_OR_RETURN(auto device, Device::create(xdc));
-    STRATA_ASSIGN_OR_RETURN(rep.copy_h2d_s, time_copy(*device, settings.copy_bytes, CopyKind::kHostToDevice, 5));
-    STRATA_ASSIGN_OR_RETURN(rep.copy_d2h_s, time_copy(*device, settings.copy_bytes, CopyKind::kDeviceToHost, 5));
+    STRATA_ASSIGN_OR_RETURN(rep.copy_h2d_s,
+                            time_copy(*device, settings.copy_bytes, CopyKind::kHostToDevice, 5));
+    STRATA_ASSIGN_OR_RETURN(rep.copy_d2h_s,
+                            time_copy(*device, settings.copy_bytes, CopyKind::kDeviceToHost, 5));
     rep.copy_bytes = settings.copy_bytes;
   }
   const double copy_bytes = static_cast<double>(std::max<std::uint64_t>(settings.copy_bytes, 1));
@@ -301,7 +310,8 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
                                                 settings.nvme_piece, 2));
     rep.nvme_bytes = settings.nvme_bytes;
     rates.nvme_read_bytes_per_s = static_cast<double>(settings.nvme_bytes) / std::max(rep.nvme.read_s, 1e-9);
-    rates.nvme_write_bytes_per_s = static_cast<double>(settings.nvme_bytes) / std::max(rep.nvme.write_s, 1e-9);
+    rates.nvme_write_bytes_per_s =
+        static_cast<double>(settings.nvme_bytes) / std::max(rep.nvme.write_s, 1e-9);
     rates.nvme_request_seconds = rep.nvme.request_s;
     rates.nvme_cpu_fraction = rep.nvme.cpu_fraction;
   } else {

@@ -40,14 +40,14 @@ Result<NvmeTimes> time_nvme(const std::string& dir, std::uint64_t read_bytes, st
 
 // How much strata plan measures (a few seconds for a small model).
 struct MeasureSettings {
-  std::int64_t steps = 3;    // timed steps of the resident model (median)
-  std::int64_t warmup = 1;   // untimed steps first
+  std::int64_t steps = 3;   // timed steps of the resident model (median)
+  std::int64_t warmup = 1;  // untimed steps first
   std::uint64_t copy_bytes = 64ull << 20;
   std::uint64_t nvme_bytes = 128ull << 20;  // written then read back (0: no NVMe measurement)
   std::uint64_t nvme_piece = 8ull << 20;
   std::int64_t adam_elements = 4'000'000;
   std::uint64_t compute_memory = 0;  // the most the resident model may take (0: half of what is available)
-  std::string nvme_dir;               // where to measure NVMe (empty: no NVMe measurement)
+  std::string nvme_dir;              // where to measure NVMe (empty: no NVMe measurement)
 };
 
 // What was measured, for the report.
