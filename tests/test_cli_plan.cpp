@@ -7,6 +7,8 @@
 #include <string>
 
 #include "harness/harness.hpp"
+#include "strata/config.hpp"
+#include "strata/offload.hpp"
 
 namespace strata {
 namespace {
@@ -127,6 +129,23 @@ TEST(CliPlan, NothingFitsIsRefusedNamingWhatToChange) {
   EXPECT_NE(r.output.find("params device, optimizer device: device needs"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("not considered without --nvme-path"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("raise --device-memory"), std::string::npos) << r.output;
+}
+
+TEST(CliPlan, TheStrataKeysItWritesReachTheOffloadSettings) {
+  auto c =
+      parse_config(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+                            "strata": {"offload_prefetch_modules": 3, "offload_gradients": "nvme"}})",
+                   "plan.json");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  OffloadSettings s;
+  STRATA_ASSERT_OK(s.apply(*c));
+  EXPECT_EQ(s.prefetch_modules, 3);
+  EXPECT_EQ(s.gradients, Tier::kNvme);
+  auto bad = parse_config(R"({"strata": {"offload_gradients": "gpu"}})", "plan.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("offload_gradients"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("one of: cpu (host), nvme"), std::string::npos)
+      << bad.status().message();
 }
 
 TEST(CliPlan, BadFlagsNameTheFlag) {
