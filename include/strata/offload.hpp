@@ -171,6 +171,66 @@ struct PlacementEstimate {
 Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& config, const OffloadSettings& base,
                                                            const EstimateBudgets& budgets, bool cuda = false);
 
+// One placement's estimate (estimate_placements' row for `settings` as given: every setting that
+// changes the bytes counts, prefetch depth, buffer count and sub-group size included).
+Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
+                                             const EstimateBudgets& budgets, bool cuda = false);
+
+// ---- the step-time model (strata plan; docs/offload.md "Predicting the step") -------------------
+//
+// What the machine does alone, measured by the caller (tools/strata/measure.cpp measures it).
+struct MachineRates {
+  // Compute of one micro-batch with everything resident, per module in forward order.
+  std::vector<double> forward_seconds;
+  std::vector<double> backward_seconds;
+  double device_update_seconds = 0;  // the optimizer step on the device (optimizer = device)
+  double h2d_bytes_per_s = 0;        // pinned host -> device copies
+  double d2h_bytes_per_s = 0;
+  double nvme_read_bytes_per_s = 0;  // through the swap store, checksums on
+  double nvme_write_bytes_per_s = 0;
+  double nvme_request_seconds = 0;  // fixed cost of one swap request on top of its bytes
+  double adam_elements_per_s = 0;   // CPU Adam on the engine's host optimizer threads
+  double scan_elements_per_s = 0;   // the gradient norm's sum of squares on that thread
+  // The cpu backend: the device's compute threads occupy every core, so CPU work of the other
+  // engines that runs while compute runs delays it by its CPU seconds over `cores`. Copies and
+  // the optimizer are CPU work in full; NVMe transfers by nvme_cpu_fraction (checksums, page
+  // copies: CPU seconds per second of transfer).
+  bool shared_cores = false;
+  int cores = 1;
+  double nvme_cpu_fraction = 0;
+  Status validate(std::size_t modules) const;  // errors name the rate
+};
+
+// The predicted steady-state step (the time between the returns of consecutive step() calls)
+// and where it goes. Busy seconds per engine add up to more than the step when they overlap.
+struct StepPrediction {
+  double step_seconds = 0;
+  double compute = 0;       // forward + backward (+ the device optimizer)
+  double h2d = 0;           // parameter fetches, gradient restores, uploads of updated parameters
+  double d2h = 0;           // gradients out
+  double nvme_read = 0;     // parameter fetches, optimizer state and gradients in
+  double nvme_write = 0;    // optimizer state, gradients and updated parameters out
+  double optimizer = 0;     // host optimizer thread: gradient scans and CPU Adam
+  double fetch_stall = 0;   // compute idle, waiting for parameters fetched or updated
+  double update_stall = 0;  // the caller waiting for the gradient norm
+  double contention = 0;    // shared_cores: the other engines' CPU work taken from compute
+  std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  std::string to_string() const;  // one line per part
+};
+
+// Predicts the step of `settings` by replaying the engine's schedule (docs/offload.md "One step")
+// over the units of OffloadPlan::make: per micro-batch the forward and backward accesses in
+// order, each non-resident unit fetched (NVMe read then H2D copy, serial on the h2d stream) up
+// to prefetch_modules accesses ahead and no earlier than the slot it reuses is free; gradient
+// buckets restored and copied out on the grads stream; the host optimizer thread scanning each
+// landed unit and updating it then (update_during_backward with clipping off, no NVMe homes) or
+// after the norm, in forward order, overlapped with the next step's forward, which waits for
+// each unit's update; NVMe optimizer state streamed through the ring of nvme_buffer_count
+// sub-groups (reads ahead, one disk for reads and writes). Several steps are replayed and the
+// last step's period is the prediction. A pure function of its arguments.
+Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
+                                    const MachineRates& rates);
+
 struct OffloadStats {
   std::int64_t steps = 0;
   std::uint64_t bytes_h2d = 0;  // device traffic since create()

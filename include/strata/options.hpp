@@ -30,6 +30,8 @@ enum class Option : std::uint16_t {
   kDtypeIsa,        // dtype conversion path: auto | scalar | avx2 | avx512
   kAdamIsa,         // CPU optimizer code path: auto | avx512 | avx2 | scalar
   kCommTimeout,     // seconds a collective or send/recv may take before it fails
+  kOffloadPrefetchModules,  // offload: modules whose parameters are fetched ahead of the one running
+  kOffloadGradients,        // offload: where gradients wait for an off-device optimizer (cpu | nvme)
   kCount
 };
 

@@ -36,6 +36,10 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "CPU optimizer code path: auto (best this CPU runs), avx512, avx2 or scalar"},
     {Option::kCommTimeout, "comm_timeout", OptionKind::kFloat, "300",
      "seconds a collective or send/recv may take before it fails and the job is aborted"},
+    {Option::kOffloadPrefetchModules, "offload_prefetch_modules", OptionKind::kInt, "2",
+     "offload: modules whose parameters are fetched ahead of the running one (0 = fetch on demand)"},
+    {Option::kOffloadGradients, "offload_gradients", OptionKind::kString, "cpu",
+     "offload: where fp32 gradients wait for an off-device optimizer: cpu (host memory) or nvme"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;
@@ -189,6 +193,9 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
       break;
     case Option::kAdamIsa:
       if (v.text != "auto" && !parse_simd_isa(v.text).ok()) return fail("one of: auto, scalar, avx2, avx512");
+      break;
+    case Option::kOffloadGradients:
+      if (v.text != "cpu" && v.text != "host" && v.text != "nvme") return fail("one of: cpu (host), nvme");
       break;
     default:
       break;

@@ -106,6 +106,9 @@ Status OffloadSettings::apply(const Config& config) {
   nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
   sub_group_size = z.sub_group_size;
   zero_stage = static_cast<int>(z.stage);
+  // Strata's own tunables of the placement (the `strata` section, or STRATA_OFFLOAD_*).
+  prefetch_modules = static_cast<int>(config.strata.get_int(Option::kOffloadPrefetchModules));
+  gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
   if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
     return invalid_argument(config.source +
                             ": zero_optimization.offload_optimizer.ratio = " +
@@ -286,6 +289,34 @@ std::string_view to_string(StateKind kind) {
   return "unknown";
 }
 
+Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
+                                             const EstimateBudgets& budgets, bool cuda) {
+  OffloadSettings s = settings;
+  if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
+    s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
+    s.io.nvme_path = s.nvme_path;
+  }
+  STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, s));
+  PlacementEstimate e;
+  e.params = s.params;
+  e.optimizer = s.optimizer;
+  for (const PlanLine& l : plan.lines) {
+    TierBytes& t = e.by_kind[static_cast<std::size_t>(l.kind)];
+    if (l.tier == Tier::kDevice) t.device += l.bytes;
+    if (l.tier == Tier::kHost) (l.pinned ? t.pinned : t.host) += l.bytes;
+    if (l.tier == Tier::kNvme) t.nvme += l.bytes;
+  }
+  e.device_need = plan.device_bytes + (cuda ? offload_detail::kCudaWorkspaceBytes : 0);
+  e.nvme_need = plan.swap_bytes;
+  e.fits_device = budgets.device == 0 || e.device_need <= budgets.device;
+  e.fits_host = budgets.host == 0 || plan.host_bytes + plan.pinned_bytes <= budgets.host;
+  e.fits_nvme = budgets.nvme == 0 || e.nvme_need <= budgets.nvme;
+  e.plan = std::move(plan);
+  // DeepSpeed's rules: parameter offload is stage 3 only, optimizer offload stages 1-3.
+  e.zero_stage = s.params != Tier::kDevice ? 3 : s.optimizer != Tier::kDevice ? 1 : 0;
+  return e;
+}
+
 Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& config, const OffloadSettings& base,
                                                            const EstimateBudgets& budgets, bool cuda) {
   std::vector<PlacementEstimate> out;
@@ -297,29 +328,8 @@ Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& 
       OffloadSettings s = base;
       s.params = params;
       s.optimizer = optimizer;
-      if ((params == Tier::kNvme || optimizer == Tier::kNvme) && s.nvme_path.empty()) {
-        s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
-        s.io.nvme_path = s.nvme_path;
-      }
-      STRATA_ASSIGN_OR_RETURN(OffloadPlan plan, OffloadPlan::make(config, s));
-      PlacementEstimate e;
-      e.params = params;
-      e.optimizer = optimizer;
-      for (const PlanLine& l : plan.lines) {
-        TierBytes& t = e.by_kind[static_cast<std::size_t>(l.kind)];
-        if (l.tier == Tier::kDevice) t.device += l.bytes;
-        if (l.tier == Tier::kHost) (l.pinned ? t.pinned : t.host) += l.bytes;
-        if (l.tier == Tier::kNvme) t.nvme += l.bytes;
-      }
-      e.device_need = plan.device_bytes + (cuda ? offload_detail::kCudaWorkspaceBytes : 0);
-      e.nvme_need = plan.swap_bytes;
-      e.fits_device = budgets.device == 0 || e.device_need <= budgets.device;
-      e.fits_host = budgets.host == 0 || plan.host_bytes + plan.pinned_bytes <= budgets.host;
-      e.fits_nvme = budgets.nvme == 0 || e.nvme_need <= budgets.nvme;
-      e.plan = std::move(plan);
-      // DeepSpeed's rules: parameter offload is stage 3 only, optimizer offload stages 1-3.
-      const int first = params != Tier::kDevice ? 3 : optimizer != Tier::kDevice ? 1 : 0;
-      for (int stage = first; stage <= 3; ++stage) {
+      STRATA_ASSIGN_OR_RETURN(PlacementEstimate e, estimate_placement(config, s, budgets, cuda));
+      for (int stage = e.zero_stage; stage <= 3; ++stage) {
         e.zero_stage = stage;
         out.push_back(e);
       }

@@ -30,6 +30,7 @@
 
 #include "bench_util.hpp"
 #include "cli.hpp"
+#include "measure.hpp"
 #include "model_flags.hpp"
 #include "strata/alloc.hpp"
 #include "strata/data.hpp"
@@ -88,99 +89,6 @@ constexpr Placement kPlacements[] = {
     {"parameters on NVMe, optimizer on host", Tier::kNvme, Tier::kHost, Tier::kHost},
     {"everything on NVMe", Tier::kNvme, Tier::kNvme, Tier::kNvme},
 };
-
-// Copies of `bytes` over one link alone, median of `reps`.
-Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int reps) {
-  if (bytes == 0) return 0.0;
-  STRATA_ASSIGN_OR_RETURN(ArenaBuffer dev, device.allocate(bytes, "bench.copy.device"));
-  STRATA_ASSIGN_OR_RETURN(ArenaBuffer host, device.pinned().allocate(bytes, "bench.copy.host"));
-  STRATA_ASSIGN_OR_RETURN(auto stream, device.create_stream(kind == CopyKind::kHostToDevice ? "bench.h2d" : "bench.d2h"));
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = Clock::now();
-    if (kind == CopyKind::kHostToDevice) {
-      STRATA_RETURN_IF_ERROR(stream->copy_async(dev.data(), host.data(), bytes, kind));
-    } else {
-      STRATA_RETURN_IF_ERROR(stream->copy_async(host.data(), dev.data(), bytes, kind));
-    }
-    STRATA_RETURN_IF_ERROR(stream->synchronize());
-    t.push_back(seconds_since(t0));
-  }
-  return median(t);
-}
-
-// CPU Adam over n parameters (fp32 master, moments and gradients; working copy in `dtype`).
-Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps) {
-  CpuOptimizerConfig oc;
-  STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));
-  oc.threads = threads;
-  STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
-  const auto un = static_cast<std::size_t>(n);
-  std::vector<float> master(un, 0.01f), grad(un, 1e-3f), m(un, 0.0f), v(un, 0.0f);
-  std::vector<std::uint16_t> out(un);
-  OptimizerBuffers b;
-  b.master = master.data();
-  b.grad = grad.data();
-  b.grad_dtype = DType::kF32;
-  b.exp_avg = m.data();
-  b.exp_avg_sq = v.data();
-  b.moment_dtype = DType::kF32;
-  b.param_out = dtype == DType::kBF16 ? out.data() : nullptr;
-  b.out_dtype = DType::kBF16;
-  b.n = un;
-  OptimizerHyper h;
-  h.weight_decay = 0.1;
-  std::vector<double> t;
-  for (int r = 0; r < reps + 1; ++r) {
-    const auto t0 = Clock::now();
-    STRATA_RETURN_IF_ERROR(opt.update(h, r + 1, 1.0f, b));
-    if (r > 0) t.push_back(seconds_since(t0));  // the first touches the pages
-  }
-  return median(t);
-}
-
-// Writes then reads `write_bytes` / `read_bytes` through a swap store in `dir`, in pieces the size
-// of the engine's, median of `reps`.
-Status time_nvme(const std::string& dir, std::uint64_t read_bytes, std::uint64_t write_bytes, std::uint64_t piece,
-                 int reps, double* read_s, double* write_s) {
-  *read_s = *write_s = 0;
-  const std::uint64_t total = std::max(read_bytes, write_bytes);
-  if (total == 0) return ok_status();
-  piece = std::max<std::uint64_t>(std::min(piece, total), 4096);
-  IoEngineConfig ioc;
-  ioc.nvme_path = {dir};
-  STRATA_ASSIGN_OR_RETURN(auto io, IoEngine::create(ioc));
-  SwapStoreConfig sc;
-  sc.dirs = {dir + "/bench-parts"};
-  std::filesystem::create_directories(sc.dirs[0]);
-  sc.capacity = 2 * (total + piece) + (64u << 20);
-  STRATA_ASSIGN_OR_RETURN(auto store, SwapStore::open(*io, sc));
-  AlignedBuffer buf;
-  STRATA_ASSIGN_OR_RETURN(buf, AlignedBuffer::allocate(total));
-  std::memset(buf.data(), 0x5a, total);
-  auto run = [&](IoOp op, std::uint64_t bytes) -> Result<double> {
-    const auto t0 = Clock::now();
-    std::vector<IoHandle> h;
-    for (std::uint64_t off = 0, k = 0; off < bytes; off += piece, ++k) {
-      const std::uint64_t n = std::min(piece, bytes - off);
-      char* p = static_cast<char*>(buf.data()) + off;
-      h.push_back(op == IoOp::kWrite ? store->write(TensorKey{"bench", static_cast<std::uint32_t>(k)}, p, n)
-                                     : store->read(TensorKey{"bench", static_cast<std::uint32_t>(k)}, p, n));
-    }
-    for (IoHandle& x : h) STRATA_RETURN_IF_ERROR(x.wait());
-    return seconds_since(t0);
-  };
-  std::vector<double> w, r;
-  for (int i = 0; i < reps; ++i) {
-    STRATA_ASSIGN_OR_RETURN(double ws, run(IoOp::kWrite, total));
-    w.push_back(ws * static_cast<double>(write_bytes) / static_cast<double>(total));
-    STRATA_ASSIGN_OR_RETURN(double rs, run(IoOp::kRead, total));
-    r.push_back(rs * static_cast<double>(read_bytes) / static_cast<double>(total));
-  }
-  *read_s = median(r);
-  *write_s = median(w);
-  return ok_status();
-}
 
 int bench_offload(std::span<const std::string> argv) {
   const auto flags = all_flags();
@@ -370,11 +278,10 @@ int bench_offload(std::span<const std::string> argv) {
       parts["optimizer"] = *o;
     }
     if (nr + nw > 0) {
-      double rs = 0, ws = 0;
-      Status t = time_nvme(swap_dir, nr, nw, 16u << 20, 3, &rs, &ws);
-      if (!t.ok()) return fail(t);
-      parts["nvme_read"] = rs;
-      parts["nvme_write"] = ws;
+      auto t = time_nvme(swap_dir, nr, nw, 16u << 20, 3);
+      if (!t.ok()) return fail(t.status());
+      parts["nvme_read"] = t->read_s;
+      parts["nvme_write"] = t->write_s;
     }
     double lower = 0;
     for (auto it = parts.begin(); it != parts.end(); ++it) lower = std::max(lower, it.value().get<double>());

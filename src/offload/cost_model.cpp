@@ -1,0 +1,441 @@
+// The step-time model of strata plan (offload.hpp's predict_step; docs/offload.md "Predicting the
+// step"). It replays the engine's schedule (engine.cpp) over the units of the plan with measured
+// rates instead of running it: one clock per engine — the caller (host thread that enqueues and
+// blocks on updates), the compute stream, the h2d stream (parameter fetches: NVMe read then copy,
+// serial), the grads stream (bucket restores and copies out), the host optimizer thread, and for
+// the NVMe optimizer pipeline one disk that serves its reads and writes in issue order. Each
+// event starts when its engine is free and its inputs are ready (the same events the engine
+// records: slot.fetched, slot.free, bucket done, landed, updated_step), so overlap and
+// serialisation come from the schedule, not from a formula. Several steps are replayed; the
+// period of the last is the prediction (a step's update overlaps the next step's forward).
+//
+// What is left out, and why it is small for the placements strata plan writes: the prefetch
+// budget (strata plan sets stage3_prefetch_bucket_size to hold the look-ahead), memsets of
+// gradient buckets, the fixed cost of enqueueing, and contention for the disk between parameter
+// fetches, gradient shards and the optimizer ring (each is charged at the full measured rate).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+
+#include "offload/internal.hpp"
+#include "strata/offload.hpp"
+#include "strata/options.hpp"
+
+namespace strata {
+namespace {
+
+using offload_detail::Units;
+
+bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
+
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+// Which accesses of one step fetch which units: engine.cpp's slot rule replayed. A unit read by
+// an access stays in its slot while one of the next max(1, k) accesses reads it again; between
+// micro-batches of one step the units of the trace's first max(1, k) accesses stay (cyclic
+// trace); across steps everything is released.
+std::vector<std::vector<int>> fetches_of_step(const Units& units, int M, std::int64_t passes, int k) {
+  const std::size_t per_pass = 2 * static_cast<std::size_t>(M);
+  const std::size_t J = per_pass * static_cast<std::size_t>(passes);
+  auto module_at = [&](std::size_t j) {
+    const std::size_t i = j % per_pass;
+    return i < static_cast<std::size_t>(M) ? static_cast<int>(i) : static_cast<int>(per_pass - 1 - i);
+  };
+  auto reads = [&](std::size_t j, int u) {
+    const auto& st = units.storage[static_cast<std::size_t>(module_at(j))];
+    return std::find(st.begin(), st.end(), u) != st.end();
+  };
+  const std::size_t window = static_cast<std::size_t>(std::max(1, k));
+  std::vector<std::vector<int>> fetch(J);
+  std::vector<char> held(static_cast<std::size_t>(M), 0);
+  for (std::size_t j = 0; j < J; ++j) {
+    const int m = module_at(j);
+    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+      const std::size_t uu = static_cast<std::size_t>(u);
+      if (units.home[uu] == Tier::kDevice || units.pbytes[uu] == 0 || held[uu]) continue;
+      fetch[j].push_back(u);
+      held[uu] = 1;
+    }
+    // release_after: the trace predicts within this pass, and into the next one when cyclic.
+    const std::size_t pass_end = (j / per_pass + 1) * per_pass;
+    const std::size_t horizon = std::min(pass_end < J ? pass_end + per_pass : J, j + 1 + window);
+    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+      bool reused = false;
+      for (std::size_t i = j + 1; i < horizon && !reused; ++i) reused = reads(i, u);
+      if (!reused) held[static_cast<std::size_t>(u)] = 0;
+    }
+    if (j + 1 == pass_end) {  // end_pass
+      for (int u = 0; u < M; ++u) {
+        bool keep = false;
+        for (std::size_t i = pass_end; i < std::min(J, pass_end + window) && !keep; ++i) keep = reads(i, u);
+        if (!keep) held[static_cast<std::size_t>(u)] = 0;
+      }
+    }
+  }
+  return fetch;
+}
+
+}  // namespace
+
+Status MachineRates::validate(std::size_t modules) const {
+  if (forward_seconds.size() != modules || backward_seconds.size() != modules) {
+    return invalid_argument(
+        "machine rates: forward_seconds and backward_seconds need one entry per module (" +
+        std::to_string(modules) + "), got " + std::to_string(forward_seconds.size()) + " and " +
+        std::to_string(backward_seconds.size()));
+  }
+  for (std::size_t m = 0; m < modules; ++m) {
+    if (!finite_nonneg(forward_seconds[m]) || !finite_nonneg(backward_seconds[m])) {
+      return invalid_argument("machine rates: compute seconds of module " + std::to_string(m) +
+                              " must be finite and >= 0");
+    }
+  }
+  const std::pair<const char*, double> positive[] = {{"h2d_bytes_per_s", h2d_bytes_per_s},
+                                                     {"d2h_bytes_per_s", d2h_bytes_per_s},
+                                                     {"nvme_read_bytes_per_s", nvme_read_bytes_per_s},
+                                                     {"nvme_write_bytes_per_s", nvme_write_bytes_per_s},
+                                                     {"adam_elements_per_s", adam_elements_per_s},
+                                                     {"scan_elements_per_s", scan_elements_per_s}};
+  for (const auto& [name, v] : positive) {
+    if (!std::isfinite(v) || v <= 0)
+      return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be > 0");
+  }
+  const std::pair<const char*, double> nonneg[] = {{"device_update_seconds", device_update_seconds},
+                                                   {"nvme_request_seconds", nvme_request_seconds},
+                                                   {"nvme_cpu_fraction", nvme_cpu_fraction}};
+  for (const auto& [name, v] : nonneg) {
+    if (!finite_nonneg(v))
+      return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be >= 0");
+  }
+  if (cores < 1) return invalid_argument("machine rates: cores = " + std::to_string(cores) + " must be >= 1");
+  return ok_status();
+}
+
+Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
+                                    const MachineRates& rates) {
+  STRATA_RETURN_IF_ERROR(config.validate());
+  STRATA_RETURN_IF_ERROR(settings.validate());
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  const Units units = offload_detail::describe_units(layout, settings);
+  const int M = static_cast<int>(layout.modules.size());
+  const std::size_t MM = static_cast<std::size_t>(M);
+  STRATA_RETURN_IF_ERROR(rates.validate(MM));
+  const std::int64_t A = config.grad_accum;
+
+  StepPrediction p;
+  if (settings.optimizer == Tier::kDevice) {
+    // Everything resident: the passes and the update run on the compute stream, nothing else.
+    double pass = 0;
+    for (std::size_t m = 0; m < MM; ++m) pass += rates.forward_seconds[m] + rates.backward_seconds[m];
+    p.compute = static_cast<double>(A) * pass + rates.device_update_seconds;
+    p.step_seconds = p.compute;
+    return p;
+  }
+
+  const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
+  const bool grads_nvme = settings.gradients == Tier::kNvme;
+  const bool any_nvme_home =
+      std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
+                         settings.optimizer == Tier::kHost && !any_nvme_home;
+  auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
+  auto d2h = [&](std::uint64_t b) { return static_cast<double>(b) / rates.d2h_bytes_per_s; };
+  auto nvme_read = [&](std::uint64_t b) {
+    return b == 0 ? 0.0 : rates.nvme_request_seconds + static_cast<double>(b) / rates.nvme_read_bytes_per_s;
+  };
+  auto nvme_write = [&](std::uint64_t b) {
+    return b == 0 ? 0.0 : rates.nvme_request_seconds + static_cast<double>(b) / rates.nvme_write_bytes_per_s;
+  };
+  auto adam = [&](std::uint64_t n) { return static_cast<double>(n) / rates.adam_elements_per_s; };
+  auto scan = [&](std::uint64_t n) { return static_cast<double>(n) / rates.scan_elements_per_s; };
+  auto elements = [&](int u) { return units.gbytes[static_cast<std::size_t>(u)] / 4; };
+
+  // Backward touches: a unit's bucket lives from its first backward touch to its last.
+  std::vector<int> first_touch(MM, -1), last_touch(MM, M);
+  for (int m = M - 1; m >= 0; --m) {
+    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+      const std::size_t uu = static_cast<std::size_t>(u);
+      if (first_touch[uu] < 0) first_touch[uu] = m;
+      last_touch[uu] = std::min(last_touch[uu], m);
+    }
+  }
+  const std::vector<std::vector<int>> fetch_at = fetches_of_step(units, M, A, k);
+  const std::size_t per_pass = 2 * MM;
+  const std::size_t J = per_pass * static_cast<std::size_t>(A);
+
+  // Clocks: when each engine is next free (seconds since the first replayed step began).
+  double host = 0, compute = 0, h2d_stream = 0, grads = 0, worker = 0, upload_lane = 0;
+  std::vector<double> updated(MM, 0.0), uploaded(MM, 0.0), fetched(MM, 0.0);
+  constexpr int kSteps = 4;
+  double last_return = 0, period = 0;
+  for (int s = 0; s < kSteps; ++s) {
+    StepPrediction cur;
+    const double step_start = host;
+    std::vector<double> compute_end(J, 0.0);
+    // Units' updated parameters go home: in place (host), to NVMe (the caller of this helper
+    // charges that), or to the device copy through an upload (h2d, after the host copy).
+    auto publish_resident = [&](int u, double at) {
+      const std::size_t uu = static_cast<std::size_t>(u);
+      if (units.home[uu] != Tier::kDevice) return;
+      upload_lane = std::max(upload_lane, at) + h2d(units.pbytes[uu]);
+      uploaded[uu] = upload_lane;
+      cur.h2d += h2d(units.pbytes[uu]);
+      cur.h2d_bytes += units.pbytes[uu];
+    };
+    auto issue_fetch = [&](std::size_t t) {
+      for (int u : fetch_at[t]) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        host = std::max(host, updated[uu]);  // prefetch_ahead waits for a pending update
+        const double slot_free =
+            t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
+        const double start = std::max({h2d_stream, host, slot_free});
+        double d = h2d(units.pbytes[uu]);
+        cur.h2d += d;
+        cur.h2d_bytes += units.pbytes[uu];
+        if (units.home[uu] == Tier::kNvme) {
+          const double r = nvme_read(units.pbytes[uu]);
+          cur.nvme_read += r;
+          cur.nvme_read_bytes += units.pbytes[uu];
+          d += r;
+        }
+        h2d_stream = start + d;
+        fetched[uu] = h2d_stream;
+      }
+    };
+    for (std::size_t j = 0; j < J; ++j) {
+      const std::size_t i = j % per_pass;
+      const bool backward = i >= MM;
+      const int m = backward ? static_cast<int>(per_pass - 1 - i) : static_cast<int>(i);
+      const std::size_t mm = static_cast<std::size_t>(m);
+      const std::int64_t micro = static_cast<std::int64_t>(j / per_pass);
+      const bool last_micro = micro + 1 == A;
+      // access_params: wait for the units' updates, fetch what is not in a slot (a miss, or the
+      // first k accesses of the step, which nothing fetched ahead).
+      double ready = 0;
+      for (int u : units.storage[mm]) host = std::max(host, updated[static_cast<std::size_t>(u)]);
+      if (k == 0 || j == 0) issue_fetch(j);
+      for (int u : units.storage[mm]) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        ready = std::max(ready, units.home[uu] == Tier::kDevice ? uploaded[uu] : fetched[uu]);
+      }
+      // acquire_grads: later micro-batches restore the bucket (grads stream) first.
+      if (backward) {
+        for (int u : units.storage[mm]) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0) continue;
+          double d = h2d(units.gbytes[uu]);
+          cur.h2d += d;
+          cur.h2d_bytes += units.gbytes[uu];
+          if (grads_nvme) {
+            const double r = nvme_read(units.gbytes[uu]);
+            cur.nvme_read += r;
+            cur.nvme_read_bytes += units.gbytes[uu];
+            d += r;
+          }
+          grads = std::max(grads, host) + d;
+          ready = std::max(ready, grads);
+        }
+      }
+      const double dur = backward ? rates.backward_seconds[mm] : rates.forward_seconds[mm];
+      const double start = std::max({compute, host, ready});
+      cur.fetch_stall += std::max(0.0, start - std::max(compute, step_start));
+      compute = start + dur;
+      compute_end[j] = compute;
+      cur.compute += dur;
+      // release_grads: at a unit's last backward touch its bucket goes out (grads stream); on the
+      // last micro-batch the unit lands and the optimizer thread scans it (and may update it).
+      if (backward) {
+        for (int u : units.storage[mm]) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          if (last_touch[uu] != m || units.gbytes[uu] == 0) continue;
+          double d = d2h(units.gbytes[uu]);
+          cur.d2h += d;
+          cur.d2h_bytes += units.gbytes[uu];
+          if (grads_nvme) {
+            const double w = nvme_write(units.gbytes[uu]);
+            cur.nvme_write += w;
+            cur.nvme_write_bytes += units.gbytes[uu];
+            d += w;
+            if (last_micro) {
+              d += scan(elements(u));
+              cur.optimizer += scan(elements(u));
+            }
+          }
+          grads = std::max(grads, compute) + d;
+          if (!last_micro) continue;
+          double work = grads_nvme ? 0.0 : scan(elements(u));
+          if (immediate) work += adam(elements(u));
+          worker = std::max(worker, grads) + work;
+          cur.optimizer += work;
+          if (immediate) {
+            updated[uu] = worker;
+            publish_resident(u, worker);
+          }
+        }
+      }
+      // release_after -> prefetch_ahead: the units of the next k accesses.
+      if (k > 0) {
+        for (std::size_t t = j + 1; t <= j + static_cast<std::size_t>(k) && t < J; ++t) {
+          // Only once per access: the window slides by one, so access t is first in reach now.
+          if (t == j + static_cast<std::size_t>(k) || j == 0) issue_fetch(t);
+        }
+      }
+    }
+    // The step's end: every stream synchronised, then the norm from the optimizer thread.
+    host = std::max({host, compute, h2d_stream, grads});
+    const double norm_known = std::max(worker, host);
+    cur.update_stall = norm_known - host;
+    host = norm_known;
+    worker = norm_known;
+    const double step_return = host;
+    if (!immediate) {
+      if (settings.optimizer == Tier::kHost) {
+        for (int u = 0; u < M; ++u) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          worker += adam(elements(u));
+          cur.optimizer += adam(elements(u));
+          if (units.home[uu] == Tier::kNvme) {
+            const double w = nvme_write(units.pbytes[uu]);  // published synchronously
+            worker += w;
+            cur.nvme_write += w;
+            cur.nvme_write_bytes += units.pbytes[uu];
+          }
+          updated[uu] = worker;
+          publish_resident(u, worker);
+        }
+      } else {
+        // update_units_nvme: sub-groups through the ring; reads run up to R-1 ahead, a buffer is
+        // reused once its write retired, writes retire in order and mark units updated.
+        struct Item {
+          int unit;
+          std::uint64_t len;
+          bool first, last;
+        };
+        std::vector<Item> items;
+        for (int u = 0; u < M; ++u) {
+          const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+          for (std::size_t c = 0; c + 1 < b.size(); ++c)
+            items.push_back({u, b[c + 1] - b[c], c == 0, c + 2 == b.size()});
+        }
+        const std::size_t R = units.ring_buffers;
+        struct Pending {
+          std::uint64_t seq;
+          double done;
+          int unit_done;
+        };
+        std::vector<Pending> writes;
+        std::size_t retired = 0;
+        std::uint64_t seq = 0;
+        double disk = worker;
+        double& t = worker;
+        std::vector<std::uint64_t> ring_seq(R, 0);
+        std::uint64_t out_seq[2] = {0, 0};
+        std::vector<double> read_done(items.size(), 0.0);
+        auto retire_through = [&](std::uint64_t through) {
+          while (retired < writes.size() && writes[retired].seq <= through) {
+            t = std::max(t, writes[retired].done);
+            if (writes[retired].unit_done >= 0)
+              updated[static_cast<std::size_t>(writes[retired].unit_done)] = t;
+            ++retired;
+          }
+        };
+        auto disk_op = [&](double d) {
+          disk = std::max(disk, t) + d;
+          return disk;
+        };
+        std::size_t issued = 0, units_started = 0;
+        for (std::size_t i = 0; i < items.size(); ++i) {
+          while (issued < items.size() && issued < i + R - 1) {
+            retire_through(ring_seq[issued % R]);
+            const std::uint64_t len = items[issued].len;
+            double r = nvme_read(12 * len);
+            cur.nvme_read_bytes += 12 * len;
+            if (grads_nvme) {
+              r += nvme_read(4 * len);
+              cur.nvme_read_bytes += 4 * len;
+            }
+            cur.nvme_read += r;
+            read_done[issued] = disk_op(r);
+            ++issued;
+          }
+          const Item& it = items[i];
+          t = std::max(t, read_done[i]);
+          if (it.first) {
+            ++units_started;
+            retire_through(out_seq[(units_started - 1) % 2]);
+          }
+          t += adam(it.len);
+          cur.optimizer += adam(it.len);
+          const double w = nvme_write(12 * it.len);
+          cur.nvme_write += w;
+          cur.nvme_write_bytes += 12 * it.len;
+          writes.push_back({++seq, disk_op(w), -1});
+          ring_seq[i % R] = seq;
+          if (!it.last) continue;
+          const std::size_t uu = static_cast<std::size_t>(it.unit);
+          if (units.home[uu] == Tier::kNvme) {
+            const double pw = nvme_write(units.pbytes[uu]);
+            cur.nvme_write += pw;
+            cur.nvme_write_bytes += units.pbytes[uu];
+            writes.push_back({++seq, disk_op(pw), it.unit});
+            out_seq[(units_started - 1) % 2] = seq;
+          } else {
+            publish_resident(it.unit, t);
+            writes.push_back({++seq, t, it.unit});
+          }
+        }
+        retire_through(std::numeric_limits<std::uint64_t>::max());
+      }
+    }
+    if (s > 0) period = step_return - last_return;
+    last_return = step_return;
+    if (s + 1 == kSteps) {
+      cur.step_seconds = period;
+      if (rates.shared_cores) {
+        // The other engines' CPU work, as far as it ran while compute ran, takes its share of
+        // the cores compute would have used.
+        const double cpu_work =
+            cur.h2d + cur.d2h + cur.optimizer + rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
+        const double overlap = period > 0 ? std::min(1.0, cur.compute / period) : 1.0;
+        cur.contention = cpu_work * overlap / static_cast<double>(rates.cores);
+        cur.step_seconds += cur.contention;
+      }
+      p = cur;
+    }
+  }
+  return p;
+}
+
+std::string StepPrediction::to_string() const {
+  std::ostringstream o;
+  char buf[160];
+  auto line = [&](const char* part, double seconds, std::uint64_t bytes, const char* what) {
+    if (bytes > 0) {
+      std::snprintf(buf, sizeof buf, "  %-13s %9.4f s  %12s  %s\n", part, seconds,
+                    format_bytes(bytes).c_str(), what);
+    } else {
+      std::snprintf(buf, sizeof buf, "  %-13s %9.4f s  %12s  %s\n", part, seconds, "", what);
+    }
+    o << buf;
+  };
+  std::snprintf(buf, sizeof buf, "predicted step %.4f s\n", step_seconds);
+  o << buf;
+  line("compute", compute, 0, "forward + backward (+ the device optimizer)");
+  line("h2d", h2d, h2d_bytes, "parameter fetches, gradient restores, uploads of updated parameters");
+  line("d2h", d2h, d2h_bytes, "gradients out");
+  line("nvme read", nvme_read, nvme_read_bytes, "parameters, optimizer state, gradients in");
+  line("nvme write", nvme_write, nvme_write_bytes, "optimizer state, gradients, updated parameters out");
+  line("optimizer", optimizer, 0, "host optimizer thread: gradient scans and CPU Adam");
+  line("fetch stall", fetch_stall, 0, "compute waiting for fetched or updated parameters");
+  line("update stall", update_stall, 0, "the caller waiting for the gradient norm");
+  line("contention", contention, 0, "cpu backend: the other engines' CPU work taken from compute");
+  return o.str();
+}
+
+}  // namespace strata

@@ -1,0 +1,177 @@
+// `strata plan` run as a user would: on a tiny model it measures, ranks and writes a config that
+// strata config validates and strata train runs; a tight device budget forces an offloaded
+// placement that then trains within that budget; a budget nothing fits is refused naming the flag
+// to change; fixed tiers are honoured; bad flags exit 2. (The accuracy of the prediction against
+// measured steps is tests/test_slow_plan_accuracy.cpp.)
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "harness/harness.hpp"
+#include "strata/config.hpp"
+#include "strata/offload.hpp"
+
+namespace strata {
+namespace {
+
+using testing::read_file;
+using testing::run_cli;
+using testing::TempDir;
+
+constexpr const char* kShape = "--model gpt2 --layers 2 --width 64 --heads 2 --seq-len 32 --batch 2";
+// Small measurements: the test is about the plumbing, not the figures.
+constexpr const char* kQuick = "--measure-nvme 4MiB --measure-steps 1";
+
+nlohmann::json plan_json(const std::string& flags) {
+  auto r = run_cli("plan --json " + std::string(kShape) + " " + kQuick + " " + flags);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.output;
+  return j;
+}
+
+TEST(CliPlan, WritesAConfigThatConfigAndTrainAccept) {
+  TempDir dir("strata-plan");
+  const std::string cfg = (dir / "plan.json").string();
+  const auto j = plan_json("--nvme-path " + dir.path().string() + " --out " + cfg);
+  ASSERT_TRUE(j.contains("chosen"));
+  // Ranked: the best tuning of each placement, fastest first (ties within 1%).
+  const auto& rows = j["placements"];
+  ASSERT_EQ(rows.size(), 10u);  // every placement fits this model: 3 on device and host + 7 with NVMe
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    const double a = rows[i - 1]["predicted"]["step_s"], b = rows[i]["predicted"]["step_s"];
+    EXPECT_LE(a, b * 1.01 + 1e-12) << i;
+  }
+  EXPECT_EQ(j["chosen"], rows[0]);
+  for (const auto& r : rows) {
+    EXPECT_GT(r["predicted"]["step_s"].get<double>(), 0.0);
+    EXPECT_GE(r["predicted"]["step_s"].get<double>(),
+              r["predicted"]["parts_s"]["compute"].get<double>() * 0.999);
+  }
+  EXPECT_GT(j["machine"]["h2d_bytes_per_s"].get<double>(), 0.0);
+  EXPECT_TRUE(j["machine"]["nvme_measured"].get<bool>());
+  // The file is the config printed, and the rest of the toolchain takes it.
+  const auto written = nlohmann::json::parse(read_file(cfg));
+  EXPECT_EQ(written, j["config"]);
+  EXPECT_EQ(written["zero_optimization"]["offload_param"]["device"],
+            j["chosen"]["offload_param"] == "device" ? "none"
+            : j["chosen"]["offload_param"] == "host" ? "cpu"
+                                                     : "nvme");
+  EXPECT_EQ(written["strata"]["offload_prefetch_modules"], j["chosen"]["prefetch_modules"]);
+  auto c = run_cli("config " + cfg + " --strict");
+  EXPECT_EQ(c.exit_code, 0) << c.output;
+  auto t = run_cli("train --config " + cfg + " --steps 1 --quiet --val-windows 1 " + kShape);
+  EXPECT_EQ(t.exit_code, 0) << t.output;
+}
+
+TEST(CliPlan, EveryPlacementItWritesTrains) {
+  // The NVMe placements' configs carry the directory and the Strata keys (gradients on NVMe).
+  TempDir dir("strata-plan");
+  const std::string cfg = (dir / "nvme.json").string();
+  const auto j = plan_json("--nvme-path " + dir.path().string() + " --out " + cfg +
+                           " --offload-param nvme --offload-optimizer nvme --offload-gradients nvme");
+  EXPECT_EQ(j["chosen"]["offload_param"], "nvme");
+  EXPECT_EQ(j["chosen"]["offload_gradients"], "nvme");
+  EXPECT_EQ(j["placements"].size(), 1u);
+  const auto written = nlohmann::json::parse(read_file(cfg));
+  EXPECT_EQ(written["zero_optimization"]["offload_optimizer"]["nvme_path"], dir.path().string());
+  EXPECT_EQ(written["strata"]["offload_gradients"], "nvme");
+  EXPECT_EQ(written["zero_optimization"]["sub_group_size"], j["chosen"]["sub_group_size"]);
+  auto c = run_cli("config " + cfg);
+  EXPECT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("parameters on nvme, optimizer state on nvme"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("gradients (fp32)"), std::string::npos) << c.output;  // the NVMe gradient line
+  auto t = run_cli("train --config " + cfg + " --steps 2 --quiet --val-windows 1 " + kShape);
+  EXPECT_EQ(t.exit_code, 0) << t.output;
+}
+
+TEST(CliPlan, TightDeviceBudgetForcesOffloadThatFits) {
+  auto e = run_cli(std::string("estimate --json ") + kShape);
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const auto est = nlohmann::json::parse(e.output);
+  std::uint64_t all_device = 0, least_offloaded = ~0ull;
+  for (const auto& r : est["placements"]) {
+    const std::uint64_t need = r["device_need"];
+    if (r["offload_param"] == "device" && r["offload_optimizer"] == "device") {
+      all_device = need;
+    } else if (r["offload_optimizer"] != "nvme" && r["offload_param"] != "nvme") {
+      least_offloaded = std::min(least_offloaded, need);
+    }
+  }
+  ASSERT_LT(least_offloaded, all_device);
+  const std::uint64_t budget = (least_offloaded + all_device) / 2;
+  TempDir dir("strata-plan");
+  const std::string cfg = (dir / "tight.json").string();
+  const auto j = plan_json("--device-memory " + std::to_string(budget) + " --out " + cfg);
+  const auto& chosen = j["chosen"];
+  EXPECT_FALSE(chosen["offload_param"] == "device" && chosen["offload_optimizer"] == "device")
+      << chosen.dump();
+  EXPECT_LE(chosen["bytes"]["device"].get<std::uint64_t>(), budget);
+  for (const auto& r : j["placements"]) EXPECT_LE(r["bytes"]["device"].get<std::uint64_t>(), budget);
+  bool refused_all_device = false;
+  for (const auto& r : j["refused"]) {
+    if (r["placement"] == "params device, optimizer device") {
+      refused_all_device = true;
+      EXPECT_NE(r["why"].get<std::string>().find("device needs"), std::string::npos) << r.dump();
+    }
+  }
+  EXPECT_TRUE(refused_all_device) << j["refused"].dump();
+  // The config carries the budget, and the engine, planning for itself, fits in it.
+  const auto written = nlohmann::json::parse(read_file(cfg));
+  EXPECT_EQ(written["strata"]["device_memory"], std::to_string(budget));
+  auto t = run_cli("train --config " + cfg + " --steps 1 --quiet --val-windows 1 " + kShape);
+  EXPECT_EQ(t.exit_code, 0) << t.output;
+}
+
+TEST(CliPlan, NothingFitsIsRefusedNamingWhatToChange) {
+  auto r = run_cli("plan " + std::string(kShape) + " " + kQuick + " --device-memory 1MiB");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("no placement fits the budgets"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("params device, optimizer device: device needs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not considered without --nvme-path"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("raise --device-memory"), std::string::npos) << r.output;
+}
+
+TEST(CliPlan, TheStrataKeysItWritesReachTheOffloadSettings) {
+  auto c =
+      parse_config(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+                            "strata": {"offload_prefetch_modules": 3, "offload_gradients": "nvme"}})",
+                   "plan.json");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  OffloadSettings s;
+  STRATA_ASSERT_OK(s.apply(*c));
+  EXPECT_EQ(s.prefetch_modules, 3);
+  EXPECT_EQ(s.gradients, Tier::kNvme);
+  auto bad = parse_config(R"({"strata": {"offload_gradients": "gpu"}})", "plan.json");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("offload_gradients"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("one of: cpu (host), nvme"), std::string::npos)
+      << bad.status().message();
+}
+
+TEST(CliPlan, BadFlagsNameTheFlag) {
+  struct Case {
+    std::string flags;
+    int exit_code;
+    std::string expect;
+  };
+  const Case cases[] = {
+      {"--device-memory lots", 2, "--device-memory"},
+      {"--offload-param tape", 2, "--offload-param"},
+      {"--measure-steps 0", 2, "--measure-steps"},
+      {"--measure-nvme 12", 2, "--measure-nvme"},
+      {"--frobnicate", 2, "--frobnicate"},
+      {"extra", 2, "unexpected argument 'extra'"},
+      {"--out /nonexistent-dir/plan.json", 1, "/nonexistent-dir"},
+      {"--nvme-path /nonexistent-dir", 1, "--nvme-path '/nonexistent-dir'"},
+      {"--offload-gradients nvme --offload-optimizer cpu", 2,
+       "--offload-gradients nvme' needs the optimizer on NVMe"},
+  };
+  for (const Case& c : cases) {
+    auto r = run_cli("plan " + std::string(kShape) + " " + kQuick + " " + c.flags);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace strata

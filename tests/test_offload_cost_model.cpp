@@ -1,0 +1,197 @@
+// predict_step, the step-time model of strata plan: a pure function checked against steps worked
+// out by hand from the engine's schedule (docs/offload.md "One step"): the all-device step is
+// its compute and update; a deferred host update exposes only the first unit's Adam; an immediate
+// update exposes only the last landed unit's; prefetching hides every fetch but the first while
+// fetching on demand serialises them all; the bytes each link moves; bad rates name the rate.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "harness/harness.hpp"
+#include "strata/engine.hpp"
+#include "strata/model.hpp"
+#include "strata/offload.hpp"
+
+namespace strata::testing {
+namespace {
+
+// GPT-2, 2 blocks: modules embedding, h.0, h.1, head (the head reads the embedding's wte).
+TrainerConfig tiny() {
+  TrainerConfig t;
+  t.model.kind = ModelKind::kGpt2;
+  t.model.n_layer = 2;
+  t.model.n_embd = 64;
+  t.model.n_head = 2;
+  t.model.n_positions = 16;
+  t.model.vocab_size = 256;
+  t.micro_batch = 2;
+  t.seq_len = 16;
+  return t;
+}
+
+struct Units {
+  std::vector<std::uint64_t> elements, param_bytes;
+};
+
+Units units_of(const TrainerConfig& config) {
+  auto layout = describe_model(config.model);
+  EXPECT_TRUE(layout.ok());
+  Units u;
+  for (const ModuleDesc& m : layout->modules) {
+    u.elements.push_back((m.grad_end - m.grad_begin) / 4);
+    u.param_bytes.push_back(m.param_end - m.param_begin);
+  }
+  return u;
+}
+
+// One second of forward and two of backward per module; everything else effectively free unless a
+// test slows it down.
+MachineRates rates() {
+  MachineRates r;
+  r.forward_seconds = {1, 1, 1, 1};
+  r.backward_seconds = {2, 2, 2, 2};
+  r.device_update_seconds = 0.5;
+  r.h2d_bytes_per_s = r.d2h_bytes_per_s = 1e18;
+  r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e18;
+  r.adam_elements_per_s = r.scan_elements_per_s = 1e18;
+  return r;
+}
+
+constexpr double kCompute = 4 * 1 + 4 * 2;
+
+TEST(CostModel, AllDeviceIsComputeAndTheDeviceUpdate) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 3;
+  auto p = predict_step(c, OffloadSettings{}, rates());
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_DOUBLE_EQ(p->step_seconds, 3 * kCompute + 0.5);
+  EXPECT_EQ(p->h2d_bytes + p->d2h_bytes + p->nvme_read_bytes + p->nvme_write_bytes, 0u);
+}
+
+TEST(CostModel, DeferredHostUpdateExposesOnlyTheFirstUnitsAdam) {
+  // Clipping on: the update runs after the norm, in forward order, overlapped with the next
+  // step's forward, which waits for each unit. Adam of the largest unit takes 0.5 s < 1 s of a
+  // module's forward, so only unit 0's update is exposed.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  MachineRates r = rates();
+  r.adam_elements_per_s = static_cast<double>(*std::max_element(u.elements.begin(), u.elements.end())) / 0.5;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const double adam0 = static_cast<double>(u.elements[0]) / r.adam_elements_per_s;
+  EXPECT_NEAR(p->step_seconds, kCompute + adam0, 1e-9);
+  const double all = static_cast<double>(std::accumulate(u.elements.begin(), u.elements.end(), 0ull));
+  EXPECT_NEAR(p->optimizer, all / r.adam_elements_per_s, 1e-9);
+  EXPECT_NEAR(p->fetch_stall, adam0, 1e-9);  // compute idle while unit 0 is updated
+}
+
+TEST(CostModel, ImmediateHostUpdateExposesOnlyTheLastLandedUnit) {
+  // Clipping off: each unit is updated as it lands during backward; the embedding lands last
+  // (module 0's backward), so its Adam is all the caller waits for.
+  TrainerConfig c = tiny();
+  c.grad_clip = 0;
+  const Units u = units_of(c);
+  MachineRates r = rates();
+  r.adam_elements_per_s = static_cast<double>(*std::max_element(u.elements.begin(), u.elements.end())) / 0.5;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const double adam0 = static_cast<double>(u.elements[0]) / r.adam_elements_per_s;
+  EXPECT_NEAR(p->step_seconds, kCompute + adam0, 1e-9);
+  EXPECT_NEAR(p->update_stall, adam0, 1e-9);
+}
+
+TEST(CostModel, PrefetchHidesFetchesThatOnDemandSerialises) {
+  TrainerConfig c = tiny();
+  c.grad_clip = 0;
+  const Units u = units_of(c);
+  MachineRates r = rates();
+  // The largest unit's copy takes 0.25 s, well under a module's compute.
+  r.h2d_bytes_per_s =
+      static_cast<double>(*std::max_element(u.param_bytes.begin(), u.param_bytes.end())) / 0.25;
+  auto fetch = [&](int unit) {
+    return static_cast<double>(u.param_bytes[static_cast<std::size_t>(unit)]) / r.h2d_bytes_per_s;
+  };
+  OffloadSettings s;
+  s.params = Tier::kHost;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;  // every module is fetched
+  // The accesses fetch, window 1 or 2 alike: forward u0, u1, u2, u3 + u0 (the head reads wte);
+  // the head's backward finds both still in their slots; then u2, u1, u0.
+  const double all_fetches = 3 * fetch(0) + 2 * fetch(1) + 2 * fetch(2) + fetch(3);
+  s.prefetch_modules = 0;
+  auto on_demand = predict_step(c, s, r);
+  ASSERT_TRUE(on_demand.ok()) << on_demand.status().to_string();
+  EXPECT_NEAR(on_demand->step_seconds, kCompute + all_fetches, 1e-9);
+  EXPECT_NEAR(on_demand->h2d, all_fetches, 1e-9);
+  s.prefetch_modules = 2;
+  auto ahead = predict_step(c, s, r);
+  ASSERT_TRUE(ahead.ok()) << ahead.status().to_string();
+  EXPECT_NEAR(ahead->step_seconds, kCompute + fetch(0), 1e-9);  // only the step's first fetch shows
+  EXPECT_EQ(ahead->h2d_bytes, on_demand->h2d_bytes);
+  EXPECT_EQ(ahead->h2d_bytes,
+            3 * u.param_bytes[0] + 2 * u.param_bytes[1] + 2 * u.param_bytes[2] + u.param_bytes[3]);
+}
+
+TEST(CostModel, NvmeOptimizerMovesItsStateOncePerStepAndSlowerDisksCostTime) {
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  const std::uint64_t n = std::accumulate(u.elements.begin(), u.elements.end(), 0ull);
+  MachineRates r = rates();
+  r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = static_cast<double>(12 * n);  // 1 s each way
+  OffloadSettings s;
+  s.optimizer = Tier::kNvme;
+  s.gradients = Tier::kNvme;
+  s.nvme_path = {"nvme"};
+  s.io.nvme_path = s.nvme_path;
+  s.sub_group_size = 4096;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  // [master | m | v] read and written once, gradients written once and read once, per step.
+  EXPECT_EQ(p->nvme_read_bytes, 12 * n + 4 * n);
+  EXPECT_EQ(p->nvme_write_bytes, 12 * n + 4 * n);
+  EXPECT_GT(p->step_seconds, kCompute);
+  r.nvme_read_bytes_per_s /= 4;
+  r.nvme_write_bytes_per_s /= 4;
+  auto slower = predict_step(c, s, r);
+  ASSERT_TRUE(slower.ok());
+  EXPECT_GT(slower->step_seconds, p->step_seconds + 1.0);
+}
+
+TEST(CostModel, SharedCoresChargeOverlappedCpuWork) {
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  MachineRates r = rates();
+  r.adam_elements_per_s = static_cast<double>(*std::max_element(u.elements.begin(), u.elements.end())) / 0.5;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  auto alone = predict_step(c, s, r);
+  r.shared_cores = true;
+  r.cores = 2;
+  auto shared = predict_step(c, s, r);
+  ASSERT_TRUE(alone.ok() && shared.ok());
+  EXPECT_EQ(alone->contention, 0.0);
+  EXPECT_GT(shared->contention, 0.0);
+  EXPECT_NEAR(shared->step_seconds, alone->step_seconds + shared->contention, 1e-9);
+  EXPECT_LE(shared->contention, shared->optimizer / 2 + 1e-9);
+}
+
+TEST(CostModel, BadRatesNameTheRate) {
+  const TrainerConfig c = tiny();
+  MachineRates r = rates();
+  r.h2d_bytes_per_s = 0;
+  auto p = predict_step(c, OffloadSettings{}, r);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("h2d_bytes_per_s"), std::string::npos) << p.status().message();
+  r = rates();
+  r.forward_seconds.pop_back();
+  p = predict_step(c, OffloadSettings{}, r);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("one entry per module (4)"), std::string::npos) << p.status().message();
+}
+
+}  // namespace
+}  // namespace strata::testing
