@@ -120,14 +120,13 @@ TEST(DistCliTrain, StageThreeWithParametersOnNvme) {
 // What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.
 TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
   TempDir dir("strata-dist-cli");
-  const std::string config = write_file(
-      dir / "ds.json", R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": ")" +
-                           (dir / "swap").string() + R"("}}})");
   std::filesystem::create_directories(dir / "swap");
-  auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --config " + config);
+  auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
+                       "--nvme-path " + (dir / "swap").string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("offload_optimizer.device nvme with 2 data-parallel ranks"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("gradients on NVMe (--offload-gradients nvme) with 2 data-parallel ranks"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -219,12 +219,14 @@ void check_case(const Case& c) {
   s.zero_stage = c.stage;
   s.persistence_threshold = 0;
   testing::TempDir swap_dp("strata-dp-swap"), swap_ref("strata-dp-swap");  // each rank its own
-  if (c.params == Tier::kNvme) s.nvme_path = {swap_dp.path().string()};
+  const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
+  if (nvme) s.nvme_path = {swap_dp.path().string()};
+  s.sub_group_size = 1000;  // several sub-groups per slice: the NVMe pipeline's ring turns over
   constexpr int kSteps = 4;
   const Snapshot dp = train_dp(global, s, kSteps);
   OffloadSettings single = s;
   single.zero_stage = 0;
-  if (c.params == Tier::kNvme) single.nvme_path = {swap_ref.path().string()};
+  if (nvme) single.nvme_path = {swap_ref.path().string()};
   const Snapshot ref = testing::train(global, single, kSteps);
   expect_ranks_identical(dp);
   Tolerance tol;
@@ -255,6 +257,15 @@ TEST(DataParallel, Stage3ParametersShardedOnHost) {
 
 TEST(DataParallel, Stage3ParametersShardedOnNvmeBf16) {
   check_case({"stage 3, parameters sharded on NVMe, bf16", DType::kBF16, 1, 1.0, 3, Tier::kNvme, Tier::kHost});
+}
+
+TEST(DataParallel, Stage2OptimizerOnNvme) {
+  check_case({"stage 2, optimizer on NVMe, accumulation 2, clip 1", DType::kF32, 2, 1.0, 2, Tier::kDevice, Tier::kNvme});
+}
+
+// ZeRO-Infinity's placement: parameters and optimizer state partitioned and on NVMe.
+TEST(DataParallel, Stage3EverythingOnNvmeBf16) {
+  check_case({"stage 3, parameters and optimizer on NVMe, bf16", DType::kBF16, 1, 1.0, 3, Tier::kNvme, Tier::kNvme});
 }
 
 TEST(DataParallel, Stage0OptimizerOnDevice) {
@@ -305,6 +316,21 @@ TEST(DataParallel, ShardedPlanHoldsOneShardPerRank) {
   EXPECT_GT(whole, 0u);
   EXPECT_LE(slice, whole / static_cast<std::uint64_t>(P) + 64u * 2u * 32u);
   EXPECT_GE(slice, whole / static_cast<std::uint64_t>(P) / 2);
+  // The NVMe optimizer tier holds 1/N of the state per rank, too.
+  OffloadSettings sn = s;
+  sn.optimizer = Tier::kNvme;
+  sn.nvme_path = {"nvme"};  // a name: the plan touches no disk
+  sn.io.nvme_path = sn.nvme_path;
+  OffloadSettings snone = sn;
+  sn.dp_size = P;
+  auto pn = OffloadPlan::make(local_of(global), sn);
+  auto pnone = OffloadPlan::make(local_of(global), snone);
+  ASSERT_TRUE(pn.ok() && pnone.ok()) << pn.status().to_string();
+  const std::uint64_t all_state = bytes_of(*pnone, "fp32 master + exp_avg + exp_avg_sq");
+  const std::uint64_t my_state = bytes_of(*pn, "fp32 master + exp_avg + exp_avg_sq");
+  EXPECT_GT(all_state, 0u);
+  EXPECT_LE(my_state, all_state / static_cast<std::uint64_t>(P) + 12u * 64u * 32u);
+  EXPECT_GE(my_state, all_state / static_cast<std::uint64_t>(P) / 2);
   Snapshot out;
   ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out));
   const OffloadStats st = (*engine)->stats();
@@ -431,16 +457,17 @@ TEST(DataParallel, RefusesWhatIsNotBuilt) {
   const TrainerConfig c = local_of(testing::tiny(ModelKind::kGpt2, DType::kF32, world().size(), 0.0));
   struct Bad {
     int stage;
-    Tier optimizer;
+    Tier optimizer, gradients;
     const char* says;
   } bad[] = {
-      {2, Tier::kDevice, "zero_optimization.stage 2 with the optimizer on the device"},
-      {1, Tier::kNvme, "offload_optimizer.device nvme"},
+      {2, Tier::kDevice, Tier::kHost, "zero_optimization.stage 2 with the optimizer on the device"},
+      {1, Tier::kNvme, Tier::kNvme, "gradients on NVMe (--offload-gradients nvme) with"},
   };
   testing::TempDir nvme;
   for (const Bad& b : bad) {
     OffloadSettings s;
     s.optimizer = b.optimizer;
+    s.gradients = b.gradients;
     s.zero_stage = b.stage;
     if (b.optimizer == Tier::kNvme) s.nvme_path = {nvme.path().string()};
     auto device = testing::make_device();

@@ -377,7 +377,7 @@ Status OffloadEngine::Impl::setup() {
   bf16 = config.model.dtype == DType::kBF16;
   opt_on_device = settings.optimizer == Tier::kDevice;
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
-  units = offload_detail::describe_units(lay, settings);
+  units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
   M = static_cast<int>(lay.modules.size());
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
   STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
@@ -707,16 +707,17 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
           swap->read(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(), 3 * len * 4).wait());
       for (int k = 0; k < 3; ++k) std::memcpy(blob.data() + k * n + b[c], piece.data() + k * len, len * 4);
     }
-    return ok_status();
+    if (!sharded) return ok_status();  // sharded: the groups held this rank's slice
   }
   if (sharded) {
     // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm.
     const std::size_t uu = static_cast<std::size_t>(u);
-    const std::uint64_t c = slices.chunk[uu], len = slices.len[uu], off = slices.offset[uu];
+    const std::uint64_t c = slices.chunk[uu], b0 = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
     std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
     for (int k = 0; k < 3; ++k) {
       const HostMem& h = k == 0 ? host_master : k == 1 ? host_m : host_v;
-      std::memcpy(mine.data() + k * c, h.floats() + off, len * 4);
+      const float* from = settings.optimizer == Tier::kNvme ? blob.data() + k * n + b0 : h.floats() + off;
+      std::memcpy(mine.data() + k * c, from, len * 4);
     }
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
                                    "gather optimizer state", u, all.size() * 4));
@@ -1137,11 +1138,15 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
                                               float scale) {
   struct Item {
     int unit;
-    std::size_t group;
+    std::size_t group;  // kNoGroup: this rank's slice of the unit is empty (data parallel)
   };
+  constexpr std::size_t kNoGroup = SIZE_MAX;
   std::vector<Item> items;
   for (int u : order) {
-    for (std::size_t c = 0; c + 1 < units.sub_groups[static_cast<std::size_t>(u)].size(); ++c) items.push_back({u, c});
+    const std::size_t groups = units.sub_groups[static_cast<std::size_t>(u)].size() - 1;
+    for (std::size_t c = 0; c < groups; ++c) items.push_back({u, c});
+    // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to update.
+    if (groups == 0 && sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) items.push_back({u, kNoGroup});
   }
   const std::size_t R = ring.size();
   std::vector<IoHandle> reads(items.size()), grad_reads(items.size());
@@ -1183,6 +1188,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     return std::pair<std::uint64_t, std::uint64_t>{b[it.group], b[it.group + 1]};
   };
   auto issue = [&](std::size_t i) -> Status {
+    if (items[i].group == kNoGroup) return ok_status();
     const std::size_t r = i % R;
     // The ring buffer's previous sub-group must be fully written back before it is overwritten.
     STRATA_RETURN_IF_ERROR(retire_through(ring_seq[r]));
@@ -1200,6 +1206,32 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   Status first_error;
   std::size_t issued = 0, units_started = 0;
   char* out_unit = nullptr;
+  // After a unit's last sub-group: its updated parameters to their home. Sharded, this rank's
+  // slice is in ag_send: written back as the slice (stage 3) or all-gathered into out_unit.
+  auto finish_unit = [&](int u) -> Status {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (sharded) {
+      if (psharded[uu]) {
+        STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes()));
+        push_write(IoHandle(), u, -1, u, 0, 0);
+        return ok_status();
+      }
+      const std::uint64_t c = slices.chunk[uu];
+      STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
+                                     dp_params->all_gather(ag_send.data(), ag_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                     "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * wsize));
+      from_elements(u, ag_recv.bytes(), out_unit);
+    }
+    if (units.home[uu] == Tier::kNvme) {
+      const std::int64_t t0 = tracer.now_ns();
+      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]),
+                                                    u, track.nvme_publish, u, units.pbytes[uu], t0);
+      return ok_status();
+    }
+    STRATA_RETURN_IF_ERROR(publish_params(u, out_unit));  // copied out at once: the staging buffer is free again
+    push_write(IoHandle(), u, -1, u, 0, 0);
+    return ok_status();
+  };
   for (std::size_t i = 0; i < items.size() && first_error.ok(); ++i) {
     while (issued < items.size() && issued < i + R - 1) {
       first_error = issue(issued++);
@@ -1209,6 +1241,13 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const std::size_t r = i % R;
     const int u = items[i].unit;
     const std::size_t uu = static_cast<std::size_t>(u);
+    if (items[i].group == kNoGroup) {
+      ++units_started;
+      first_error = retire_through(out_seq[(units_started - 1) % 2]);
+      out_unit = param_out[(units_started - 1) % 2].bytes();
+      if (first_error.ok()) first_error = finish_unit(u);
+      continue;
+    }
     const auto [b0, b1] = bounds(items[i]);
     const std::uint64_t len = b1 - b0;
     const bool first_group = items[i].group == 0;
@@ -1240,12 +1279,14 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       if (lo >= hi) continue;
       OptimizerBuffers b;
       b.master = master + (lo - b0);
-      b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4 : host_grads.bytes() + grad_begin(u) + lo * 4;
+      b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4
+               : sharded     ? shard_grads.bytes() + 4 * (slices.offset[uu] + lo - slices.begin[uu])
+                             : host_grads.bytes() + grad_begin(u) + lo * 4;
       b.grad_dtype = DType::kF32;
       b.exp_avg = master + len + (lo - b0);
       b.exp_avg_sq = master + 2 * len + (lo - b0);
       b.moment_dtype = DType::kF32;
-      char* out = out_unit + o.param_in_unit + (lo - a) * wsize;
+      char* out = sharded ? ag_send.bytes() + (lo - slices.begin[uu]) * wsize : out_unit + o.param_in_unit + (lo - a) * wsize;
       b.param_out = bf16 ? out : nullptr;
       b.out_dtype = DType::kBF16;
       b.n = hi - lo;
@@ -1259,14 +1300,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
         swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1,
         track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns());
     if (!last_group) continue;
-    if (units.home[uu] == Tier::kNvme) {
-      const std::int64_t t0 = tracer.now_ns();
-      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]),
-                                                    u, track.nvme_publish, u, units.pbytes[uu], t0);
-    } else {
-      first_error = publish_params(u, out_unit);  // copied out at once: the staging buffer is free again
-      if (first_error.ok()) push_write(IoHandle(), u, -1, u, 0, 0);
-    }
+    first_error = finish_unit(u);
   }
   Status s = retire_through(UINT64_MAX);
   if (first_error.ok()) first_error = s;
@@ -1930,9 +1964,10 @@ namespace {
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
   const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
-  if (s.optimizer == Tier::kNvme) {
-    return invalid_argument("offload_optimizer.device nvme with " + ranks +
-                         " is not built yet; use offload_optimizer.device cpu (sharded over the ranks' host memory)");
+  if (s.gradients == Tier::kNvme) {
+    return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + ranks +
+                            " are not built yet: each rank keeps only its shard of the reduced gradients in host "
+                            "memory; leave the gradients on the host");
   }
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 1) {
     return invalid_argument("zero_optimization.stage " + std::to_string(s.zero_stage) +

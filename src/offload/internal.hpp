@@ -80,7 +80,23 @@ inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
   return s;
 }
 
-inline Units describe_units(const ModelLayout& layout, const OffloadSettings& settings) {
+// Data parallel: rank r's slice [begin, begin + len) of a unit of n fp32 elements, cut into
+// `size` chunks of `chunk` elements (see DpSlices below).
+struct DpSlice {
+  std::uint64_t chunk = 0, begin = 0, len = 0;
+};
+inline DpSlice dp_slice_of(std::uint64_t n, int size, int rank) {
+  const auto P = static_cast<std::uint64_t>(size);
+  DpSlice d;
+  d.chunk = align_up((n + P - 1) / P, 64);
+  d.begin = std::min(n, static_cast<std::uint64_t>(rank) * d.chunk);
+  d.len = std::min(d.chunk, n - d.begin);
+  return d;
+}
+
+// `dp_rank`: with the optimizer state sharded over data-parallel ranks (dp_sharded below), the
+// NVMe optimizer's sub-groups cover only this rank's slice of each unit.
+inline Units describe_units(const ModelLayout& layout, const OffloadSettings& settings, int dp_rank = 0) {
   Units u;
   const std::size_t M = layout.modules.size();
   u.storage = storage_of(layout);
@@ -139,7 +155,17 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     std::uint64_t most = 0;
     u.sub_groups.resize(M);
     for (std::size_t m = 0; m < M; ++m) {
-      u.sub_groups[m] = sub_group_bounds(layout, m, static_cast<std::uint64_t>(settings.sub_group_size));
+      if (settings.dp_size > 1) {
+        // This rank's slice in pieces of sub_group_size elements (a multiple of 64 from the
+        // slice's start, itself a multiple of 64: every parameter is split at multiples of 64).
+        const DpSlice d = dp_slice_of(u.gbytes[m] / 4, settings.dp_size, dp_rank);
+        const std::uint64_t step = std::max<std::uint64_t>(64, static_cast<std::uint64_t>(settings.sub_group_size) / 64 * 64);
+        u.sub_groups[m] = {d.begin};
+        for (std::uint64_t e = d.begin + step; e < d.begin + d.len; e += step) u.sub_groups[m].push_back(e);
+        if (d.len > 0) u.sub_groups[m].push_back(d.begin + d.len);
+      } else {
+        u.sub_groups[m] = sub_group_bounds(layout, m, static_cast<std::uint64_t>(settings.sub_group_size));
+      }
       for (std::size_t c = 0; c + 1 < u.sub_groups[m].size(); ++c) {
         // [master | m | v], and the gradients when they wait on NVMe.
         const std::uint64_t per = settings.gradients == Tier::kNvme ? 16 : 12;
@@ -190,25 +216,21 @@ inline DpSlices dp_slices(const Units& u, int size, int rank) {
   DpSlices d;
   d.size = size;
   d.rank = rank;
-  const std::size_t M = u.gbytes.size();
-  const auto P = static_cast<std::uint64_t>(size);
-  for (std::size_t m = 0; m < M; ++m) {
-    const std::uint64_t n = u.gbytes[m] / 4;
-    const std::uint64_t c = align_up((n + P - 1) / P, 64);
-    const std::uint64_t b = std::min(n, static_cast<std::uint64_t>(rank) * c);
-    d.chunk.push_back(c);
-    d.begin.push_back(b);
-    d.len.push_back(std::min(c, n - b));
+  for (std::size_t m = 0; m < u.gbytes.size(); ++m) {
+    const DpSlice s = dp_slice_of(u.gbytes[m] / 4, size, rank);
+    d.chunk.push_back(s.chunk);
+    d.begin.push_back(s.begin);
+    d.len.push_back(s.len);
     d.offset.push_back(d.shard_elements);
-    d.shard_elements += d.len.back();
-    d.max_chunk = std::max(d.max_chunk, c);
+    d.shard_elements += s.len;
+    d.max_chunk = std::max(d.max_chunk, s.chunk);
   }
   return d;
 }
 
-// Whether the engine shards optimizer state over data-parallel ranks (stages 1 and 2 with the
-// optimizer on the host; other combinations are refused or replicate, see check in create()).
-inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.optimizer == Tier::kHost; }
+// Whether the engine shards optimizer state over data-parallel ranks (stages 1-3 with the
+// optimizer on the host or NVMe; with the optimizer on the device it replicates, stage 0).
+inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.optimizer != Tier::kDevice; }
 
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
 // carving, per token, with alignment slack). The cuda backend's kernel workspace comes on top

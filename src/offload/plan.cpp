@@ -178,9 +178,11 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     } else {
       line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
     }
-    line("fp32 master weights" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
-    line("Adam exp_avg" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
-    line("Adam exp_avg_sq" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+    if (settings.optimizer == Tier::kHost) {
+      line("fp32 master weights" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+      line("Adam exp_avg" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+      line("Adam exp_avg_sq" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
+    }
   } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
       line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, layout.grad_bytes);
@@ -196,7 +198,11 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("Adam exp_avg_sq", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
   }
   if (settings.optimizer == Tier::kNvme) {
-    line("fp32 master + exp_avg + exp_avg_sq", Tier::kNvme, StateKind::kOptimizer, 3 * layout.grad_bytes);
+    const std::uint64_t state = sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
+                                        : 3 * layout.grad_bytes;
+    line(sharded ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
+                 : std::string("fp32 master + exp_avg + exp_avg_sq"),
+         Tier::kNvme, StateKind::kOptimizer, state);
     line("optimizer pipeline ring (pinned)", Tier::kHost, StateKind::kOptimizer,
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
     line("updated parameter staging (pinned)", Tier::kHost, StateKind::kParameters, 2 * units.param_out_bytes, true);
