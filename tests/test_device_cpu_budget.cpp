@@ -83,11 +83,12 @@ DeviceConfig split_config(bool affinity) {
 // What the compute stream's worker and its OpenMP team see from inside a kernel.
 std::vector<CpuSet> affinity_inside_kernel(Stream& stream, int team) {
   std::vector<CpuSet> seen(static_cast<std::size_t>(team));
-  STRATA_EXPECT_OK(stream.host_fn("affinity", [&]() -> Status {
+  auto kernel = [&]() -> Status {
 #pragma omp parallel num_threads(team)
     seen[static_cast<std::size_t>(omp_get_thread_num())] = current_thread_cpus();
     return ok_status();
-  }));
+  };
+  STRATA_EXPECT_OK(stream.host_fn("affinity", kernel));
   STRATA_EXPECT_OK(stream.synchronize());
   return seen;
 }
@@ -169,11 +170,12 @@ TEST(CpuBudgetApplied, DeviceCountsComputeAndCopyCpuSeconds) {
   auto dev = Device::create(dc);
   ASSERT_TRUE(dev.ok()) << dev.status().to_string();
   auto* s = *(*dev)->create_stream("work");
-  STRATA_ASSERT_OK(s->host_fn("spin", []() -> Status {
+  auto kernel = []() -> Status {
 #pragma omp parallel num_threads(2)
     spin(0.02);
     return ok_status();
-  }));
+  };
+  STRATA_ASSERT_OK(s->host_fn("spin", kernel));
   auto d = (*dev)->allocate(16ull << 20, "t");
   ASSERT_TRUE(d.ok());
   auto h = (*dev)->pinned().allocate(16ull << 20, "t");
