@@ -11,7 +11,8 @@
 // compute.
 // CPU time: every stream worker and its team join the device's compute account, the copy
 // engines its copy account (DeviceStats). libgomp replaces pool threads when a team shrinks
-// and grows again, so the worker re-joins its team after every host function.
+// and grows again, so the worker re-joins its team after host functions (at most every 10 ms);
+// a replaced thread is counted from its start.
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -229,6 +230,17 @@ class CpuStream final : public Stream {
     cv_.notify_all();
   }
 
+  // Pool threads libgomp created since the last join (a team re-formed after a smaller one) join
+  // the compute account, from their start. At most every 10 ms: a parallel region per host
+  // function would cost more than the accounting is worth on small kernels.
+  void rejoin_team() {
+    if (compute_threads_ <= 1) return;
+    const auto now = Clock::now();
+    if (now - last_team_join_ < std::chrono::milliseconds(10)) return;
+    last_team_join_ = now;
+    account_.join_team(compute_threads_);
+  }
+
   Status error_snapshot() {
     std::lock_guard lock(mu_);
     return error_;
@@ -253,7 +265,7 @@ class CpuStream final : public Stream {
       lock.unlock();
       if (!failed || op.always_run) {
         Status s = op.fn();
-        if (op.uses_team) account_.join_team(compute_threads_);
+        if (op.uses_team) rejoin_team();
         if (!s.ok()) {
           lock.lock();
           if (error_.ok()) error_ = s.with_context("stream '" + name_ + "': " + op.label);
@@ -274,6 +286,7 @@ class CpuStream final : public Stream {
   int compute_threads_;
   const CpuBudget budget_;
   const CpuAccount account_;
+  Clock::time_point last_team_join_{};
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable idle_cv_;
