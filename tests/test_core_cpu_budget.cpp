@@ -142,6 +142,40 @@ TEST(CpuBudget, ExplicitSetsAndTheirComplements) {
   EXPECT_NE(b.to_string().find("not pinned"), std::string::npos);
 }
 
+TEST(CpuBudget, LocalRanksSharingTheCpusTakeASliceEach) {
+  CpuBudgetConfig c;
+  c.local_size = 2;
+  c.local_rank = 0;
+  CpuBudget b = split(cpus("0-7"), c);
+  EXPECT_EQ(b.allowed, cpus("0-3"));
+  EXPECT_EQ(b.compute, cpus("0-1"));
+  EXPECT_EQ(b.host, cpus("2-3"));
+  c.local_rank = 1;
+  b = split(cpus("0-7"), c);
+  EXPECT_EQ(b.compute, cpus("4-5"));
+  EXPECT_EQ(b.host, cpus("6-7"));
+  // Two ranks on two cpus: one each, compute and host work sharing it.
+  c.local_rank = 1;
+  b = split(cpus("0-1"), c);
+  EXPECT_EQ(b.compute, cpus("1"));
+  EXPECT_EQ(b.host, cpus("1"));
+  EXPECT_TRUE(b.shared());
+  // More ranks than cpus: round robin.
+  c.local_size = 4;
+  c.local_rank = 3;
+  b = split(cpus("0-1"), c);
+  EXPECT_EQ(b.compute, cpus("1"));
+  // Explicit sets are taken as given.
+  c.compute_cpus = "0";
+  b = split(cpus("0-1"), c);
+  EXPECT_EQ(b.compute, cpus("0"));
+  EXPECT_EQ(b.host, cpus("1"));
+  c = {};
+  c.local_size = 2;
+  c.local_rank = 2;
+  STRATA_EXPECT_ERROR(CpuBudget::make(c, cpus("0-3")), kInvalidArgument, "local rank 2 of 2");
+}
+
 TEST(CpuBudget, ADeviceThatComputesElsewhereGivesTheHostEverything) {
   auto b = CpuBudget::make({}, cpus("0-7"), /*device_on_host=*/false);
   ASSERT_TRUE(b.ok()) << b.status().to_string();

@@ -77,8 +77,15 @@ struct CpuBudgetConfig {
   std::string host_cpus = "auto";     // host_cpus: a cpu list, or auto
   int compute_threads = 0;            // compute_threads: 0 = the size of the compute set
   int host_threads = 0;               // host_threads: 0 = the size of the host set
+  // Processes of one job on this machine that share the same allowed cpus (several ranks
+  // launched unbound): with both sets auto, each takes its own slice of the cpus before the
+  // split, so the ranks do not all pin their compute to the same core.
+  int local_rank = 0;
+  int local_size = 1;
 
-  // From the tunables cpu_affinity, compute_cpus, host_cpus, compute_threads, host_threads.
+  // From the tunables cpu_affinity, compute_cpus, host_cpus, compute_threads, host_threads, and
+  // the launcher's local rank and size (OMPI_COMM_WORLD_LOCAL_RANK / _SIZE, else LOCAL_RANK /
+  // LOCAL_WORLD_SIZE).
   static CpuBudgetConfig from_options(const Options& options);
 };
 
@@ -86,7 +93,7 @@ struct CpuBudgetConfig {
 // whose compute does not run on host cores); they overlap only when there are not enough cores
 // to keep them apart, or when the tunables ask for it.
 struct CpuBudget {
-  CpuSet allowed;   // the process's cpus the split was made from
+  CpuSet allowed;   // the cpus the split was made from (this process's slice of them)
   CpuSet compute;   // device compute: cpu-backend stream workers and their OpenMP teams
   CpuSet host;      // host work: copy engines, NVMe I/O threads, the host optimizer and its team
   int compute_threads = 0;  // OpenMP threads per cpu-backend stream (0 on a GPU)
@@ -100,9 +107,11 @@ struct CpuBudget {
   // The pure split, from a given set of allowed cpus (tests pass their own).
   //  - compute_cpus and host_cpus given: each must be a non-empty subset of `allowed`.
   //  - one given: the other is the rest of `allowed` (all of it when nothing is left).
-  //  - neither: on one cpu both share it; on n >= 2 compute gets the first k cpus with
+  //  - neither: with local_size > 1, `allowed` is first cut into local_size contiguous slices and
+  //    this process keeps slice local_rank (cpu local_rank % n when there are fewer cpus than
+  //    processes). Then on one cpu both share it; on n >= 2 compute gets the first k cpus with
   //    k = compute_threads when set (at most n), else max(1, n / 2), and host the rest (all of
-  //    `allowed` when k = n).
+  //    them when k = n).
   // `device_on_host` false (cuda): the device computes elsewhere, compute is empty, host is
   // `allowed` unless host_cpus says otherwise, and host_threads defaults to max(1, n - 1) (one
   // core for the thread driving the device). Errors name the key (compute_cpus, host_cpus,

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <charconv>
 #include <cstring>
 #include <ctime>
@@ -170,6 +171,16 @@ CpuBudgetConfig CpuBudgetConfig::from_options(const Options& options) {
   c.host_cpus = options.get_string(Option::kHostCpus);
   c.compute_threads = static_cast<int>(options.get_int(Option::kComputeThreads));
   c.host_threads = static_cast<int>(options.get_int(Option::kHostThreads));
+  auto env_int = [](const char* a, const char* b, int fallback) {
+    const char* v = std::getenv(a);
+    if (v == nullptr) v = std::getenv(b);
+    int x = fallback;
+    if (v == nullptr) return fallback;
+    auto [end, ec] = std::from_chars(v, v + std::strlen(v), x);
+    return ec == std::errc() && *end == '\0' && x >= 0 ? x : fallback;
+  };
+  c.local_size = std::max(1, env_int("OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", 1));
+  c.local_rank = std::min(env_int("OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK", 0), c.local_size - 1);
   return c;
 }
 
@@ -197,10 +208,25 @@ Result<CpuBudget> CpuBudget::make(const CpuBudgetConfig& config, const CpuSet& a
   }
   const bool auto_compute = config.compute_cpus.empty() || config.compute_cpus == "auto";
   const bool auto_host = config.host_cpus.empty() || config.host_cpus == "auto";
+  if (config.local_size < 1 || config.local_rank < 0 || config.local_rank >= config.local_size) {
+    return invalid_argument("cpu budget: local rank " + std::to_string(config.local_rank) + " of " +
+                            std::to_string(config.local_size) + " processes is out of range");
+  }
   CpuBudget b;
   b.allowed = allowed;
   b.pin = config.affinity;
-  const int n = allowed.size();
+  if (auto_compute && auto_host && config.local_size > 1 && device_on_host) {
+    const int total = allowed.size();
+    const auto& v = allowed.cpus();
+    if (total >= config.local_size) {
+      const int lo = config.local_rank * total / config.local_size;
+      const int hi = (config.local_rank + 1) * total / config.local_size;
+      b.allowed = CpuSet(std::vector<int>(v.begin() + lo, v.begin() + hi));
+    } else {
+      b.allowed = CpuSet({v[static_cast<size_t>(config.local_rank % total)]});
+    }
+  }
+  const int n = b.allowed.size();
   std::optional<CpuSet> compute, host;
   if (!auto_compute) {
     STRATA_ASSIGN_OR_RETURN(compute, requested_set(config.compute_cpus, "compute_cpus", allowed));
@@ -227,12 +253,12 @@ Result<CpuBudget> CpuBudget::make(const CpuBudgetConfig& config, const CpuSet& a
     b.compute = allowed.minus(*host);
     if (b.compute.empty()) b.compute = allowed;
   } else if (n == 1) {
-    b.compute = allowed;
-    b.host = allowed;
+    b.compute = b.allowed;
+    b.host = b.allowed;
   } else {
     const int k = config.compute_threads > 0 ? std::min(config.compute_threads, n) : std::max(1, n / 2);
-    b.compute = allowed.first(k);
-    b.host = k == n ? allowed : allowed.minus(b.compute);
+    b.compute = b.allowed.first(k);
+    b.host = k == n ? b.allowed : b.allowed.minus(b.compute);
   }
   b.compute_threads = config.compute_threads > 0 ? config.compute_threads : b.compute.size();
   b.host_threads = config.host_threads > 0 ? config.host_threads : b.host.size();
