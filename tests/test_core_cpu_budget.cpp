@@ -226,7 +226,8 @@ TEST(CpuBudget, TunablesReachTheBudgetAndBadOnesNameTheKey) {
   EXPECT_EQ(c.host_threads, 3);
   STRATA_EXPECT_ERROR(o.set(Option::kComputeCpus, "0-", "STRATA_COMPUTE_CPUS"), kInvalidArgument,
                       "STRATA_COMPUTE_CPUS: value '0-' for option 'compute_cpus'");
-  STRATA_EXPECT_ERROR(o.set(Option::kCpuAffinity, "maybe", "STRATA_CPU_AFFINITY"), kInvalidArgument, "cpu_affinity");
+  STRATA_EXPECT_ERROR(o.set(Option::kCpuAffinity, "maybe", "STRATA_CPU_AFFINITY"), kInvalidArgument,
+                      "cpu_affinity");
 
   STRATA_EXPECT_ERROR(parse_config(R"({"strata": {"host_cpus": "x"}})", "c.json"), kInvalidArgument,
                       "strata.host_cpus");

@@ -27,7 +27,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 // The affinity of every thread of this process named `name` (engine threads name themselves;
 // OpenMP pool threads inherit their leader's name).
@@ -74,10 +76,10 @@ DeviceConfig split_config(bool affinity) {
   return dc;
 }
 
-#define SKIP_BELOW_TWO_CPUS()                                                                       \
-  do {                                                                                              \
-    if (process_cpus().size() < 2) GTEST_SKIP() << "the process may run on one cpu only: " \
-                                                << process_cpus().to_string();                      \
+#define SKIP_BELOW_TWO_CPUS()                                                                \
+  do {                                                                                       \
+    if (process_cpus().size() < 2)                                                           \
+      GTEST_SKIP() << "the process may run on one cpu only: " << process_cpus().to_string(); \
   } while (0)
 
 // What the compute stream's worker and its OpenMP team see from inside a kernel.
@@ -195,8 +197,8 @@ TEST(CpuBudgetApplied, DeviceCountsComputeAndCopyCpuSeconds) {
 
 TEST(CpuBudgetApplied, IoThreadsPinThemselvesAndCountTheirCpu) {
   TempDir dir("strata-budget-io");
-  const CpuSet one = process_cpus().cpus().size() > 1 ? process_cpus().minus(process_cpus().first(1))
-                                                      : process_cpus();
+  const CpuSet one =
+      process_cpus().cpus().size() > 1 ? process_cpus().minus(process_cpus().first(1)) : process_cpus();
   IoEngineConfig c;
   c.nvme_path = {dir.path().string()};
   c.backend = IoBackendKind::kPsync;
@@ -258,7 +260,8 @@ TEST(CpuBudgetApplied, OffloadEngineRunsTheHostOptimizerOnHostCpusAndCountsEvery
     EXPECT_GT(st.io_cpu_seconds, 0.0);
     EXPECT_GT(st.optimizer_cpu_seconds, 0.0);
     // Busy time cannot exceed what the cpus the engines were pinned to could give.
-    const double total = st.compute_cpu_seconds + st.copy_cpu_seconds + st.io_cpu_seconds + st.optimizer_cpu_seconds;
+    const double total =
+        st.compute_cpu_seconds + st.copy_cpu_seconds + st.io_cpu_seconds + st.optimizer_cpu_seconds;
     EXPECT_LE(total, wall * 2 + 0.05) << "pinned to two cpus";
     EXPECT_LE(st.optimizer_cpu_seconds, wall + 0.05) << "two threads sharing one host cpu";
   }

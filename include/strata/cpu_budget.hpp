@@ -93,9 +93,9 @@ struct CpuBudgetConfig {
 // whose compute does not run on host cores); they overlap only when there are not enough cores
 // to keep them apart, or when the tunables ask for it.
 struct CpuBudget {
-  CpuSet allowed;   // the cpus the split was made from (this process's slice of them)
-  CpuSet compute;   // device compute: cpu-backend stream workers and their OpenMP teams
-  CpuSet host;      // host work: copy engines, NVMe I/O threads, the host optimizer and its team
+  CpuSet allowed;           // the cpus the split was made from (this process's slice of them)
+  CpuSet compute;           // device compute: cpu-backend stream workers and their OpenMP teams
+  CpuSet host;              // host work: copy engines, NVMe I/O threads, the host optimizer and its team
   int compute_threads = 0;  // OpenMP threads per cpu-backend stream (0 on a GPU)
   int host_threads = 1;     // threads of the host optimizer
   bool pin = true;          // threads pin themselves to their set (cpu_affinity)
@@ -116,7 +116,8 @@ struct CpuBudget {
   // `allowed` unless host_cpus says otherwise, and host_threads defaults to max(1, n - 1) (one
   // core for the thread driving the device). Errors name the key (compute_cpus, host_cpus,
   // compute_threads, host_threads) and the allowed set.
-  static Result<CpuBudget> make(const CpuBudgetConfig& config, const CpuSet& allowed, bool device_on_host = true);
+  static Result<CpuBudget> make(const CpuBudgetConfig& config, const CpuSet& allowed,
+                                bool device_on_host = true);
   // make() over process_cpus().
   static Result<CpuBudget> for_process(const CpuBudgetConfig& config, bool device_on_host = true);
 

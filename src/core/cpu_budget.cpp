@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <mutex>
@@ -59,11 +59,13 @@ Result<CpuSet> CpuSet::parse(std::string_view text, std::string_view key) {
     const size_t dash = item.find('-');
     int lo = 0, hi = 0;
     if (dash == std::string_view::npos) {
-      if (!number(item, &lo)) return bad("'" + std::string(item) + "' is not a cpu id below " + std::to_string(CPU_SETSIZE));
+      if (!number(item, &lo))
+        return bad("'" + std::string(item) + "' is not a cpu id below " + std::to_string(CPU_SETSIZE));
       hi = lo;
     } else {
       if (!number(item.substr(0, dash), &lo) || !number(item.substr(dash + 1), &hi)) {
-        return bad("'" + std::string(item) + "' is not a range of cpu ids below " + std::to_string(CPU_SETSIZE));
+        return bad("'" + std::string(item) + "' is not a range of cpu ids below " +
+                   std::to_string(CPU_SETSIZE));
       }
       if (hi < lo) return bad("range '" + std::string(item) + "' runs backwards");
     }
@@ -238,7 +240,8 @@ Result<CpuBudget> CpuBudget::make(const CpuBudgetConfig& config, const CpuSet& a
   if (!device_on_host) {
     b.host = host ? *host : allowed;
     b.compute_threads = 0;
-    b.host_threads = config.host_threads > 0 ? config.host_threads : std::max(1, b.host.size() - (host ? 0 : 1));
+    b.host_threads =
+        config.host_threads > 0 ? config.host_threads : std::max(1, b.host.size() - (host ? 0 : 1));
     return b;
   }
   if (compute && host) {
@@ -282,7 +285,8 @@ Status CpuBudget::pin_host() const {
 std::string CpuBudget::to_string() const {
   auto threads = [](int t) { return std::to_string(t) + (t == 1 ? " thread" : " threads"); };
   std::string out;
-  if (!compute.empty()) out += "compute cpus " + compute.to_string() + " (" + threads(compute_threads) + "), ";
+  if (!compute.empty())
+    out += "compute cpus " + compute.to_string() + " (" + threads(compute_threads) + "), ";
   out += "host cpus " + host.to_string() + " (" + threads(host_threads) + "), ";
   out += pin ? "pinned" : "not pinned";
   if (shared()) out += ", shared";
