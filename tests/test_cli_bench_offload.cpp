@@ -11,6 +11,11 @@
 namespace strata::testing {
 namespace {
 
+bool has_nvme_traffic(const nlohmann::json& placement) {
+  const auto& b = placement.at("bytes_per_step");
+  return b.at("nvme_read").get<double>() + b.at("nvme_write").get<double>() > 0;
+}
+
 TEST(CliBenchOffload, FiguresAreConsistentAndTrafficMatchesThePlacement) {
   auto r = run_cli("bench offload --layers 2 --width 64 --heads 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 --threads 1");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -20,6 +25,13 @@ TEST(CliBenchOffload, FiguresAreConsistentAndTrafficMatchesThePlacement) {
   const double params = d.at("parameters").get<double>();
   ASSERT_GT(params, 10000);
   ASSERT_EQ(d.at("placements").size(), 4u);
+  // The cpu split every engine ran under, and each engine's CPU seconds per step.
+  const auto& cpus = d.at("cpus");
+  EXPECT_FALSE(cpus.at("allowed").get<std::string>().empty());
+  EXPECT_FALSE(cpus.at("compute").get<std::string>().empty());
+  EXPECT_FALSE(cpus.at("host").get<std::string>().empty());
+  EXPECT_TRUE(cpus.at("pinned").get<bool>());
+  EXPECT_EQ(d.at("compute_threads").get<int>(), 1);
   for (const auto& p : d.at("placements")) {
     const std::string name = p.at("placement");
     double largest = 0;
@@ -27,6 +39,15 @@ TEST(CliBenchOffload, FiguresAreConsistentAndTrafficMatchesThePlacement) {
     EXPECT_DOUBLE_EQ(p.at("lower_bound_s").get<double>(), largest) << name;
     EXPECT_NEAR(p.at("efficiency").get<double>(), largest / p.at("step_s").get<double>(), 1e-9) << name;
     EXPECT_EQ(p.at("allocations_after_warmup").get<int>(), 0) << name;
+    const auto& cpu = p.at("cpu_s");
+    EXPECT_GT(cpu.at("compute").get<double>(), 0.0) << name;
+    EXPECT_NEAR(cpu.at("total").get<double>(),
+                cpu.at("compute").get<double>() + cpu.at("copy").get<double>() + cpu.at("io").get<double>() +
+                    cpu.at("optimizer").get<double>(),
+                1e-9)
+        << name;
+    EXPECT_EQ(cpu.at("optimizer").get<double>() > 0.0, p.at("parts_s").contains("optimizer")) << name;
+    EXPECT_EQ(cpu.at("io").get<double>() > 0.0, has_nvme_traffic(p)) << name;
     const auto& b = p.at("bytes_per_step");
     if (name == "all on the device") {
       EXPECT_EQ(b.at("nvme_read").get<double>(), 0.0);

@@ -8,7 +8,9 @@
 //   cpu  - an emulated accelerator: its memory is a separate mapping, each stream is a worker
 //          thread running its queue in order, host<->device copies run on copy-engine threads
 //          (one per direction, like a GPU's DMA engines), and device compute on a stream uses
-//          `compute_threads` OpenMP threads, kept apart from host-side work.
+//          `compute_threads` OpenMP threads, kept apart from host-side work: stream workers
+//          (and their OpenMP teams) pin themselves to the budget's compute cpus, copy engines
+//          to its host cpus (cpu_budget.hpp).
 //   cuda - one cudaMalloc'd arena per device, CUDA streams and events, cudaMemcpyAsync from
 //          pinned memory, cudaHostAlloc'd pinned pool.
 //
@@ -29,6 +31,7 @@
 #include <string_view>
 
 #include "strata/alloc.hpp"
+#include "strata/cpu_budget.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -46,11 +49,17 @@ struct DeviceConfig {
   int ordinal = 0;
   std::uint64_t memory_bytes = 2ull << 30;   // the arena budget
   std::uint64_t pinned_bytes = 512ull << 20; // the pinned pool
-  int compute_threads = 0;                   // cpu backend; 0 = half the cores, at least 1
+  int compute_threads = 0;                   // cpu backend; 0 = one per compute cpu
   std::uint64_t arena_alignment = 256;
+  // The process's cpu split (cpu_budget.hpp): pinning on or off, the compute and host cpus
+  // ("auto" or a cpu list) and the host optimizer's threads (0 = one per host cpu).
+  bool cpu_affinity = true;
+  std::string compute_cpus = "auto";
+  std::string host_cpus = "auto";
+  int host_threads = 0;
 
   // From the tunables (device, device_ordinal, device_memory, pinned_memory, compute_threads,
-  // arena_alignment).
+  // arena_alignment, cpu_affinity, compute_cpus, host_cpus, host_threads).
   static DeviceConfig from_options(const Options& options);
 };
 
@@ -71,6 +80,10 @@ struct DeviceStats {
   std::uint64_t bytes_d2h = 0;
   std::uint64_t bytes_d2d = 0;
   std::uint64_t host_fns = 0;     // host functions (cpu kernels) run on streams
+  // cpu backend: CPU seconds (thread clocks) of the stream workers with their OpenMP teams, and
+  // of the two copy engines. 0 on cuda, where compute runs on SMs and copies on DMA engines.
+  double compute_cpu_seconds = 0.0;
+  double copy_cpu_seconds = 0.0;
 };
 
 class Event {
@@ -140,6 +153,14 @@ class Device {
   Status compact();
 
   virtual DeviceStats stats() const = 0;
+
+  // The split of the process's cpus between this device's compute (the cpu backend's stream
+  // workers; nothing on cuda) and host work, made by create() from the config. The engines
+  // above the device take their host thread counts and affinity from it.
+  const CpuBudget& cpu_budget() const { return cpu_budget_; }
+
+ private:
+  CpuBudget cpu_budget_;
 };
 
 // Number of usable GPUs (0 without CUDA in the build or without a driver/device).

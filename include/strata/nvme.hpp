@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "strata/cpu_budget.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -80,6 +81,9 @@ struct IoEngineConfig {
   bool direct_io = true;                 // O_DIRECT where the file system allows it
   bool sq_poll = false;                  // io_uring: a kernel thread polls the SQ (costs a core)
   std::uint32_t sq_poll_idle_ms = 1000;  // io_uring: SQ thread idle time before it sleeps
+  // The cpus the I/O threads pin themselves to (empty: their affinity is left alone). The
+  // offload engine passes its device's CpuBudget host cpus (cpu_budget.hpp).
+  CpuSet cpus;
 
   // Checks every field; the message names the key as `aio.<key>` and what was expected.
   Status validate() const;
@@ -154,6 +158,9 @@ struct IoEngineStats {
   std::uint64_t short_transfers = 0;      // completions shorter than asked, resubmitted
   std::uint64_t errors = 0;
   std::uint64_t syncs = 0;  // fdatasync calls made by sync() that succeeded (one per member file)
+  // CPU seconds of the I/O threads (submission, completion, pread/pwrite on psync, bounce
+  // copies); the kernel's own io_uring workers and SQ poll thread are not counted.
+  double cpu_seconds = 0.0;
 };
 
 // Thread safety: every method may be called from any thread. Requests to the same bytes of a

@@ -77,7 +77,7 @@ struct OffloadSettings {
   // rest of backward (host tier). Off: update after backward, in forward order, overlapped with
   // the next step's forward. Either way the result is the same bits.
   bool update_during_backward = true;
-  // Threads of the host optimizer (0: the cores the device's compute threads leave, at least 1).
+  // Threads of the host optimizer (0: the device's CpuBudget host_threads, one per host cpu).
   int host_threads = 0;
   // Host memory the plan may use (0: no limit beyond what the machine has available).
   std::uint64_t host_memory_limit = 0;
@@ -244,7 +244,14 @@ struct OffloadStats {
   std::uint64_t trace_mismatches = 0;  // passes whose module order differed from the recorded trace
   // Device arena + pinned pool allocations and backend allocations made after the first step.
   std::uint64_t allocations_after_warmup = 0;
-  double optimizer_cpu_seconds = 0.0;  // CPU time of the host optimizer thread
+  // CPU seconds from thread clocks (busy time, not wall time; cpu_budget.hpp), per engine: the
+  // host optimizer thread with its OpenMP team since create(); the device's compute (stream
+  // workers with their teams) and copy engines, read from DeviceStats (0 on cuda, where SMs and
+  // DMA engines do that work); the NVMe I/O threads since create().
+  double optimizer_cpu_seconds = 0.0;
+  double compute_cpu_seconds = 0.0;
+  double copy_cpu_seconds = 0.0;
+  double io_cpu_seconds = 0.0;
   // Where the time went, in seconds since create() (docs/observability.md). The engines overlap,
   // so these add up to more than the wall time when the overlap works. Host-side figures are
   // always measured (a clock around the work or the wait); stream-side ones only while

@@ -7,7 +7,8 @@
 // master and moments back in place and, optionally, the updated parameters rounded to bf16/fp16
 // (round to nearest even) into a separate buffer ready to be copied to the device. It runs on
 // AVX-512, AVX2+FMA or scalar code chosen at run time from the CPU's features (tunable
-// `adam_isa`, env STRATA_ADAM_ISA), on `threads` OpenMP threads.
+// `adam_isa`, env STRATA_ADAM_ISA), on `threads` OpenMP threads. The team's threads join the
+// CPU account (cpu_budget.hpp) of the thread that calls, and inherit its affinity.
 //
 // Numerics (docs/optim.md): all three ISA paths perform the same IEEE fp32 operations in the
 // same order (explicit fused multiply-adds, correctly rounded sqrt and division), so they produce
@@ -138,8 +139,9 @@ struct CpuOptimizerConfig {
   int threads = 1;         // OpenMP threads per call (>= 1); small buffers use fewer
   std::uint32_t seed = 0;  // keys the stochastic rounding of bf16 moments
 
-  // isa from `adam_isa` (auto -> best for this CPU), threads from `host_threads` (0 -> the
-  // cores not given to compute: online cores minus `compute_threads`, at least 1).
+  // isa from `adam_isa` (auto -> best for this CPU), threads from the process's CpuBudget
+  // (cpu_budget.hpp): `host_threads`, or 0 -> one per host cpu (the allowed cpus compute does
+  // not get), as the device and the offload engine count them. Errors name the key.
   static Result<CpuOptimizerConfig> from_options(const Options& options);
 };
 

@@ -24,6 +24,9 @@ enum class Option : std::uint16_t {
   kPinnedMemory,    // bytes of pinned host memory in the pinned pool
   kComputeThreads,  // cpu backend: threads per stream for device compute (0 = auto)
   kHostThreads,     // threads for host-side work such as CPU Adam (0 = auto)
+  kCpuAffinity,     // pin compute and host threads to their cpus (cpu_budget.hpp)
+  kComputeCpus,     // cpus for device compute on the cpu backend: auto | a cpu list
+  kHostCpus,        // cpus for host work (copies, I/O, CPU Adam): auto | a cpu list
   kArenaAlignment,  // alignment of every device arena block, bytes (power of two)
   kLogLevel,        // error | warn | info | debug | trace
   kLogSubsys,       // all | ALLOC,NVME,... | ^ALLOC,...

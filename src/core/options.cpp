@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "strata/cpu_budget.hpp"
 #include "strata/dtype.hpp"
 #include "strata/log.hpp"
 
@@ -21,9 +22,17 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kPinnedMemory, "pinned_memory", OptionKind::kBytes, "512MiB",
      "pinned host memory pool size (staging for copies and direct I/O)"},
     {Option::kComputeThreads, "compute_threads", OptionKind::kInt, "0",
-     "cpu backend: threads each stream uses for device compute (0 = half the cores, at least 1)"},
+     "cpu backend: threads each stream uses for device compute (0 = one per compute cpu)"},
     {Option::kHostThreads, "host_threads", OptionKind::kInt, "0",
-     "threads for host-side work such as CPU Adam (0 = the cores not given to compute)"},
+     "threads of the host optimizer (CPU Adam) (0 = one per host cpu)"},
+    {Option::kCpuAffinity, "cpu_affinity", OptionKind::kBool, "true",
+     "pin device compute threads to compute_cpus and host work (copies, I/O, CPU Adam) to host_cpus"},
+    {Option::kComputeCpus, "compute_cpus", OptionKind::kString, "auto",
+     "cpu backend: cpus for device compute, a list such as 0-3 (auto = the first half of the "
+     "allowed cpus, at least 1, or compute_threads of them)"},
+    {Option::kHostCpus, "host_cpus", OptionKind::kString, "auto",
+     "cpus for host work: copy engines, NVMe I/O threads, CPU Adam (auto = the allowed cpus "
+     "compute does not get; all of them on one cpu)"},
     {Option::kArenaAlignment, "arena_alignment", OptionKind::kBytes, "256",
      "alignment of device arena blocks in bytes (power of two)"},
     {Option::kLogLevel, "log_level", OptionKind::kString, "warn",
@@ -196,6 +205,12 @@ Status Options::set(Option id, std::string_view value, std::string_view source) 
       break;
     case Option::kOffloadGradients:
       if (v.text != "cpu" && v.text != "host" && v.text != "nvme") return fail("one of: cpu (host), nvme");
+      break;
+    case Option::kComputeCpus:
+    case Option::kHostCpus:
+      if (v.text != "auto" && !CpuSet::parse(v.text, d.name).ok()) {
+        return fail("auto or a cpu list such as 0, 0-3 or 0,2,4-7");
+      }
       break;
     default:
       break;

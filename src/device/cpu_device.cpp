@@ -3,10 +3,16 @@
 // Memory: one anonymous MAP_NORESERVE mapping of the budget (pages appear only when touched),
 // carved by the device Arena; a pinned pool from PinnedPool::create_host.
 // Streams: one worker thread each, running its queue in order. The worker limits OpenMP to
-// `compute_threads`, so "device compute" cannot silently take the cores host work (CPU Adam)
-// was given. Copies between host and device go to one of two copy-engine threads (H2D, D2H),
-// as a GPU's DMA engines do: copies in one direction serialise, copies in opposite directions
-// overlap each other and compute.
+// `compute_threads` and pins itself to the budget's compute cpus before its team exists (team
+// threads inherit the mask when libgomp creates them), so "device compute" cannot silently take
+// the cores host work (copies, I/O, CPU Adam) was given. Copies between host and device go to
+// one of two copy-engine threads (H2D, D2H), pinned to the host cpus, as a GPU's DMA engines
+// do: copies in one direction serialise, copies in opposite directions overlap each other and
+// compute.
+// CPU time: every stream worker and its team join the device's compute account, the copy
+// engines its copy account (DeviceStats). libgomp replaces pool threads when a team shrinks
+// and grows again, so the worker re-joins its team after host functions (at most every 10 ms);
+// a replaced thread is counted from its start.
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -35,7 +41,8 @@ class CpuDevice;
 // Runs submitted jobs one at a time on its own thread; submit() blocks until the job ran.
 class CopyEngine {
  public:
-  explicit CopyEngine(std::string name) : name_(std::move(name)), thread_([this] { loop(); }) {}
+  CopyEngine(std::string name, const CpuBudget& budget, CpuAccount account)
+      : name_(std::move(name)), budget_(budget), account_(std::move(account)), thread_([this] { loop(); }) {}
   ~CopyEngine() {
     {
       std::lock_guard lock(mu_);
@@ -62,6 +69,11 @@ class CopyEngine {
     bool done = false;
   };
   void loop() {
+    name_current_thread("copy." + name_);
+    if (Status s = budget_.pin_host(); !s.ok()) {
+      STRATA_LOG(kWarn, kDevice) << "copy engine '" << name_ << "': " << s.message();
+    }
+    account_.join(/*since_start=*/true);
     std::unique_lock lock(mu_);
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -77,6 +89,8 @@ class CopyEngine {
   }
 
   std::string name_;
+  const CpuBudget budget_;
+  const CpuAccount account_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable done_cv_;
@@ -142,8 +156,13 @@ class CpuEvent final : public Event {
 
 class CpuStream final : public Stream {
  public:
-  CpuStream(CpuDevice* device, std::string name, int compute_threads)
-      : device_(device), name_(std::move(name)), compute_threads_(compute_threads), thread_([this] { loop(); }) {}
+  CpuStream(CpuDevice* device, std::string name, int compute_threads, const CpuBudget& budget, CpuAccount account)
+      : device_(device),
+        name_(std::move(name)),
+        compute_threads_(compute_threads),
+        budget_(budget),
+        account_(std::move(account)),
+        thread_([this] { loop(); }) {}
 
   ~CpuStream() override {
     {
@@ -200,6 +219,7 @@ class CpuStream final : public Stream {
     std::string label;
     std::function<Status()> fn;
     bool always_run;  // event records and waits run even after a failure
+    bool uses_team = false;  // a host function: may have run OpenMP regions
   };
 
   void enqueue(Op op) {
@@ -210,13 +230,30 @@ class CpuStream final : public Stream {
     cv_.notify_all();
   }
 
+  // Pool threads libgomp created since the last join (a team re-formed after a smaller one) join
+  // the compute account, from their start. At most every 10 ms: a parallel region per host
+  // function would cost more than the accounting is worth on small kernels.
+  void rejoin_team() {
+    if (compute_threads_ <= 1) return;
+    const auto now = Clock::now();
+    if (now - last_team_join_ < std::chrono::milliseconds(10)) return;
+    last_team_join_ = now;
+    account_.join_team(compute_threads_);
+  }
+
   Status error_snapshot() {
     std::lock_guard lock(mu_);
     return error_;
   }
 
   void loop() {
+    name_current_thread("stream:" + name_);
+    if (Status s = budget_.pin_compute(); !s.ok()) {
+      STRATA_LOG(kWarn, kDevice) << "stream '" << name_ << "': " << s.message();
+    }
     omp_set_num_threads(compute_threads_);  // the ICV is per thread: this bounds the stream's kernels
+    account_.join(/*since_start=*/true);
+    account_.join_team(compute_threads_);
     std::unique_lock lock(mu_);
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -228,6 +265,7 @@ class CpuStream final : public Stream {
       lock.unlock();
       if (!failed || op.always_run) {
         Status s = op.fn();
+        if (op.uses_team) rejoin_team();
         if (!s.ok()) {
           lock.lock();
           if (error_.ok()) error_ = s.with_context("stream '" + name_ + "': " + op.label);
@@ -246,6 +284,9 @@ class CpuStream final : public Stream {
   CpuDevice* device_;
   std::string name_;
   int compute_threads_;
+  const CpuBudget budget_;
+  const CpuAccount account_;
+  Clock::time_point last_team_join_{};
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable idle_cv_;
@@ -258,10 +299,11 @@ class CpuStream final : public Stream {
 
 class CpuDevice final : public Device {
  public:
-  static Result<std::unique_ptr<Device>> create(const DeviceConfig& config) {
+  static Result<std::unique_ptr<Device>> create(const DeviceConfig& config, const CpuBudget& budget) {
     auto dev = std::unique_ptr<CpuDevice>(new CpuDevice());
     dev->config_ = config;
-    int threads = config.compute_threads > 0 ? config.compute_threads : default_compute_threads();
+    dev->budget_ = budget;
+    const int threads = std::max(1, budget.compute_threads);
     std::uint64_t bytes = align_up(config.memory_bytes, config.arena_alignment);
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
@@ -288,11 +330,16 @@ class CpuDevice final : public Device {
                                  static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
     dev->info_.compute_threads = threads;
     dev->info_.copy_engines = 2;
-    dev->h2d_ = std::make_unique<CopyEngine>("h2d");
-    dev->d2h_ = std::make_unique<CopyEngine>("d2h");
+    dev->h2d_ = std::make_unique<CopyEngine>("h2d", budget, dev->copy_account_);
+    dev->d2h_ = std::make_unique<CopyEngine>("d2h", budget, dev->copy_account_);
     STRATA_LOG(kInfo, kDevice) << dev->info_.name << ": " << format_bytes(bytes) << " device memory, "
                                << format_bytes(config.pinned_bytes) << " pinned, " << threads
-                               << " compute threads per stream";
+                               << " compute threads per stream; " << budget.to_string();
+    if (budget.shared()) {
+      STRATA_LOG(kInfo, kDevice) << dev->info_.name << ": device compute (cpus " << budget.compute.to_string()
+                                 << ") and host work (cpus " << budget.host.to_string()
+                                 << ") share cpus, so their overlap here is time slicing, not parallelism";
+    }
     return std::unique_ptr<Device>(std::move(dev));
   }
 
@@ -315,7 +362,7 @@ class CpuDevice final : public Device {
 
   Result<Stream*> create_stream(std::string name) override {
     return streams_.add(info_.name, std::move(name), [this](std::string n) -> Result<std::unique_ptr<CpuStream>> {
-      return std::make_unique<CpuStream>(this, std::move(n), info_.compute_threads);
+      return std::make_unique<CpuStream>(this, std::move(n), info_.compute_threads, budget_, compute_account_);
     });
   }
 
@@ -331,6 +378,8 @@ class CpuDevice final : public Device {
     st.bytes_d2h = bytes_d2h_.load();
     st.bytes_d2d = bytes_d2d_.load();
     st.host_fns = host_fns_.load();
+    st.compute_cpu_seconds = compute_account_.seconds();
+    st.copy_cpu_seconds = copy_account_.seconds();
     return st;
   }
 
@@ -347,6 +396,9 @@ class CpuDevice final : public Device {
  private:
   CpuDevice() = default;
   DeviceConfig config_;
+  CpuBudget budget_;
+  CpuAccount compute_account_;  // stream workers and their OpenMP teams
+  CpuAccount copy_account_;     // the copy engines
   DeviceInfo info_;
   void* base_ = nullptr;
   std::uint64_t bytes_ = 0;
@@ -415,7 +467,7 @@ Status CpuStream::host_fn(std::string label, std::function<Status()> fn) {
                dev->host_fns_.fetch_add(1, std::memory_order_relaxed);
                return fn();
              },
-             false});
+             false, true});
   return ok_status();
 }
 
@@ -435,7 +487,9 @@ Status CpuStream::memset_async(void* dst, int value, std::uint64_t bytes) {
 
 }  // namespace
 
-Result<std::unique_ptr<Device>> make_cpu_device(const DeviceConfig& config) { return CpuDevice::create(config); }
+Result<std::unique_ptr<Device>> make_cpu_device(const DeviceConfig& config, const CpuBudget& budget) {
+  return CpuDevice::create(config, budget);
+}
 
 }  // namespace strata::detail
 

@@ -1,5 +1,3 @@
-#include <thread>
-
 #include "device/backends.hpp"
 #include "strata/device.hpp"
 #include "strata/options.hpp"
@@ -29,6 +27,10 @@ DeviceConfig DeviceConfig::from_options(const Options& options) {
   c.pinned_bytes = options.get_bytes(Option::kPinnedMemory);
   c.compute_threads = static_cast<int>(options.get_int(Option::kComputeThreads));
   c.arena_alignment = options.get_bytes(Option::kArenaAlignment);
+  c.cpu_affinity = options.get_bool(Option::kCpuAffinity);
+  c.compute_cpus = options.get_string(Option::kComputeCpus);
+  c.host_cpus = options.get_string(Option::kHostCpus);
+  c.host_threads = static_cast<int>(options.get_int(Option::kHostThreads));
   return c;
 }
 
@@ -40,11 +42,24 @@ Result<std::unique_ptr<Device>> Device::create(const DeviceConfig& config) {
   if (config.memory_bytes < (1u << 20)) {
     return invalid_argument("device_memory " + format_bytes(config.memory_bytes) + " is below the 1 MiB minimum");
   }
+  CpuBudgetConfig bc;
+  bc.affinity = config.cpu_affinity;
+  bc.compute_cpus = config.compute_cpus;
+  bc.host_cpus = config.host_cpus;
+  bc.compute_threads = config.compute_threads;
+  bc.host_threads = config.host_threads;
+  STRATA_ASSIGN_OR_RETURN(CpuBudget budget, CpuBudget::for_process(bc, config.kind == DeviceKind::kCpu));
+  Result<std::unique_ptr<Device>> dev = invalid_argument("unknown device kind");
   switch (config.kind) {
-    case DeviceKind::kCpu: return detail::make_cpu_device(config);
-    case DeviceKind::kCuda: return detail::make_cuda_device(config);
+    case DeviceKind::kCpu:
+      dev = detail::make_cpu_device(config, budget);
+      break;
+    case DeviceKind::kCuda:
+      dev = detail::make_cuda_device(config);
+      break;
   }
-  return invalid_argument("unknown device kind");
+  if (dev.ok()) (*dev)->cpu_budget_ = std::move(budget);
+  return dev;
 }
 
 Result<ArenaBuffer> Device::allocate(std::uint64_t bytes, std::string_view tag) {
@@ -58,10 +73,5 @@ Status Device::compact() {
 }
 
 int cuda_device_count() { return detail::cuda_device_count_impl(); }
-
-int default_compute_threads() {
-  unsigned hw = std::thread::hardware_concurrency();
-  return static_cast<int>(hw / 2 > 0 ? hw / 2 : 1);
-}
 
 }  // namespace strata

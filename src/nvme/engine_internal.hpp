@@ -204,6 +204,7 @@ struct IoEngine::Impl {
   std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0}, pieces{0}, fixed_pieces{0}, bounced_pieces{0},
       buffered_pieces{0}, short_transfers{0}, errors{0}, syncs{0};
   std::atomic<std::uint64_t> written_for_kill{0};
+  CpuAccount cpu;  // the I/O threads' CPU time
 
   IoHandle submit(std::vector<IoRequest> requests, std::function<Status(Status)> finalize);
   // Runs `fn` on every I/O thread and waits; returns the first error.

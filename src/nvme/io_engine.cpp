@@ -162,7 +162,10 @@ class IoThread {
 
  private:
   void run(std::promise<Status>& ready) {
-    Status s = queue_->init(params_);
+    name_current_thread("io." + std::to_string(id_));
+    engine_->cpu.join(/*since_start=*/true);
+    Status s = engine_->config.cpus.empty() ? ok_status() : pin_current_thread(engine_->config.cpus);
+    if (s.ok()) s = queue_->init(params_);
     if (s.ok() && engine_->pool != nullptr) {
       void* base = engine_->pool->arena().base();
       std::uint64_t bytes = engine_->pool->stats().capacity;
@@ -851,6 +854,7 @@ IoEngineStats IoEngine::stats() const {
   s.short_transfers = impl_->short_transfers.load();
   s.errors = impl_->errors.load();
   s.syncs = impl_->syncs.load();
+  s.cpu_seconds = impl_->cpu.seconds();
   return s;
 }
 

@@ -124,12 +124,6 @@ struct OwnedParam {
   std::size_t n = 0;
 };
 
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
 OptimizerHyper hyper_of(const OptimizerSettings& o, double lr, bool decay) {
   OptimizerHyper h;
   h.kind = o.decoupled ? OptimizerKind::kAdamW : OptimizerKind::kAdam;
@@ -215,7 +209,7 @@ struct OffloadEngine::Impl {
   Status worker_error;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
-  double worker_cpu = 0.0;
+  CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
   std::vector<int> trace, record;
@@ -528,9 +522,7 @@ Status OffloadEngine::Impl::setup() {
     uploaded_recorded.assign(static_cast<std::size_t>(M), 0);
     CpuOptimizerConfig oc;
     STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    oc.threads = settings.host_threads > 0 ? settings.host_threads
-                                           : std::max(1, cores - std::max(1, dev.info().compute_threads));
+    oc.threads = settings.host_threads > 0 ? settings.host_threads : dev.cpu_budget().host_threads;
     STRATA_ASSIGN_OR_RETURN(CpuOptimizer opt, CpuOptimizer::create(oc));
     host_opt = opt;
   }
@@ -571,6 +563,7 @@ Status OffloadEngine::Impl::setup() {
   if (any_nvme_home || settings.optimizer == Tier::kNvme) {
     IoEngineConfig ioc = settings.io;
     ioc.nvme_path = settings.nvme_path;
+    if (dev.cpu_budget().pin) ioc.cpus = dev.cpu_budget().host;
     if (io_faults != nullptr) {
       STRATA_ASSIGN_OR_RETURN(io, nvme_detail::IoFaults::create_engine(ioc, &dev.pinned(), io_faults));
     } else {
@@ -1314,7 +1307,11 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
 }
 
 void OffloadEngine::Impl::worker_main() {
-  const double cpu0 = thread_cpu_seconds();
+  name_current_thread("host.optimizer");
+  if (Status s = device->cpu_budget().pin_host(); !s.ok()) {
+    STRATA_LOG(kWarn, kOffload) << "host optimizer: " << s.message();
+  }
+  worker_cpu.join(/*since_start=*/true);
   std::vector<GradStats> stats(static_cast<std::size_t>(M));
   std::vector<int> forward_order(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
@@ -1407,11 +1404,7 @@ void OffloadEngine::Impl::worker_main() {
       norm_step = c.step;
     }
     cv.notify_all();
-    if (immediate_ok) {
-      std::lock_guard<std::mutex> lock(mu);
-      worker_cpu = thread_cpu_seconds() - cpu0;
-      continue;
-    }
+    if (immediate_ok) continue;
     if (!total.finite()) {
       fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
                             std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
@@ -1428,13 +1421,7 @@ void OffloadEngine::Impl::worker_main() {
       }
     }
     if (!s.ok()) fail(s);
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      worker_cpu = thread_cpu_seconds() - cpu0;
-    }
   }
-  std::lock_guard<std::mutex> lock(mu);
-  worker_cpu = thread_cpu_seconds() - cpu0;
 }
 
 Status OffloadEngine::Impl::check_worker() {
@@ -2397,10 +2384,14 @@ OffloadStats OffloadEngine::stats() const {
   const DeviceStats d = t.device->stats();
   s.bytes_h2d = d.bytes_h2d;
   s.bytes_d2h = d.bytes_d2h;
+  s.compute_cpu_seconds = d.compute_cpu_seconds;
+  s.copy_cpu_seconds = d.copy_cpu_seconds;
+  s.optimizer_cpu_seconds = t.worker_cpu.seconds();
   if (t.io) {
     const IoEngineStats io = t.io->stats();
     s.bytes_nvme_read = io.bytes_read;
     s.bytes_nvme_written = io.bytes_written;
+    s.io_cpu_seconds = io.cpu_seconds;
   }
   s.param_accesses = t.accesses;
   s.prefetch_hits = t.hits;
@@ -2417,8 +2408,6 @@ OffloadStats OffloadEngine::stats() const {
   s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
   s.bytes_dp = t.dp_bytes.load(std::memory_order_relaxed);
   s.dp_seconds = t.tracer.seconds(TraceCounter::kComm);
-  std::lock_guard<std::mutex> lock(t.mu);
-  s.optimizer_cpu_seconds = t.worker_cpu;
   return s;
 }
 

@@ -13,6 +13,7 @@
 
 #include "optim/kernels.hpp"
 #include "strata/config.hpp"
+#include "strata/cpu_budget.hpp"
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
 #include "strata/options.hpp"
@@ -171,8 +172,16 @@ void parallel_ranges(std::size_t n, int threads, std::size_t granule,
   const std::size_t target = std::max(kMinElementsPerThread, n / (static_cast<std::size_t>(team) * 16));
   const std::size_t chunk = (target + granule - 1) / granule * granule;
   const std::size_t chunks = (n + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-  for (std::size_t c = 0; c < chunks; ++c) fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
+  // Team threads count toward the CPU account of the thread leading them (the host optimizer's
+  // or, for the device optimizer of the cpu backend, the compute stream's): libgomp creates new
+  // pool threads when a team grows again after a smaller one, so they join here, cheaply.
+  const CpuAccount lead = CpuAccount::of_current_thread();
+#pragma omp parallel num_threads(team)
+  {
+    lead.join(/*since_start=*/true);
+#pragma omp for schedule(dynamic, 1)
+    for (std::size_t c = 0; c < chunks; ++c) fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
+  }
 }
 
 void stream_parallel(SimdIsa isa, int threads, const StreamArgs& a, std::size_t n) {
@@ -264,15 +273,8 @@ double clip_coefficient(double total_norm, double max_norm) {
 Result<CpuOptimizerConfig> CpuOptimizerConfig::from_options(const Options& options) {
   CpuOptimizerConfig c;
   STRATA_ASSIGN_OR_RETURN(c.isa, select_optimizer_isa(options.get_string(Option::kAdamIsa)));
-  const std::int64_t host = options.get_int(Option::kHostThreads);
-  if (host > 0) {
-    c.threads = static_cast<int>(host);
-  } else {
-    const int cores = std::max(1, omp_get_num_procs());
-    const std::int64_t compute_opt = options.get_int(Option::kComputeThreads);
-    const int compute = compute_opt > 0 ? static_cast<int>(compute_opt) : std::max(1, cores / 2);
-    c.threads = std::max(1, cores - compute);
-  }
+  STRATA_ASSIGN_OR_RETURN(const CpuBudget budget, CpuBudget::for_process(CpuBudgetConfig::from_options(options)));
+  c.threads = budget.host_threads;
   return c;
 }
 
@@ -386,9 +388,14 @@ Result<GradStats> CpuOptimizer::scan_gradients(void* grad, DType dtype, std::siz
   std::array<double, kMaxScanSegments> sums{};
   const auto scan = optim_detail::kernels_for(config_.isa).scan;
   const int team = static_cast<int>(std::min<std::size_t>(std::max(config_.threads, 1), segments));
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-  for (std::size_t s = 0; s < segments; ++s) {
-    sums[s] = scan(grad, dtype, s * seg, std::min(n, (s + 1) * seg), inv_loss_scale, write_unscaled);
+  const CpuAccount lead = CpuAccount::of_current_thread();  // as in parallel_ranges
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    lead.join(/*since_start=*/true);
+#pragma omp for schedule(static)
+    for (std::size_t s = 0; s < segments; ++s) {
+      sums[s] = scan(grad, dtype, s * seg, std::min(n, (s + 1) * seg), inv_loss_scale, write_unscaled);
+    }
   }
   for (std::size_t s = 0; s < segments; ++s) stats.sum_of_squares += sums[s];
   return stats;

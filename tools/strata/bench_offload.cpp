@@ -13,6 +13,13 @@
 //   efficiency      lower_bound_s / step_s: 1.0 is perfect overlap
 //   stall_s         per step, the compute stream idle waiting for fetches plus the caller
 //                   blocked on the host optimizer (OffloadStats)
+//   cpu_s           per step, the CPU seconds (thread clocks) of each engine: compute (stream
+//                   workers and their OpenMP teams), copy (the copy engines' memcpy), io (NVMe
+//                   I/O threads), optimizer (the host optimizer thread and its team)
+//
+// The cpus are split by the device's CpuBudget (cpu_budget.hpp): compute pinned to compute_cpus,
+// copies, I/O and the host optimizer to host_cpus; STRATA_CPU_AFFINITY=0 runs the same split's
+// thread counts unpinned. The optimizer part alone runs on a thread pinned like the engine's.
 //
 // On the cpu backend "device" compute, copies (memcpy on copy-engine threads), I/O threads and the
 // host optimizer share the machine's cores, so a part alone runs faster than it can inside the
@@ -149,7 +156,7 @@ int bench_offload(std::span<const std::string> argv) {
     device_need = std::max(device_need, plan->device_bytes);
   }
   DeviceConfig dc;
-  s = device_options(args, device_need + (256u << 20), &options, &dc);
+  s = device_options(args, device_need + (256u << 20), &options, &dc, /*host_work=*/true);
   if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? usage_error("bench offload", s.message(), usage()) : fail(s);
   if (dc.kind != DeviceKind::kCpu) {
     return usage_error("bench offload", "bench offload measures the cpu backend (--device cpu)", usage());
@@ -166,6 +173,7 @@ int bench_offload(std::span<const std::string> argv) {
   // placement (interleaved), so a change in the machine's load moves both sides of the ratio.
   std::int64_t parameters = 0;
   int compute_threads = 0;
+  CpuBudget budget;
   auto compute_alone = [&]() -> Result<double> {
     STRATA_ASSIGN_OR_RETURN(auto device, Device::create(dc));
     STRATA_ASSIGN_OR_RETURN(auto engine, OffloadEngine::create(tc, OffloadSettings{}, *device));
@@ -185,9 +193,8 @@ int bench_offload(std::span<const std::string> argv) {
     auto probe = Device::create(dc);
     if (!probe.ok()) return fail(probe.status());
     compute_threads = (*probe)->info().compute_threads;
+    budget = (*probe)->cpu_budget();
   }
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int host_threads = std::max(1, cores - std::max(1, compute_threads));
 
   Json out;
   out["benchmark"] = "offload";
@@ -200,8 +207,13 @@ int bench_offload(std::span<const std::string> argv) {
   out["seq_len"] = tc.seq_len;
   out["steps"] = steps;
   out["compute_threads"] = compute_threads;
-  out["host_threads"] = host_threads;
-  out["cores"] = cores;
+  out["host_threads"] = budget.host_threads;
+  out["cores"] = budget.allowed.size();
+  out["cpus"] = Json{{"allowed", budget.allowed.to_string()},
+                     {"compute", budget.compute.to_string()},
+                     {"host", budget.host.to_string()},
+                     {"pinned", budget.pin},
+                     {"shared", budget.shared()}};
   Json rows = Json::array();
   double all_device_step = 0;
   int index = 0;
@@ -273,7 +285,7 @@ int bench_offload(std::span<const std::string> argv) {
       parts["d2h"] = *b;
     }
     if (p.optimizer != Tier::kDevice) {
-      auto o = time_optimizer(parameters, tc.model.dtype, host_threads, 3);
+      auto o = time_optimizer(parameters, tc.model.dtype, budget, 3);
       if (!o.ok()) return fail(o.status());
       parts["optimizer"] = *o;
     }
@@ -302,6 +314,17 @@ int bench_offload(std::span<const std::string> argv) {
         accesses > 0 ? static_cast<double>(after.prefetch_hits - before.prefetch_hits) / accesses : 1.0;
     row["bytes_per_step"] = Json{{"h2d", h2d}, {"d2h", d2h}, {"nvme_read", nr}, {"nvme_write", nw}};
     row["allocations_after_warmup"] = after.allocations_after_warmup;
+    {
+      const double compute_cpu = (after.compute_cpu_seconds - before.compute_cpu_seconds) / n;
+      const double copy_cpu = (after.copy_cpu_seconds - before.copy_cpu_seconds) / n;
+      const double io_cpu = (after.io_cpu_seconds - before.io_cpu_seconds) / n;
+      const double opt_cpu = (after.optimizer_cpu_seconds - before.optimizer_cpu_seconds) / n;
+      row["cpu_s"] = Json{{"compute", compute_cpu},
+                          {"copy", copy_cpu},
+                          {"io", io_cpu},
+                          {"optimizer", opt_cpu},
+                          {"total", compute_cpu + copy_cpu + io_cpu + opt_cpu}};
+    }
     rows.push_back(row);
   }
   out["placements"] = rows;

@@ -60,16 +60,17 @@ int run_device(std::span<const std::string> argv) {
       {"pinned_pool_bytes", (*dev)->pinned().stats().capacity},
       {"pinned_pool_locked", (*dev)->pinned().locked()},
       {"cuda_devices", cuda_device_count()},
+      {"cpus", (*dev)->cpu_budget().to_string()},
   };
   if (args->has("json")) {
     std::printf("%s\n", out.dump(2).c_str());
   } else {
     std::printf("%s\n  memory budget  %s (of %s)\n  pinned pool    %s%s\n  compute        %d threads per stream\n"
-                "  copy engines   %d\n  GPUs visible   %d\n",
+                "  copy engines   %d\n  GPUs visible   %d\n  cpus           %s\n",
                 info.name.c_str(), format_bytes(info.memory_budget).c_str(), format_bytes(info.physical_memory).c_str(),
                 format_bytes((*dev)->pinned().stats().capacity).c_str(),
                 (*dev)->pinned().locked() ? " (locked)" : " (not locked: raise RLIMIT_MEMLOCK)", info.compute_threads,
-                info.copy_engines, cuda_device_count());
+                info.copy_engines, cuda_device_count(), (*dev)->cpu_budget().to_string().c_str());
   }
   return kExitOk;
 }

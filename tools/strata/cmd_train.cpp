@@ -173,6 +173,9 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
   t["nvme_write"] = after.nvme_write_seconds - before.nvme_write_seconds;
   t["optimizer"] = after.optimizer_seconds - before.optimizer_seconds;
   t["optimizer_cpu"] = after.optimizer_cpu_seconds - before.optimizer_cpu_seconds;
+  t["compute_cpu"] = after.compute_cpu_seconds - before.compute_cpu_seconds;
+  t["copy_cpu"] = after.copy_cpu_seconds - before.copy_cpu_seconds;
+  t["io_cpu"] = after.io_cpu_seconds - before.io_cpu_seconds;
   t["update_stall"] = after.update_stall_seconds - before.update_stall_seconds;
   j["time_s"] = t;
   // The plan's bytes: allocated up front, so constant over the run.
@@ -369,7 +372,8 @@ int run_train(std::span<const std::string> argv) {
     return kExitOk;
   }
   DeviceConfig dc;
-  s = device_options(args, plan->device_bytes, &options, &dc);
+  const bool host_work = offload.params != Tier::kDevice || offload.optimizer != Tier::kDevice;
+  s = device_options(args, plan->device_bytes, &options, &dc, host_work);
   if (!s.ok()) return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
   tc.optimizer_isa = options.get_string(Option::kAdamIsa);
   if (plan->pinned_bytes + (64u << 20) > dc.pinned_bytes && options.source(Option::kPinnedMemory) == "default") {
@@ -478,8 +482,9 @@ int run_train(std::span<const std::string> argv) {
       static_cast<long long>(tc.seq_len), tr.optimizer_name().c_str(), tc.schedule.lr,
       static_cast<long long>(tc.schedule.warmup_steps), tc.schedule.lr * tc.schedule.min_ratio,
       tc.optimizer.weight_decay, tc.grad_clip);
-  std::printf("device   %s, %d compute threads, %s budget\n", (*device)->info().name.c_str(),
-              (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str());
+  std::printf("device   %s, %d compute threads, %s budget\ncpus     %s\n", (*device)->info().name.c_str(),
+              (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str(),
+              (*device)->cpu_budget().to_string().c_str());
   if (ranks > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
@@ -513,6 +518,7 @@ int run_train(std::span<const std::string> argv) {
   run["device"] = (*device)->info().name;
   run["compute_threads"] = (*device)->info().compute_threads;
   run["data_parallel"] = Json{{"ranks", ranks}, {"zero_stage", offload.zero_stage}};
+  run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))}};
   run["plan"] = Json{{"device", tr.plan().device_bytes},

@@ -97,6 +97,20 @@ Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps
   return median(t);
 }
 
+Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps) {
+  Result<double> r = internal_error("optimizer timing did not run");
+  std::thread worker([&] {
+    Status pin = budget.pin_host();
+    if (!pin.ok()) {
+      r = pin;
+      return;
+    }
+    r = time_optimizer(n, dtype, budget.host_threads, reps);
+  });
+  worker.join();
+  return r;
+}
+
 Result<double> time_scan(std::int64_t n, int reps) {
   CpuOptimizerConfig oc;
   STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));

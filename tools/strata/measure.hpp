@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "strata/cpu_budget.hpp"
 #include "strata/device.hpp"
 #include "strata/dtype.hpp"
 #include "strata/engine.hpp"
@@ -21,6 +22,9 @@ Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int
 // CPU Adam over n parameters (fp32 master, moments and gradients; working copy in `dtype`) on
 // `threads` threads, median of `reps` after one that touches the pages.
 Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps);
+// The same on a thread pinned as the engine's host optimizer thread is (the budget's host cpus),
+// with its threads.
+Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps);
 
 // The gradient norm's sum of squares over n fp32 values on one thread, median of `reps`.
 Result<double> time_scan(std::int64_t n, int reps);

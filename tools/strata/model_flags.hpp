@@ -47,7 +47,9 @@ inline constexpr FlagSpec kModelFlags[] = {
     {"dtype", "f32|bf16", "working dtype of weights and activations (bf16 keeps fp32 master weights)"},
     {"checkpointing", "on|off", "activation checkpointing: recompute each block in backward"},
     {"device", "cpu|cuda", "device backend (default: the 'device' tunable, cpu)"},
-    {"threads", "N", "compute threads of the cpu backend (default: every core; training runs no host work)"},
+    {"threads", "N",
+     "compute threads of the cpu backend (default: every allowed cpu when nothing is offloaded, else the "
+     "compute_cpus of the cpu budget)"},
 };
 
 // Reads --name as an integer in [lo, hi]; a bad value is a usage error naming the flag, the
@@ -113,13 +115,17 @@ inline Status apply_model_flags(const Args& args, std::int64_t seq_len, ModelCon
   return ok_status();
 }
 
-// --threads: 0 = the default (every core).
+// --threads: 0 = the default.
 inline constexpr std::int64_t kMaxComputeThreads = 4096;
 
-// The device for a training command: the tunables (environment) with --device/--threads, all
-// cores for compute unless compute_threads was set, and a memory budget of at least `needed`.
-// Errors in flag values are usage errors (kInvalidArgument); others are failures.
-inline Status device_options(const Args& args, std::uint64_t needed, Options* options, DeviceConfig* config) {
+// The device for a training command: the tunables (environment) with --device/--threads, and a
+// memory budget of at least `needed`. The cpus are split by the device's CpuBudget
+// (cpu_budget.hpp), the same split the host optimizer's threads come from; a run with no host
+// engines (`host_work` false: nothing offloaded) gives compute every allowed cpu unless
+// compute_threads or compute_cpus was set. Errors in flag values are usage errors
+// (kInvalidArgument); others are failures.
+inline Status device_options(const Args& args, std::uint64_t needed, Options* options, DeviceConfig* config,
+                             bool host_work = false) {
   STRATA_RETURN_IF_ERROR(options->load_env());
   if (auto d = args.get("device")) {
     Status s = options->set(Option::kDevice, *d, "--device");
@@ -132,8 +138,9 @@ inline Status device_options(const Args& args, std::uint64_t needed, Options* op
     if (!s.ok()) return invalid_argument("flag '--threads': " + s.message());
   }
   *config = DeviceConfig::from_options(*options);
-  if (options->source(Option::kComputeThreads) == "default") {
-    config->compute_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!host_work && options->source(Option::kComputeThreads) == "default" &&
+      options->source(Option::kComputeCpus) == "default") {
+    config->compute_threads = process_cpus().size();
   }
   if (options->source(Option::kDeviceMemory) == "default") {
     config->memory_bytes = std::max(config->memory_bytes, align_up(needed + needed / 4, 1u << 20));
