@@ -69,6 +69,42 @@ TEST(CliEstimate, JsonMatchesTheLibraryPlanByteForByte) {
   }
 }
 
+// --ranks N: per-rank bytes from the engine's data-parallel plan; the optimizer state shrinks to
+// 1/N, stage 3 shards the offloaded parameters too, and sharding device state is left out.
+TEST(CliEstimate, RanksGivePerRankBytesOfEachStage) {
+  auto r = run_cli(std::string("estimate --json --ranks 4 ") + kShape);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["world_size"], 4);
+  for (const auto& r2 : j["placements"]) {
+    EXPECT_FALSE(r2["offload_optimizer"] == "device" && r2["zero_stage"] != 0) << r2.dump();
+  }
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.params = Tier::kHost;
+  s.zero_stage = 3;
+  s.dp_size = 4;
+  auto plan = OffloadPlan::make(same_shape(), s);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  EXPECT_EQ(row(j, 3, "host", "host")["total"]["host"], plan->host_bytes);
+  auto one = run_cli(std::string("estimate --json ") + kShape);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto j1 = nlohmann::json::parse(one.output);
+  const auto opt4 = row(j, 1, "device", "host")["bytes"]["optimizer"]["host"].get<std::uint64_t>();
+  const auto opt1 = row(j1, 1, "device", "host")["bytes"]["optimizer"]["host"].get<std::uint64_t>();
+  EXPECT_LT(opt4, opt1 / 3) << "optimizer state per rank of 4";
+  // Modules above the persistence threshold (100k elements) move, and stage 3 shards them.
+  const std::string big = "--model gpt2 --layers 8 --width 512 --heads 8 --seq-len 32 --batch 2";
+  auto b4 = run_cli("estimate --json --ranks 4 " + big), b1 = run_cli("estimate --json " + big);
+  ASSERT_EQ(b4.exit_code, 0) << b4.output;
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  const auto jb4 = nlohmann::json::parse(b4.output), jb1 = nlohmann::json::parse(b1.output);
+  const auto par4 = row(jb4, 3, "host", "host")["bytes"]["parameters"]["host"].get<std::uint64_t>();
+  const auto par1 = row(jb1, 3, "host", "host")["bytes"]["parameters"]["host"].get<std::uint64_t>();
+  EXPECT_LT(par4, par1 / 2) << "stage 3 shards the offloaded parameters";
+  EXPECT_EQ(run_cli(std::string("estimate --ranks 0 ") + kShape).exit_code, 2);
+}
+
 TEST(CliEstimate, BudgetsMarkWhatDoesNotFit) {
   auto all = run_cli(std::string("estimate --json ") + kShape);
   ASSERT_EQ(all.exit_code, 0) << all.output;

@@ -135,9 +135,10 @@ struct OffloadPlan {
 };
 
 // strata estimate: the plan of every placement (params x optimizer tier) and ZeRO stage, each made
-// by OffloadPlan::make, so the bytes are the engine's own. ZeRO stages run single-process today
-// (world size 1): every stage of one placement has the same bytes; the stage column records which
-// stages DeepSpeed allows for that placement (offload_param needs 3, offload_optimizer 1-3).
+// by OffloadPlan::make, so the bytes are the engine's own. With base.dp_size 1 every stage of one
+// placement has the same bytes and the stage column records which stages DeepSpeed allows for it
+// (offload_param needs 3, offload_optimizer 1-3); with dp_size N the bytes are per rank, each stage
+// planned with what it shards, and the combinations the engine refuses are left out.
 struct TierBytes {
   std::uint64_t device = 0;
   std::uint64_t host = 0;  // ordinary host memory

@@ -336,8 +336,18 @@ Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& 
       s.optimizer = optimizer;
       STRATA_ASSIGN_OR_RETURN(PlacementEstimate e, estimate_placement(config, s, budgets, cuda));
       for (int stage = e.zero_stage; stage <= 3; ++stage) {
-        e.zero_stage = stage;
-        out.push_back(e);
+        if (base.dp_size == 1) {  // one process: every stage the same bytes
+          e.zero_stage = stage;
+          out.push_back(e);
+          continue;
+        }
+        // Data parallel: what each stage shards (the engine refuses sharding device optimizer state).
+        if (optimizer == Tier::kDevice && stage >= 1) continue;
+        OffloadSettings st = s;
+        st.zero_stage = stage;
+        STRATA_ASSIGN_OR_RETURN(PlacementEstimate es, estimate_placement(config, st, budgets, cuda));
+        es.zero_stage = stage;
+        out.push_back(std::move(es));
       }
     }
   }

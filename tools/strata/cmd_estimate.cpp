@@ -25,6 +25,9 @@ constexpr FlagSpec kEstimateFlags[] = {
     {"nvme-free", "BYTES", "free space of the NVMe directories (swap reserve included)"},
     {"vocab-size", "N",
      "vocabulary size (default 256: the byte tokenizer strata train uses without --vocab)"},
+    {"ranks", "N",
+     "data-parallel ranks (default 1): bytes per rank, each ZeRO stage sharding what it shards "
+     "(docs/parallel.md)"},
     {"json", "", "print JSON"},
     {"help", "", "show this help"},
 };
@@ -45,9 +48,10 @@ std::string estimate_usage() {
   return "usage: strata estimate [flags]\n\n"
          "Bytes per tier for parameters, gradients, optimizer state and activations under every\n"
          "placement (offload_param x offload_optimizer: device | host | nvme) and ZeRO stage, from the\n"
-         "engine's own memory plan, and whether each fits the budgets. ZeRO stages 1-3 run as one\n"
-         "process today (world size 1): every stage of a placement needs the same bytes; the stage\n"
-         "column lists the stages DeepSpeed allows for the placement.\n\nflags:\n" +
+         "engine's own memory plan, and whether each fits the budgets. With one process (the default)\n"
+         "every stage of a placement needs the same bytes and the stage column lists the stages\n"
+         "DeepSpeed allows; with --ranks N the bytes are per rank, each stage sharding over the N ranks\n"
+         "what it shards (combinations the engine refuses are left out).\n\nflags:\n" +
          format_flags(all_flags());
 }
 
@@ -91,6 +95,11 @@ int run_estimate(std::span<const std::string> argv) {
     if (!r->ok()) return usage_error("estimate", r->status().message(), estimate_usage());
   }
   budgets = {*device, *host, *nvme};
+  std::int64_t ranks = 1;
+  if (Status r = int_flag(args, "ranks", 1, 1 << 20, &ranks); !r.ok()) {
+    return usage_error("estimate", r.message(), estimate_usage());
+  }
+  rs.offload.dp_size = static_cast<int>(ranks);
   const bool cuda = args.get("device").value_or("") == "cuda";
   auto rows = estimate_placements(rs.trainer, rs.offload, budgets, cuda);
   if (!rows.ok()) {
@@ -101,8 +110,9 @@ int run_estimate(std::span<const std::string> argv) {
 
   if (args.has("json")) {
     Json out;
-    out["world_size"] = 1;
-    out["note"] = "ZeRO stages run as one process: every stage of a placement has the same bytes";
+    out["world_size"] = ranks;
+    out["note"] = ranks == 1 ? "one process: every stage of a placement has the same bytes"
+                             : "bytes per data-parallel rank";
     out["model"] = Json::parse(model_config_to_json(tc.model));
     out["micro_batch"] = tc.micro_batch;
     out["seq_len"] = tc.seq_len;
@@ -144,8 +154,12 @@ int run_estimate(std::span<const std::string> argv) {
               static_cast<long long>(tc.seq_len));
   std::printf("budgets  device %s, host %s, nvme %s\n", budget_text(budgets.device).c_str(),
               budget_text(budgets.host).c_str(), budget_text(budgets.nvme).c_str());
-  std::printf(
-      "ZeRO stages run as one process (world size 1): each stage of a placement needs the same bytes.\n\n");
+  if (ranks == 1) {
+    std::printf("one process (world size 1): each ZeRO stage of a placement needs the same bytes (--ranks N: per rank "
+        "of N).\n\n");
+  } else {
+    std::printf("bytes per rank of %lld data-parallel ranks.\n\n", static_cast<long long>(ranks));
+  }
   std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %s\n", "stage", "params", "optimizer", "device",
               "host", "pinned", "nvme", "swap", "fits");
   for (const PlacementEstimate& e : *rows) {
@@ -172,7 +186,7 @@ int run_estimate(std::span<const std::string> argv) {
   };
   for (std::size_t i = 0; i < rows->size(); ++i) {
     const PlacementEstimate& e = (*rows)[i];
-    if (i > 0 && (*rows)[i - 1].params == e.params && (*rows)[i - 1].optimizer == e.optimizer) continue;
+    if (ranks == 1 && i > 0 && (*rows)[i - 1].params == e.params && (*rows)[i - 1].optimizer == e.optimizer) continue;
     std::printf("%-6s %-9s | %-36s | %-36s | %-36s | %s\n", tier_name(e.params).c_str(),
                 tier_name(e.optimizer).c_str(), cell(e.by_kind[0]).c_str(), cell(e.by_kind[1]).c_str(),
                 cell(e.by_kind[2]).c_str(), format_bytes(e.by_kind[3].device).c_str());
