@@ -177,6 +177,7 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
   t["copy_cpu"] = after.copy_cpu_seconds - before.copy_cpu_seconds;
   t["io_cpu"] = after.io_cpu_seconds - before.io_cpu_seconds;
   t["update_stall"] = after.update_stall_seconds - before.update_stall_seconds;
+  t["data_parallel"] = after.dp_seconds - before.dp_seconds;
   j["time_s"] = t;
   // The plan's bytes: allocated up front, so constant over the run.
   j["bytes"] = Json{{"device", plan.device_bytes},
@@ -186,7 +187,8 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
   j["traffic"] = Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
                       {"d2h", after.bytes_d2h - before.bytes_d2h},
                       {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
-                      {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written}};
+                      {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
+                      {"data_parallel", after.bytes_dp - before.bytes_dp}};
   j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
   j["param_accesses"] = after.param_accesses - before.param_accesses;
   return j;
