@@ -81,5 +81,41 @@ TEST(CliCheckpoint, ResumeRefusesWhatWouldChangeTheRun) {
   EXPECT_NE(r.output.find("need '--checkpoint-dir'"), std::string::npos) << r.output;
 }
 
+// SIGTERM (a scheduler preempting the job): the step in progress finishes, a checkpoint is saved,
+// the process exits with 128 + 15, and a resumed run continues the loss of an uninterrupted one
+// bit for bit (a constant learning rate, so the run length does not shape the schedule).
+TEST(CliCheckpoint, SigtermSavesACheckpointThatResumesBitwise) {
+  TempDir dir("strata-cli-sigterm");
+  const std::string ck = (dir / "ck").string(), m = (dir / "m.jsonl").string();
+  const std::string flags = kTiny + "--val-every 0 --warmup 0 --min-lr-ratio 1 ";
+  const std::string script = std::string("'") + STRATA_CLI_PATH + "' train " + flags + "--steps 100000 --checkpoint-dir " +
+                             ck + " --metrics " + m + " & pid=$!; " +
+                             "for i in $(seq 1200); do [ -f " + m + " ] && [ $(wc -l < " + m +
+                             ") -ge 3 ] && break; sleep 0.05; done; kill -TERM $pid; wait $pid; echo \"exit=$?\"";
+  auto r = run_command(script);
+  EXPECT_NE(r.output.find("exit=143"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopping after step"), std::string::npos) << r.output;
+  const auto stopped = read_jsonl(m);
+  ASSERT_GE(stopped.size(), 3u);
+  const std::int64_t last = stopped.back()["step"].get<std::int64_t>();
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld\n", static_cast<long long>(last));
+  EXPECT_EQ(read_file(dir / "ck" / "latest"), name) << "the checkpoint is of the last step finished";
+
+  const std::string m2 = (dir / "m2.jsonl").string(), m3 = (dir / "m3.jsonl").string();
+  const std::string to = std::to_string(last + 2);
+  auto resumed = run_cli("train " + flags + "--steps " + to + " --resume " + ck + " --metrics " + m2);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  auto straight = run_cli("train " + flags + "--steps " + to + " --metrics " + m3);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto a = read_jsonl(m3), b = read_jsonl(m2);
+  ASSERT_EQ(b.size(), 2u);
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(last + 2));
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(b[i]["loss"].get<double>(), a[static_cast<std::size_t>(last) + i]["loss"].get<double>())
+        << "step " << last + 1 + static_cast<std::int64_t>(i);
+  }
+}
+
 }  // namespace
 }  // namespace strata::testing

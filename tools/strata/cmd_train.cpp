@@ -4,7 +4,11 @@
 // --resume) and a summary that compares the loss with the unigram baseline of the data.
 //
 // Precedence of settings: the defaults below < a DeepSpeed-style --config file < flags.
-// Exit codes: 0 trained, 1 a file could not be read/written or training failed, 2 bad flags.
+// Exit codes: 0 trained, 1 a file could not be read/written or training failed, 2 bad flags,
+// 128 + N stopped by signal N (SIGTERM, SIGINT): the step in progress finishes, a checkpoint is
+// saved when --checkpoint-dir is set (resume with --resume), the run's files are written, and the
+// process exits; a second signal ends it at once. Under mpirun the ranks agree on the step to
+// stop after (the flag is all-reduced each step), so the checkpoint is collective as usual.
 //
 // Data parallel: started by `mpirun -np N strata train ...`, every rank trains its share of each
 // step's batch (global micro-batch i of a step goes to rank i mod N, so N ranks with --grad-accum
@@ -12,6 +16,8 @@
 // (docs/parallel.md). Rank 0 prints, validates and writes the run's files; every rank takes part
 // in checkpoints; errors name the rank.
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cerrno>
 #include <chrono>
@@ -210,6 +216,15 @@ struct Data {
 
 // "rank R: " under mpirun with several ranks (errors go to stderr from every rank).
 std::string g_rank_prefix;
+
+// The signal that asked the run to stop (0: none). The first SIGTERM/SIGINT sets it and restores
+// the default action, so a second one ends the process at once.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void request_stop(int sig) {
+  g_stop_signal = sig;
+  std::signal(sig, SIG_DFL);
+}
 
 int fail(const Status& s) {
   std::fprintf(stderr, "strata train: %s%s\n", g_rank_prefix.c_str(), s.message().c_str());
@@ -535,6 +550,21 @@ int run_train(std::span<const std::string> argv) {
   }
 
   // ---- the loop ----
+  std::signal(SIGTERM, request_stop);
+  std::signal(SIGINT, request_stop);
+  std::unique_ptr<Comm> control;  // under mpirun: the ranks agree on when to stop
+  if (ranks > 1) {
+    auto w = comm_context->world(CommBackend::kMpi);
+    if (!w.ok()) return fail(w.status().with_context("control group"));
+    control = std::move(*w);
+  }
+  int stop_signal = 0;
+  std::int64_t end_step = steps;  // the step the run stopped after
+  auto stop_requested = [&]() -> Result<int> {
+    float flag = static_cast<float>(g_stop_signal);
+    if (control) STRATA_RETURN_IF_ERROR(control->all_reduce(&flag, &flag, 1, DType::kF32, ReduceOp::kMax).wait());
+    return static_cast<int>(flag);
+  };
   const bool live = !args.has("quiet") && ::isatty(STDOUT_FILENO) == 1;
   const bool quiet = args.has("quiet");
   const std::int64_t log_every = std::max<std::int64_t>(1, steps / 20);
@@ -609,10 +639,24 @@ int run_train(std::span<const std::string> argv) {
       std::printf("\n");
       std::fflush(stdout);
     }
-    if (!checkpoint_dir.empty() && (last || (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0))) {
+    auto stop = stop_requested();
+    if (!stop.ok()) return fail(stop.status().with_context("after step " + std::to_string(step + 1)));
+    stop_signal = *stop;
+    if (!checkpoint_dir.empty() &&
+        (last || stop_signal != 0 || (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0))) {
       if (live) std::printf("\n");
       Status c = save_checkpoint();
       if (!c.ok()) return fail(c.with_context("checkpoint after step " + std::to_string(step + 1)));
+    }
+    if (stop_signal != 0) {
+      if (live) std::printf("\n");
+      std::printf("stopping after step %lld/%lld: %s received%s\n", static_cast<long long>(step + 1),
+                  static_cast<long long>(steps), strsignal(stop_signal),
+                  checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing to resume from)" : "");
+      if (!checkpoint_dir.empty()) std::printf("  resume with: --resume %s\n", checkpoint_dir.c_str());
+      std::fflush(stdout);
+      end_step = step + 1;
+      break;
     }
   }
   if (live) std::printf("\n");
@@ -631,17 +675,19 @@ int run_train(std::span<const std::string> argv) {
   for (std::size_t i = recent_losses.size() - tail; i < recent_losses.size(); ++i)
     train_loss += recent_losses[i] / tail;
   Json summary;
-  summary["steps"] = steps;
+  summary["steps"] = end_step;
+  if (stop_signal != 0) summary["stopped_by"] = strsignal(stop_signal);
   summary["first_step"] = first_step + 1;
   summary["train_loss"] = train_loss;
   summary["final_step_loss"] = recent_losses.back();
-  if (can_validate) {
+  const bool have_val = can_validate && !std::isnan(last_val);
+  if (have_val) {
     summary["val_loss"] = last_val;
     summary["val_tokens"] = val_tokens;
   }
   summary["unigram_entropy"] = unigram;
   summary["wall_s"] = wall;
-  summary["tokens_per_s"] = static_cast<double>(tokens_per_step * (steps - first_step)) / train_seconds;
+  summary["tokens_per_s"] = static_cast<double>(tokens_per_step * (end_step - first_step)) / train_seconds;
   summary["parameters"] = layout.num_parameters();
   {
     const OffloadStats os = tr.stats();
@@ -669,10 +715,10 @@ int run_train(std::span<const std::string> argv) {
     if (!w2.ok()) return fail(w2);
   }
 
-  std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(steps - first_step),
+  std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(end_step - first_step),
               clock_text(wall).c_str(), thousands(summary["tokens_per_s"].get<double>()).c_str());
   std::printf("  train loss       %.4f nats/token (mean of the last %zu steps)\n", train_loss, tail);
-  if (can_validate) {
+  if (have_val) {
     std::printf("  validation loss  %.4f nats/token (%lld tokens)\n", last_val,
                 static_cast<long long>(val_tokens));
   }
@@ -687,7 +733,7 @@ int run_train(std::span<const std::string> argv) {
                 100.0 * os.hit_rate(), static_cast<unsigned long long>(os.param_accesses),
                 static_cast<unsigned long long>(os.allocations_after_warmup), os.optimizer_cpu_seconds);
   }
-  if (can_validate) {
+  if (have_val) {
     std::printf("  validation loss is %.2f x the unigram baseline\n", last_val / unigram);
   }
   if (auto p = args.get("save-weights"))
@@ -696,7 +742,7 @@ int run_train(std::span<const std::string> argv) {
     std::printf("  run saved in %s (strata export --run %s --weights OUT; strata report %s)\n",
                 out_dir.c_str(), out_dir.c_str(), out_dir.c_str());
   if (!trace_path.empty()) std::printf("  trace: %s (open in ui.perfetto.dev)\n", trace_path.c_str());
-  return kExitOk;
+  return stop_signal != 0 ? 128 + stop_signal : kExitOk;
 }
 
 }  // namespace
