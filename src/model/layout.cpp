@@ -607,6 +607,8 @@ void init_values(const ModelLayout& layout, int index, std::uint64_t seed, std::
   const std::int64_t rows = p.shape[0];
   const std::int64_t cols = p.numel() / rows;
   const std::int64_t real_rows = exported_rows(p);
+  // Each element is a function of (seed, index, position) alone, so the threads split it freely.
+#pragma omp parallel for schedule(static) if (n >= (1 << 18))
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t e = begin + i;
     if (e / cols >= real_rows) {  // padded vocabulary rows stay zero: they are never exported
