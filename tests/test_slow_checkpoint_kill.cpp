@@ -56,7 +56,7 @@ TEST(SlowCheckpoint, KilledAtRandomMomentsAndResumedLosesNothing) {
   TempDir dir("strata-kill");
   const std::vector<std::string> common = {"train", "--layers", "2", "--width", "32", "--heads", "2",
                                            "--seq-len", "32", "--batch", "2", "--threads", "1",
-                                           "--steps", "24", "--val-every", "0", "--quiet"};
+                                           "--steps", "120", "--val-every", "0", "--quiet"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> a = common;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -95,7 +95,7 @@ TEST(SlowCheckpoint, KilledAtRandomMomentsAndResumedLosesNothing) {
   ASSERT_GT(ref.size(), 1000u);
   EXPECT_TRUE(ref == read_file(out)) << "weights after " << kills << " kills differ from the uninterrupted run";
   // No half-written checkpoint is ever named; leftovers of killed saves are gone or unnamed.
-  EXPECT_EQ(read_file(fs::path(ck) / "latest"), "step-00000024\n");
+  EXPECT_EQ(read_file(fs::path(ck) / "latest"), "step-00000120\n");
 }
 
 }  // namespace
