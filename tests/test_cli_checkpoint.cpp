@@ -64,9 +64,16 @@ TEST(CliCheckpoint, ResumeRefusesWhatWouldChangeTheRun) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("micro_batch = 2, this run has 3"), std::string::npos) << r.output;
 
-  r = run_cli("train " + kTiny + "--steps 2 --resume " + ck);
+  r = run_cli("train " + kTiny + "--steps 1 --resume " + ck);
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("is at step 2; --steps 2 leaves nothing to train"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("is at step 2; --steps 1 leaves nothing to train"), std::string::npos) << r.output;
+
+  // At the last step: a run killed after its final checkpoint but before its outputs were
+  // written resumes to write them.
+  r = run_cli("train " + kTiny + "--steps 2 --resume " + ck + " --save-weights " + (dir / "w.safetensors").string());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("nothing left to train: writing the run's outputs"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "w.safetensors"));
 
   r = run_cli("train " + kTiny + "--steps 4 --resume " + (dir / "nothing").string());
   EXPECT_EQ(r.exit_code, 1) << r.output;

@@ -22,16 +22,23 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Starts the CLI with `args`, output discarded. Once the checkpoint root's `latest` changes (the
-// run made progress) it waits `delay` more and kills the process with SIGKILL, unless the run
-// exits first. Returns its exit code, or -1 when it was killed.
+// The output of the last run_and_kill (stdout and stderr), to show when a run fails.
+const fs::path& run_log() {
+  static const fs::path p = temp_root() / ("strata-kill-" + std::to_string(::getpid()) + ".log");
+  return p;
+}
+
+// Starts the CLI with `args`, output to run_log(). Once the checkpoint root's `latest` changes
+// (the run made progress) it waits `delay` more and kills the process with SIGKILL, unless the
+// run exits first. Returns its exit code, or -1 when it was killed.
 int run_and_kill(const std::vector<std::string>& args, const fs::path& latest, std::chrono::milliseconds delay) {
   const std::string before = read_file(latest);
+  const std::string log_path = run_log().string();  // named here: the child's pid differs
   const pid_t pid = ::fork();
   if (pid == 0) {
-    const int null = ::open("/dev/null", O_WRONLY);
-    ::dup2(null, 1);
-    ::dup2(null, 2);
+    const int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(log, 1);
+    ::dup2(log, 2);
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(STRATA_CLI_PATH));
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -83,7 +90,7 @@ TEST(SlowCheckpoint, KilledAtRandomMomentsAndResumedLosesNothing) {
       ++kills;
       continue;
     }
-    ASSERT_EQ(rc, 0) << "attempt " << attempts << " failed after " << kills << " kills";
+    ASSERT_EQ(rc, 0) << "attempt " << attempts << " failed after " << kills << " kills:\n" << read_file(run_log());
     finished = true;
   }
   if (!finished) {  // the remaining steps, uninterrupted

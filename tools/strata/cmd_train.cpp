@@ -462,12 +462,15 @@ int run_train(std::span<const std::string> argv) {
       }
     }
     first_step = m->step;
-    if (first_step >= steps) {
+    if (first_step > steps) {
       return fail(failed_precondition("--resume: checkpoint '" + m->dir + "' is at step " + std::to_string(first_step) +
                                       "; --steps " + std::to_string(steps) + " leaves nothing to train"));
     }
     std::printf("resume   from %s (step %lld, saved with %s)\n", m->dir.c_str(), static_cast<long long>(first_step),
                 m->placement.c_str());
+    // A run stopped after its last checkpoint but before its outputs were written (killed while
+    // saving the weights) resumes to write them.
+    if (first_step == steps) std::printf("resume   nothing left to train: writing the run's outputs\n");
   }
   auto save_checkpoint = [&]() -> Status {
     auto dir = tr.save_checkpoint(checkpoint_dir, identity.dump(), static_cast<int>(keep_checkpoints));
@@ -671,15 +674,20 @@ int run_train(std::span<const std::string> argv) {
     if (!w.ok()) return fail(w);
   }
   const std::size_t tail = std::min<std::size_t>(recent_losses.size(), 10);
-  double train_loss = 0;
-  for (std::size_t i = recent_losses.size() - tail; i < recent_losses.size(); ++i)
-    train_loss += recent_losses[i] / tail;
+  double train_loss = std::nan("");
+  if (tail > 0) {
+    train_loss = 0;
+    for (std::size_t i = recent_losses.size() - tail; i < recent_losses.size(); ++i)
+      train_loss += recent_losses[i] / static_cast<double>(tail);
+  }
   Json summary;
   summary["steps"] = end_step;
   if (stop_signal != 0) summary["stopped_by"] = strsignal(stop_signal);
   summary["first_step"] = first_step + 1;
-  summary["train_loss"] = train_loss;
-  summary["final_step_loss"] = recent_losses.back();
+  if (tail > 0) {
+    summary["train_loss"] = train_loss;
+    summary["final_step_loss"] = recent_losses.back();
+  }
   const bool have_val = can_validate && !std::isnan(last_val);
   if (have_val) {
     summary["val_loss"] = last_val;
@@ -687,7 +695,8 @@ int run_train(std::span<const std::string> argv) {
   }
   summary["unigram_entropy"] = unigram;
   summary["wall_s"] = wall;
-  summary["tokens_per_s"] = static_cast<double>(tokens_per_step * (end_step - first_step)) / train_seconds;
+  summary["tokens_per_s"] =
+      train_seconds > 0 ? static_cast<double>(tokens_per_step * (end_step - first_step)) / train_seconds : 0.0;
   summary["parameters"] = layout.num_parameters();
   {
     const OffloadStats os = tr.stats();
@@ -717,7 +726,7 @@ int run_train(std::span<const std::string> argv) {
 
   std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(end_step - first_step),
               clock_text(wall).c_str(), thousands(summary["tokens_per_s"].get<double>()).c_str());
-  std::printf("  train loss       %.4f nats/token (mean of the last %zu steps)\n", train_loss, tail);
+  if (tail > 0) std::printf("  train loss       %.4f nats/token (mean of the last %zu steps)\n", train_loss, tail);
   if (have_val) {
     std::printf("  validation loss  %.4f nats/token (%lld tokens)\n", last_val,
                 static_cast<long long>(val_tokens));
