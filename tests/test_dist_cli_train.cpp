@@ -129,5 +129,62 @@ TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
       << r.output;
 }
 
+// Starts `command` in the background, waits until `metrics` has `lines` lines (the run is
+// training), runs `then` (a shell command that may use $pid, the background job), waits for the
+// job and prints "exit=<status> seconds=<time from `then` to the end>".
+std::string while_training(const std::string& command, const std::string& metrics, int lines, const std::string& then) {
+  return command + " 2>&1 & pid=$!; for i in $(seq 1200); do [ -f " + metrics + " ] && [ $(wc -l < " + metrics + ") -ge " +
+         std::to_string(lines) + " ] && break; sleep 0.05; done; t0=$(date +%s); " + then +
+         "; wait $pid; rc=$?; echo \"exit=$rc seconds=$(( $(date +%s) - t0 ))\"";
+}
+
+int field(const std::string& output, const std::string& key) {
+  const auto at = output.rfind(key + "=");
+  return at == std::string::npos ? -1 : std::stoi(output.substr(at + key.size() + 1));
+}
+
+// A rank killed in the middle of training ends the job on every rank, with an error, quickly:
+// through mpirun, which notices a rank that dies on a signal, and, with mpirun told not to, through
+// the survivors' comm timeout and watchdog.
+TEST(DistCliTrain, AKilledRankEndsTheJob) {
+  for (int watchdog = 0; watchdog < 2; ++watchdog) {
+    TempDir dir("strata-dist-cli");
+    const std::string m = (dir / "m.jsonl").string();
+    std::string launch = mpirun(2);
+    if (watchdog) launch.replace(launch.find("-x STRATA_COMM_TIMEOUT=60"), 25, "-x STRATA_COMM_TIMEOUT=3 --mca orte_abort_on_non_zero_status 0");
+    // The newest of mpirun's children is killed: one rank, either one.
+    auto r = run_command(while_training(launch + "train " + kTiny + "--steps 100000 --val-every 0 --metrics " + m, m, 3,
+                                        "kill -9 $(pgrep -n -P $pid)"));
+    const int rc = field(r.output, "exit"), seconds = field(r.output, "seconds");
+    EXPECT_NE(rc, 0) << r.output;
+    EXPECT_GE(seconds, 0) << r.output;
+    EXPECT_LE(seconds, 45) << (watchdog ? "watchdog" : "launcher") << " path took too long:\n" << r.output;
+    if (watchdog) {
+      EXPECT_NE(r.output.find("comm timeout"), std::string::npos) << "the survivor says why:\n" << r.output;
+    }
+  }
+}
+
+// SIGTERM to mpirun reaches every rank; they agree on the step to stop after, save one
+// checkpoint together and exit; the run resumes from it under mpirun.
+TEST(DistCliTrain, SigtermStopsEveryRankWithOneCheckpoint) {
+  TempDir dir("strata-dist-cli");
+  const std::string m = (dir / "m.jsonl").string(), ck = (dir / "ck").string();
+  const std::string flags = kTiny + "--val-every 0 --warmup 0 --min-lr-ratio 1 ";
+  auto r = run_command(while_training(mpirun(2) + "train " + flags + "--steps 100000 --checkpoint-dir " + ck +
+                                          " --metrics " + m,
+                                      m, 3, "kill -TERM $pid"));
+  EXPECT_NE(field(r.output, "exit"), 0) << r.output;
+  EXPECT_NE(r.output.find("stopping after step"), std::string::npos) << r.output;
+  const auto lines = read_jsonl(m);
+  ASSERT_GE(lines.size(), 3u);
+  const std::int64_t last = lines.back()["step"].get<std::int64_t>();
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld\n", static_cast<long long>(last));
+  EXPECT_EQ(read_file(dir / "ck" / "latest"), name) << r.output;
+  auto resumed = run_command(mpirun(2) + "train " + flags + "--steps " + std::to_string(last + 2) + " --resume " + ck);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+}
+
 }  // namespace
 }  // namespace strata::testing

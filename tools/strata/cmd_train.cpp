@@ -263,7 +263,9 @@ int run_train(std::span<const std::string> argv) {
   std::unique_ptr<CommContext> comm_context;
   int rank = 0, ranks = 1;
   if (launched_by_mpirun()) {
-    auto cc = CommConfig::from_options(options);
+    Options comm_options = options;  // the config's tunables, then the environment's (as the device's)
+    if (Status e = comm_options.load_env(); !e.ok()) return usage(e);
+    auto cc = CommConfig::from_options(comm_options);
     if (!cc.ok()) return usage(cc.status());
     auto ctx = CommContext::create(*cc);
     if (!ctx.ok()) return fail(ctx.status().with_context("data parallel under mpirun"));
@@ -508,7 +510,8 @@ int run_train(std::span<const std::string> argv) {
   if (ranks > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
-                ranks, std::string(to_string(dp_group->backend())).c_str(), offload.zero_stage,
+                ranks, std::string(to_string(dp_group->backend())).c_str(),
+                offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
                 offload.optimizer == Tier::kHost ? "optimizer state and gradients sharded over the ranks"
                                                  : "gradients all-reduced, optimizer state replicated",
                 static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * ranks));
