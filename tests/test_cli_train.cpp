@@ -144,7 +144,8 @@ TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
 TEST(CliTrain, BadFilesExitOneNamingThePath) {
   TempDir dir;
   const std::string bad_config = write_file(dir / "bad.json", "{\"gradient_clipping\": \"lots\"}");
-  const std::string fp16_config = write_file(dir / "fp16.json", "{\"fp16\": {\"enabled\": true}}");
+  const std::string fp16_config =
+      write_file(dir / "fp16.json", "{\"fp16\": {\"enabled\": true, \"initial_scale_power\": 2, \"min_loss_scale\": 8}}");
   const std::string not_weights = write_file(dir / "not.safetensors", "definitely not safetensors");
   const std::string text = write_file(dir / "t.txt", corpus_text(20));
   struct Case {
@@ -155,7 +156,7 @@ TEST(CliTrain, BadFilesExitOneNamingThePath) {
       {"train --data /nonexistent/corpus.txt", "/nonexistent/corpus.txt"},
       {"train --config /nonexistent/ds.json", "/nonexistent/ds.json"},
       {"train --config " + bad_config, "gradient_clipping"},
-      {"train --config " + fp16_config, "fp16.enabled"},
+      {"train --config " + fp16_config, "fp16.initial_scale_power"},
       {"train --metrics /nonexistent/dir/m.jsonl", "/nonexistent/dir/m.jsonl"},
       {"train --save-weights /nonexistent/dir/w.safetensors", "/nonexistent/dir"},
       {"eval --weights /nonexistent/w.safetensors --data " + text, "/nonexistent/w.safetensors"},
