@@ -133,6 +133,12 @@ inline void expect_same(const Snapshot& ref, const Snapshot& got, const std::str
   ASSERT_EQ(ref.param.size(), got.param.size()) << what;
   ASSERT_FALSE(ref.param.empty()) << what;
   ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
+  ASSERT_EQ(ref.norms.size(), ref.losses.size()) << what;
+  ASSERT_EQ(got.norms.size(), got.losses.size()) << what;
+  ASSERT_EQ(ref.scales.size(), ref.losses.size()) << what;
+  ASSERT_EQ(got.scales.size(), got.losses.size()) << what;
+  ASSERT_EQ(ref.skipped.size(), ref.losses.size()) << what;
+  ASSERT_EQ(got.skipped.size(), got.losses.size()) << what;
   for (std::size_t i = 0; i < ref.losses.size(); ++i) {
     EXPECT_EQ(ref.losses[i], got.losses[i]) << what << ": loss of step " << i + 1;
     // An fp16 step that overflowed reports a non-finite norm (nan equals nan here).
