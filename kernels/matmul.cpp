@@ -6,10 +6,10 @@
 // db += Σ_rows dy.
 // On cpu the GEMM is a oneDNN matmul primitive, built once per (shape, transposes, dtypes) and
 // cached in the stream's KernelState; transposes are expressed as strides, so nothing is copied.
-// If this CPU's oneDNN has no bf16 or fp16 matmul (bf16 needs AVX-512; fp16 needs AVX-512 FP16
-// or AMX), the 16-bit inputs are widened to fp32 first, and where oneDNN cannot write or read a
-// 16-bit c or bias from an fp32 matmul either, those go through fp32 scratch too (c is then
-// rounded once, as a native 16-bit output would be).
+// If this CPU's oneDNN has no bf16 or fp16 matmul (bf16 needs AVX-512; fp16 support depends on
+// the CPU and the oneDNN version), the 16-bit inputs are widened to fp32 first, and where oneDNN
+// cannot write or read a 16-bit c or bias from an fp32 matmul either, those go through fp32
+// scratch too (c is then rounded once, as a native 16-bit output would be).
 #include <omp.h>
 
 #include <algorithm>
