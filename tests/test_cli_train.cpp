@@ -1,6 +1,7 @@
 // strata train / eval / export from the command line, on tiny models: metrics and summary,
 // the export → eval round trip against the training run's own validation loss, configs and
 // flags, and the exit codes of bad input (2 for flags, 1 for files, each naming what was wrong).
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -109,6 +110,41 @@ TEST(CliTrain, LlamaWithBf16CheckpointingAndAConfigFile) {
   EXPECT_DOUBLE_EQ(lines[0]["lr"].get<double>(), 0.0);    // DeepSpeed: warmup starts at warmup_min_ratio = 0
   EXPECT_DOUBLE_EQ(lines[1]["lr"].get<double>(), 0.002);  // linear warmup: step 1 of 2
   EXPECT_EQ(lines[0]["tokens"], 192);
+}
+
+// fp16 from a DeepSpeed config with a scale far too large: the first steps overflow and are
+// skipped (the warmup does not advance: lr stays at its start), the progress line and the
+// metrics show the scale and the skips, and the run trains once the scale has come down.
+TEST(CliTrain, Fp16SkipsOverflowingStepsAndReportsTheScale) {
+  TempDir dir;
+  const std::string config = write_file(dir / "ds.json", R"({
+    "fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.004,
+                                                   "warmup_num_steps": 4, "warmup_type": "linear"}}})");
+  const auto metrics = dir / "m.jsonl";
+  const std::string tiny = "--layers 1 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1 ";
+  auto r = run_cli("train " + tiny + "--steps 30 --config " + config + " --metrics " + metrics.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| scale 1.09951e+12 | skipped 1 (this step)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("steps skipped (gradients overflowed); last loss scale"), std::string::npos)
+      << r.output;
+  const auto lines = read_jsonl(metrics);
+  ASSERT_EQ(lines.size(), 30u);
+  EXPECT_DOUBLE_EQ(lines[0]["loss_scale"].get<double>(), std::ldexp(1.0, 40));
+  EXPECT_DOUBLE_EQ(lines[1]["loss_scale"].get<double>(), std::ldexp(1.0, 39));
+  // The leading skipped steps all run at the warmup's first lr: a skip does not advance it.
+  std::size_t first_applied = 0;
+  while (first_applied < lines.size() && lines[first_applied]["skipped"].get<bool>()) {
+    EXPECT_DOUBLE_EQ(lines[first_applied]["lr"].get<double>(), 0.0) << "step " << first_applied + 1;
+    ++first_applied;
+  }
+  ASSERT_GE(first_applied, 1u);
+  ASSERT_LT(first_applied + 1, lines.size()) << "the scale never came down";
+  // The first applied update is the schedule's update 0, the next its update 1.
+  EXPECT_DOUBLE_EQ(lines[first_applied]["lr"].get<double>(), 0.0);
+  if (!lines[first_applied + 1]["skipped"].get<bool>()) {
+    EXPECT_DOUBLE_EQ(lines[first_applied + 1]["lr"].get<double>(), 0.001);
+  }
 }
 
 TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
