@@ -121,9 +121,10 @@ TEST(CliTrain, Fp16SkipsOverflowingStepsAndReportsTheScale) {
     "fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.004,
                                                    "warmup_num_steps": 4, "warmup_type": "linear"}}})");
-  const auto metrics = dir / "m.jsonl";
   const std::string tiny = "--layers 1 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1 ";
-  auto r = run_cli("train " + tiny + "--steps 30 --config " + config + " --metrics " + metrics.string());
+  const auto run = dir / "run";
+  const auto metrics = run / "metrics.jsonl";
+  auto r = run_cli("train " + tiny + "--steps 30 --config " + config + " --out " + run.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("| scale 1.09951e+12 | skipped 1 (this step)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("steps skipped (gradients overflowed); last loss scale"), std::string::npos)
@@ -145,6 +146,11 @@ TEST(CliTrain, Fp16SkipsOverflowingStepsAndReportsTheScale) {
   if (!lines[first_applied + 1]["skipped"].get<bool>()) {
     EXPECT_DOUBLE_EQ(lines[first_applied + 1]["lr"].get<double>(), 0.001);
   }
+  // An overflowed step has no gradient norm in its record, and the report still draws the run.
+  EXPECT_FALSE(lines[0].contains("grad_norm"));
+  EXPECT_TRUE(lines[first_applied].contains("grad_norm"));
+  auto rep = run_cli("report " + run.string() + " --out " + (dir / "page.html").string());
+  EXPECT_EQ(rep.exit_code, 0) << rep.output;
 }
 
 TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {

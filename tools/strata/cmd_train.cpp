@@ -158,7 +158,7 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
   j["step"] = m.step;
   j["loss"] = m.loss;
   j["lr"] = m.lr;
-  j["grad_norm"] = m.grad_norm;
+  if (std::isfinite(m.grad_norm)) j["grad_norm"] = m.grad_norm;  // an overflowed fp16 step has none
   j["tokens"] = m.tokens;
   j["tokens_per_s"] = static_cast<double>(m.tokens) / std::max(m.seconds, 1e-9);
   j["step_s"] = m.seconds;
