@@ -31,8 +31,8 @@ ArgCheck& ArgCheck::tensor(std::string_view name, ConstTensorArg t) {
 
 ArgCheck& ArgCheck::optional(std::string_view name, ConstTensorArg t) {
   return fail_if(
-      t.data != nullptr && t.dtype != DType::kF32 && t.dtype != DType::kBF16,
-      "'" + std::string(name) + "' is " + std::string(to_string(t.dtype)) + "; the kernels take f32 or bf16");
+      t.data != nullptr && t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16,
+      "'" + std::string(name) + "' is " + std::string(to_string(t.dtype)) + "; the kernels take f32, bf16 or f16");
 }
 
 ArgCheck& ArgCheck::positive(std::string_view name, std::int64_t value) {
@@ -86,9 +86,12 @@ STRATA_CPU_CLONES void load_f32(ConstTensorArg t, std::int64_t offset, std::int6
   if (t.dtype == DType::kF32) {
     const float* src = static_cast<const float*>(t.data) + offset;
     for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i];
-  } else {
+  } else if (t.dtype == DType::kBF16) {
     const std::uint16_t* src = static_cast<const std::uint16_t*>(t.data) + offset;
     for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+  } else {
+    const std::uint16_t* src = static_cast<const std::uint16_t*>(t.data) + offset;
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = f16_bits_to_f32(src[i]);
   }
 }
 
@@ -102,12 +105,19 @@ STRATA_CPU_CLONES void store_f32(TensorArg t, std::int64_t offset, std::int64_t 
     } else {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i];
     }
-  } else {
+  } else if (t.dtype == DType::kBF16) {
     std::uint16_t* dst = static_cast<std::uint16_t*>(t.data) + offset;
     if (add) {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16_bits_rne(bf16_bits_to_f32(dst[i]) + src[i]);
     } else {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16_bits_rne(src[i]);
+    }
+  } else {
+    std::uint16_t* dst = static_cast<std::uint16_t*>(t.data) + offset;
+    if (add) {
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16_bits_rne(f16_bits_to_f32(dst[i]) + src[i]);
+    } else {
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = f32_to_f16_bits_rne(src[i]);
     }
   }
 }

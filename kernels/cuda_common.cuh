@@ -3,6 +3,7 @@
 // error reporting. Included only by .cu files.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,10 +29,11 @@ inline Status launch_status(std::string_view op) {
                       cudaGetErrorString(err) + ")");
 }
 
-// ---- storage types: float, or bf16 as uint16_t bit patterns ----
+// ---- storage types: float, bf16 as uint16_t bit patterns, or fp16 as __half ----
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(std::uint16_t x) { return bf16_bits_to_f32(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
 template <class T>
 __device__ __forceinline__ T from_f32(float x);
@@ -42,6 +44,10 @@ __device__ __forceinline__ float from_f32<float>(float x) {
 template <>
 __device__ __forceinline__ std::uint16_t from_f32<std::uint16_t>(float x) {
   return f32_to_bf16_bits_rne(x);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) {
+  return __float2half_rn(x);
 }
 
 // p[i] = v, or p[i] += v (in fp32, one rounding) when `add`.
@@ -55,10 +61,12 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls fn(TypeTag<float>) or fn(TypeTag<uint16_t>) for the storage type `dtype`.
+// Calls fn(TypeTag<float>), fn(TypeTag<uint16_t>) (bf16) or fn(TypeTag<__half>) (fp16) for the
+// storage type `dtype`.
 template <class Fn>
 auto dispatch(DType dtype, Fn&& fn) {
   if (dtype == DType::kF32) return fn(TypeTag<float>{});
+  if (dtype == DType::kF16) return fn(TypeTag<__half>{});
   return fn(TypeTag<std::uint16_t>{});
 }
 

@@ -15,8 +15,9 @@
 //     Without CUDA in the build every cuda call returns kUnavailable.
 //   * Tensors are row-major and dense unless a row stride is given. Shape comments name the
 //     dimensions: (B, T, C) = batch, sequence, channels; `rows` is B*T for row-wise ops.
-//   * Dtypes: each tensor argument carries its own dtype, fp32 or bf16 (stored as uint16_t bit
-//     patterns, rounded to nearest even as strata/dtype.hpp specifies). All arithmetic accumulates in fp32
+//   * Dtypes: each tensor argument carries its own dtype, fp32, bf16 or fp16 (16-bit types stored
+//     as uint16_t bit patterns, rounded to nearest even as strata/dtype.hpp specifies; fp16
+//     overflows to Inf, which is what the loss scaler's overflow check looks for). All arithmetic accumulates in fp32
 //     whatever the storage. Auxiliary tensors (saved statistics, logsumexp, losses) are always fp32
 //     (`float*`); token ids and targets are int32.
 //   * Gradients: gradients of parameters always accumulate (dW += ...) so micro-batches add up;
@@ -44,8 +45,8 @@ namespace strata::kernels {
 enum class Backend : std::uint8_t { kCpu, kCuda };
 std::string_view to_string(Backend backend);
 
-// Storage types (strata/dtype.hpp): the kernels take DType::kF32 and DType::kBF16; a kF16
-// tensor is refused with kInvalidArgument. Compute is fp32 in every case.
+// Storage types (strata/dtype.hpp): the kernels take DType::kF32, DType::kBF16 and DType::kF16
+// (IEEE half). Compute is fp32 in every case.
 
 // A read-only tensor: pointer plus storage type. A null `data` means "absent" where an argument
 // is optional (bias, position embedding).
@@ -65,6 +66,8 @@ inline TensorArg f32(float* p) { return {p, DType::kF32}; }
 inline ConstTensorArg f32(const float* p) { return {p, DType::kF32}; }
 inline TensorArg bf16(std::uint16_t* p) { return {p, DType::kBF16}; }
 inline ConstTensorArg bf16(const std::uint16_t* p) { return {p, DType::kBF16}; }
+inline TensorArg f16(std::uint16_t* p) { return {p, DType::kF16}; }
+inline ConstTensorArg f16(const std::uint16_t* p) { return {p, DType::kF16}; }
 inline constexpr ConstTensorArg kNone{};
 inline constexpr TensorArg kNoOutput{};
 

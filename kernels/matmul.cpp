@@ -1,12 +1,15 @@
 // Matrix multiply with bias, the bulk of a transformer's FLOPs.
 // gemm: c (M,N) (=|+=) op(a) (M,K) · op(b) (K,N) + bias (N), row-major, fp32 accumulation;
-// a and b are fp32 or bf16 (both the same), c and bias either.
+// a and b are fp32, bf16 or fp16 (both the same), c and bias any of the three.
 // A linear layer y = x·Wᵀ + b with x (M,K) and W (N,K) is gemm(a = x, b = W, trans_b); its
 // backward is dx = dy·W (gemm, no transposes), dW += dyᵀ·x (gemm, trans_a, accumulate) and
 // db += Σ_rows dy.
 // On cpu the GEMM is a oneDNN matmul primitive, built once per (shape, transposes, dtypes) and
 // cached in the stream's KernelState; transposes are expressed as strides, so nothing is copied.
-// If this CPU's oneDNN has no bf16 matmul (no AVX-512), bf16 inputs are widened to fp32 first.
+// If this CPU's oneDNN has no bf16 or fp16 matmul (bf16 needs AVX-512; fp16 support depends on
+// the CPU and the oneDNN version), the 16-bit inputs are widened to fp32 first, and where oneDNN
+// cannot write or read a 16-bit c or bias from an fp32 matmul either, those go through fp32
+// scratch too (c is then rounded once, as a native 16-bit output would be).
 #include <omp.h>
 
 #include <algorithm>
@@ -46,11 +49,19 @@ struct GemmKeyHash {
 struct GemmPlan {
   dnnl::matmul primitive;
   dnnl::memory::desc a_md, b_md, c_md, bias_md;
-  bool widen_inputs = false;  // bf16 inputs run as fp32: this oneDNN has no bf16 matmul here
+  bool widen_inputs = false;  // 16-bit inputs run as fp32: this oneDNN has no such matmul here
+  bool widen_output = false;  // c and bias run as fp32 scratch as well
 };
 
 dnnl::memory::data_type to_dnnl(DType d) {
-  return d == DType::kF32 ? dnnl::memory::data_type::f32 : dnnl::memory::data_type::bf16;
+  switch (d) {
+    case DType::kBF16:
+      return dnnl::memory::data_type::bf16;
+    case DType::kF16:
+      return dnnl::memory::data_type::f16;
+    default:
+      return dnnl::memory::data_type::f32;
+  }
 }
 
 class CpuKernelState final : public KernelState {
@@ -65,11 +76,17 @@ class CpuKernelState final : public KernelState {
     if (it != plans_.end()) return it->second;
     GemmPlan p;
     try {
-      p = build(key, to_dnnl(key.ab_dtype));
+      p = build(key, to_dnnl(key.ab_dtype), false);
     } catch (const dnnl::error&) {
-      if (key.ab_dtype != DType::kBF16) throw;
-      p = build(key, dnnl::memory::data_type::f32);
-      p.widen_inputs = true;
+      if (key.ab_dtype == DType::kF32 && key.c_dtype == DType::kF32 && key.bias_dtype == DType::kF32) throw;
+      try {
+        p = build(key, dnnl::memory::data_type::f32, false);
+        p.widen_inputs = key.ab_dtype != DType::kF32;
+      } catch (const dnnl::error&) {
+        p = build(key, dnnl::memory::data_type::f32, true);
+        p.widen_inputs = key.ab_dtype != DType::kF32;
+        p.widen_output = true;
+      }
     }
     return plans_.emplace(key, std::move(p)).first->second;
   }
@@ -78,12 +95,14 @@ class CpuKernelState final : public KernelState {
   dnnl::stream& stream() { return stream_; }
 
  private:
-  GemmPlan build(const GemmKey& k, dnnl::memory::data_type ab) {
+  // all_f32: c and bias as fp32 too (the caller stages them through scratch).
+  GemmPlan build(const GemmKey& k, dnnl::memory::data_type ab, bool all_f32) {
     using dims = dnnl::memory::dims;
+    const auto f32 = dnnl::memory::data_type::f32;
     GemmPlan p;
     p.a_md = dnnl::memory::desc({k.M, k.K}, ab, k.trans_a == Transpose::kNo ? dims{k.K, 1} : dims{1, k.M});
     p.b_md = dnnl::memory::desc({k.K, k.N}, ab, k.trans_b == Transpose::kNo ? dims{k.N, 1} : dims{1, k.K});
-    p.c_md = dnnl::memory::desc({k.M, k.N}, to_dnnl(k.c_dtype), dims{k.N, 1});
+    p.c_md = dnnl::memory::desc({k.M, k.N}, all_f32 ? f32 : to_dnnl(k.c_dtype), dims{k.N, 1});
     dnnl::primitive_attr attr;
     if (k.mode == Accumulate::kAdd) {
       dnnl::post_ops ops;
@@ -91,7 +110,7 @@ class CpuKernelState final : public KernelState {
       attr.set_post_ops(ops);
     }
     if (k.has_bias) {
-      p.bias_md = dnnl::memory::desc({1, k.N}, to_dnnl(k.bias_dtype), dims{k.N, 1});
+      p.bias_md = dnnl::memory::desc({1, k.N}, all_f32 ? f32 : to_dnnl(k.bias_dtype), dims{k.N, 1});
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a_md, p.b_md, p.bias_md, p.c_md), attr, engine_);
       p.primitive = dnnl::matmul(pd);
     } else {
@@ -142,19 +161,32 @@ Status gemm_cpu(const KernelContext& ctx, TensorArg c, ConstTensorArg a, ConstTe
       a_data = wa;
       b_data = wb;
     }
+    void* c_data = c.data;
+    const void* bias_data = bias.data;
+    if (plan.widen_output) {
+      STRATA_ASSIGN_OR_RETURN(float* wc, scratch("gemm", M * N, 3));
+      if (mode == Accumulate::kAdd) load_f32(c, 0, M * N, wc);
+      c_data = wc;
+      if (bias.data != nullptr) {
+        STRATA_ASSIGN_OR_RETURN(float* wbias, scratch("gemm", N, 4));
+        load_f32(bias, 0, N, wbias);
+        bias_data = wbias;
+      }
+    }
     dnnl::engine& engine = state.engine();
     dnnl::memory a_mem(plan.a_md, engine, const_cast<void*>(a_data));
     dnnl::memory b_mem(plan.b_md, engine, const_cast<void*>(b_data));
-    dnnl::memory c_mem(plan.c_md, engine, c.data);
+    dnnl::memory c_mem(plan.c_md, engine, c_data);
     std::unordered_map<int, dnnl::memory> args{
         {DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
     if (bias.data != nullptr)
-      args.emplace(DNNL_ARG_BIAS, dnnl::memory(plan.bias_md, engine, const_cast<void*>(bias.data)));
+      args.emplace(DNNL_ARG_BIAS, dnnl::memory(plan.bias_md, engine, const_cast<void*>(bias_data)));
     // oneDNN's OpenMP runtime sizes its team from the calling thread's setting.
     omp_set_num_threads(threads);
     plan.primitive.execute(state.stream(), args);
     state.stream().wait();
     omp_set_num_threads(saved_threads);
+    if (plan.widen_output) store_f32(c, 0, M * N, static_cast<const float*>(c_data));
   } catch (const dnnl::error& e) {
     omp_set_num_threads(saved_threads);
     return internal_error("gemm (M=" + std::to_string(M) + ", N=" + std::to_string(N) +

@@ -1,7 +1,7 @@
 // Matmul with bias on CUDA through cuBLASLt (the op is described in matmul.cpp).
 // cuBLASLt is column-major; a row-major c (M,N) = op(a)·op(b) is the column-major
 // cᵀ (N,M) = op(b)ᵀ·op(a)ᵀ, so b is passed as cuBLASLt's A and a as its B, with no copies.
-// Inputs fp32 or bf16, accumulation and scaling in fp32 (CUBLAS_COMPUTE_32F: fp32 inputs are
+// Inputs fp32, bf16 or fp16, accumulation and scaling in fp32 (CUBLAS_COMPUTE_32F: fp32 inputs are
 // not rounded to TF32, so fp32 mode stays a reference). The bias rides in the epilogue when it
 // has the output's dtype (cuBLASLt's rule); otherwise a small kernel adds it afterwards.
 // Descriptors, layouts and the heuristic's algorithm are cached per (shape, transposes, dtypes,
@@ -28,7 +28,10 @@ Status lt_status(cublasStatus_t s, const std::string& what) {
   return device_error(what + ": cuBLASLt: " + cublasLtGetStatusString(s));
 }
 
-cudaDataType_t to_cuda(DType d) { return d == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF; }
+cudaDataType_t to_cuda(DType d) {
+  if (d == DType::kF16) return CUDA_R_16F;
+  return d == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
+}
 
 // Largest power of two (≤ 256) dividing the address: cuBLASLt picks kernels for an alignment.
 std::uint32_t alignment_of(const void* p) {

@@ -1,6 +1,7 @@
 // strata train / eval / export from the command line, on tiny models: metrics and summary,
 // the export → eval round trip against the training run's own validation loss, configs and
 // flags, and the exit codes of bad input (2 for flags, 1 for files, each naming what was wrong).
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -111,6 +112,47 @@ TEST(CliTrain, LlamaWithBf16CheckpointingAndAConfigFile) {
   EXPECT_EQ(lines[0]["tokens"], 192);
 }
 
+// fp16 from a DeepSpeed config with a scale far too large: the first steps overflow and are
+// skipped (the warmup does not advance: lr stays at its start), the progress line and the
+// metrics show the scale and the skips, and the run trains once the scale has come down.
+TEST(CliTrain, Fp16SkipsOverflowingStepsAndReportsTheScale) {
+  TempDir dir;
+  const std::string config = write_file(dir / "ds.json", R"({
+    "fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.004,
+                                                   "warmup_num_steps": 4, "warmup_type": "linear"}}})");
+  const std::string tiny = "--layers 1 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1 ";
+  const auto run = dir / "run";
+  const auto metrics = run / "metrics.jsonl";
+  auto r = run_cli("train " + tiny + "--steps 30 --config " + config + " --out " + run.string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| scale 1.09951e+12 | skipped 1 (this step)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("steps skipped (gradients overflowed); last loss scale"), std::string::npos)
+      << r.output;
+  const auto lines = read_jsonl(metrics);
+  ASSERT_EQ(lines.size(), 30u);
+  EXPECT_DOUBLE_EQ(lines[0]["loss_scale"].get<double>(), std::ldexp(1.0, 40));
+  EXPECT_DOUBLE_EQ(lines[1]["loss_scale"].get<double>(), std::ldexp(1.0, 39));
+  // The leading skipped steps all run at the warmup's first lr: a skip does not advance it.
+  std::size_t first_applied = 0;
+  while (first_applied < lines.size() && lines[first_applied]["skipped"].get<bool>()) {
+    EXPECT_DOUBLE_EQ(lines[first_applied]["lr"].get<double>(), 0.0) << "step " << first_applied + 1;
+    ++first_applied;
+  }
+  ASSERT_GE(first_applied, 1u);
+  ASSERT_LT(first_applied + 1, lines.size()) << "the scale never came down";
+  // The first applied update is the schedule's update 0, the next its update 1.
+  EXPECT_DOUBLE_EQ(lines[first_applied]["lr"].get<double>(), 0.0);
+  if (!lines[first_applied + 1]["skipped"].get<bool>()) {
+    EXPECT_DOUBLE_EQ(lines[first_applied + 1]["lr"].get<double>(), 0.001);
+  }
+  // An overflowed step has no gradient norm in its record, and the report still draws the run.
+  EXPECT_FALSE(lines[0].contains("grad_norm"));
+  EXPECT_TRUE(lines[first_applied].contains("grad_norm"));
+  auto rep = run_cli("report " + run.string() + " --out " + (dir / "page.html").string());
+  EXPECT_EQ(rep.exit_code, 0) << rep.output;
+}
+
 TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
   struct Case {
     std::string args;
@@ -144,7 +186,8 @@ TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
 TEST(CliTrain, BadFilesExitOneNamingThePath) {
   TempDir dir;
   const std::string bad_config = write_file(dir / "bad.json", "{\"gradient_clipping\": \"lots\"}");
-  const std::string fp16_config = write_file(dir / "fp16.json", "{\"fp16\": {\"enabled\": true}}");
+  const std::string fp16_config =
+      write_file(dir / "fp16.json", "{\"fp16\": {\"enabled\": true, \"initial_scale_power\": 2, \"min_loss_scale\": 8}}");
   const std::string not_weights = write_file(dir / "not.safetensors", "definitely not safetensors");
   const std::string text = write_file(dir / "t.txt", corpus_text(20));
   struct Case {
@@ -155,7 +198,7 @@ TEST(CliTrain, BadFilesExitOneNamingThePath) {
       {"train --data /nonexistent/corpus.txt", "/nonexistent/corpus.txt"},
       {"train --config /nonexistent/ds.json", "/nonexistent/ds.json"},
       {"train --config " + bad_config, "gradient_clipping"},
-      {"train --config " + fp16_config, "fp16.enabled"},
+      {"train --config " + fp16_config, "fp16.initial_scale_power"},
       {"train --metrics /nonexistent/dir/m.jsonl", "/nonexistent/dir/m.jsonl"},
       {"train --save-weights /nonexistent/dir/w.safetensors", "/nonexistent/dir"},
       {"eval --weights /nonexistent/w.safetensors --data " + text, "/nonexistent/w.safetensors"},

@@ -81,7 +81,8 @@ constexpr CorpusCase kCorpus[] = {
     {"legacy_fp16_weights_save.json", ""},
     {"monitoring_and_profiling.json", ""},
     {"megatron_style_fp16_off.json", ""},
-    {"refused_fp16_enabled.json", "fp16.enabled: true is refused"},
+    {"fp16_dynamic_loss_scaling.json", ""},
+    {"refused_fp16_master_weights.json", "fp16.fp16_master_weights_and_grads"},
     {"refused_lamb.json", "optimizer.type: \"Lamb\" is not supported: LAMB is not implemented; use AdamW"},
     {"refused_onebitadam.json", "optimizer.type: \"OneBitAdam\" is not supported"},
     {"misspelt_keys.json",
@@ -110,6 +111,30 @@ TEST_F(ConfigKeysTest, EveryCorpusFileLoadsOrIsRefusedNamingTheKey) {
       EXPECT_NE(applied.message().find(corpus(c.file)), std::string::npos) << applied.message();
     }
   }
+}
+
+// fp16.enabled trains in fp16 with the file's loss-scaler settings; fp16.enabled false leaves
+// the dtype alone but still carries the scaler keys (for a --dtype fp16 run).
+TEST_F(ConfigKeysTest, Fp16SectionSetsTheDtypeAndTheLossScaler) {
+  auto config = load_config_file(corpus("fp16_dynamic_loss_scaling.json"));
+  ASSERT_TRUE(config.ok()) << config.status().to_string();
+  TrainerConfig t = base_trainer();
+  STRATA_ASSERT_OK(t.apply(*config, top_keys(*config)));
+  EXPECT_EQ(t.model.dtype, DType::kF16);
+  EXPECT_EQ(t.loss_scaling.loss_scale, 0.0);
+  EXPECT_EQ(t.loss_scaling.initial_scale_power, 16);
+  EXPECT_EQ(t.loss_scaling.loss_scale_window, 1000);
+  EXPECT_EQ(t.loss_scaling.hysteresis, 2);
+  EXPECT_EQ(t.loss_scaling.min_loss_scale, 1.0);
+  STRATA_EXPECT_OK(t.validate());
+
+  auto off = load_config_file(corpus("megatron_style_fp16_off.json"));
+  ASSERT_TRUE(off.ok()) << off.status().to_string();
+  TrainerConfig u = base_trainer();
+  STRATA_ASSERT_OK(u.apply(*off, top_keys(*off)));
+  EXPECT_NE(u.model.dtype, DType::kF16);
+  EXPECT_EQ(u.loss_scaling.initial_scale_power, 12);
+  EXPECT_EQ(u.loss_scaling.loss_scale_window, 500);
 }
 
 TEST_F(ConfigKeysTest, RefusedOptimizerIsOneErrorNotOnePerParameter) {

@@ -1,8 +1,9 @@
 // Every kernel on CUDA against the same kernel on the cpu backend (itself checked against
-// float64 in test_kernels_*), in fp32 and bf16, plus determinism of the reductions and
+// float64 in test_kernels_*), in fp32, bf16 and fp16, plus determinism of the reductions and
 // attention backward. Skips when the build has no CUDA or the machine has no GPU.
 // Tolerances: fp32 within kGpuF32Tol (different but fp32 summation orders; the GEMM's order is
-// cuBLASLt's); bf16 within ref::kBF16Tol (a result may round to the neighbouring bf16 value).
+// cuBLASLt's); bf16 and fp16 within ref::kBF16Tol / ref::kF16Tol (a result may round to the
+// neighbouring 16-bit value).
 #include "harness/harness.hpp"
 #include "kernel_ref/reference.hpp"
 #include "strata/build_config.hpp"
@@ -24,7 +25,7 @@ TEST(GpuKernels, SkippedWithoutCuda) { STRATA_SKIP_WITHOUT_GPU(); }
 #else
 
 constexpr ref::Tolerance kGpuF32Tol{1e-4, 1e-4};
-ref::Tolerance gpu_tolerance(DType dt) { return dt == DType::kF32 ? kGpuF32Tol : ref::kBF16Tol; }
+ref::Tolerance gpu_tolerance(DType dt) { return dt == DType::kF32 ? kGpuF32Tol : ref::tolerance_for(dt); }
 
 // A device copy of a test tensor.
 class DeviceTensor {
@@ -310,7 +311,7 @@ TEST_P(GpuKernels, AttentionEveryHeadDim) {
                                         ddout.carg(), dqkv_in.arg_at(0), dqkv_in.arg_at(ko),
                                         dqkv_in.arg_at(vo), dout_dev.carg(), dlse.get(), s));
     const ref::Tolerance grad_tol =
-        dt == DType::kF32 ? kGpuF32Tol : ref::Tolerance{2 * ref::kBF16Tol.atol, 2 * ref::kBF16Tol.rtol};
+        dt == DType::kF32 ? kGpuF32Tol : ref::Tolerance{2 * gpu_tolerance(dt).atol, 2 * gpu_tolerance(dt).rtol};
     ref::expect_close(ddqkv.values(), dqkv.values(), grad_tol, what + " dq|dk|dv");
 
     // Deterministic: a second backward gives the same bits.
@@ -394,11 +395,11 @@ TEST_P(GpuKernels, AttentionLongSequence) {
                                       dqkv_in.arg_at(0), dqkv_in.arg_at(ko), dqkv_in.arg_at(vo),
                                       dout_dev.carg(), dlse.get(), s));
   const ref::Tolerance grad_tol =
-      dt == DType::kF32 ? kGpuF32Tol : ref::Tolerance{2 * ref::kBF16Tol.atol, 2 * ref::kBF16Tol.rtol};
+      dt == DType::kF32 ? kGpuF32Tol : ref::Tolerance{2 * gpu_tolerance(dt).atol, 2 * gpu_tolerance(dt).rtol};
   ref::expect_close(ddqkv.values(), dqkv.values(), grad_tol, "long attention dq|dk|dv");
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, GpuKernels, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, GpuKernels, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 #endif  // STRATA_HAVE_CUDA

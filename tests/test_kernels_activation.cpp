@@ -67,7 +67,7 @@ TEST_P(ActivationTest, SwigluMatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, ActivationTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, ActivationTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Activation, BackwardsMatchFiniteDifferences) {

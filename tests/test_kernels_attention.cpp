@@ -131,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(AttnCase{1, 1, 1, 1, 16, false}, AttnCase{2, 17, 2, 2, 16, true},
                                          AttnCase{1, 70, 4, 2, 32, false}, AttnCase{2, 33, 2, 1, 64, true},
                                          AttnCase{1, 130, 2, 2, 64, true}, AttnCase{1, 45, 3, 3, 24, false}),
-                       ::testing::Values(DType::kF32, DType::kBF16)),
+                       ::testing::Values(DType::kF32, DType::kBF16, DType::kF16)),
     [](const auto& info) {
       return name_of(std::get<0>(info.param)) + "_" + std::string(to_string(std::get<1>(info.param)));
     });
@@ -170,6 +170,20 @@ TEST(Attention, Bf16AgreesWithFp32OnTheSameInputs) {
   ref::expect_close(b.dq, a.dq, {2 * ref::kBF16Tol.atol, 2 * ref::kBF16Tol.rtol}, "dq");
   ref::expect_close(b.dk, a.dk, {2 * ref::kBF16Tol.atol, 2 * ref::kBF16Tol.rtol}, "dk");
   ref::expect_close(b.dv, a.dv, {2 * ref::kBF16Tol.atol, 2 * ref::kBF16Tol.rtol}, "dv");
+}
+
+TEST(Attention, F16AgreesWithFp32OnTheSameInputs) {
+  ref::CpuContext cpu;
+  const AttnCase c{1, 100, 2, 2, 64, true};
+  const Layout l = layout_of(c);
+  const Vec qkv = ref::as_stored(DType::kF16, ref::random_vec(l.total, 5));
+  const Vec dout = ref::as_stored(DType::kF16, ref::random_vec(static_cast<std::size_t>(c.T) * c.H * c.D, 6));
+  const AttnRun a = run_attention(cpu, DType::kF32, c, qkv, dout);
+  const AttnRun b = run_attention(cpu, DType::kF16, c, qkv, dout);
+  ref::expect_close(b.out, a.out, ref::kF16Tol, "out");
+  ref::expect_close(b.dq, a.dq, {2 * ref::kF16Tol.atol, 2 * ref::kF16Tol.rtol}, "dq");
+  ref::expect_close(b.dk, a.dk, {2 * ref::kF16Tol.atol, 2 * ref::kF16Tol.rtol}, "dk");
+  ref::expect_close(b.dv, a.dv, {2 * ref::kF16Tol.atol, 2 * ref::kF16Tol.rtol}, "dv");
 }
 
 TEST(Attention, ResultsDoNotDependOnTheThreadCount) {

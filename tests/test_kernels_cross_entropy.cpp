@@ -58,7 +58,7 @@ TEST_P(CrossEntropyTest, MatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, CrossEntropyTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, CrossEntropyTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(CrossEntropy, BackwardMatchesFiniteDifferences) {

@@ -56,7 +56,7 @@ TEST_P(EmbeddingTest, ForwardAndBackwardMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, EmbeddingTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, EmbeddingTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Embedding, BackwardMatchesFiniteDifferences) {

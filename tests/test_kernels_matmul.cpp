@@ -101,7 +101,7 @@ TEST_P(GemmTest, LinearForwardAndBackwardMatchReference) {
   ref::expect_close(tdx.values(), twice, gemm_tolerance(dt, N), "dinp accumulate");
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, GemmTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, GemmTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Matmul, BackwardMatchesFiniteDifferences) {
@@ -146,6 +146,24 @@ TEST(Matmul, Bf16AgreesWithFp32OnTheSameInputs) {
     out[i++] = ty.values();
   }
   ref::expect_close(out[1], out[0], ref::kBF16Tol, "bf16 vs fp32");
+}
+
+// fp16 inputs (11 significant bits) with fp32 accumulation; the output rounds once to fp16.
+TEST(Matmul, F16AgreesWithFp32OnTheSameInputs) {
+  ref::CpuContext cpu;
+  const int M = 64, K = 768, N = 96;
+  const Vec x = ref::as_stored(DType::kF16, ref::random_vec(static_cast<std::size_t>(M) * K, 1));
+  const Vec w = ref::as_stored(DType::kF16, ref::random_vec(static_cast<std::size_t>(N) * K, 2, 0.05));
+  const Vec bias = ref::as_stored(DType::kF16, ref::random_vec(static_cast<std::size_t>(N), 3));
+  Vec out[2];
+  int i = 0;
+  for (DType dt : {DType::kF32, DType::kF16}) {
+    TestTensor tx = TestTensor::from(dt, x), tw = TestTensor::from(dt, w), tb = TestTensor::from(dt, bias),
+               ty(dt, static_cast<std::size_t>(M) * N);
+    STRATA_ASSERT_OK(matmul_forward(cpu.ctx, ty.arg(), tx.carg(), tw.carg(), tb.carg(), M, K, N));
+    out[i++] = ty.values();
+  }
+  ref::expect_close(out[1], out[0], ref::kF16Tol, "f16 vs fp32");
 }
 
 TEST(Matmul, PlansAreCachedByShapeAndResultsRepeatBitwise) {

@@ -90,7 +90,8 @@ TEST_P(NormTest, ForwardAndBackwardMatchReferenceAtAwkwardWidths) {
 
 INSTANTIATE_TEST_SUITE_P(Norms, NormTest,
                          ::testing::Values(NormCase{false, DType::kF32}, NormCase{false, DType::kBF16},
-                                           NormCase{true, DType::kF32}, NormCase{true, DType::kBF16}),
+                                           NormCase{true, DType::kF32}, NormCase{true, DType::kBF16},
+                                           NormCase{false, DType::kF16}, NormCase{true, DType::kF16}),
                          [](const auto& info) {
                            return std::string(info.param.rms ? "rmsnorm_" : "layernorm_") +
                                   std::string(to_string(info.param.dtype));

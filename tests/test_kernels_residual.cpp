@@ -52,7 +52,7 @@ TEST_P(ResidualTest, ForwardInPlaceAndBackwardModes) {
   ref::expect_close(db.values(), db_want, ref::tolerance_for(dt), "db");
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, ResidualTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, ResidualTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Residual, BackwardMatchesFiniteDifferences) {
@@ -89,11 +89,33 @@ TEST(Residual, ZeroSizeIsANoOpAndBadArgumentsAreNamed) {
   STRATA_EXPECT_ERROR(residual_forward(bad, f32(&x), f32(&x), f32(&x), 1), kInvalidArgument, "cpu_threads");
   STRATA_EXPECT_OK(residual_forward(cpu.ctx, f32(&x), f32(&x), f32(&x), 0));
   std::uint16_t half = 0;
-  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), ConstTensorArg{&half, DType::kF16}, 1),
-                      kInvalidArgument, "'b' is f16; the kernels take f32 or bf16");
-  STRATA_EXPECT_ERROR(residual_backward(cpu.ctx, TensorArg{&half, DType::kF16}, kNoOutput, f32(&x), 1,
+  const auto bogus = static_cast<DType>(7);  // outside the enum
+  STRATA_EXPECT_ERROR(residual_forward(cpu.ctx, f32(&x), f32(&x), ConstTensorArg{&half, bogus}, 1),
+                      kInvalidArgument, "'b' is unknown; the kernels take f32, bf16 or f16");
+  STRATA_EXPECT_ERROR(residual_backward(cpu.ctx, TensorArg{&half, bogus}, kNoOutput, f32(&x), 1,
                                         Accumulate::kOverwrite),
-                      kInvalidArgument, "'da' is f16");
+                      kInvalidArgument, "'da' is unknown");
+}
+
+// The kernels' fp16 helpers (usable in CUDA device code) round exactly like strata/dtype.hpp:
+// every fp16 bit pattern widens identically, and narrowing agrees on edge cases (ties, the
+// overflow threshold 65520, subnormals, NaN payloads) and on random floats.
+TEST(KernelF16, HelpersMatchTheDtypeModule) {
+  for (std::uint32_t h = 0; h < 0x10000u; ++h) {
+    const float a = f16_bits_to_f32(static_cast<std::uint16_t>(h));
+    const float b = f16_bits_to_float(static_cast<std::uint16_t>(h));
+    ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0) << std::hex << h;
+  }
+  std::mt19937 gen(5);
+  std::vector<std::uint32_t> bits = {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00001u,
+                                     0x7f800001u, 0x477fe000u, 0x477ff000u, 0x477fefffu, 0x33000000u,
+                                     0x33000001u, 0x387fc000u, 0x38800000u, 0x3f801000u, 0x3f803000u};
+  for (int i = 0; i < 100000; ++i) bits.push_back(gen());
+  for (std::uint32_t u : bits) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    ASSERT_EQ(f32_to_f16_bits_rne(f), float_to_f16_bits(f)) << std::hex << u;
+  }
 }
 
 // The kernels' bf16 helpers (usable in CUDA device code) round exactly like strata/dtype.hpp.

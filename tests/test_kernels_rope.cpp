@@ -65,7 +65,7 @@ TEST_P(RopeTest, ForwardAndBackwardMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(DTypes, RopeTest, ::testing::Values(DType::kF32, DType::kBF16),
+INSTANTIATE_TEST_SUITE_P(DTypes, RopeTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Rope, BackwardMatchesFiniteDifferences) {

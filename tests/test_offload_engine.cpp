@@ -3,6 +3,7 @@
 // NVMe tier surface as errors naming what failed while the state stays usable.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -49,7 +50,116 @@ INSTANTIATE_TEST_SUITE_P(Matrix, OffloadEquivalence,
                          ::testing::Values(MatrixCase{ModelKind::kGpt2, DType::kF32, 1, 0.0},
                                            MatrixCase{ModelKind::kGpt2, DType::kBF16, 2, 1.0},
                                            MatrixCase{ModelKind::kLlama, DType::kBF16, 1, 0.5},
-                                           MatrixCase{ModelKind::kLlama, DType::kF32, 2, 0.0}));
+                                           MatrixCase{ModelKind::kLlama, DType::kF32, 2, 0.0},
+                                           // fp16 with loss scaling; without clipping the host
+                                           // tier may not update during backward (an overflow
+                                           // anywhere skips the step)
+                                           MatrixCase{ModelKind::kGpt2, DType::kF16, 2, 1.0},
+                                           MatrixCase{ModelKind::kLlama, DType::kF16, 1, 0.0}));
+
+// fp16 with a loss scale far too large: the first steps' gradients overflow. Each is skipped on
+// every placement alike — parameters, masters and moments untouched, the scale halved — until the
+// scale fits, and then training proceeds. A skipped step leaves no trace: the run equals a fresh
+// run that starts at the first applied batch with the scale the skips arrived at (the Adam step
+// and the warmup schedule did not advance, as DeepSpeed skips them).
+TEST(OffloadEngine, Fp16OverflowIsSkippedIdenticallyOnEveryPlacement) {
+  TrainerConfig c = tiny(ModelKind::kGpt2, DType::kF16, 1, 1.0);
+  c.loss_scaling.initial_scale_power = 24;
+  c.loss_scaling.loss_scale_window = 1000;
+  c.schedule.kind = LrScheduleKind::kWarmupLR;
+  c.schedule.warmup_steps = 4;
+  c.schedule.warmup_min_lr = 1e-3;
+  c.schedule.warmup_max_lr = 1e-2;
+  TempDir dir("strata-offload");
+
+  Snapshot ref, initial;
+  int overflowed = 0, steps = 0;
+  {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, OffloadSettings{}, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(capture_state(**engine, initial));
+    // Until three updates have applied after the skips.
+    for (int applied = 0; applied < 3 && steps < 24; ++steps) {
+      ASSERT_TRUE(run_steps(**engine, c, steps, steps + 1, ref));
+      if (ref.skipped.back() == 0) {
+        ++applied;
+        continue;
+      }
+      ASSERT_EQ(applied, 0) << "step " << steps + 1 << " overflowed after the scale had come down";
+      ++overflowed;
+      EXPECT_FALSE(std::isfinite(ref.norms.back()));
+      EXPECT_EQ(ref.scales.back(), std::ldexp(1.0, 24 - steps));
+      Snapshot now;
+      ASSERT_TRUE(capture_state(**engine, now));
+      for (std::size_t i = 0; i < now.param.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(now.param[i], initial.param[i])) << "parameter " << i << " after a skip";
+        EXPECT_TRUE(bitwise_equal(now.master[i], initial.master[i])) << "master " << i << " after a skip";
+        EXPECT_TRUE(bitwise_equal(now.m[i], initial.m[i])) << "exp_avg " << i << " after a skip";
+        EXPECT_TRUE(bitwise_equal(now.v[i], initial.v[i])) << "exp_avg_sq " << i << " after a skip";
+      }
+    }
+    ASSERT_GE(overflowed, 1);
+    ASSERT_EQ(steps - overflowed, 3) << "the scale never came down far enough";
+    ASSERT_TRUE(capture_state(**engine, ref));
+    EXPECT_EQ((*engine)->steps_done(), steps);
+  }
+  for (const Placement& p : kPlacements) {
+    const std::string what = std::string("params on ") + std::string(to_string(p.params)) + ", optimizer on " +
+                             std::string(to_string(p.optimizer));
+    const Snapshot got = train(c, settings_for(p, dir), steps);
+    expect_same(ref, got, what);
+    std::filesystem::remove_all(dir.path());
+    std::filesystem::create_directories(dir.path());
+  }
+  // The same updates from a fresh engine that starts where the skips ended.
+  TrainerConfig late = c;
+  late.loss_scaling.initial_scale_power = 24 - overflowed;
+  Snapshot fresh;
+  {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(late, OffloadSettings{}, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(run_steps(**engine, late, overflowed, steps, fresh));
+    ASSERT_TRUE(capture_state(**engine, fresh));
+  }
+  for (std::size_t i = 0; i < fresh.losses.size(); ++i) {
+    EXPECT_EQ(fresh.losses[i], ref.losses[static_cast<std::size_t>(overflowed) + i]) << "applied step " << i + 1;
+    EXPECT_EQ(fresh.skipped[i], 0);
+  }
+  for (std::size_t i = 0; i < ref.param.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(fresh.param[i], ref.param[i])) << "working parameter " << i;
+    EXPECT_TRUE(bitwise_equal(fresh.master[i], ref.master[i])) << "master " << i;
+    EXPECT_TRUE(bitwise_equal(fresh.m[i], ref.m[i])) << "exp_avg " << i;
+    EXPECT_TRUE(bitwise_equal(fresh.v[i], ref.v[i])) << "exp_avg_sq " << i;
+  }
+}
+
+// An overflow with the scale already at fp16.min_loss_scale fails the step naming the key (as
+// DeepSpeed raises), and the state stays as it was.
+TEST(OffloadEngine, Fp16OverflowAtTheMinimumScaleFailsNamingTheKey) {
+  TrainerConfig c = tiny(ModelKind::kGpt2, DType::kF16, 1, 1.0);
+  c.loss_scaling.initial_scale_power = 24;
+  c.loss_scaling.min_loss_scale = std::ldexp(1.0, 23);
+  auto device = make_device();
+  auto engine = OffloadEngine::create(c, OffloadSettings{}, *device);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot before, after, log;
+  ASSERT_TRUE(capture_state(**engine, before));
+  std::vector<std::int32_t> in, tg;
+  batch(c, 0, in, tg);
+  auto m1 = (*engine)->step(in, tg);
+  ASSERT_TRUE(m1.ok()) << m1.status().to_string();
+  EXPECT_TRUE(m1->skipped);
+  auto m2 = (*engine)->step(in, tg);
+  ASSERT_FALSE(m2.ok());
+  EXPECT_NE(m2.status().message().find("fp16.min_loss_scale"), std::string::npos) << m2.status().to_string();
+  ASSERT_TRUE(capture_state(**engine, after));
+  for (std::size_t i = 0; i < before.param.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(before.param[i], after.param[i])) << "parameter " << i;
+    EXPECT_TRUE(bitwise_equal(before.master[i], after.master[i])) << "master " << i;
+  }
+}
 
 // The NVMe optimizer in sub-groups smaller than a module and than its larger parameters (awkward
 // sizes 40961 and 4097; a parameter is split at multiples of 64 of its elements) gives the bits of

@@ -90,6 +90,8 @@ TEST(OffloadFaults, DeadDiskUnderTheNvmeOptimizerSurfacesAndACheckpointRecovers)
   EXPECT_EQ(loaded->step, 2);
   got.losses.resize(2);
   got.norms.resize(2);
+  got.scales.resize(2);
+  got.skipped.resize(2);
   ASSERT_TRUE(run_steps(**engine, c, 2, 4, got));
   ASSERT_TRUE(capture_state(**engine, got));
   expect_same(ref, got, "after a dead disk and a checkpoint reload");

@@ -84,7 +84,10 @@ INSTANTIATE_TEST_SUITE_P(
         ResumeCase{ModelKind::kGpt2, DType::kBF16, 2, 1.0, {Tier::kDevice, Tier::kDevice}, {Tier::kNvme, Tier::kHost}},
         ResumeCase{ModelKind::kGpt2, DType::kF32, 1, 0.0, {Tier::kNvme, Tier::kNvme}, {Tier::kDevice, Tier::kDevice}},
         ResumeCase{ModelKind::kLlama, DType::kBF16, 1, 0.5, {Tier::kHost, Tier::kHost}, {Tier::kNvme, Tier::kNvme}},
-        ResumeCase{ModelKind::kLlama, DType::kF32, 2, 0.0, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kHost}}),
+        ResumeCase{ModelKind::kLlama, DType::kF32, 2, 0.0, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kHost}},
+        // fp16: the loss scaler's state (scale, window position, skipped steps) resumes too
+        ResumeCase{ModelKind::kGpt2, DType::kF16, 2, 1.0, {Tier::kDevice, Tier::kDevice}, {Tier::kHost, Tier::kNvme}},
+        ResumeCase{ModelKind::kLlama, DType::kF16, 1, 0.0, {Tier::kNvme, Tier::kHost}, {Tier::kDevice, Tier::kDevice}}),
     case_name);
 
 // A trained engine and a checkpoint root for the failure tests.

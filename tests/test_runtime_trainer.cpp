@@ -402,9 +402,17 @@ TEST(TrainerConfig, AppliesADeepSpeedConfig) {
   EXPECT_EQ(u.schedule.lr, 3e-3);
   EXPECT_EQ(u.micro_batch, 4);
 
-  auto fp16 = parse_config(R"({"fp16": {"enabled": true}})", "fp16.json");
+  // fp16 trains with the file's loss scaler; scaler settings that cannot work name the key.
+  auto fp16 = parse_config(R"({"fp16": {"enabled": true, "hysteresis": 3}})", "fp16.json");
   ASSERT_TRUE(fp16.ok());
-  STRATA_EXPECT_ERROR(u.apply(*fp16, {"fp16"}), kInvalidArgument, "fp16.enabled");
+  TrainerConfig h = u;
+  STRATA_ASSERT_OK(h.apply(*fp16, {"fp16"}));
+  EXPECT_EQ(h.model.dtype, DType::kF16);
+  EXPECT_EQ(h.loss_scaling.hysteresis, 3);
+  EXPECT_EQ(h.loss_scaling.initial_scale_power, 16);
+  auto low = parse_config(R"({"fp16": {"enabled": true, "initial_scale_power": 1, "min_loss_scale": 4}})", "low.json");
+  ASSERT_TRUE(low.ok());
+  STRATA_EXPECT_ERROR(h.apply(*low, {"fp16"}), kInvalidArgument, "fp16.initial_scale_power");
   auto lion = parse_config(R"({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})", "lion.json");
   ASSERT_TRUE(lion.ok()) << lion.status().to_string();
   STRATA_EXPECT_ERROR(u.apply(*lion, {"optimizer"}), kInvalidArgument, "optimizer.type");

@@ -2,8 +2,10 @@
 // offload engine (offload.hpp), which runs the one step algorithm for every placement. A step is
 // forward and backward over each micro-batch (gradients accumulate), then the global gradient
 // norm, clipping, and an AdamW update of every parameter, with the learning rate from a
-// warmup + decay schedule. In bf16 mode the optimizer keeps fp32 master weights and writes the
-// bf16 working weights the model computes with; in fp32 mode the working weights are the master.
+// warmup + decay schedule. In bf16 and fp16 mode the optimizer keeps fp32 master weights and
+// writes the 16-bit working weights the model computes with; in fp32 mode the working weights are
+// the master. fp16 adds dynamic loss scaling (DeepSpeed's): the loss gradient is multiplied by
+// the loss scale, a step whose gradients overflow is skipped, and the update unscales.
 //
 // Memory: everything is planned before the first step. The device arena gets the model's
 // regions (model.params, model.grads) and the optimizer's (optim.master in bf16 mode,
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "strata/model.hpp"
+#include "strata/optim.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -79,10 +82,15 @@ struct TrainerConfig {
   // cpu backend: the optimizer's instruction set, as the `adam_isa` tunable (auto | avx512 |
   // avx2 | scalar).
   std::string optimizer_isa = "auto";
+  // fp16 training (model.dtype kF16): DeepSpeed's `fp16` section. A step whose gradients hold an
+  // inf or nan is skipped: no parameter, moment or bias-correction step changes and the
+  // learning-rate schedule does not advance (DeepSpeed's skipped_steps), but the step still counts
+  // in StepMetrics::step. Ignored for fp32 and bf16.
+  LossScalerConfig loss_scaling;
 
   Status validate() const;
-  // Applies a DeepSpeed config (optimizer, scheduler, gradient_clipping, bf16.enabled, batch
-  // sizes) on top of this one. Unsupported settings (fp16, Lion/Adagrad) are errors; the offload sections are OffloadSettings::apply's
+  // Applies a DeepSpeed config (optimizer, scheduler, gradient_clipping, bf16/fp16, batch
+  // sizes) on top of this one. Unsupported settings (Lion/Adagrad) are errors; the offload sections are OffloadSettings::apply's
   // naming the key. `present_keys` lists the top-level keys the file actually set, so that a
   // section the file leaves out keeps this config's value.
   Status apply(const Config& config, const std::vector<std::string>& present_keys);
@@ -95,6 +103,10 @@ struct StepMetrics {
   double grad_norm = 0.0;  // global norm before clipping
   std::int64_t tokens = 0;
   double seconds = 0.0;  // wall time of the step
+  // fp16: the loss scale this step's gradients carried (1 otherwise), and whether they
+  // overflowed so that the step was skipped (grad_norm is then inf or nan).
+  double loss_scale = 1.0;
+  bool skipped = false;
 };
 
 struct EvalResult {

@@ -55,8 +55,9 @@ struct ModelConfig {
       64;  // the head's rows are padded to a multiple of this (no padding if vocab ≤ it)
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
-  // Storage of working parameters and activations: kF32 or kBF16 (statistics, losses and
-  // parameter gradients are always fp32; arithmetic always accumulates in fp32).
+  // Storage of working parameters and activations: kF32, kBF16 or kF16 (statistics, losses and
+  // parameter gradients are always fp32; arithmetic always accumulates in fp32). kF16 trains
+  // with dynamic loss scaling (TrainerConfig::loss_scaling).
   DType dtype = DType::kF32;
   bool activation_checkpointing = false;  // keep only each block's input; recompute the block in backward
   double init_std = 0.02;
@@ -285,7 +286,7 @@ class Model {
 //  * kNative: one tensor per owning parameter under its descriptor name, in storage layout
 //    (linear weights (out, in), fused qkv / gate_up, padded vocabulary), metadata "format":
 //    "strata" and the full ModelConfig under "strata_model". What a training run saves.
-// Tensors are written in the working dtype (F32 or BF16). Writes are atomic (safetensors.hpp).
+// Tensors are written in the working dtype (F32, BF16 or F16). Writes are atomic (safetensors.hpp).
 enum class WeightFormat : std::uint8_t { kHuggingFace, kNative };
 
 // The full config as JSON (every ModelConfig field) and back; errors name `source` and the key.

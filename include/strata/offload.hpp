@@ -73,8 +73,9 @@ struct OffloadSettings {
   // Modules larger than this are split, at multiples of 64 elements of a parameter, so the
   // update is the same bits whatever the size.
   std::int64_t sub_group_size = 1'000'000'000;
-  // With clipping off, update a module's state as soon as its gradients land, overlapped with the
-  // rest of backward (host tier). Off: update after backward, in forward order, overlapped with
+  // With clipping off and no fp16 loss scaling (either needs the whole step's gradients first),
+  // update a module's state as soon as its gradients land, overlapped with the rest of backward
+  // (host tier). Off: update after backward, in forward order, overlapped with
   // the next step's forward. Either way the result is the same bits.
   bool update_during_backward = true;
   // Threads of the host optimizer (0: the device's CpuBudget host_threads, one per host cpu).

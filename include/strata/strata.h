@@ -136,7 +136,7 @@ STRATA_C_EXPORT void strata_engine_settings_init(strata_engine_settings* setting
 
 /* Plans, allocates everything and initialises the model on `device`. `settings` may be NULL
  * (defaults). `json_config` may be NULL; otherwise it is a DeepSpeed-style config (the keys of
- * docs/config.md: optimizer, scheduler, gradient_clipping, bf16, train_micro_batch_size_per_gpu,
+ * docs/config.md: optimizer, scheduler, gradient_clipping, bf16, fp16, train_micro_batch_size_per_gpu,
  * gradient_accumulation_steps, zero_optimization.offload_param / offload_optimizer, aio, ...)
  * applied on top of `settings`; sections it leaves out keep the settings' values (a
  * zero_optimization section without offload_param keeps settings.params_tier, and so on). Of the

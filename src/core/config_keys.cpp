@@ -23,8 +23,6 @@ constexpr KeyUse R = KeyUse::kRefused;
 constexpr std::string_view kNoComm =
     "data parallel reduces and gathers one module at a time, overlapped with backward and the update: "
     "the module is the bucket";
-constexpr std::string_view kFp16Off =
-    "loss scaling runs only with fp16 training, which this engine refuses (fp16.enabled)";
 constexpr std::string_view kLogging = "logging/monitoring: strata train prints progress and writes --metrics";
 
 // Fields: path, use, note, section, auto_ok, auto_from, inert.
@@ -50,17 +48,18 @@ constexpr ConfigKey kKeys[] = {
     {"bfloat16.enabled", H, "as bf16.enabled", false, true, "--dtype"},
     {"fp16", H, "section: fp16 mixed precision"},
     {"fp16.enabled", H,
-     "true is refused: this engine trains in fp32 or bf16 (use bf16.enabled); false is honoured", false, true,
-     "false (fp16 training is not available)"},
-    {"fp16.loss_scale", I, kFp16Off},
-    {"fp16.initial_scale_power", I, kFp16Off},
-    {"fp16.loss_scale_window", I, kFp16Off},
-    {"fp16.hysteresis", I, kFp16Off},
-    {"fp16.consecutive_hysteresis", I, kFp16Off},
-    {"fp16.min_loss_scale", I, kFp16Off},
+     "fp16 working weights and activations with fp32 master weights and loss scaling (ModelConfig::dtype)",
+     false, true, "--dtype"},
+    {"fp16.loss_scale", H, "0 = dynamic loss scaling; > 0 = this static scale (TrainerConfig::loss_scaling)"},
+    {"fp16.initial_scale_power", H, "dynamic scaling starts at 2^power (default 16)"},
+    {"fp16.loss_scale_window", H, "overflow-free steps before the scale doubles (default 1000)"},
+    {"fp16.hysteresis", H, "overflows tolerated before the scale halves (default 2)"},
+    {"fp16.consecutive_hysteresis", H, "refill the hysteresis after every overflow-free step (default false)"},
+    {"fp16.min_loss_scale", H,
+     "the scale never halves below this; an overflow there with no hysteresis left fails the step"},
     {"fp16.auto_cast",
      R,
-     "autocasting model inputs to fp16 is not supported; use bf16.enabled",
+     "autocasting model inputs to fp16 is not supported; fp16.enabled runs the whole model in fp16",
      false,
      false,
      {},

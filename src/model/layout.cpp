@@ -250,9 +250,9 @@ Status ModelConfig::validate() const {
                               " must be positive");
     }
   }
-  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return invalid_argument("model config: dtype " + std::string(to_string(dtype)) +
-                            " is not supported for training (f32 or bf16)");
+                            " is not supported for training (f32, bf16 or f16)");
   }
   if (!(norm_eps > 0.0) || !std::isfinite(norm_eps)) {
     return invalid_argument("model config: norm_eps = " + std::to_string(norm_eps) + " must be positive");
@@ -265,7 +265,8 @@ Status ModelConfig::validate() const {
 
 std::string hf_config_json(const ModelConfig& c) {
   Json j;
-  const char* torch_dtype = c.dtype == DType::kBF16 ? "bfloat16" : "float32";
+  const char* torch_dtype =
+      c.dtype == DType::kBF16 ? "bfloat16" : (c.dtype == DType::kF16 ? "float16" : "float32");
   if (c.kind == ModelKind::kGpt2) {
     j["architectures"] = Json::array({"GPT2LMHeadModel"});
     j["model_type"] = "gpt2";
@@ -362,7 +363,8 @@ Result<ModelConfig> model_config_from_hf_json(std::string_view text, std::string
   }
   STRATA_ASSIGN_OR_RETURN(c.init_std, get_double("initializer_range", 0.02));
   if (j.contains("torch_dtype") && j["torch_dtype"].is_string()) {
-    c.dtype = j["torch_dtype"].get<std::string>() == "bfloat16" ? DType::kBF16 : DType::kF32;
+    const std::string td = j["torch_dtype"].get<std::string>();
+    c.dtype = td == "bfloat16" ? DType::kBF16 : (td == "float16" ? DType::kF16 : DType::kF32);
   }
   Status s = c.validate();
   if (!s.ok()) return s.with_context(where);

@@ -426,7 +426,11 @@ Status Model::upload_param(int index, std::span<const float> values) {
   return m.stager->upload(dst, values.size() * 2, [&](void* chunk, std::uint64_t offset, std::uint64_t n) {
     auto* out = static_cast<std::uint16_t*>(chunk);
     const float* in = values.data() + offset / 2;
-    for (std::uint64_t i = 0; i < n / 2; ++i) out[i] = kernels::f32_to_bf16_bits_rne(in[i]);
+    if (p.dtype == DType::kF16) {
+      for (std::uint64_t i = 0; i < n / 2; ++i) out[i] = kernels::f32_to_f16_bits_rne(in[i]);
+    } else {
+      for (std::uint64_t i = 0; i < n / 2; ++i) out[i] = kernels::f32_to_bf16_bits_rne(in[i]);
+    }
   });
 }
 
@@ -466,7 +470,8 @@ Result<std::vector<float>> Model::download_param(int index) {
   } else {
     std::vector<std::uint16_t> raw(out.size());
     STRATA_RETURN_IF_ERROR(download_param_bytes(index, raw.data(), raw.size() * 2));
-    for (std::size_t i = 0; i < raw.size(); ++i) out[i] = kernels::bf16_bits_to_f32(raw[i]);
+    for (std::size_t i = 0; i < raw.size(); ++i)
+      out[i] = p.dtype == DType::kF16 ? kernels::f16_bits_to_f32(raw[i]) : kernels::bf16_bits_to_f32(raw[i]);
   }
   return out;
 }

@@ -28,30 +28,6 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return s + ")";
 }
 
-float f16_to_f32(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t man = h & 0x3ffu;
-  std::uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13) | (man != 0 ? 0x00400000u : 0u);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while ((man & 0x400u) == 0) {
-      man <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Reads a tensor of the file as fp32 values.
 Status read_f32(const SafetensorsFile& file, const SafetensorsEntry& entry, std::vector<char>& raw,
                 std::vector<float>& out) {
@@ -72,7 +48,7 @@ Status read_f32(const SafetensorsFile& file, const SafetensorsEntry& entry, std:
   for (std::uint64_t k = 0; k < n; ++k) {
     std::uint16_t h;
     std::memcpy(&h, raw.data() + k * 2, 2);
-    out[k] = bf ? kernels::bf16_bits_to_f32(h) : f16_to_f32(h);
+    out[k] = bf ? kernels::bf16_bits_to_f32(h) : kernels::f16_bits_to_f32(h);
   }
   return ok_status();
 }
@@ -95,15 +71,21 @@ const SafetensorsEntry* find_hf(const SafetensorsFile& file, const ModelLayout& 
 
 Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
                      const ParamSource& source) {
-  const bool bf16 = dtype == DType::kBF16;
-  const std::uint64_t esize = bf16 ? 2 : 4;
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return invalid_argument("write_weights '" + path + "': dtype " + std::string(to_string(dtype)) +
+                            " cannot be written (f32, bf16 or f16)");
+  }
+  const bool half = dtype != DType::kF32;
+  const std::uint64_t esize = half ? 2 : 4;
+  const char* st_dtype = dtype == DType::kBF16 ? "BF16" : (dtype == DType::kF16 ? "F16" : "F32");
   SafetensorsWriter writer;
   // The writer copies nothing: every tensor's bytes stay here until write().
   std::vector<std::vector<char>> storage;
   std::vector<float> values;
   auto store = [&](std::vector<char>& out, std::size_t at, float v) {
-    if (bf16) {
-      const std::uint16_t h = kernels::f32_to_bf16_bits_rne(v);
+    if (half) {
+      const std::uint16_t h =
+          dtype == DType::kF16 ? kernels::f32_to_f16_bits_rne(v) : kernels::f32_to_bf16_bits_rne(v);
       std::memcpy(out.data() + at * 2, &h, 2);
     } else {
       std::memcpy(out.data() + at * 4, &v, 4);
@@ -120,7 +102,7 @@ Status write_weights(const ModelLayout& layout, const std::string& path, WeightF
     if (format == WeightFormat::kNative) {
       std::vector<char>& out = storage.emplace_back(values.size() * esize);
       for (std::size_t k = 0; k < values.size(); ++k) store(out, k, values[k]);
-      STRATA_RETURN_IF_ERROR(writer.add(p.name, bf16 ? "BF16" : "F32", p.shape, out.data(), out.size()));
+      STRATA_RETURN_IF_ERROR(writer.add(p.name, st_dtype, p.shape, out.data(), out.size()));
       continue;
     }
     const std::int64_t cols = p.numel() / p.shape[0];
@@ -135,7 +117,7 @@ Status write_weights(const ModelLayout& layout, const std::string& path, WeightF
         }
       }
       STRATA_RETURN_IF_ERROR(
-          writer.add(e.name, bf16 ? "BF16" : "F32", slice_shape(p, e), out.data(), out.size()));
+          writer.add(e.name, st_dtype, slice_shape(p, e), out.data(), out.size()));
     }
   }
   ModelConfig stored = layout.config;

@@ -152,7 +152,10 @@ struct OffloadEngine::Impl {
   std::unique_ptr<detail::KernelLauncher> launch;  // the device optimizer's kernels
   std::unique_ptr<detail::HostStager> stager;
   int M = 0;
-  bool bf16 = false;
+  DType wdtype = DType::kF32;  // working parameters
+  bool half = false;  // 16-bit working parameters (bf16, fp16) with separate fp32 masters
+  bool fp16 = false;  // fp16: loss scaling and skipped steps
+  std::optional<LossScaler> scaler;  // fp16 only; moved by the caller once a step's norm is known
   bool opt_on_device = true;
   std::vector<OwnedParam> owned;                 // every owning parameter
   std::vector<std::vector<int>> owned_of_unit;   // indices into `owned`
@@ -161,7 +164,7 @@ struct OffloadEngine::Impl {
   // Device storage.
   char* resident = nullptr;  // offload.params
   float* dgrads = nullptr;   // optimizer on the device: offload.grads ...
-  float* dmaster = nullptr;  // ... optim.master (bf16 only; fp32 masters are the resident params)
+  float* dmaster = nullptr;  // ... optim.master (16-bit only; fp32 masters are the resident params)
   float* dm = nullptr;
   float* dv = nullptr;
   std::vector<ParamSlot> pslots;
@@ -196,8 +199,10 @@ struct OffloadEngine::Impl {
   struct Command {
     enum Kind { kLanded, kFinish, kAbort, kStop } kind = kLanded;
     int unit = -1;
-    std::int64_t step = 0;
+    std::int64_t step = 0;  // the engine's step (StepMetrics::step): bookkeeping
     double lr = 0.0;
+    std::int64_t opt_step = 0;  // the optimizer's update number (bias correction); fp16 skips hold it back
+    double loss_scale = 1.0;    // the scale the step's gradients carry (fp16; 1 otherwise)
   };
   std::thread worker;
   mutable std::mutex mu;
@@ -205,7 +210,11 @@ struct OffloadEngine::Impl {
   std::deque<Command> commands;
   std::vector<std::int64_t> updated_step;  // per unit
   std::int64_t norm_step = 0;              // the last step whose norm is known
-  double norm_value = 0.0;
+  double norm_value = 0.0;                 // unscaled; inf or nan when the gradients overflowed
+  // The step in flight (set by step() before its first micro-batch): its optimizer update number
+  // and loss scale.
+  std::int64_t opt_step_now = 0;
+  double loss_scale_now = 1.0;
   Status worker_error;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
@@ -260,6 +269,14 @@ struct OffloadEngine::Impl {
     const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
     return p.owns_storage() ? p.module : layout().params[static_cast<std::size_t>(p.tied_with)].module;
   }
+  // Steps skipped for overflowing fp16 gradients: they count in `steps` but not in the
+  // optimizer's update number or the learning-rate schedule (DeepSpeed's skipped_steps).
+  std::int64_t skipped_steps() const { return scaler ? scaler->state().overflows : 0; }
+  // The factor the update multiplies gradients by: the clip coefficient of the unscaled norm,
+  // over the loss scale. One formula for every placement, so every placement gets the same bits.
+  float update_scale(double norm, double loss_scale) const {
+    return static_cast<float>(clip_coefficient(norm, config.grad_clip) / loss_scale);
+  }
   int owned_index(int index) const {
     const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
     const int target = p.owns_storage() ? index : p.tied_with;
@@ -284,7 +301,10 @@ struct OffloadEngine::Impl {
   void stop_worker();
   void worker_main();
   Status update_unit_host(int u, std::int64_t step, double lr, float scale);
-  Status update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr, float scale);
+  // `step`: the optimizer's update number; `done_step`: the engine step each unit is marked
+  // updated for (they differ once fp16 steps were skipped).
+  Status update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr, float scale,
+                           std::int64_t done_step);
   Status publish_params(int u, const char* bytes);
   void mark_updated(int u, std::int64_t step);
   Status check_worker();
@@ -368,7 +388,13 @@ struct OffloadEngine::Impl {
 
 Status OffloadEngine::Impl::setup() {
   Device& dev = *device;
-  bf16 = config.model.dtype == DType::kBF16;
+  wdtype = config.model.dtype;
+  half = wdtype != DType::kF32;
+  fp16 = wdtype == DType::kF16;
+  if (fp16) {
+    STRATA_ASSIGN_OR_RETURN(LossScaler ls, LossScaler::create(config.loss_scaling));
+    scaler.emplace(ls);
+  }
   opt_on_device = settings.optimizer == Tier::kDevice;
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
@@ -421,7 +447,7 @@ Status OffloadEngine::Impl::setup() {
       return reinterpret_cast<float*>(base + off);
     };
     STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
-    if (bf16) {
+    if (half) {
       STRATA_ASSIGN_OR_RETURN(dmaster, carve("optim.master"));
     }
     STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg"));
@@ -509,7 +535,7 @@ Status OffloadEngine::Impl::setup() {
       const std::size_t uu = static_cast<std::size_t>(u);
       host_param_offset[uu] = off;
       if (units.home[uu] == Tier::kNvme) continue;
-      off += psharded[uu] ? slices.len[uu] * (bf16 ? 2 : 4) : units.pbytes[uu];
+      off += psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : units.pbytes[uu];
     }
     STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, off, "offload.host_params"));
     for (int u = 0; u < M; ++u) {
@@ -534,7 +560,7 @@ Status OffloadEngine::Impl::setup() {
   }
   if (sharded) {
     const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk;
-    const std::uint64_t w = bf16 ? 2 : 4;
+    const std::uint64_t w = half ? 2 : 4;
     STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * slices.shard_elements, "offload.dp_grads"));
     STRATA_ASSIGN_OR_RETURN(rs_send, HostMem::make(dev, pin, 4 * P * c, "offload.dp_reduce"));
     STRATA_ASSIGN_OR_RETURN(rs_recv, HostMem::make(dev, pin, 4 * c, "offload.dp_reduce"));
@@ -543,7 +569,7 @@ Status OffloadEngine::Impl::setup() {
     gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
   }
   if (any_psharded) {
-    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk, w = bf16 ? 2 : 4;
+    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk, w = half ? 2 : 4;
     STRATA_ASSIGN_OR_RETURN(fetch_send, HostMem::make(dev, true, w * c, "offload.dp_fetch"));
     STRATA_ASSIGN_OR_RETURN(fetch_recv, HostMem::make(dev, true, w * P * c, "offload.dp_fetch"));
   }
@@ -615,17 +641,12 @@ Status OffloadEngine::Impl::initialize() {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       values.resize(o.n);
       init_values(L, o.index, config.seed, 0, static_cast<std::int64_t>(o.n), values.data());
-      if (bf16) {
-        auto* out = reinterpret_cast<std::uint16_t*>(pbytes.data() + o.param_in_unit);
-        for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::f32_to_bf16_bits_rne(values[i]);
-      } else {
-        std::memcpy(pbytes.data() + o.param_in_unit, values.data(), o.n * 4);
-      }
+      STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, pbytes.data() + o.param_in_unit, wdtype, o.n));
       if (settings.optimizer == Tier::kHost && !sharded) {
         std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
       }
       if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
-      if (opt_on_device && bf16) {
+      if (opt_on_device && half) {
         STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
       }
     }
@@ -643,10 +664,10 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
   if (bytes.empty()) return ok_status();
   if (!psharded.empty() && psharded[uu]) {
     // Collective: every rank's slice, all-gathered on the caller's Comm.
-    const std::uint64_t w = bf16 ? 2 : 4, c = slices.chunk[uu];
+    const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
     std::vector<char> mine(c * w, 0), all(c * w * static_cast<std::size_t>(dp_size));
     STRATA_RETURN_IF_ERROR(read_param_slice(u, mine.data()));
-    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), c, half ? DType::kBF16 : DType::kF32),
                                    "gather parameters", u, all.size()));
     from_elements(u, all.data(), bytes.data());
     return ok_status();
@@ -667,7 +688,7 @@ Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& by
   const std::size_t uu = static_cast<std::size_t>(u);
   if (bytes.empty()) return ok_status();
   if (!psharded.empty() && psharded[uu]) {  // every rank is given the whole unit and keeps its slice
-    const std::uint64_t w = bf16 ? 2 : 4;
+    const std::uint64_t w = half ? 2 : 4;
     std::vector<char> elements(units.gbytes[uu] / 4 * w, 0);
     to_elements(u, bytes.data(), elements.data());
     return write_param_slice(u, elements.data() + slices.begin[uu] * w);
@@ -794,16 +815,11 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
   STRATA_RETURN_IF_ERROR(wait_all_updates());
   std::vector<char> bytes;
   STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
-  if (bf16) {
-    auto* out = reinterpret_cast<std::uint16_t*>(bytes.data() + o.param_in_unit);
-    for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::f32_to_bf16_bits_rne(values[i]);
-  } else {
-    std::memcpy(bytes.data() + o.param_in_unit, values.data(), o.n * 4);
-  }
+  STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, bytes.data() + o.param_in_unit, wdtype, o.n));
   STRATA_RETURN_IF_ERROR(write_unit_params(o.unit, bytes));
   if (!master_too) return ok_status();
   if (opt_on_device) {
-    if (!bf16) return ok_status();  // the resident params are the master
+    if (!half) return ok_status();  // the resident params are the master
     STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
     return compute->synchronize();
   }
@@ -819,15 +835,10 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
   std::vector<float> out(o.n);
-  if (which == 0 || (which == 1 && opt_on_device && !bf16)) {
+  if (which == 0 || (which == 1 && opt_on_device && !half)) {
     std::vector<char> bytes;
     STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
-    if (bf16) {
-      const auto* in = reinterpret_cast<const std::uint16_t*>(bytes.data() + o.param_in_unit);
-      for (std::size_t i = 0; i < o.n; ++i) out[i] = kernels::bf16_bits_to_f32(in[i]);
-    } else {
-      std::memcpy(out.data(), bytes.data() + o.param_in_unit, o.n * 4);
-    }
+    STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
   if (opt_on_device) {
@@ -849,7 +860,7 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   blob.assign(3 * n, 0.0f);
   if (n == 0) return ok_status();
   const std::uint64_t g = grad_begin(u);
-  if (bf16) {
+  if (half) {
     STRATA_RETURN_IF_ERROR(stager->download(blob.data(), reinterpret_cast<const char*>(dmaster) + g, n * 4));
   } else {  // fp32 on the device: the resident parameters are the master
     for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
@@ -867,7 +878,7 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   if (n == 0) return ok_status();
   const std::uint64_t g = grad_begin(u);
-  if (bf16) STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + g, blob.data(), n * 4));
+  if (half) STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + g, blob.data(), n * 4));
   STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dm) + g, blob.data() + n, n * 4));
   STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dv) + g, blob.data() + 2 * n, n * 4));
   return compute->synchronize();
@@ -903,7 +914,7 @@ Status OffloadEngine::Impl::setup_data_parallel() {
 }
 
 void OffloadEngine::Impl::to_elements(int u, const char* working, char* elements) const {
-  const std::uint64_t w = bf16 ? 2 : 4;
+  const std::uint64_t w = half ? 2 : 4;
   for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     std::memcpy(elements + o.grad_in_unit / 4 * w, working + o.param_in_unit, o.n * w);
@@ -911,7 +922,7 @@ void OffloadEngine::Impl::to_elements(int u, const char* working, char* elements
 }
 
 void OffloadEngine::Impl::from_elements(int u, const char* elements, char* working) const {
-  const std::uint64_t w = bf16 ? 2 : 4;
+  const std::uint64_t w = half ? 2 : 4;
   for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     std::memcpy(working + o.param_in_unit, elements + o.grad_in_unit / 4 * w, o.n * w);
@@ -920,7 +931,7 @@ void OffloadEngine::Impl::from_elements(int u, const char* elements, char* worki
 
 Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t bytes = slices.len[uu] * (bf16 ? 2 : 4);
+  const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
   if (units.home[uu] == Tier::kNvme) return swap->read(TensorKey{unit_key("param", u), 0}, slice, bytes).wait();
   std::memcpy(slice, host_params.bytes() + host_param_offset[uu], bytes);
@@ -929,7 +940,7 @@ Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
 
 Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t bytes = slices.len[uu] * (bf16 ? 2 : 4);
+  const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
   if (units.home[uu] == Tier::kNvme) {
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
@@ -941,7 +952,7 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
 
 Status OffloadEngine::Impl::gather_unit_params(int u, char* working) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = bf16 ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
   {
     detail::HostSpan span(tracer, track.nvme_fetch,
                           units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
@@ -950,7 +961,7 @@ Status OffloadEngine::Impl::gather_unit_params(int u, char* working) {
   }
   std::memset(fetch_send.bytes() + len * w, 0, (c - len) * w);
   STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[3],
-                                 dp_fetch->all_gather(fetch_send.data(), fetch_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                 dp_fetch->all_gather(fetch_send.data(), fetch_recv.data(), c, half ? DType::kBF16 : DType::kF32),
                                  "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
   from_elements(u, fetch_recv.bytes(), working);
   return ok_status();
@@ -1067,7 +1078,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     // ag_send (the unit's fp32 element positions, working dtype), the ranks' chunks are
     // all-gathered, and every parameter is copied from there into the unit's working layout.
     const std::uint64_t b = slices.begin[uu], len = slices.len[uu], c = slices.chunk[uu], off = slices.offset[uu];
-    const std::uint64_t w = bf16 ? 2 : 4;
+    const std::uint64_t w = half ? 2 : 4;
     {
       detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
       for (int k : owned_of_unit[uu]) {
@@ -1083,15 +1094,17 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
         ob.exp_avg_sq = host_v.floats() + off + (lo - b);
         ob.moment_dtype = DType::kF32;
         char* out = ag_send.bytes() + (lo - b) * w;
-        ob.param_out = bf16 ? out : nullptr;
-        ob.out_dtype = DType::kBF16;
+        ob.param_out = half ? out : nullptr;
+        ob.out_dtype = wdtype;
         ob.n = hi - lo;
         STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
-        if (!bf16) std::memcpy(out, ob.master, ob.n * 4);
+        if (!half) std::memcpy(out, ob.master, ob.n * 4);
       }
     }
     if (psharded[uu]) return write_param_slice(u, ag_send.bytes());  // gathered when next fetched
-    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c,
+                                                                        // moves bits: fp16 travels as 16-bit words
+                                                                        half ? DType::kBF16 : DType::kF32),
                                    "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
@@ -1110,11 +1123,11 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     b.exp_avg = host_m.bytes() + o.grad_offset;
     b.exp_avg_sq = host_v.bytes() + o.grad_offset;
     b.moment_dtype = DType::kF32;
-    b.param_out = bf16 ? out_unit + o.param_in_unit : nullptr;
-    b.out_dtype = DType::kBF16;
+    b.param_out = half ? out_unit + o.param_in_unit : nullptr;
+    b.out_dtype = wdtype;
     b.n = o.n;
     STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b));
-    if (!bf16) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
+    if (!half) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
   }
   span.reset();
   return publish_params(u, out_unit);
@@ -1128,7 +1141,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
 // counts as updated (its parameters may be fetched) once all of its writes have retired, since a
 // read before that would return the previous version.
 Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr,
-                                              float scale) {
+                                              float scale, std::int64_t done_step) {
   struct Item {
     int unit;
     std::size_t group;  // kNoGroup: this rank's slice of the unit is empty (data parallel)
@@ -1167,7 +1180,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       if (s.ok() && p.trace_track >= 0) {
         tracer.add_span(p.trace_track, TraceCounter::kNvmeWrite, "write", p.unit, p.bytes, p.issued_at);
       }
-      if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, step);
+      if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
     }
     return first;
   };
@@ -1195,7 +1208,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     }
     return ok_status();
   };
-  const std::uint64_t wsize = bf16 ? 2 : 4;
+  const std::uint64_t wsize = half ? 2 : 4;
   Status first_error;
   std::size_t issued = 0, units_started = 0;
   char* out_unit = nullptr;
@@ -1211,7 +1224,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       }
       const std::uint64_t c = slices.chunk[uu];
       STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
-                                     dp_params->all_gather(ag_send.data(), ag_recv.data(), c, bf16 ? DType::kBF16 : DType::kF32),
+                                     dp_params->all_gather(ag_send.data(), ag_recv.data(), c, half ? DType::kBF16 : DType::kF32),
                                      "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * wsize));
       from_elements(u, ag_recv.bytes(), out_unit);
     }
@@ -1280,12 +1293,12 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       b.exp_avg_sq = master + 2 * len + (lo - b0);
       b.moment_dtype = DType::kF32;
       char* out = sharded ? ag_send.bytes() + (lo - slices.begin[uu]) * wsize : out_unit + o.param_in_unit + (lo - a) * wsize;
-      b.param_out = bf16 ? out : nullptr;
-      b.out_dtype = DType::kBF16;
+      b.param_out = half ? out : nullptr;
+      b.out_dtype = wdtype;
       b.n = hi - lo;
       first_error = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
       if (!first_error.ok()) break;
-      if (!bf16) std::memcpy(out, b.master, b.n * 4);  // fp32: the working copy is the master
+      if (!half) std::memcpy(out, b.master, b.n * 4);  // fp32: the working copy is the master
     }
     span.reset();
     if (!first_error.ok()) break;
@@ -1316,7 +1329,9 @@ void OffloadEngine::Impl::worker_main() {
   std::vector<int> forward_order(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
   // Not when sharded: a rank's slice alone cannot tell every rank whether to skip the update.
-  const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 &&
+  // Not with fp16: an overflow anywhere skips the whole step, so no unit may update before the
+  // norm is known (as with clipping).
+  const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
@@ -1358,7 +1373,7 @@ void OffloadEngine::Impl::worker_main() {
       } else if (s.ok()) {
         detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
         const auto [grads, n] = unit_grads(c.unit);
-        auto r = host_opt->scan_gradients(grads, DType::kF32, n, 1.0f, false);
+        auto r = host_opt->scan_gradients(grads, DType::kF32, n, static_cast<float>(1.0 / c.loss_scale), false);
         if (r.ok()) {
           stats[uu] = *r;
         } else {
@@ -1372,7 +1387,7 @@ void OffloadEngine::Impl::worker_main() {
                                "' are not finite; modules updated before it in this step keep their update. Lower "
                                "the learning rate or enable clipping");
         } else {
-          s = update_unit_host(c.unit, c.step, c.lr, 1.0f);
+          s = update_unit_host(c.unit, c.opt_step, c.lr, 1.0f);
           if (s.ok()) mark_updated(c.unit, c.step);
         }
       }
@@ -1405,18 +1420,24 @@ void OffloadEngine::Impl::worker_main() {
     }
     cv.notify_all();
     if (immediate_ok) continue;
+    if (!total.finite() && fp16) {
+      // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
+      // merged the same statistics). The caller moves the loss scaler.
+      for (int u = 0; u < M; ++u) mark_updated(u, c.step);
+      continue;
+    }
     if (!total.finite()) {
       fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
                             std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
       continue;
     }
-    const auto scale = static_cast<float>(clip_coefficient(norm, config.grad_clip));
+    const float scale = update_scale(norm, c.loss_scale);
     Status s;
     if (settings.optimizer == Tier::kNvme) {
-      s = update_units_nvme(forward_order, c.step, c.lr, scale);
+      s = update_units_nvme(forward_order, c.opt_step, c.lr, scale, c.step);
     } else {
       for (int u = 0; u < M && s.ok(); ++u) {
-        s = update_unit_host(u, c.step, c.lr, scale);
+        s = update_unit_host(u, c.opt_step, c.lr, scale);
         if (s.ok()) mark_updated(u, c.step);
       }
     }
@@ -1735,14 +1756,15 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
       // Out through the one staging buffer (gstream order keeps its uses apart), scanned for the
       // norm on the way when this is the step's last touch, then to NVMe.
       const bool scan = last_micro && step > 0;
+      const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad." + std::to_string(u),
-                                              [this, u, out, scan]() -> Status {
+                                              [this, u, out, scan, inv_scale]() -> Status {
                                                 const std::size_t uu = static_cast<std::size_t>(u);
                                                 if (scan) {
                                                   STRATA_ASSIGN_OR_RETURN(
                                                       landed_stats[uu],
                                                       host_opt->scan_gradients(out, DType::kF32,
-                                                                               units.gbytes[uu] / 4, 1.0f, false));
+                                                                               units.gbytes[uu] / 4, inv_scale, false));
                                                 }
                                                 detail::HostSpan span(tracer, track.nvme_publish,
                                                                       TraceCounter::kNvmeWrite, "write gradients", u,
@@ -1757,7 +1779,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
       STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
       {
         std::lock_guard<std::mutex> lock(mu);
-        commands.push_back(Command{Command::kLanded, u, step, lr});
+        commands.push_back(Command{Command::kLanded, u, step, lr, opt_step_now, loss_scale_now});
       }
       cv.notify_all();
     }
@@ -1813,7 +1835,8 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
   if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
-  const float dloss = 1.0f / static_cast<float>(count);
+  // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
+  const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   for (std::int64_t a = 0; a < micro; ++a) {
     STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
     cyclic = a + 1 < micro;
@@ -1829,7 +1852,6 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
 
 // The update with the optimizer on the device, in stream order after backward.
 Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
-  const double max_norm = config.grad_clip;
   if (launch->is_cpu()) {
     // One host function: the gradient scan per unit (merged in unit order, as the host tiers
     // merge theirs), then every update with the clip applied.
@@ -1850,33 +1872,37 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     for (const OwnedParam& o : owned) {
       OptimizerBuffers b;
       char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
-      b.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
+      b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
                       : reinterpret_cast<float*>(wp);
       b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
       b.grad_dtype = DType::kF32;
       b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
       b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
       b.moment_dtype = DType::kF32;
-      b.param_out = bf16 ? wp : nullptr;
-      b.out_dtype = DType::kBF16;
+      b.param_out = half ? wp : nullptr;
+      b.out_dtype = wdtype;
       b.n = o.n;
       job->params.push_back(Job::P{b, o.decay});
     }
     double* norm_out = &grad_norm;
     const OptimizerSettings os = config.optimizer;
-    return launch->run("optimizer step", [=](const kernels::KernelContext&) -> Status {
+    const double loss_scale = loss_scale_now;
+    const auto inv_scale = static_cast<float>(1.0 / loss_scale);
+    const bool skip_overflow = fp16;
+    return launch->run("optimizer step", [=, this](const kernels::KernelContext&) -> Status {
       GradStats total;
       for (const auto& [g, n] : job->unit_grads) {
-        STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, 1.0f, false));
+        STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
         total.merge(s);
       }
       const double norm = total.norm();
       *norm_out = norm;
+      if (!total.finite() && skip_overflow) return ok_status();  // fp16 overflow: the step is skipped
       if (!total.finite()) {
         return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
                                 std::to_string(norm) + "); lower the learning rate or enable clipping");
       }
-      const auto scale = static_cast<float>(clip_coefficient(norm, max_norm));
+      const float scale = update_scale(norm, loss_scale);
       for (const auto& p : job->params) {
         STRATA_RETURN_IF_ERROR(job->opt->update(hyper_of(os, lr, p.decay), step, scale, p.b));
       }
@@ -1891,26 +1917,27 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
   STRATA_RETURN_IF_ERROR(detail::sum_of_squares_cuda(cs, dgrads, n, partials, result));
   STRATA_RETURN_IF_ERROR(compute->copy_async(pinned_norm.data(), result, sizeof(double), CopyKind::kDeviceToHost));
   STRATA_RETURN_IF_ERROR(compute->synchronize());
-  grad_norm = std::sqrt(*static_cast<double*>(pinned_norm.data()));
+  grad_norm = std::sqrt(*static_cast<double*>(pinned_norm.data())) / loss_scale_now;
+  if (!std::isfinite(grad_norm) && fp16) return ok_status();  // fp16 overflow: the step is skipped
   if (!std::isfinite(grad_norm)) {
     return invalid_argument("step " + std::to_string(step) +
                             ": the gradient norm is not finite; lower the learning rate or enable clipping");
   }
-  const auto scale = static_cast<float>(clip_coefficient(grad_norm, max_norm));
+  const float scale = update_scale(grad_norm, loss_scale_now);
   // The bit-exact fused kernel (the cpu update's arithmetic), one call per weight-decay group.
   std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
   for (const OwnedParam& o : owned) {
     char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
     DeviceAdamTensor x;
-    x.master = bf16 ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
-    x.param = bf16 ? static_cast<void*>(wp) : static_cast<void*>(x.master);  // fp32: the master is the weight
+    x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
+    x.param = half ? static_cast<void*>(wp) : static_cast<void*>(x.master);  // fp32: the master is the weight
     x.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
     x.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
     x.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
     x.n = o.n;
     group[o.decay ? 1 : 0].push_back(x);
   }
-  const DType param_dtype = bf16 ? DType::kBF16 : DType::kF32;
+  const DType param_dtype = wdtype;
   for (int decay = 0; decay < 2; ++decay) {
     STRATA_RETURN_IF_ERROR(fused_adam_cuda(group[decay], param_dtype, DType::kF32,
                                            hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
@@ -2031,12 +2058,17 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   const auto start = std::chrono::steady_clock::now();
   StepMetrics m;
   m.step = t.steps + 1;
-  m.lr = t.config.schedule.at(t.steps);
+  // Skipped fp16 steps advance neither the optimizer's update number nor the schedule.
+  const std::int64_t applied = t.steps - t.skipped_steps();
+  m.lr = t.config.schedule.at(applied);
+  m.loss_scale = t.scaler ? t.scaler->scale() : 1.0;
+  t.opt_step_now = applied + 1;
+  t.loss_scale_now = m.loss_scale;
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
-    if (s.ok()) s = t.device_update(m.lr, m.step);
+    if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);
     if (s.ok())
       s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step", -1);
     if (s.ok()) s = t.compute->synchronize();
@@ -2049,7 +2081,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     if (s.ok()) s = t.gstream->synchronize();
     {
       std::lock_guard<std::mutex> lock(t.mu);
-      t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr});
+      t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr,
+                                         t.opt_step_now, t.loss_scale_now});
     }
     t.cv.notify_all();
     if (!s.ok()) {
@@ -2063,6 +2096,13 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
+  }
+  if (t.scaler) {
+    // Every unit skipped or every unit updated; either way the scaler moves (and fails the step
+    // when the scale is already at fp16.min_loss_scale and still overflows, as DeepSpeed raises).
+    m.skipped = !std::isfinite(t.grad_norm);
+    auto applied_now = t.scaler->update(m.skipped);
+    if (!applied_now.ok()) return applied_now.status().with_context("step " + std::to_string(m.step));
   }
   LossSum total;
   for (int a = 0; a < static_cast<int>(t.config.grad_accum); ++a) {
@@ -2180,9 +2220,11 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
     }
     const char* p = units[static_cast<std::size_t>(o.unit)].data() + o.param_in_unit;
     values.resize(o.n);
-    if (t.bf16) {
+    if (t.half) {
       const auto* in = reinterpret_cast<const std::uint16_t*>(p);
-      for (std::size_t i = 0; i < o.n; ++i) values[i] = kernels::bf16_bits_to_f32(in[i]);
+      const bool f16 = t.wdtype == DType::kF16;
+      for (std::size_t i = 0; i < o.n; ++i)
+        values[i] = f16 ? kernels::f16_bits_to_f32(in[i]) : kernels::bf16_bits_to_f32(in[i]);
     } else {
       std::memcpy(values.data(), p, o.n * 4);
     }
@@ -2197,6 +2239,30 @@ Status OffloadEngine::load_weights(const std::string& path) {
 }
 
 namespace {
+
+// The safetensors dtype of the working parameters.
+std::string working_tensor_dtype(DType d) { return d == DType::kBF16 ? "BF16" : d == DType::kF16 ? "F16" : "F32"; }
+
+// fp16: the loss scaler's state rides in the checkpoint as one small F64 tensor, so a resumed
+// run continues with the same scale, window position and hysteresis (and so the same bits).
+constexpr const char* kScalerFile = "loss-scaler.safetensors";
+constexpr const char* kScalerTensor = "loss_scaler";  // [scale, iteration, last overflow, hysteresis left, overflows]
+constexpr std::int64_t kScalerFields = 5;
+
+std::array<double, kScalerFields> scaler_fields(const LossScalerState& s) {
+  return {s.scale, static_cast<double>(s.iteration), static_cast<double>(s.last_overflow_iteration),
+          static_cast<double>(s.hysteresis_left), static_cast<double>(s.overflows)};
+}
+
+LossScalerState scaler_state(const std::array<double, kScalerFields>& f) {
+  LossScalerState s;
+  s.scale = f[0];
+  s.iteration = static_cast<std::int64_t>(f[1]);
+  s.last_overflow_iteration = static_cast<std::int64_t>(f[2]);
+  s.hysteresis_left = static_cast<int>(f[3]);
+  s.overflows = static_cast<std::int64_t>(f[4]);
+  return s;
+}
 
 std::string module_file(int u) {
   char name[40];
@@ -2232,8 +2298,8 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
                        std::string(to_string(t.settings.optimizer));
   manifest.client_state = client_state;
   const ModelLayout& L = t.layout();
-  const char* working = t.bf16 ? "BF16" : "F32";
-  const std::uint64_t wsize = t.bf16 ? 2 : 4;
+  const std::string working = working_tensor_dtype(t.wdtype);
+  const std::uint64_t wsize = dtype_size(t.wdtype);
   // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
   // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
   // the outcome and the published directory.
@@ -2273,6 +2339,13 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
       names->push_back(name);
     }
     gathered_through = t.M;
+    if (t.scaler) {
+      const std::array<double, kScalerFields> fields = scaler_fields(t.scaler->state());
+      SafetensorsWriter w;
+      STRATA_RETURN_IF_ERROR(w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
+      STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
+      names->push_back(kScalerFile);
+    }
     return ok_status();
     });
   }
@@ -2315,7 +2388,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     for (const auto& e : files.back().entries()) where[e.name] = files.size() - 1;
   }
   const ModelLayout& L = t.layout();
-  const std::string working = t.bf16 ? "BF16" : "F32";
+  const std::string working = working_tensor_dtype(t.wdtype);
   std::size_t expected = 0;
   for (const OwnedParam& o : t.owned) {
     const ParamDesc& p = L.params[static_cast<std::size_t>(o.index)];
@@ -2332,6 +2405,24 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
       ++expected;
     }
   }
+  std::optional<LossScaler> scaler = t.scaler;
+  if (scaler) {
+    auto it = where.find(kScalerTensor);
+    if (it == where.end()) {
+      return data_loss("checkpoint '" + dir + "' has no tensor '" + kScalerTensor +
+                       "' (the fp16 loss scaler's state, in " + kScalerFile + ")");
+    }
+    const SafetensorsEntry* e = files[it->second].find(kScalerTensor);
+    if (e->dtype != "F64" || e->shape != std::vector<std::int64_t>{kScalerFields}) {
+      return data_loss("checkpoint file '" + files[it->second].path() + "': tensor '" + kScalerTensor + "' is " +
+                       e->dtype + " of another shape than F64 (" + std::to_string(kScalerFields) + ")");
+    }
+    std::array<double, kScalerFields> fields{};
+    STRATA_RETURN_IF_ERROR(files[it->second].read(kScalerTensor, fields.data(), sizeof fields));
+    Status rs = scaler->restore(scaler_state(fields));
+    if (!rs.ok()) return data_loss("checkpoint file '" + files[it->second].path() + "': " + rs.message());
+    ++expected;
+  }
   if (where.size() != expected) {
     return data_loss("checkpoint '" + dir + "' holds " + std::to_string(where.size()) + " tensors; this model has " +
                      std::to_string(expected));
@@ -2342,7 +2433,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     std::lock_guard<std::mutex> lock(t.mu);
     t.worker_error = ok_status();
   }
-  const std::uint64_t wsize = t.bf16 ? 2 : 4;
+  const std::uint64_t wsize = dtype_size(t.wdtype);
   std::vector<char> pbytes;
   std::vector<float> blob;
   for (int u = 0; u < t.M; ++u) {
@@ -2373,6 +2464,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     std::fill(t.updated_step.begin(), t.updated_step.end(), manifest.step);
     t.norm_step = manifest.step;
   }
+  t.scaler = scaler;
   t.grad_norm = 0.0;
   return manifest;
 }

@@ -187,7 +187,7 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   const std::uint64_t gb = std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment);
   if (settings.optimizer == Tier::kDevice) {
     r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
-    if (layout.config.dtype == DType::kBF16) r.push_back(RegionSpec{"optim.master", gb, 0, 0});
+    if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", gb, 0, 0});
     r.push_back(RegionSpec{"optim.exp_avg", gb, 0, 0});
     r.push_back(RegionSpec{"optim.exp_avg_sq", gb, 0, 0});
   } else {

@@ -101,6 +101,7 @@ Status TrainerConfig::validate() const {
   }
   if (!(grad_clip >= 0.0) || !std::isfinite(grad_clip))
     return bad("gradient clipping = " + std::to_string(grad_clip) + " must be >= 0");
+  if (model.dtype == DType::kF16) STRATA_RETURN_IF_ERROR(loss_scaling.validate());
   return schedule.validate();
 }
 
@@ -111,9 +112,6 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
   const std::string& src = config.source;
   // A key set to "auto" keeps this config's value (the caller's default or flag).
   auto given = [&](std::string_view path) { return !config.is_auto(path); };
-  if (config.fp16.enabled) {
-    return invalid_argument(src + ": fp16.enabled: " + std::string(find_config_key("fp16.enabled")->note));
-  }
   const auto& zero = config.zero_optimization;
   // zero_optimization.offload_* and aio are the placement's (OffloadSettings::apply).
   if (zero.stage > 0) {
@@ -169,6 +167,19 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
   const std::string_view bf16_key = config.has("bfloat16.enabled") ? "bfloat16.enabled" : "bf16.enabled";
   if ((present("bf16") || present("bfloat16")) && given(bf16_key)) {
     model.dtype = config.bf16.enabled ? DType::kBF16 : DType::kF32;
+  }
+  if (present("fp16")) {
+    // The scaler's keys apply whether or not this file enables fp16 (a --dtype fp16 run uses them).
+    loss_scaling = LossScalerConfig::from_config(config.fp16);
+    if (given("fp16.enabled")) {
+      if (config.fp16.enabled) {
+        model.dtype = DType::kF16;
+      } else if (model.dtype == DType::kF16) {
+        model.dtype = DType::kF32;
+      }
+    }
+    Status s = loss_scaling.validate();
+    if (!s.ok()) return s.with_context(src);
   }
   // Batch sizes: an "auto" micro batch or accumulation is this config's; an "auto" total is derived.
   Config sizes_of = config;

@@ -1,5 +1,5 @@
 // Plain-loop float64 references for the kernels in kernels/, and the helpers the kernel tests
-// share: typed test tensors (fp32 or bf16 storage filled from doubles), closeness checks with a
+// share: typed test tensors (fp32, bf16 or fp16 storage filled from doubles), closeness checks with a
 // stated tolerance, and directional finite differences.
 //
 // Tolerance model: a kernel value `got` matches the reference `want` when
@@ -37,9 +37,14 @@ struct Tolerance {
 inline constexpr Tolerance kF32Tol{2e-5, 2e-5};
 // bf16 storage (8 significant bits): one rounding of the output plus rounded intermediates.
 inline constexpr Tolerance kBF16Tol{1.5e-2, 1.5e-2};
-inline Tolerance tolerance_for(DType dt) { return dt == DType::kF32 ? kF32Tol : kBF16Tol; }
+// fp16 storage (11 significant bits, 8x finer than bf16): a quarter of bf16's tolerance, since
+// rounded intermediates (attention's rounded output in its backward) cost more than one rounding.
+inline constexpr Tolerance kF16Tol{4e-3, 4e-3};
+inline Tolerance tolerance_for(DType dt) {
+  return dt == DType::kF32 ? kF32Tol : (dt == DType::kF16 ? kF16Tol : kBF16Tol);
+}
 
-// A host tensor with fp32 or bf16 storage.
+// A host tensor with fp32, bf16 or fp16 storage.
 class TestTensor {
  public:
   TestTensor() = default;
@@ -55,12 +60,15 @@ class TestTensor {
   void set(std::size_t i, double v) {
     if (dtype_ == DType::kF32) {
       reinterpret_cast<float*>(bytes_.data())[i] = static_cast<float>(v);
+    } else if (dtype_ == DType::kF16) {
+      reinterpret_cast<std::uint16_t*>(bytes_.data())[i] = f32_to_f16_bits_rne(static_cast<float>(v));
     } else {
       reinterpret_cast<std::uint16_t*>(bytes_.data())[i] = f32_to_bf16_bits_rne(static_cast<float>(v));
     }
   }
   double get(std::size_t i) const {
     if (dtype_ == DType::kF32) return reinterpret_cast<const float*>(bytes_.data())[i];
+    if (dtype_ == DType::kF16) return f16_bits_to_f32(reinterpret_cast<const std::uint16_t*>(bytes_.data())[i]);
     return bf16_bits_to_f32(reinterpret_cast<const std::uint16_t*>(bytes_.data())[i]);
   }
   Vec values() const {
@@ -101,7 +109,8 @@ inline Vec as_stored(DType dtype, const Vec& v) {
     return out;
   }
   Vec out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = round_to_bf16(static_cast<float>(v[i]));
+  for (std::size_t i = 0; i < v.size(); ++i)
+    out[i] = dtype == DType::kF16 ? round_to_f16(static_cast<float>(v[i])) : round_to_bf16(static_cast<float>(v[i]));
   return out;
 }
 

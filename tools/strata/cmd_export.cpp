@@ -1,4 +1,4 @@
-// strata export --run DIR --weights OUT.safetensors [--dtype f32|bf16]: converts a training
+// strata export --run DIR --weights OUT.safetensors [--dtype f32|bf16|fp16]: converts a training
 // run's saved weights (DIR/weights.safetensors in Strata's native layout, written by
 // strata train --out DIR) to safetensors with Hugging Face tensor names and layouts (GPT-2 or
 // LLaMA) and the model config as JSON in the metadata under "config". No device is needed.
@@ -16,12 +16,12 @@ namespace {
 constexpr FlagSpec kFlags[] = {
     {"run", "DIR|FILE", "a training run directory (strata train --out DIR) or a weights file (required)"},
     {"weights", "OUT", "the Hugging Face safetensors file to write (required)"},
-    {"dtype", "f32|bf16", "tensor dtype to write (default: the run's working dtype)"},
+    {"dtype", "f32|bf16|fp16", "tensor dtype to write (default: the run's working dtype)"},
     {"help", "", "show this help"},
 };
 
 std::string usage() {
-  return "usage: strata export --run DIR --weights OUT.safetensors [--dtype f32|bf16]\n\n"
+  return "usage: strata export --run DIR --weights OUT.safetensors [--dtype f32|bf16|fp16]\n\n"
          "Writes a training run's weights with Hugging Face GPT-2/LLaMA names and layouts.\n\nflags:\n" +
          format_flags(kFlags);
 }

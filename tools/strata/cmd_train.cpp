@@ -164,7 +164,7 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
   j["step"] = m.step;
   j["loss"] = m.loss;
   j["lr"] = m.lr;
-  j["grad_norm"] = m.grad_norm;
+  if (std::isfinite(m.grad_norm)) j["grad_norm"] = m.grad_norm;  // an overflowed fp16 step has none
   j["tokens"] = m.tokens;
   j["tokens_per_s"] = static_cast<double>(m.tokens) / std::max(m.seconds, 1e-9);
   j["step_s"] = m.seconds;
@@ -587,6 +587,9 @@ int run_train(std::span<const std::string> argv) {
     val_tokens = r->tokens;
     return ok_status();
   };
+  const bool fp16 = tc.model.dtype == DType::kF16;
+  std::int64_t skipped_steps = 0;
+  double last_scale = 1.0;
   for (std::int64_t step = first_step; step < steps; ++step) {
     inputs.clear();
     targets.clear();
@@ -604,6 +607,14 @@ int run_train(std::span<const std::string> argv) {
     }
     Json record;
     if (metrics.is_open()) record = step_record(*m, before, tr.stats(), tr.plan());
+    if (fp16) {
+      skipped_steps += m->skipped ? 1 : 0;
+      last_scale = m->loss_scale;
+      if (metrics.is_open()) {
+        record["loss_scale"] = m->loss_scale;
+        record["skipped"] = m->skipped;
+      }
+    }
     train_seconds += m->seconds;
     recent_seconds = 0.8 * recent_seconds + 0.2 * m->seconds;
     recent_tokens = 0.8 * recent_tokens + 0.2 * static_cast<double>(m->tokens);
@@ -634,6 +645,12 @@ int run_train(std::span<const std::string> argv) {
     std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %s tok/s | %s elapsed | ETA %s",
                   static_cast<long long>(step + 1), static_cast<long long>(steps), m->loss, m->lr,
                   thousands(tok_s).c_str(), clock_text(elapsed).c_str(), clock_text(eta).c_str());
+    if (fp16) {
+      // The scale this step ran with and the overflowing steps skipped so far (this process).
+      const std::size_t used = std::strlen(line);
+      std::snprintf(line + used, sizeof line - used, " | scale %g | skipped %lld%s", m->loss_scale,
+                    static_cast<long long>(skipped_steps), m->skipped ? " (this step)" : "");
+    }
     if (live) {
       std::printf("\r\033[K%s", line);
       if (do_val)
@@ -730,6 +747,10 @@ int run_train(std::span<const std::string> argv) {
   std::printf("\ndone: %lld steps in %s (%s tokens/s)\n", static_cast<long long>(end_step - first_step),
               clock_text(wall).c_str(), thousands(summary["tokens_per_s"].get<double>()).c_str());
   if (tail > 0) std::printf("  train loss       %.4f nats/token (mean of the last %zu steps)\n", train_loss, tail);
+  if (fp16) {
+    std::printf("  fp16             %lld of %lld steps skipped (gradients overflowed); last loss scale %g\n",
+                static_cast<long long>(skipped_steps), static_cast<long long>(end_step - first_step), last_scale);
+  }
   if (have_val) {
     std::printf("  validation loss  %.4f nats/token (%lld tokens)\n", last_val,
                 static_cast<long long>(val_tokens));

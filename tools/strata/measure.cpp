@@ -83,8 +83,8 @@ Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps
   b.exp_avg = m.data();
   b.exp_avg_sq = v.data();
   b.moment_dtype = DType::kF32;
-  b.param_out = dtype == DType::kBF16 ? out.data() : nullptr;
-  b.out_dtype = DType::kBF16;
+  b.param_out = dtype != DType::kF32 ? out.data() : nullptr;
+  b.out_dtype = dtype != DType::kF32 ? dtype : DType::kBF16;
   b.n = un;
   OptimizerHyper h;
   h.weight_decay = 0.1;

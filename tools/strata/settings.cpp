@@ -108,7 +108,7 @@ std::string auto_value(std::string_view path, const RunSettings& rs) {
   if (path == "gradient_clipping") return number(tc.grad_clip);
   if (path == "bf16.enabled" || path == "bfloat16.enabled")
     return tc.model.dtype == DType::kBF16 ? "true" : "false";
-  if (path == "fp16.enabled") return "false";
+  if (path == "fp16.enabled") return tc.model.dtype == DType::kF16 ? "true" : "false";
   if (path == "optimizer.params.lr") return number(tc.optimizer.lr);
   if (path == "optimizer.params.betas")
     return "[" + number(tc.optimizer.beta1) + ", " + number(tc.optimizer.beta2) + "]";
