@@ -1,5 +1,5 @@
 // The full equivalence matrix of the offload engine (label `slow`; the default run checks a
-// representative subset in test_offload_engine.cpp): model {GPT-2, LLaMA} x dtype {fp32, bf16} x
+// representative subset in test_offload_engine.cpp): model {GPT-2, LLaMA} x dtype {fp32, bf16, fp16} x
 // gradient accumulation {1, 4} x clipping {off, 1.0}, each under every placement (offload_param
 // {device, host, nvme} x offload_optimizer {host, nvme}, the optimizer never above the
 // parameters), with the NVMe optimizer's gradients on the host and on NVMe and the host
@@ -23,7 +23,8 @@ struct Case {
 };
 
 std::string name_of(const Case& c) {
-  return std::string(c.kind == ModelKind::kGpt2 ? "Gpt2" : "Llama") + (c.dtype == DType::kBF16 ? "Bf16" : "Fp32") +
+  return std::string(c.kind == ModelKind::kGpt2 ? "Gpt2" : "Llama") +
+         (c.dtype == DType::kBF16 ? "Bf16" : c.dtype == DType::kF16 ? "Fp16" : "Fp32") +
          "Accum" + std::to_string(c.accum) + (c.clip > 0 ? "Clip" : "NoClip");
 }
 
@@ -63,7 +64,7 @@ TEST_P(OffloadMatrix, EveryPlacementAndVariantMatchesTheAllDeviceRun) {
 std::vector<Case> all_cases() {
   std::vector<Case> v;
   for (ModelKind k : {ModelKind::kGpt2, ModelKind::kLlama})
-    for (DType d : {DType::kF32, DType::kBF16})
+    for (DType d : {DType::kF32, DType::kBF16, DType::kF16})
       for (std::int64_t a : {1, 4})
         for (double clip : {0.0, 1.0}) v.push_back(Case{k, d, a, clip});
   return v;
