@@ -14,39 +14,13 @@
 #include <cstring>
 #include <functional>
 
+#include "comm_environment.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
 namespace {
 
-// One context (MPI initialises once per process) and one world Comm for every test.
-class CommEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    Options options;
-    Status env = options.load_env();
-    ASSERT_TRUE(env.ok()) << env.to_string();
-    Result<CommConfig> config = CommConfig::from_options(options);
-    ASSERT_TRUE(config.ok()) << config.status().to_string();
-    auto ctx = CommContext::create(*config);
-    ASSERT_TRUE(ctx.ok()) << ctx.status().to_string();
-    context = std::move(*ctx);
-    auto w = context->world(CommBackend::kMpi);
-    ASSERT_TRUE(w.ok()) << w.status().to_string();
-    world = std::move(*w);
-  }
-  void TearDown() override {
-    world.reset();
-    context.reset();
-  }
-  std::unique_ptr<CommContext> context;
-  std::unique_ptr<Comm> world;
-};
-
-CommEnvironment* const g_env =
-    static_cast<CommEnvironment*>(::testing::AddGlobalTestEnvironment(new CommEnvironment));
-
-Comm& world() { return *g_env->world; }
+using testing::world;
 
 // Multiples of 1/64 with |x| < 64: exact in fp32, and any sum of a few of them is exact too.
 float fill(int rank, std::size_t i) {
@@ -99,8 +73,8 @@ std::string where(DType d, std::size_t n, ReduceOp op) {
 
 TEST(Comm, WorldMatchesMpirun) {
   ASSERT_TRUE(launched_by_mpirun());
-  EXPECT_EQ(world().size(), g_env->context->world_size());
-  EXPECT_EQ(world().rank(), g_env->context->world_rank());
+  EXPECT_EQ(world().size(), testing::g_comm_env->context->world_size());
+  EXPECT_EQ(world().rank(), testing::g_comm_env->context->world_rank());
   EXPECT_EQ(world().backend(), CommBackend::kMpi);
   ASSERT_EQ(world().world_ranks().size(), static_cast<std::size_t>(world().size()));
   for (int r = 0; r < world().size(); ++r) EXPECT_EQ(world().world_ranks()[r], r);
@@ -277,7 +251,7 @@ TEST(Comm, AsyncOperationsRunInEnqueueOrder) {
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on
 // B before A, and neither blocks the other.
 TEST(Comm, SeparateCommsProgressIndependently) {
-  auto second = g_env->context->world(CommBackend::kMpi);
+  auto second = testing::g_comm_env->context->world(CommBackend::kMpi);
   ASSERT_TRUE(second.ok()) << second.status().to_string();
   Comm& a = world();
   Comm& b = **second;
@@ -301,12 +275,12 @@ TEST(Comm, SeparateCommsProgressIndependently) {
 // Every grid shape this world size allows: the groups have the members the formula says, and
 // an all_reduce inside each group sums exactly its members' world ranks.
 TEST(Comm, GridGroupsHoldTheRanksTheFormulaSays) {
-  const int w = g_env->context->world_size();
-  const int me = g_env->context->world_rank();
+  const int w = testing::g_comm_env->context->world_size();
+  const int me = testing::g_comm_env->context->world_rank();
   for (int tp = 1; tp <= w; ++tp) {
     for (int pp = 1; tp * pp <= w; ++pp) {
       if (w % (tp * pp) != 0) continue;
-      auto groups = make_process_groups(*g_env->context, CommBackend::kMpi, tp, pp);
+      auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, tp, pp);
       ASSERT_TRUE(groups.ok()) << groups.status().to_string();
       const ProcessGroups& g = *groups;
       EXPECT_EQ(g.grid.rank_of(g.coord), me);
@@ -335,11 +309,11 @@ TEST(Comm, GridGroupsHoldTheRanksTheFormulaSays) {
 // 2 x 2 grid on four ranks (tp = 2, pp = 2): sub-groups of sub-groups, point-to-point along the
 // pipeline, and a reduce_scatter inside the tensor group.
 TEST(Comm, TwoByTwoGridSubGroups) {
-  if (g_env->context->world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
-  auto groups = make_process_groups(*g_env->context, CommBackend::kMpi, 2, 2);
+  if (testing::g_comm_env->context->world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
   ASSERT_TRUE(groups.ok()) << groups.status().to_string();
   const ProcessGroups& g = *groups;
-  const int me = g_env->context->world_rank();
+  const int me = testing::g_comm_env->context->world_rank();
   EXPECT_EQ(g.coord, (GridCoord{me % 2, me / 2, 0}));
   EXPECT_EQ(g.dp->size(), 1);
   // Pipeline: stage 0 sends its world rank + 0.5 to stage 1 of the same tp column.
@@ -374,7 +348,7 @@ TEST(Comm, TwoByTwoGridSubGroups) {
 // Rank 1 skips an all_reduce on the world and waits on a barrier of a second Comm that nobody
 // else joins: every rank's operation times out, every rank reports it, and the job ends.
 TEST(CommFailure, DISABLED_SkippedCollectiveTimesOut) {
-  auto second = g_env->context->world(CommBackend::kMpi);
+  auto second = testing::g_comm_env->context->world(CommBackend::kMpi);
   ASSERT_TRUE(second.ok());
   ASSERT_TRUE(world().barrier().wait().ok());
   Status s;
@@ -388,7 +362,7 @@ TEST(CommFailure, DISABLED_SkippedCollectiveTimesOut) {
         << s.to_string();
   }
   EXPECT_NE(s.message().find("comm timeout"), std::string::npos) << s.to_string();
-  EXPECT_EQ(g_env->context->failure(), s);
+  EXPECT_EQ(testing::g_comm_env->context->failure(), s);
   std::printf("rank %d observed the timeout: %s\n", world().rank(), s.to_string().c_str());
   std::fflush(stdout);
   // A later operation on the failed Comm is cancelled, naming the first failure.

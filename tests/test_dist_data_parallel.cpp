@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "offload_fixture.hpp"
+#include "comm_environment.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
@@ -31,32 +32,7 @@ namespace {
 
 using testing::Snapshot;
 
-class CommEnvironment : public ::testing::Environment {
- public:
-  void SetUp() override {
-    Options options;
-    ASSERT_TRUE(options.load_env().ok());
-    Result<CommConfig> config = CommConfig::from_options(options);
-    ASSERT_TRUE(config.ok()) << config.status().to_string();
-    auto ctx = CommContext::create(*config);
-    ASSERT_TRUE(ctx.ok()) << ctx.status().to_string();
-    context = std::move(*ctx);
-    auto w = context->world(CommBackend::kMpi);
-    ASSERT_TRUE(w.ok()) << w.status().to_string();
-    world = std::move(*w);
-  }
-  void TearDown() override {
-    world.reset();
-    context.reset();
-  }
-  std::unique_ptr<CommContext> context;
-  std::unique_ptr<Comm> world;
-};
-
-CommEnvironment* const g_env =
-    static_cast<CommEnvironment*>(::testing::AddGlobalTestEnvironment(new CommEnvironment));
-
-Comm& world() { return *g_env->world; }
+using testing::world;
 
 // This rank's share of step s's global batch (`global` has grad_accum = A x ranks).
 void share(const TrainerConfig& global, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
