@@ -115,6 +115,17 @@ std::string CpuSet::to_string() const {
 
 namespace {
 
+// LLVM's OpenMP runtime (libomp: clang's -fopenmp, the sanitizer builds) binds the threads of a
+// team it creates to the process's full cpu mask unless told otherwise, undoing the pinning of
+// the thread that starts the team; GCC's libgomp lets new threads inherit their creator's mask.
+// So unless the user chose a KMP_AFFINITY, Strata asks libomp to leave affinity alone. This runs
+// when libstrata is loaded, before any OpenMP call (libomp reads its environment lazily, at its
+// first use). Harmless with libgomp, which ignores the variable.
+[[maybe_unused]] const bool kOpenMpAffinityLeftToStrata = [] {
+  (void)::setenv("KMP_AFFINITY", "disabled", /*overwrite=*/0);
+  return true;
+}();
+
 CpuSet from_mask(const cpu_set_t& mask) {
   std::vector<int> v;
   for (int c = 0; c < CPU_SETSIZE; ++c) {
