@@ -96,6 +96,32 @@ TEST(DistCliTrain, CheckpointAndResumeUnderMpirun) {
   }
 }
 
+// DeepSpeed's train_batch_size is global: micro batch x accumulation x ranks. A config written
+// for two ranks (all three keys) is refused by one process, naming the keys, and trains under
+// mpirun; with the accumulation left out, each launch derives its own.
+TEST(DistCliTrain, TrainBatchSizeCountsTheRanks) {
+  TempDir dir("strata-dist-cli");
+  const std::string both = write_file(dir / "both.json", R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2})");
+  const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 ";
+  auto one = run_cli("train " + flags + "--config " + both);
+  EXPECT_EQ(one.exit_code, 1) << one.output;
+  EXPECT_NE(one.output.find("train_batch_size (8) != train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (2) "
+                            "* data-parallel size (1)"),
+            std::string::npos)
+      << one.output;
+  auto two = run_command(mpirun(2) + "train " + flags + "--config " + both + " --metrics " + (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const std::string derive = write_file(dir / "derive.json", R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})");
+  auto single = run_cli("train " + flags + "--config " + derive + " --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  EXPECT_NE(single.output.find("batch 2 x accum 4"), std::string::npos) << single.output;
+  auto pair = run_command(mpirun(2) + "train " + flags + "--config " + derive);
+  ASSERT_EQ(pair.exit_code, 0) << pair.output;
+  EXPECT_NE(pair.output.find("batch 2 x accum 2"), std::string::npos) << pair.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "train_batch_size 8 on 1 and 2 ranks");
+}
+
 // ZeRO-Infinity's placement: parameters partitioned over the ranks and kept on NVMe, each rank
 // in its own directory under --nvme-path, the optimizer sharded on the host.
 TEST(DistCliTrain, StageThreeWithParametersOnNvme) {

@@ -92,8 +92,10 @@ struct TrainerConfig {
   // Applies a DeepSpeed config (optimizer, scheduler, gradient_clipping, bf16/fp16, batch
   // sizes) on top of this one. Unsupported settings (Lion/Adagrad) are errors; the offload sections are OffloadSettings::apply's
   // naming the key. `present_keys` lists the top-level keys the file actually set, so that a
-  // section the file leaves out keeps this config's value.
-  Status apply(const Config& config, const std::vector<std::string>& present_keys);
+  // section the file leaves out keeps this config's value. `data_parallel_size` is the number of
+  // ranks sharing the batch (train_batch_size = micro batch x accumulation x ranks).
+  Status apply(const Config& config, const std::vector<std::string>& present_keys,
+               std::int64_t data_parallel_size = 1);
 };
 
 struct StepMetrics {

@@ -28,8 +28,9 @@ constexpr std::string_view kLogging = "logging/monitoring: strata train prints p
 // Fields: path, use, note, section, auto_ok, auto_from, inert.
 constexpr ConfigKey kKeys[] = {
     // ---- batch sizes and clipping ----
-    {"train_batch_size", H, "micro batch x accumulation x data-parallel size (1); derives the missing one",
-     false, true, "train_micro_batch_size_per_gpu x gradient_accumulation_steps"},
+    {"train_batch_size", H,
+     "micro batch x accumulation x data-parallel size (mpirun ranks, else 1); derives the missing one",
+     false, true, "train_micro_batch_size_per_gpu x gradient_accumulation_steps x ranks"},
     {"train_micro_batch_size_per_gpu", H, "sequences per micro-batch (TrainerConfig::micro_batch)", false,
      true, "--batch"},
     {"gradient_accumulation_steps", H, "micro-batches per optimizer step (TrainerConfig::grad_accum)", false,

@@ -105,7 +105,8 @@ Status TrainerConfig::validate() const {
   return schedule.validate();
 }
 
-Status TrainerConfig::apply(const Config& config, const std::vector<std::string>& present_keys) {
+Status TrainerConfig::apply(const Config& config, const std::vector<std::string>& present_keys,
+                            std::int64_t data_parallel_size) {
   auto present = [&](std::string_view key) {
     return std::find(present_keys.begin(), present_keys.end(), key) != present_keys.end();
   };
@@ -186,7 +187,7 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
   if (config.is_auto("train_micro_batch_size_per_gpu")) sizes_of.train_micro_batch_size_per_gpu = micro_batch;
   if (config.is_auto("gradient_accumulation_steps")) sizes_of.gradient_accumulation_steps = grad_accum;
   if (sizes_of.train_batch_size || sizes_of.train_micro_batch_size_per_gpu || sizes_of.gradient_accumulation_steps) {
-    auto sizes = resolve_batch_sizes(sizes_of, 1);
+    auto sizes = resolve_batch_sizes(sizes_of, data_parallel_size);
     if (!sizes.ok()) return sizes.status().with_context(src);
     micro_batch = sizes->train_micro_batch_size_per_gpu;
     grad_accum = sizes->gradient_accumulation_steps;

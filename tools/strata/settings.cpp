@@ -3,13 +3,19 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include "model_flags.hpp"
+#include "strata/parallel.hpp"
 
 namespace strata::cli {
 
 Status load_settings(const Args& args, const std::string& config_path, RunSettings* rs) {
   TrainerConfig& tc = rs->trainer;
+  if (launched_by_mpirun()) {
+    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    rs->world_size = std::max<std::int64_t>(1, std::strtoll(size, nullptr, 10));
+  }
   tc.model.kind = ModelKind::kGpt2;
   tc.model.n_layer = Defaults::kLayers;
   tc.model.n_head = Defaults::kHeads;
@@ -34,7 +40,8 @@ Status load_settings(const Args& args, const std::string& config_path, RunSettin
   for (const std::string& p : config->present_paths) {
     if (p.find('.') == std::string::npos) top.push_back(p);
   }
-  STRATA_RETURN_IF_ERROR(tc.apply(*config, top));
+  // Under mpirun every rank is a data-parallel rank: the config's train_batch_size is global.
+  STRATA_RETURN_IF_ERROR(tc.apply(*config, top, rs->world_size));
   if (config->has("zero_optimization") || config->has("aio")) {
     STRATA_RETURN_IF_ERROR(rs->offload.apply(*config));
   }
@@ -102,7 +109,7 @@ std::string number(double v) {
 // The resolved value of an "auto" key.
 std::string auto_value(std::string_view path, const RunSettings& rs) {
   const TrainerConfig& tc = rs.trainer;
-  if (path == "train_batch_size") return std::to_string(tc.micro_batch * tc.grad_accum);
+  if (path == "train_batch_size") return std::to_string(tc.micro_batch * tc.grad_accum * rs.world_size);
   if (path == "train_micro_batch_size_per_gpu") return std::to_string(tc.micro_batch);
   if (path == "gradient_accumulation_steps") return std::to_string(tc.grad_accum);
   if (path == "gradient_clipping") return number(tc.grad_clip);

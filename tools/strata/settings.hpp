@@ -67,6 +67,8 @@ struct RunSettings {
   Options options;
   std::int64_t steps = Defaults::kSteps;
   std::optional<Config> config;  // the --config file, when given
+  // The data-parallel ranks of this launch: mpirun's world size (OMPI_COMM_WORLD_SIZE), else 1.
+  std::int64_t world_size = 1;
 };
 
 // Strata's defaults, then the config file `config_path` (none when empty; --strict applies). A
