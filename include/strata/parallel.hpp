@@ -185,6 +185,9 @@ struct CommConfig {
 
 // Whether this process was started by mpirun (OpenMPI's OMPI_COMM_WORLD_* environment).
 bool launched_by_mpirun();
+// The number of processes mpirun started (OMPI_COMM_WORLD_SIZE), known before MPI is
+// initialised; 1 when not launched by mpirun.
+int mpirun_world_size();
 
 class CommContext {
  public:

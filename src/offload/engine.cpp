@@ -353,8 +353,9 @@ struct OffloadEngine::Impl {
   // This rank's slice (len x w bytes) at the unit's home, and back.
   Status read_param_slice(int u, char* slice);
   Status write_param_slice(int u, const char* slice);
-  // h2d stream: the unit gathered from every rank's slice into `working` (its layout).
-  Status gather_unit_params(int u, char* working);
+  // The unit gathered from every rank's slice into `working` (its layout), on `comm` (collective):
+  // `send` holds chunk elements, `recv` size x chunk.
+  Status gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv, char* working);
   // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -665,12 +666,8 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
   if (!psharded.empty() && psharded[uu]) {
     // Collective: every rank's slice, all-gathered on the caller's Comm.
     const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
-    std::vector<char> mine(c * w, 0), all(c * w * static_cast<std::size_t>(dp_size));
-    STRATA_RETURN_IF_ERROR(read_param_slice(u, mine.data()));
-    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), c, half ? DType::kBF16 : DType::kF32),
-                                   "gather parameters", u, all.size()));
-    from_elements(u, all.data(), bytes.data());
-    return ok_status();
+    std::vector<char> mine(c * w), all(c * w * static_cast<std::size_t>(dp_size));
+    return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data());
   }
   switch (units.home[uu]) {
     case Tier::kDevice:
@@ -736,10 +733,10 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
                                    "gather optimizer state", u, all.size() * 4));
     for (int r = 0; r < dp_size; ++r) {
-      const std::uint64_t b = std::min<std::uint64_t>(n, static_cast<std::uint64_t>(r) * c);
-      const std::uint64_t l = std::min<std::uint64_t>(c, n - b);
+      const offload_detail::DpSlice theirs = offload_detail::dp_slice_of(n, dp_size, r);
       for (int k = 0; k < 3; ++k) {
-        std::memcpy(blob.data() + k * n + b, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c, l * 4);
+        std::memcpy(blob.data() + k * n + theirs.begin, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c,
+                    theirs.len * 4);
       }
     }
     return ok_status();
@@ -950,20 +947,20 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::gather_unit_params(int u, char* working) {
+Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv,
+                                               char* working) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
   {
     detail::HostSpan span(tracer, track.nvme_fetch,
                           units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
                           u, len * w);
-    STRATA_RETURN_IF_ERROR(read_param_slice(u, fetch_send.bytes()));
+    STRATA_RETURN_IF_ERROR(read_param_slice(u, send));
   }
-  std::memset(fetch_send.bytes() + len * w, 0, (c - len) * w);
-  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[3],
-                                 dp_fetch->all_gather(fetch_send.data(), fetch_recv.data(), c, half ? DType::kBF16 : DType::kF32),
+  std::memset(send + len * w, 0, (c - len) * w);
+  STRATA_RETURN_IF_ERROR(dp_wait(trace_track, comm.all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
                                  "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
-  from_elements(u, fetch_recv.bytes(), working);
+  from_elements(u, recv, working);
   return ok_status();
 }
 
@@ -1106,10 +1103,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
                                                                         // moves bits: fp16 travels as 16-bit words
                                                                         half ? DType::kBF16 : DType::kF32),
                                    "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
-    for (int k : owned_of_unit[uu]) {
-      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
-      std::memcpy(out_unit + o.param_in_unit, ag_recv.bytes() + o.grad_in_unit / 4 * w, o.n * w);
-    }
+    from_elements(u, ag_recv.bytes(), out_unit);
     return publish_params(u, out_unit);
   }
   std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer,
@@ -1554,7 +1548,10 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   if (!psharded.empty() && psharded[uu]) {
     char* staging = slot.staging.bytes();
     STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: data-parallel gather of param." + std::to_string(u),
-                                        [this, u, staging]() { return gather_unit_params(u, staging); }));
+                                        [this, u, staging]() {
+                                          return gather_unit_params(u, *dp_fetch, dp_tracks[3], fetch_send.bytes(),
+                                                                    fetch_recv.bytes(), staging);
+                                        }));
     STRATA_RETURN_IF_ERROR(
         traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else if (units.home[uu] == Tier::kNvme) {

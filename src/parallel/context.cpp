@@ -7,6 +7,7 @@
 // failure the watchdog waits `abort_grace` (the caller gets the error on its handle and may log
 // and unwind) and then calls MPI_Abort, which makes mpirun kill every rank. Destroying the
 // context after a failure waits for that abort.
+#include <algorithm>
 #include <cstdlib>
 
 #include "parallel/internal.hpp"
@@ -28,6 +29,11 @@ Result<CommConfig> CommConfig::from_options(const Options& options) {
 
 bool launched_by_mpirun() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr && std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+}
+
+int mpirun_world_size() {
+  if (!launched_by_mpirun()) return 1;
+  return std::max(1, std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")));
 }
 
 void CommContext::Impl::report_failure(const Status& status) {

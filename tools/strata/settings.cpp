@@ -12,10 +12,7 @@ namespace strata::cli {
 
 Status load_settings(const Args& args, const std::string& config_path, RunSettings* rs) {
   TrainerConfig& tc = rs->trainer;
-  if (launched_by_mpirun()) {
-    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-    rs->world_size = std::max<std::int64_t>(1, std::strtoll(size, nullptr, 10));
-  }
+  rs->world_size = mpirun_world_size();
   tc.model.kind = ModelKind::kGpt2;
   tc.model.n_layer = Defaults::kLayers;
   tc.model.n_head = Defaults::kHeads;
