@@ -4,6 +4,8 @@
 // and the error message is per thread.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -266,6 +268,43 @@ TEST(CApi, JsonConfigAppliesOnTopOfTheSettings) {
   in[5] = 61;
   EXPECT_STATUS(strata_engine_step(eng.e, in.data(), tg.data(), 96, &r), STRATA_INVALID_ARGUMENT,
                 "input token 61 at position 5 is outside the vocabulary");
+}
+
+// fp16 through the JSON: the step result carries the loss scale and the skip. A scale of 2^40
+// overflows the first step's gradients, so it is skipped and the next step runs at half the scale;
+// once the scale has come down, steps apply (skipped 0) and the loss falls.
+TEST(CApi, StepResultReportsTheFp16LossScaleAndSkips) {
+  DeviceHandle dev;
+  strata_engine_settings s = small_settings();
+  EngineHandle eng;
+  ASSERT_EQ(strata_engine_create(dev.d, &s, R"({"fp16": {"enabled": true, "initial_scale_power": 40, "hysteresis": 1}})",
+                                 &eng.e),
+            STRATA_OK)
+      << last_error();
+  std::vector<std::int32_t> in, tg;
+  batch(61, 32, 0, in, tg);
+  strata_step_result r{};
+  ASSERT_EQ(strata_engine_step(eng.e, in.data(), tg.data(), 32, &r), STRATA_OK) << last_error();
+  EXPECT_DOUBLE_EQ(r.loss_scale, std::ldexp(1.0, 40));
+  EXPECT_EQ(r.skipped, 1);
+  EXPECT_FALSE(std::isfinite(r.grad_norm));
+  ASSERT_EQ(strata_engine_step(eng.e, in.data(), tg.data(), 32, &r), STRATA_OK) << last_error();
+  EXPECT_DOUBLE_EQ(r.loss_scale, std::ldexp(1.0, 39));
+  int applied = 0;
+  double first_applied_loss = 0, last_loss = 0;
+  for (int i = 0; i < 40 && applied < 6; ++i) {
+    ASSERT_EQ(strata_engine_step(eng.e, in.data(), tg.data(), 32, &r), STRATA_OK) << last_error();
+    ASSERT_TRUE(r.skipped == 0 || r.skipped == 1) << r.skipped;
+    if (r.skipped == 0) {
+      EXPECT_TRUE(std::isfinite(r.grad_norm));
+      EXPECT_LT(r.loss_scale, std::ldexp(1.0, 39));
+      if (applied == 0) first_applied_loss = r.loss;
+      last_loss = r.loss;
+      ++applied;
+    }
+  }
+  ASSERT_EQ(applied, 6) << "the scale never came down";
+  EXPECT_LT(last_loss, first_applied_loss);
 }
 
 // An optimizer section in the JSON sets the learning rate with or without the struct's warmup.

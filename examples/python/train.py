@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 STRATA_OK = 0
-C_API_VERSION = 1  # the STRATA_C_API_VERSION these structs mirror
+C_API_VERSION = 2  # the STRATA_C_API_VERSION these structs mirror
 
 
 class DeviceSettings(ctypes.Structure):
@@ -64,6 +64,8 @@ class StepResult(ctypes.Structure):
         ("lr", ctypes.c_double),
         ("tokens", ctypes.c_int64),
         ("seconds", ctypes.c_double),
+        ("loss_scale", ctypes.c_double),
+        ("skipped", ctypes.c_int32),
     ]
 
 

@@ -49,7 +49,7 @@ extern "C" {
 #define STRATA_C_EXPORT
 #endif
 
-#define STRATA_C_API_VERSION 1
+#define STRATA_C_API_VERSION 2
 
 /* The same codes, in the same order, as strata::StatusCode (status.hpp). */
 typedef enum strata_status {
@@ -168,6 +168,11 @@ typedef struct strata_step_result {
   double lr;        /* learning rate of this update */
   int64_t tokens;
   double seconds; /* wall time */
+  /* fp16 (dynamic loss scaling): the scale this step's gradients carried (1 otherwise), and 1
+   * when they overflowed so that the update was skipped (grad_norm is then inf or nan; the
+   * parameters, Adam's step and the schedule did not advance). Added in C API version 2. */
+  double loss_scale;
+  int32_t skipped;
 } strata_step_result;
 
 /* One optimizer update. `inputs` and `targets` each hold exactly n_tokens = tokens_per_step token

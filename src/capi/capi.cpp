@@ -470,6 +470,8 @@ strata_status strata_engine_step(strata_engine* engine, const int32_t* inputs, c
     r.lr = m->lr;
     r.tokens = m->tokens;
     r.seconds = m->seconds;
+    r.loss_scale = m->loss_scale;
+    r.skipped = m->skipped ? 1 : 0;
     *out = r;
     return strata::ok_status();
   });
