@@ -98,6 +98,11 @@ constexpr Placement kPlacements[] = {
 };
 
 int bench_offload(std::span<const std::string> argv) {
+  // Measured as strata train runs: OpenMP threads wait passively, so the compute team's idle
+  // threads do not spin on the cores the copy, I/O and optimizer engines need.
+  std::vector<std::string> self = {"offload"};
+  self.insert(self.end(), argv.begin(), argv.end());
+  use_passive_openmp_wait("bench", self);
   const auto flags = all_flags();
   auto parsed = Args::parse(argv, flags);
   if (!parsed.ok()) return usage_error("bench offload", parsed.status().message(), usage());
@@ -207,6 +212,7 @@ int bench_offload(std::span<const std::string> argv) {
   out["seq_len"] = tc.seq_len;
   out["steps"] = steps;
   out["compute_threads"] = compute_threads;
+  out["omp_wait_policy"] = std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "default";
   out["host_threads"] = budget.host_threads;
   out["cores"] = budget.allowed.size();
   out["cpus"] = Json{{"allowed", budget.allowed.to_string()},
