@@ -75,15 +75,23 @@ struct Tolerance {
   double max = 2e-3;
 };
 
-// bf16: activations are rounded to 8 bits after every partial sum and again after the
-// all-reduce, and working weights round the master, so a rounding difference becomes a bf16 step
-// now and then.
+// fp32, measured on 2 ranks (lr 1e-2, 3 steps): loss 6.5e-7 relative, norm 7.6e-6, parameters
+// rms 1.6e-6 and max 4.2e-4, moments rms 1.2e-6 and max 9e-5 of their scale: the defaults above
+// hold at least 5x headroom. A wrong shard or a missing reduction moves the parameters by about the
+// learning rate.
+//
+// bf16: each rank's partial sum is rounded to 8 bits before the all-reduce rounds the sum again,
+// and working weights round the master, so rounding differences become bf16 steps of the weights
+// and of the activations, and grow over the steps. Measured on 2 ranks: loss 1.3e-3 relative,
+// norm 1.6e-2, parameters rms 2.0e-3 and max 0.054, moments rms 3.2e-3 and max 0.18 of their
+// scale. The bounds hold 1.7x (moments) to 3x (parameters, loss, norm) headroom; the fp32 cases
+// are the precise check.
 Tolerance bf16_tolerance() {
   Tolerance t;
-  t.loss = 2e-3;
-  t.norm = 2e-2;
-  t.rms = 3e-3;
-  t.max = 0.1;
+  t.loss = 5e-3;
+  t.norm = 5e-2;
+  t.rms = 6e-3;
+  t.max = 0.3;
   return t;
 }
 
