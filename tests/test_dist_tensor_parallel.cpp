@@ -64,7 +64,8 @@ void expect_ranks_identical(const Snapshot& s, const std::string& what) {
   std::vector<double> every(mine.size() * all.size());
   ASSERT_TRUE(world().all_gather(mine.data(), every.data(), 2 * mine.size(), DType::kF32).wait().ok());
   for (std::size_t r = 0; r < all.size(); ++r) {
-    for (std::size_t i = 0; i < mine.size(); ++i) EXPECT_EQ(every[r * mine.size() + i], mine[i]) << what << ": rank " << r;
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      EXPECT_EQ(every[r * mine.size() + i], mine[i]) << what << ": rank " << r;
   }
 }
 
@@ -124,10 +125,13 @@ void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol
   for (std::size_t i = 0; i < ref.losses.size(); ++i) {
     worst_loss = std::max(worst_loss, std::fabs(got.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]));
     worst_norm = std::max(worst_norm, std::fabs(got.norms[i] - ref.norms[i]) / std::fabs(ref.norms[i]));
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i])) << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i])) << what << ": norm of step " << i + 1;
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i]))
+        << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i]))
+        << what << ": norm of step " << i + 1;
   }
-  if (world().rank() == 0) std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
+  if (world().rank() == 0)
+    std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
   const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
   const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
   const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
@@ -140,7 +144,8 @@ void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol
       scale = diff_of(*r[k], zero).max;
     }
     if (world().rank() == 0) {
-      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max, d.rms, scale);
+      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max,
+                  d.rms, scale);
     }
     EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
     EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
@@ -188,22 +193,23 @@ void check_case(const Case& c) {
 }
 
 TEST(TensorParallel, Gpt2Fp32OptimizerOnDevice) {
-  check_case({"gpt2 fp32, optimizer on the device", ModelKind::kGpt2, DType::kF32, 1, 0.0, Tier::kDevice, Tier::kDevice});
+  check_case({"gpt2 fp32, optimizer on the device", ModelKind::kGpt2, DType::kF32, 1, 0.0, Tier::kDevice,
+              Tier::kDevice});
 }
 
 TEST(TensorParallel, Gpt2Fp32ParametersAndOptimizerOnHostAccumulationClipping) {
-  check_case({"gpt2 fp32, parameters and optimizer on host, accumulation 2, clip 0.5", ModelKind::kGpt2, DType::kF32,
-              2, 0.5, Tier::kHost, Tier::kHost});
+  check_case({"gpt2 fp32, parameters and optimizer on host, accumulation 2, clip 0.5", ModelKind::kGpt2,
+              DType::kF32, 2, 0.5, Tier::kHost, Tier::kHost});
 }
 
 TEST(TensorParallel, LlamaGroupedKvFp32OptimizerOnHostClipping) {
-  check_case({"llama (grouped kv heads) fp32, optimizer on host, clip 1", ModelKind::kLlama, DType::kF32, 1, 1.0,
-              Tier::kDevice, Tier::kHost});
+  check_case({"llama (grouped kv heads) fp32, optimizer on host, clip 1", ModelKind::kLlama, DType::kF32, 1,
+              1.0, Tier::kDevice, Tier::kHost});
 }
 
 TEST(TensorParallel, LlamaGroupedKvBf16ParametersOnNvme) {
-  check_case({"llama (grouped kv heads) bf16, parameters on NVMe, optimizer on host", ModelKind::kLlama, DType::kBF16,
-              1, 1.0, Tier::kNvme, Tier::kHost});
+  check_case({"llama (grouped kv heads) bf16, parameters on NVMe, optimizer on host", ModelKind::kLlama,
+              DType::kBF16, 1, 1.0, Tier::kNvme, Tier::kHost});
 }
 
 TEST(TensorParallel, Gpt2Bf16OptimizerOnDeviceAccumulation) {
@@ -288,15 +294,16 @@ TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
   auto engine = OffloadEngine::create(c, OffloadSettings{}, *device, nullptr, nullptr, &world());
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("n_kv_head"), std::string::npos) << engine.status().to_string();
-  EXPECT_NE(engine.status().message().find("tensor_parallel_size"), std::string::npos) << engine.status().to_string();
+  EXPECT_NE(engine.status().message().find("tensor_parallel_size"), std::string::npos)
+      << engine.status().to_string();
   OffloadSettings s;
   s.optimizer = Tier::kNvme;
   s.gradients = Tier::kNvme;
   testing::TempDir swap("strata-tp-swap");
   s.nvme_path = {swap.path().string()};
   auto device2 = testing::make_device();
-  auto e2 = OffloadEngine::create(testing::tiny(ModelKind::kGpt2, DType::kF32, 1, 0.0), s, *device2, nullptr, nullptr,
-                                  &world());
+  auto e2 = OffloadEngine::create(testing::tiny(ModelKind::kGpt2, DType::kF32, 1, 0.0), s, *device2, nullptr,
+                                  nullptr, &world());
   ASSERT_FALSE(e2.ok());
   EXPECT_NE(e2.status().message().find("offload-gradients"), std::string::npos) << e2.status().to_string();
 }

@@ -29,10 +29,14 @@ TEST_P(VocabParallelTest, EmbeddingShardsSumToTheWholeTable) {
   const Vec wte = ref::as_stored(dt, ref::random_vec(static_cast<std::size_t>(Vp) * C, 1));
   const Vec wpe = ref::as_stored(dt, ref::random_vec(static_cast<std::size_t>(T) * C, 2));
   const Vec dout = ref::as_stored(dt, ref::random_vec(static_cast<std::size_t>(n) * C, 3));
-  TestTensor twte = TestTensor::from(dt, wte), twpe = TestTensor::from(dt, wpe), tdout = TestTensor::from(dt, dout);
-  TestTensor whole(dt, static_cast<std::size_t>(n) * C), dwhole(DType::kF32, static_cast<std::size_t>(Vp) * C);
-  STRATA_ASSERT_OK(embedding_forward(cpu.ctx, whole.arg(), tok.data(), twte.carg(), twpe.carg(), B, T, C, Vp));
-  STRATA_ASSERT_OK(embedding_backward(cpu.ctx, dwhole.arg(), kNoOutput, tdout.carg(), tok.data(), B, T, C, Vp));
+  TestTensor twte = TestTensor::from(dt, wte), twpe = TestTensor::from(dt, wpe),
+             tdout = TestTensor::from(dt, dout);
+  TestTensor whole(dt, static_cast<std::size_t>(n) * C),
+      dwhole(DType::kF32, static_cast<std::size_t>(Vp) * C);
+  STRATA_ASSERT_OK(
+      embedding_forward(cpu.ctx, whole.arg(), tok.data(), twte.carg(), twpe.carg(), B, T, C, Vp));
+  STRATA_ASSERT_OK(
+      embedding_backward(cpu.ctx, dwhole.arg(), kNoOutput, tdout.carg(), tok.data(), B, T, C, Vp));
   for (int S : {2, 4}) {
     const int Vs = Vp / S;
     Vec sum(static_cast<std::size_t>(n) * C, 0.0), dwte(static_cast<std::size_t>(Vp) * C, 0.0);
@@ -45,7 +49,8 @@ TEST_P(VocabParallelTest, EmbeddingShardsSumToTheWholeTable) {
       const Vec o = out.values();
       // The all-reduce: fp32 sums (bf16 rounded once), exact here as all but one term are zero.
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = static_cast<float>(sum[i] + o[i]);
-      STRATA_ASSERT_OK(embedding_shard_backward(cpu.ctx, dshard.arg(), tdout.carg(), tok.data(), B, T, C, s * Vs, Vs));
+      STRATA_ASSERT_OK(
+          embedding_shard_backward(cpu.ctx, dshard.arg(), tdout.carg(), tok.data(), B, T, C, s * Vs, Vs));
       const Vec d = dshard.values();
       std::copy(d.begin(), d.end(), dwte.begin() + static_cast<std::ptrdiff_t>(s) * Vs * C);
     }
@@ -77,12 +82,14 @@ TEST_P(VocabParallelTest, CrossEntropyShardsMatchReference) {
       Vec part(static_cast<std::size_t>(c.N) * Vs);
       for (int n = 0; n < c.N; ++n)
         for (int v = 0; v < Vs; ++v)
-          part[static_cast<std::size_t>(n) * Vs + v] = logits[static_cast<std::size_t>(n) * c.Vp + s * Vs + v];
+          part[static_cast<std::size_t>(n) * Vs + v] =
+              logits[static_cast<std::size_t>(n) * c.Vp + s * Vs + v];
       shards.push_back(TestTensor::from(dt, part));
     }
     std::vector<float> row_max(c.N, -INFINITY), part_max(c.N), sums(2 * c.N, 0.0f), part_sums(2 * c.N);
     for (int s = 0; s < c.S; ++s) {
-      STRATA_ASSERT_OK(cross_entropy_shard_max(cpu.ctx, part_max.data(), shards[s].carg(), c.N, Vs, s * Vs, c.V));
+      STRATA_ASSERT_OK(
+          cross_entropy_shard_max(cpu.ctx, part_max.data(), shards[s].carg(), c.N, Vs, s * Vs, c.V));
       for (int n = 0; n < c.N; ++n) row_max[n] = std::max(row_max[n], part_max[n]);
     }
     for (int s = 0; s < c.S; ++s) {
@@ -91,27 +98,29 @@ TEST_P(VocabParallelTest, CrossEntropyShardsMatchReference) {
       for (int i = 0; i < 2 * c.N; ++i) sums[i] += part_sums[i];
     }
     std::vector<float> losses(c.N), lse(c.N);
-    STRATA_ASSERT_OK(
-        cross_entropy_shard_finish(cpu.ctx, losses.data(), lse.data(), row_max.data(), sums.data(), targets.data(), c.N));
+    STRATA_ASSERT_OK(cross_entropy_shard_finish(cpu.ctx, losses.data(), lse.data(), row_max.data(),
+                                                sums.data(), targets.data(), c.N));
     Vec dlogits(static_cast<std::size_t>(c.N) * c.Vp, 0.0);
     for (int s = 0; s < c.S; ++s) {
       TestTensor d(dt, static_cast<std::size_t>(c.N) * Vs);
       d.fill(5.0);  // padding columns must come back zero
       const bool in_place = s % 2 == 1;
-      STRATA_ASSERT_OK(cross_entropy_shard_backward(cpu.ctx, in_place ? shards[s].arg() : d.arg(), shards[s].carg(),
-                                                    lse.data(), targets.data(), static_cast<float>(dloss), c.N, Vs,
-                                                    s * Vs, c.V));
+      STRATA_ASSERT_OK(cross_entropy_shard_backward(cpu.ctx, in_place ? shards[s].arg() : d.arg(),
+                                                    shards[s].carg(), lse.data(), targets.data(),
+                                                    static_cast<float>(dloss), c.N, Vs, s * Vs, c.V));
       const Vec got = in_place ? shards[s].values() : d.values();
       for (int n = 0; n < c.N; ++n)
         for (int v = 0; v < Vs; ++v)
-          dlogits[static_cast<std::size_t>(n) * c.Vp + s * Vs + v] = got[static_cast<std::size_t>(n) * Vs + v];
+          dlogits[static_cast<std::size_t>(n) * c.Vp + s * Vs + v] =
+              got[static_cast<std::size_t>(n) * Vs + v];
     }
     const ref::CrossEntropy want = ref::cross_entropy(logits, targets, dloss, c.N, c.V, c.Vp);
-    const std::string what = "N=" + std::to_string(c.N) + " V=" + std::to_string(c.V) + " Vp=" +
-                             std::to_string(c.Vp) + " shards=" + std::to_string(c.S);
+    const std::string what = "N=" + std::to_string(c.N) + " V=" + std::to_string(c.V) +
+                             " Vp=" + std::to_string(c.Vp) + " shards=" + std::to_string(c.S);
     Vec got_lse(lse.begin(), lse.end()), got_losses(losses.begin(), losses.end());
     ref::expect_close(got_lse, want.lse, ref::kF32Tol, what + " lse");
-    ref::expect_close(got_losses, want.losses, {2 * ref::kF32Tol.atol, 2 * ref::kF32Tol.rtol}, what + " losses");
+    ref::expect_close(got_losses, want.losses, {2 * ref::kF32Tol.atol, 2 * ref::kF32Tol.rtol},
+                      what + " losses");
     ref::expect_close(dlogits, want.dlogits, ref::tolerance_for(dt), what + " dlogits");
   }
 }
@@ -125,8 +134,8 @@ TEST(VocabParallel, BadArguments) {
   std::vector<std::int32_t> targets = {5};
   std::vector<float> row_max(1, 0.0f), sums(2);
   TestTensor logits(DType::kF32, 4);
-  const Status s = cross_entropy_shard_sums(cpu.ctx, sums.data(), logits.carg(), row_max.data(), targets.data(), 1,
-                                            4, 0, 5);
+  const Status s = cross_entropy_shard_sums(cpu.ctx, sums.data(), logits.carg(), row_max.data(),
+                                            targets.data(), 1, 4, 0, 5);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("target 5"), std::string::npos) << s.message();
 }
