@@ -287,6 +287,57 @@ TEST(TensorParallel, SaveAndLoadWeightsAreTheFullModel) {
   }
 }
 
+// TP x DP on 4 ranks (make_process_groups' 2 x 2 grid): each data-parallel rank trains its share
+// of the global batch (global micro-batches dp, dp + 2, ...) with its tensor-parallel group's
+// shards; ZeRO shards each tensor-parallel shard's optimizer state over its data-parallel group.
+// Against one process on the global batch: the fp32 tolerances (the data-parallel sum order adds
+// its own rounding, measured well inside them).
+TEST(TensorParallel, ComposesWithDataParallel) {
+  if (world().size() != 4) GTEST_SKIP() << "needs 4 ranks (2 x 2)";
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const int DP = groups->dp->size(), dp_rank = groups->dp->rank();
+  for (int stage : {1, 3}) {
+    const TrainerConfig global = config_for(ModelKind::kLlama, DType::kF32, 2 * DP, 1.0);
+    TrainerConfig local = global;
+    local.grad_accum = global.grad_accum / DP;
+    OffloadSettings s;
+    s.optimizer = Tier::kHost;
+    s.params = stage == 3 ? Tier::kHost : Tier::kDevice;
+    s.zero_stage = stage;
+    s.persistence_threshold = 0;
+    Snapshot got;
+    {
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), groups->tp.get());
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+      for (int step = 0; step < 3; ++step) {
+        std::vector<std::int32_t> gin, gtg, in, tg;
+        testing::batch(global, step, gin, gtg);
+        for (std::size_t i = static_cast<std::size_t>(dp_rank);
+             i < static_cast<std::size_t>(global.grad_accum); i += static_cast<std::size_t>(DP)) {
+          in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
+                    gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+          tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
+                    gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+        }
+        auto m = (*engine)->step(in, tg);
+        ASSERT_TRUE(m.ok()) << m.status().to_string();
+        got.losses.push_back(m->loss);
+        got.norms.push_back(m->grad_norm);
+      }
+      ASSERT_TRUE(testing::capture_state(**engine, got));
+    }
+    OffloadSettings single = s;
+    single.zero_stage = 0;
+    const Snapshot ref = testing::train(global, single, 3);
+    const std::string what = "llama fp32, tp 2 x dp 2, stage " + std::to_string(stage);
+    expect_ranks_identical(got, what);
+    expect_close(ref, got, Tolerance{}, what);
+  }
+}
+
 TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
   TrainerConfig c = testing::tiny(ModelKind::kLlama, DType::kF32, 1, 0.0);
   c.model.n_kv_head = 1;  // one kv head cannot be split
