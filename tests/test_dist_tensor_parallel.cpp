@@ -338,6 +338,62 @@ TEST(TensorParallel, ComposesWithDataParallel) {
   }
 }
 
+// Checkpoints are collective and hold the full model: a tensor-parallel checkpoint resumes the
+// tensor-parallel run bit for bit (the same ranks, the same order of every sum) and loads into
+// one process bit for bit (every full parameter and its optimizer state).
+TEST(TensorParallel, CheckpointResumesAndLoadsIntoOneProcess) {
+  const TrainerConfig config = config_for(ModelKind::kLlama, DType::kBF16, 1, 1.0);
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.params = Tier::kHost;
+  s.persistence_threshold = 0;
+  testing::TempDir dir("strata-tp-checkpoint");
+  std::vector<char> name(512, 0);
+  std::snprintf(name.data(), name.size(), "%s", (dir.path() / "ck").string().c_str());
+  ASSERT_TRUE(world().broadcast(name.data(), 128, DType::kF32, 0).wait().ok());
+  const std::string root = name.data();  // rank 0's directory: every rank reads it
+  Snapshot warm, straight, resumed;      // steps 1-2; step 3 straight on, and after resuming
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, config, 0, 2, warm));
+    auto saved = (*engine)->save_checkpoint(root, "{}", 2);
+    ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, config, 2, 3, straight));
+    ASSERT_TRUE(testing::capture_state(**engine, straight));
+  }
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(root);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(m->step, 2);
+    ASSERT_TRUE(testing::run_steps(**engine, config, 2, 3, resumed));
+    ASSERT_TRUE(testing::capture_state(**engine, resumed));
+  }
+  ASSERT_EQ(resumed.losses.size(), 1u);
+  testing::expect_same(straight, resumed, "tensor-parallel resume");
+  // One process loads the same checkpoint: the state after 2 steps, every tensor whole.
+  Snapshot tp2, one;
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok());
+    ASSERT_TRUE((*engine)->load_checkpoint(root).ok());
+    ASSERT_TRUE(testing::capture_state(**engine, tp2));
+  }
+  auto device = testing::make_device();
+  auto single = OffloadEngine::create(config, s, *device);
+  ASSERT_TRUE(single.ok());
+  auto m = (*single)->load_checkpoint(root);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  ASSERT_TRUE(testing::capture_state(**single, one));
+  testing::expect_same(tp2, one, "tensor-parallel checkpoint in one process");
+  ASSERT_TRUE(world().barrier().wait().ok());  // rank 0's directory outlives every reader
+}
+
 TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
   TrainerConfig c = testing::tiny(ModelKind::kLlama, DType::kF32, 1, 0.0);
   c.model.n_kv_head = 1;  // one kv head cannot be split

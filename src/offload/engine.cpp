@@ -398,6 +398,9 @@ struct OffloadEngine::Impl {
   Status initialize();
 
   // Tensor parallel.
+  // Collective over both groups: every rank gathers every full parameter's state, then the first
+  // rank of both writes the single-process checkpoint; the outcome is broadcast back.
+  Result<std::string> save_checkpoint_tp(const std::string& root, const CheckpointManifest& manifest, int keep);
   Status setup_tensor_parallel();
   // This rank's part of the gradient norm over `n` fp32 gradients at `grads`, elements
   // [first, first + n) of unit u's layout (the unit, or this rank's data-parallel slice of it).
@@ -1000,6 +1003,73 @@ Status OffloadEngine::Impl::write_full(int index, std::span<const float> values)
   std::vector<float> shard(static_cast<std::size_t>(p->numel()));
   shard_from_full(*p, values.data(), shard.data());
   return write_values(index, shard, true);
+}
+
+Result<std::string> OffloadEngine::Impl::save_checkpoint_tp(const std::string& root, const CheckpointManifest& manifest,
+                                                            int keep) {
+  STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
+  struct State {
+    std::vector<char> param;  // working dtype
+    std::vector<float> master, m, v;
+  };
+  std::vector<State> state(full.params.size());
+  for (int u = 0; u < M; ++u) {
+    for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+      const int index = owned[static_cast<std::size_t>(k)].index;
+      State& st = state[static_cast<std::size_t>(index)];
+      STRATA_ASSIGN_OR_RETURN(std::vector<float> working, read_full(index, 0));
+      st.param.resize(working.size() * dtype_size(wdtype));
+      STRATA_RETURN_IF_ERROR(convert(working.data(), DType::kF32, st.param.data(), wdtype, working.size()));
+      STRATA_ASSIGN_OR_RETURN(st.master, read_full(index, 1));
+      STRATA_ASSIGN_OR_RETURN(st.m, read_full(index, 2));
+      STRATA_ASSIGN_OR_RETURN(st.v, read_full(index, 3));
+    }
+  }
+  const bool writer = tp_rank == 0 && dp_rank == 0;
+  const std::string working = wdtype == DType::kBF16 ? "BF16" : wdtype == DType::kF16 ? "F16" : "F32";
+  Result<std::string> published = std::string();
+  if (writer) {
+    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+      for (int u = 0; u < M; ++u) {
+        const auto& mine = owned_of_unit[static_cast<std::size_t>(u)];
+        if (mine.empty()) continue;
+        SafetensorsWriter w;
+        for (int k : mine) {
+          const ParamDesc& p = full.params[static_cast<std::size_t>(owned[static_cast<std::size_t>(k)].index)];
+          const State& st = state[static_cast<std::size_t>(owned[static_cast<std::size_t>(k)].index)];
+          STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, st.param.data(), st.param.size()));
+          STRATA_RETURN_IF_ERROR(w.add("master/" + p.name, "F32", p.shape, st.master.data(), st.master.size() * 4));
+          STRATA_RETURN_IF_ERROR(w.add("exp_avg/" + p.name, "F32", p.shape, st.m.data(), st.m.size() * 4));
+          STRATA_RETURN_IF_ERROR(w.add("exp_avg_sq/" + p.name, "F32", p.shape, st.v.data(), st.v.size() * 4));
+        }
+        w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
+        char name[40];
+        std::snprintf(name, sizeof name, "module-%04d.safetensors", u);
+        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+        names->push_back(name);
+      }
+      if (scaler) return failed_precondition("fp16 is not trained tensor-parallel");  // refused at create
+      return ok_status();
+    });
+  }
+  // The outcome, as 4-byte words: from the writer over its tensor-parallel group, then from each
+  // data-parallel rank 0 (which now has it) over its data-parallel group.
+  constexpr std::size_t kWords = 1 + 256;
+  std::array<std::uint32_t, kWords> word{};
+  if (writer && published.ok() && published->size() < 4 * (kWords - 1)) {
+    word[0] = 1;
+    std::memcpy(word.data() + 1, published->data(), published->size());
+  }
+  STRATA_RETURN_IF_ERROR(tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait());
+  if (dp_size > 1) {
+    STRATA_RETURN_IF_ERROR(
+        dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1, 4 * kWords));
+  }
+  if (writer) return published;
+  if (word[0] != 1) {
+    return io_error("checkpoint under '" + root + "': the first rank, which writes it, failed (its log says why)");
+  }
+  return std::string(reinterpret_cast<const char*>(word.data() + 1));
 }
 
 Status OffloadEngine::Impl::setup_data_parallel() {
@@ -2470,10 +2540,6 @@ std::string config_difference(const std::string& saved, const std::string& curre
 
 Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
   Impl& t = *impl_;
-  if (t.tp_size > 1) {
-    return failed_precondition("save_checkpoint with tensor_parallel_size = " + std::to_string(t.tp_size) +
-                               " is not built yet; save_weights gathers the full model");
-  }
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   CheckpointManifest manifest;
@@ -2485,6 +2551,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   const ModelLayout& L = t.layout();
   const std::string working = working_tensor_dtype(t.wdtype);
   const std::uint64_t wsize = dtype_size(t.wdtype);
+  if (t.tp_size > 1) return t.save_checkpoint_tp(root, manifest, keep);
   // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
   // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
   // the outcome and the published directory.
@@ -2554,10 +2621,6 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
   Impl& t = *impl_;
-  if (t.tp_size > 1) {
-    return failed_precondition("load_checkpoint with tensor_parallel_size = " + std::to_string(t.tp_size) +
-                               " is not built yet; load_weights slices a full weights file");
-  }
   // Allowed after a failed step (the way to recover from one): the error stays until the
   // checkpoint is verified and loaded.
   STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
@@ -2587,7 +2650,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
       if (it == where.end()) return data_loss("checkpoint '" + dir + "' has no tensor '" + name + "'");
       const SafetensorsEntry* e = files[it->second].find(name);
       const std::string dtype = std::string(kind) == "param/" ? working : "F32";
-      if (e->dtype != dtype || e->shape != p.shape) {
+      if (e->dtype != dtype || e->shape != p.shard.full_shape) {  // tensor parallel: the full parameter
         return data_loss("checkpoint file '" + files[it->second].path() + "': tensor '" + name + "' is " + e->dtype +
                          " of another shape or dtype than this model's " + dtype + " parameter");
       }
@@ -2636,8 +2699,24 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
       const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
       const std::string& pname = L.params[static_cast<std::size_t>(o.index)].name;
       float* master = blob.data() + o.grad_in_unit / 4;
-      auto read = [&](const std::string& name, void* dst, std::uint64_t bytes) {
-        return files[where[name]].read(name, dst, bytes);
+      const ParamDesc& pd = L.params[static_cast<std::size_t>(o.index)];
+      std::vector<char> full_bytes;
+      std::vector<float> full_values, shard_values;
+      auto read = [&](const std::string& name, void* dst, std::uint64_t bytes) -> Status {
+        if (pd.shard.kind == ShardKind::kReplicated) return files[where[name]].read(name, dst, bytes);
+        // Tensor parallel: the file holds the full parameter; keep this rank's shard of it (the
+        // values pass through fp32 exactly, whatever the stored dtype).
+        const bool param = name.rfind("param/", 0) == 0;
+        const DType dt = param ? t.wdtype : DType::kF32;
+        const auto full_n = static_cast<std::size_t>(pd.shard.full_numel());
+        full_bytes.resize(full_n * dtype_size(dt));
+        STRATA_RETURN_IF_ERROR(files[where[name]].read(name, full_bytes.data(), full_bytes.size()));
+        full_values.resize(full_n);
+        STRATA_RETURN_IF_ERROR(convert(full_bytes.data(), dt, full_values.data(), DType::kF32, full_n));
+        shard_values.resize(o.n);
+        shard_from_full(pd, full_values.data(), shard_values.data());
+        if (bytes != o.n * dtype_size(dt)) return internal_error("load_checkpoint: shard size of '" + name + "'");
+        return convert(shard_values.data(), DType::kF32, dst, dt, o.n);
       };
       STRATA_RETURN_IF_ERROR(read("param/" + pname, pbytes.data() + o.param_in_unit, o.n * wsize));
       STRATA_RETURN_IF_ERROR(read("master/" + pname, master, o.n * 4));
