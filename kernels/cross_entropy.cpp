@@ -99,6 +99,102 @@ Status cross_entropy_backward_cpu(const KernelContext& ctx, TensorArg dlogits, C
   return ok_status();
 }
 
+// ---- vocabulary shards ----
+// The shard's real columns: full columns [vocab_begin, min(vocab_begin + Vs, V)).
+std::int64_t real_columns(std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  return std::clamp<std::int64_t>(V - vocab_begin, 0, Vs);
+}
+
+Status cross_entropy_shard_max_cpu(const KernelContext& ctx, float* row_max, ConstTensorArg logits,
+                                   std::int64_t N, std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  const std::int64_t R = real_columns(Vs, vocab_begin, V);
+  const int threads = cpu_thread_count(ctx);
+  const std::size_t stripe = scratch_stripe(Vs);
+  STRATA_ASSIGN_OR_RETURN(float* buf, scratch("cross_entropy_shard_max", threads * stripe, 0));
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * Vs > 8192)
+  for (std::int64_t n = 0; n < N; ++n) {
+    float* z = buf + omp_get_thread_num() * stripe;  // (R)
+    load_f32(logits, n * Vs, R, z);
+    float m = -std::numeric_limits<float>::infinity();
+    for (std::int64_t v = 0; v < R; ++v) m = std::max(m, z[v]);
+    row_max[n] = m;
+  }
+  return ok_status();
+}
+
+Status cross_entropy_shard_sums_cpu(const KernelContext& ctx, float* sums, ConstTensorArg logits,
+                                    const float* row_max, const std::int32_t* targets, std::int64_t N,
+                                    std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  STRATA_RETURN_IF_ERROR(check_targets("cross_entropy_shard_sums", targets, N, V));
+  const std::int64_t R = real_columns(Vs, vocab_begin, V);
+  const int threads = cpu_thread_count(ctx);
+  const std::size_t stripe = scratch_stripe(Vs);
+  STRATA_ASSIGN_OR_RETURN(float* buf, scratch("cross_entropy_shard_sums", threads * stripe, 0));
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * Vs > 8192)
+  for (std::int64_t n = 0; n < N; ++n) {
+    float* z = buf + omp_get_thread_num() * stripe;  // (R)
+    load_f32(logits, n * Vs, R, z);
+    const float m = row_max[n];
+    double sum = 0.0;  // chunked as in logsumexp_row
+    for (std::int64_t v0 = 0; v0 < R; v0 += kSumChunk) {
+      const std::int64_t v1 = std::min(R, v0 + kSumChunk);
+      float part = 0.0f;
+      for (std::int64_t v = v0; v < v1; ++v) part += exp_f32(z[v] - m);
+      sum += part;
+    }
+    sums[n] = static_cast<float>(sum);
+    const std::int64_t y = static_cast<std::int64_t>(targets[n]) - vocab_begin;
+    sums[N + n] = (targets[n] >= 0 && y >= 0 && y < R) ? z[y] : 0.0f;
+  }
+  return ok_status();
+}
+
+Status cross_entropy_shard_finish_cpu(float* losses, float* lse, const float* row_max, const float* sums,
+                                      const std::int32_t* targets, std::int64_t N) {
+  for (std::int64_t n = 0; n < N; ++n) {
+    const float row_lse = row_max[n] + std::log(sums[n]);
+    if (lse != nullptr) lse[n] = row_lse;
+    losses[n] = targets[n] < 0 ? 0.0f : row_lse - sums[N + n];
+  }
+  return ok_status();
+}
+
+Status cross_entropy_shard_backward_cpu(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                                        const float* lse, const std::int32_t* targets, float dloss,
+                                        std::int64_t N, std::int64_t Vs, std::int64_t vocab_begin,
+                                        std::int64_t V) {
+  STRATA_RETURN_IF_ERROR(check_targets("cross_entropy_shard_backward", targets, N, V));
+  const std::int64_t R = real_columns(Vs, vocab_begin, V);
+  const int threads = cpu_thread_count(ctx);
+  const std::size_t stripe = scratch_stripe(Vs);
+  STRATA_ASSIGN_OR_RETURN(float* buf, scratch("cross_entropy_shard_backward", threads * stripe, 0));
+#pragma omp parallel for num_threads(threads) schedule(static) if (N * Vs > 8192)
+  for (std::int64_t n = 0; n < N; ++n) {
+    float* z = buf + omp_get_thread_num() * stripe;  // (Vs)
+    std::fill(z, z + Vs, 0.0f);
+    if (targets[n] >= 0) {
+      load_f32(logits, n * Vs, R, z);
+      softmax_grad_row(z, R, lse[n], dloss);
+      const std::int64_t y = static_cast<std::int64_t>(targets[n]) - vocab_begin;
+      if (y >= 0 && y < R) z[y] -= dloss;
+    }
+    store_f32(dlogits, n * Vs, Vs, z);
+  }
+  return ok_status();
+}
+
+Status check_shard(ArgCheck& check, const KernelContext& ctx, ConstTensorArg logits, std::int64_t N,
+                   std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  check.context(ctx)
+      .tensor("logits", logits)
+      .non_negative("N", N)
+      .positive("Vs", Vs)
+      .non_negative("vocab_begin", vocab_begin)
+      .positive("V", V)
+      .fail_if(V >= (std::int64_t{1} << 31), "V = " + std::to_string(V) + " does not fit int32 targets");
+  return check.status();
+}
+
 Status check_cross_entropy(ArgCheck& check, const KernelContext& ctx, ConstTensorArg logits,
                            const void* targets, std::int64_t N, std::int64_t V, std::int64_t Vp) {
   check.context(ctx)
@@ -137,6 +233,53 @@ Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, Const
     return cross_entropy_backward_cuda(ctx, dlogits, logits, lse, targets, dloss, N, V, Vp);
   }
   return cross_entropy_backward_cpu(ctx, dlogits, logits, lse, targets, dloss, N, V, Vp);
+}
+
+Status cross_entropy_shard_max(const KernelContext& ctx, float* row_max, ConstTensorArg logits, std::int64_t N,
+                               std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  ArgCheck check("cross_entropy_shard_max");
+  check.ptr("row_max", row_max);
+  STRATA_RETURN_IF_ERROR(check_shard(check, ctx, logits, N, Vs, vocab_begin, V));
+  if (N == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda)
+    return cross_entropy_shard_max_cuda(ctx, row_max, logits, N, Vs, vocab_begin, V);
+  return cross_entropy_shard_max_cpu(ctx, row_max, logits, N, Vs, vocab_begin, V);
+}
+
+Status cross_entropy_shard_sums(const KernelContext& ctx, float* sums, ConstTensorArg logits, const float* row_max,
+                                const std::int32_t* targets, std::int64_t N, std::int64_t Vs,
+                                std::int64_t vocab_begin, std::int64_t V) {
+  ArgCheck check("cross_entropy_shard_sums");
+  check.ptr("sums", sums).ptr("row_max", row_max).ptr("targets", targets);
+  STRATA_RETURN_IF_ERROR(check_shard(check, ctx, logits, N, Vs, vocab_begin, V));
+  if (N == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda)
+    return cross_entropy_shard_sums_cuda(ctx, sums, logits, row_max, targets, N, Vs, vocab_begin, V);
+  return cross_entropy_shard_sums_cpu(ctx, sums, logits, row_max, targets, N, Vs, vocab_begin, V);
+}
+
+Status cross_entropy_shard_finish(const KernelContext& ctx, float* losses, float* lse, const float* row_max,
+                                  const float* sums, const std::int32_t* targets, std::int64_t N) {
+  ArgCheck check("cross_entropy_shard_finish");
+  check.context(ctx).ptr("losses", losses).ptr("row_max", row_max).ptr("sums", sums).ptr("targets", targets).non_negative("N", N);
+  STRATA_RETURN_IF_ERROR(check.status());
+  if (N == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda)
+    return cross_entropy_shard_finish_cuda(ctx, losses, lse, row_max, sums, targets, N);
+  return cross_entropy_shard_finish_cpu(losses, lse, row_max, sums, targets, N);
+}
+
+Status cross_entropy_shard_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                                    const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
+                                    std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V) {
+  ArgCheck check("cross_entropy_shard_backward");
+  check.tensor("dlogits", dlogits).ptr("lse", lse).ptr("targets", targets);
+  STRATA_RETURN_IF_ERROR(check_shard(check, ctx, logits, N, Vs, vocab_begin, V));
+  if (N == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda) {
+    return cross_entropy_shard_backward_cuda(ctx, dlogits, logits, lse, targets, dloss, N, Vs, vocab_begin, V);
+  }
+  return cross_entropy_shard_backward_cpu(ctx, dlogits, logits, lse, targets, dloss, N, Vs, vocab_begin, V);
 }
 
 }  // namespace strata::kernels

@@ -21,6 +21,12 @@ Status embedding_backward_cuda(const KernelContext& ctx, TensorArg dwte, TensorA
                                const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
                                std::int64_t V);
 std::uint64_t embedding_backward_workspace_bytes_cuda(std::int64_t B, std::int64_t T);
+Status embedding_shard_forward_cuda(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                                    ConstTensorArg wte_shard, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                                    std::int64_t C, std::int64_t vocab_begin, std::int64_t Vs);
+Status embedding_shard_backward_cuda(const KernelContext& ctx, TensorArg dwte_shard, ConstTensorArg dout,
+                                     const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
+                                     std::int64_t vocab_begin, std::int64_t Vs);
 
 Status layernorm_forward_cuda(const KernelContext& ctx, TensorArg out, float* mean, float* rstd,
                               ConstTensorArg inp, ConstTensorArg weight, ConstTensorArg bias,
@@ -73,5 +79,17 @@ Status cross_entropy_forward_cuda(const KernelContext& ctx, float* losses, float
 Status cross_entropy_backward_cuda(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
                                    const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
                                    std::int64_t V, std::int64_t Vp);
+
+Status cross_entropy_shard_max_cuda(const KernelContext& ctx, float* row_max, ConstTensorArg logits, std::int64_t N,
+                                    std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V);
+Status cross_entropy_shard_sums_cuda(const KernelContext& ctx, float* sums, ConstTensorArg logits,
+                                     const float* row_max, const std::int32_t* targets, std::int64_t N,
+                                     std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V);
+Status cross_entropy_shard_finish_cuda(const KernelContext& ctx, float* losses, float* lse, const float* row_max,
+                                       const float* sums, const std::int32_t* targets, std::int64_t N);
+Status cross_entropy_shard_backward_cuda(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                                         const float* lse, const std::int32_t* targets, float dloss,
+                                         std::int64_t N, std::int64_t Vs, std::int64_t vocab_begin,
+                                         std::int64_t V);
 
 }  // namespace strata::kernels

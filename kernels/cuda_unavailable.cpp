@@ -31,6 +31,15 @@ Status embedding_backward_cuda(const KernelContext&, TensorArg, TensorArg, Const
   return no_cuda("embedding_backward");
 }
 std::uint64_t embedding_backward_workspace_bytes_cuda(std::int64_t, std::int64_t) { return 0; }
+Status embedding_shard_forward_cuda(const KernelContext&, TensorArg, const std::int32_t*, ConstTensorArg,
+                                    ConstTensorArg, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                                    std::int64_t) {
+  return no_cuda("embedding_shard_forward");
+}
+Status embedding_shard_backward_cuda(const KernelContext&, TensorArg, ConstTensorArg, const std::int32_t*,
+                                     std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+  return no_cuda("embedding_shard_backward");
+}
 
 Status layernorm_forward_cuda(const KernelContext&, TensorArg, float*, float*, ConstTensorArg, ConstTensorArg,
                               ConstTensorArg, std::int64_t, std::int64_t, float) {
@@ -105,6 +114,24 @@ Status cross_entropy_forward_cuda(const KernelContext&, float*, float*, ConstTen
 Status cross_entropy_backward_cuda(const KernelContext&, TensorArg, ConstTensorArg, const float*,
                                    const std::int32_t*, float, std::int64_t, std::int64_t, std::int64_t) {
   return no_cuda("cross_entropy_backward");
+}
+
+Status cross_entropy_shard_max_cuda(const KernelContext&, float*, ConstTensorArg, std::int64_t, std::int64_t,
+                                    std::int64_t, std::int64_t) {
+  return no_cuda("cross_entropy_shard_max");
+}
+Status cross_entropy_shard_sums_cuda(const KernelContext&, float*, ConstTensorArg, const float*, const std::int32_t*,
+                                     std::int64_t, std::int64_t, std::int64_t, std::int64_t) {
+  return no_cuda("cross_entropy_shard_sums");
+}
+Status cross_entropy_shard_finish_cuda(const KernelContext&, float*, float*, const float*, const float*,
+                                       const std::int32_t*, std::int64_t) {
+  return no_cuda("cross_entropy_shard_finish");
+}
+Status cross_entropy_shard_backward_cuda(const KernelContext&, TensorArg, ConstTensorArg, const float*,
+                                         const std::int32_t*, float, std::int64_t, std::int64_t, std::int64_t,
+                                         std::int64_t) {
+  return no_cuda("cross_entropy_shard_backward");
 }
 
 }  // namespace strata::kernels

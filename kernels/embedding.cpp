@@ -28,10 +28,16 @@ Status check_tokens(std::string_view op, const std::int32_t* tokens, std::int64_
 
 // ---- cpu kernels ----
 
+// `vocab_begin`/`shard`: wte holds rows [vocab_begin, vocab_begin + V) of the vocabulary and tokens
+// outside them give zero rows (vocabulary-parallel); otherwise every token must be in [0, V).
 Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
                              ConstTensorArg wte, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
-                             std::int64_t C, std::int64_t V) {
-  STRATA_RETURN_IF_ERROR(check_tokens("embedding_forward", tokens, B, T, V));
+                             std::int64_t C, std::int64_t V, std::int64_t vocab_begin = 0, bool shard = false) {
+  if (shard) {
+    STRATA_RETURN_IF_ERROR(check_tokens("embedding_shard_forward", tokens, B, T, std::int64_t{1} << 31));
+  } else {
+    STRATA_RETURN_IF_ERROR(check_tokens("embedding_forward", tokens, B, T, V));
+  }
   const int threads = cpu_thread_count(ctx);
   const std::size_t stripe = scratch_stripe(2 * C);
   STRATA_ASSIGN_OR_RETURN(float* buf, scratch("embedding_forward", threads * stripe, 0));
@@ -39,7 +45,12 @@ Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std:
   for (std::int64_t bt = 0; bt < B * T; ++bt) {
     float* row = buf + omp_get_thread_num() * stripe;  // (C)
     float* pos = row + C;                              // (C)
-    load_f32(wte, static_cast<std::int64_t>(tokens[bt]) * C, C, row);
+    const std::int64_t tok = tokens[bt] - vocab_begin;
+    if (tok >= 0 && tok < V) {
+      load_f32(wte, tok * C, C, row);
+    } else {
+      std::fill(row, row + C, 0.0f);
+    }
     if (wpe.data != nullptr) {
       load_f32(wpe, (bt % T) * C, C, pos);
       for (std::int64_t c = 0; c < C; ++c) row[c] += pos[c];
@@ -49,9 +60,10 @@ Status embedding_forward_cpu(const KernelContext& ctx, TensorArg out, const std:
   return ok_status();
 }
 
+// `vocab_begin`/`shard` as in the forward: positions whose token is outside the shard add nothing.
 Status embedding_backward_cpu(const KernelContext& ctx, TensorArg dwte, TensorArg dwpe, ConstTensorArg dout,
                               const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
-                              std::int64_t V) {
+                              std::int64_t V, std::int64_t vocab_begin = 0, bool shard = false) {
   constexpr std::string_view kOp = "embedding_backward";
   const int threads = cpu_thread_count(ctx);
   const std::int64_t n = B * T;
@@ -59,20 +71,23 @@ Status embedding_backward_cpu(const KernelContext& ctx, TensorArg dwte, TensorAr
   STRATA_ASSIGN_OR_RETURN(float* buf, scratch(kOp, threads * stripe, 0));
 
   if (dwte.data != nullptr) {
-    STRATA_RETURN_IF_ERROR(check_tokens(kOp, tokens, B, T, V));
+    if (!shard) STRATA_RETURN_IF_ERROR(check_tokens(kOp, tokens, B, T, V));
     // (n) sort keys, then (n + 1) offsets of each token's run in the sorted order.
     STRATA_ASSIGN_OR_RETURN(float* key_mem, scratch(kOp, 2 * n + (n + 1), 1));
     auto* keys = reinterpret_cast<std::uint64_t*>(key_mem);
     auto* run_begin = reinterpret_cast<std::uint32_t*>(keys + n);
+    std::int64_t kept = 0;  // positions whose token this table holds (all of them unless a shard)
     for (std::int64_t i = 0; i < n; ++i) {
-      keys[i] = (static_cast<std::uint64_t>(tokens[i]) << 32) | static_cast<std::uint64_t>(i);
+      const std::int64_t tok = tokens[i] - vocab_begin;
+      if (tok < 0 || tok >= V) continue;
+      keys[kept++] = (static_cast<std::uint64_t>(tok) << 32) | static_cast<std::uint64_t>(i);
     }
-    std::sort(keys, keys + n);
+    std::sort(keys, keys + kept);
     std::int64_t runs = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t i = 0; i < kept; ++i) {
       if (i == 0 || (keys[i] >> 32) != (keys[i - 1] >> 32)) run_begin[runs++] = static_cast<std::uint32_t>(i);
     }
-    run_begin[runs] = static_cast<std::uint32_t>(n);
+    run_begin[runs] = static_cast<std::uint32_t>(kept);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (n * C > 8192)
     for (std::int64_t r = 0; r < runs; ++r) {
       float* acc = buf + omp_get_thread_num() * stripe;  // (C)
@@ -145,6 +160,35 @@ Status embedding_backward(const KernelContext& ctx, TensorArg dwte, TensorArg dw
   if (ctx.backend == Backend::kCuda)
     return embedding_backward_cuda(ctx, dwte, dwpe, dout, tokens, B, T, C, V);
   return embedding_backward_cpu(ctx, dwte, dwpe, dout, tokens, B, T, C, V);
+}
+
+Status embedding_shard_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                               ConstTensorArg wte_shard, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                               std::int64_t C, std::int64_t vocab_begin, std::int64_t Vs) {
+  STRATA_RETURN_IF_ERROR(check_embedding("embedding_shard_forward", ctx, tokens, B, T, C, Vs));
+  ArgCheck check("embedding_shard_forward");
+  check.tensor("out", out).tensor("wte_shard", wte_shard).optional("wpe", wpe).non_negative("vocab_begin", vocab_begin);
+  STRATA_RETURN_IF_ERROR(check.status());
+  if (B * T == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda)
+    return embedding_shard_forward_cuda(ctx, out, tokens, wte_shard, wpe, B, T, C, vocab_begin, Vs);
+  return embedding_forward_cpu(ctx, out, tokens, wte_shard, wpe, B, T, C, Vs, vocab_begin, true);
+}
+
+Status embedding_shard_backward(const KernelContext& ctx, TensorArg dwte_shard, ConstTensorArg dout,
+                                const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
+                                std::int64_t vocab_begin, std::int64_t Vs) {
+  STRATA_RETURN_IF_ERROR(check_embedding("embedding_shard_backward", ctx, tokens, B, T, C, Vs));
+  ArgCheck check("embedding_shard_backward");
+  check.tensor("dout", dout)
+      .tensor("dwte_shard", dwte_shard)
+      .non_negative("vocab_begin", vocab_begin)
+      .workspace(ctx, embedding_backward_workspace_bytes(ctx.backend, B, T));
+  STRATA_RETURN_IF_ERROR(check.status());
+  if (B * T == 0) return ok_status();
+  if (ctx.backend == Backend::kCuda)
+    return embedding_shard_backward_cuda(ctx, dwte_shard, dout, tokens, B, T, C, vocab_begin, Vs);
+  return embedding_backward_cpu(ctx, dwte_shard, kNoOutput, dout, tokens, B, T, C, Vs, vocab_begin, true);
 }
 
 std::uint64_t embedding_backward_workspace_bytes(Backend backend, std::int64_t B, std::int64_t T) {

@@ -24,24 +24,27 @@ constexpr int kRunLanes = 8;  // threads per column sharing a run of equal token
 // ---- kernels ----
 
 template <class TO, class TW, class TP>
+// wte holds vocabulary rows [vocab_begin, vocab_begin + V); other tokens give `outside` (NaN for a
+// whole table, 0 for a vocabulary shard).
 __global__ void embedding_forward_kernel(TO* out, const std::int32_t* tokens, const TW* wte, const TP* wpe,
-                                         std::int64_t BT, std::int64_t T, std::int64_t C, std::int64_t V) {
+                                         std::int64_t BT, std::int64_t T, std::int64_t C, std::int64_t V,
+                                         std::int64_t vocab_begin, float outside) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < BT * C;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t bt = i / C, c = i % C;
-    const std::int32_t tok = tokens[bt];
-    float v = (tok >= 0 && tok < V) ? to_f32(wte[static_cast<std::int64_t>(tok) * C + c]) : NAN;
+    const std::int64_t tok = static_cast<std::int64_t>(tokens[bt]) - vocab_begin;
+    float v = tokens[bt] < 0 ? NAN : ((tok >= 0 && tok < V) ? to_f32(wte[tok * C + c]) : outside);
     if (wpe != nullptr) v += to_f32(wpe[(bt % T) * C + c]);
     out[i] = from_f32<TO>(v);
   }
 }
 
-// keys[i] = token << 32 | i; out-of-range tokens sort last as token V and are skipped.
+// keys[i] = (token - vocab_begin) << 32 | i; tokens outside the table sort last as V and are skipped.
 __global__ void embedding_keys_kernel(std::uint64_t* keys, const std::int32_t* tokens, std::int64_t n,
-                                      std::int64_t V) {
+                                      std::int64_t V, std::int64_t vocab_begin) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int32_t tok = tokens[i];
+    const std::int64_t tok = static_cast<std::int64_t>(tokens[i]) - vocab_begin;
     const std::uint64_t t =
         (tok >= 0 && tok < V) ? static_cast<std::uint64_t>(tok) : static_cast<std::uint64_t>(V);
     keys[i] = (t << 32) | static_cast<std::uint64_t>(i);
@@ -118,16 +121,77 @@ Status embedding_forward_cuda(const KernelContext& ctx, TensorArg out, const std
         using TW = typename decltype(tw)::type;
         using TP = typename decltype(tp)::type;
         embedding_forward_kernel<<<grid_for(BT * C, kThreads), kThreads, 0, stream_of(ctx)>>>(
-            typed<TO>(out), tokens, typed<TW>(wte), typed<TP>(wpe), BT, T, C, V);
+            typed<TO>(out), tokens, typed<TW>(wte), typed<TP>(wpe), BT, T, C, V, 0, NAN);
       });
     });
   });
   return launch_status("embedding_forward");
 }
 
+Status embedding_shard_forward_cuda(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                                    ConstTensorArg wte_shard, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                                    std::int64_t C, std::int64_t vocab_begin, std::int64_t Vs) {
+  const std::int64_t BT = B * T;
+  dispatch(out.dtype, [&](auto to) {
+    dispatch(wte_shard.dtype, [&](auto tw) {
+      dispatch(wpe.dtype, [&](auto tp) {
+        using TO = typename decltype(to)::type;
+        using TW = typename decltype(tw)::type;
+        using TP = typename decltype(tp)::type;
+        embedding_forward_kernel<<<grid_for(BT * C, kThreads), kThreads, 0, stream_of(ctx)>>>(
+            typed<TO>(out), tokens, typed<TW>(wte_shard), typed<TP>(wpe), BT, T, C, Vs, vocab_begin, 0.0f);
+      });
+    });
+  });
+  return launch_status("embedding_shard_forward");
+}
+
 std::uint64_t embedding_backward_workspace_bytes_cuda(std::int64_t B, std::int64_t T) {
   const SortWorkspace w = sort_workspace(B * T);
   return 2 * w.keys_bytes + w.cub_bytes;
+}
+
+namespace {
+
+// dwte (V,C) += the rows of dout whose token - vocab_begin is in [0, V), deterministically (the
+// file comment); shared by the whole table and a vocabulary shard.
+Status wte_backward(const KernelContext& ctx, const char* op, TensorArg dwte, ConstTensorArg dout,
+                    const std::int32_t* tokens, std::int64_t n, std::int64_t C, std::int64_t V,
+                    std::int64_t vocab_begin) {
+  cudaStream_t stream = stream_of(ctx);
+  SortWorkspace w = sort_workspace(n);
+  if (w.status != cudaSuccess) {
+    return device_error(std::string(op) + ": sizing the token sort: " + cudaGetErrorString(w.status));
+  }
+  auto* base = static_cast<unsigned char*>(ctx.workspace);
+  auto* keys = reinterpret_cast<std::uint64_t*>(base);
+  auto* sorted = reinterpret_cast<std::uint64_t*>(base + w.keys_bytes);
+  void* cub_temp = base + 2 * w.keys_bytes;
+  embedding_keys_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(keys, tokens, n, V, vocab_begin);
+  STRATA_RETURN_IF_ERROR(launch_status(op));
+  const cudaError_t err =
+      cub::DeviceRadixSort::SortKeys(cub_temp, w.cub_bytes, keys, sorted, static_cast<int>(n), 0, 64, stream);
+  if (err != cudaSuccess) {
+    return device_error(std::string(op) + ": token sort: " + cudaGetErrorString(err));
+  }
+  const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((C + kTile - 1) / kTile));
+  const dim3 block(kTile, kRunLanes);
+  dispatch(dwte.dtype, [&](auto tg) {
+    dispatch(dout.dtype, [&](auto td) {
+      using TG = typename decltype(tg)::type;
+      using TD = typename decltype(td)::type;
+      embedding_wte_backward_kernel<<<grid, block, 0, stream>>>(typed<TG>(dwte), typed<TD>(dout), sorted, n, C, V);
+    });
+  });
+  return launch_status(op);
+}
+
+}  // namespace
+
+Status embedding_shard_backward_cuda(const KernelContext& ctx, TensorArg dwte_shard, ConstTensorArg dout,
+                                     const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
+                                     std::int64_t vocab_begin, std::int64_t Vs) {
+  return wte_backward(ctx, "embedding_shard_backward", dwte_shard, dout, tokens, B * T, C, Vs, vocab_begin);
 }
 
 Status embedding_backward_cuda(const KernelContext& ctx, TensorArg dwte, TensorArg dwpe, ConstTensorArg dout,
@@ -136,33 +200,7 @@ Status embedding_backward_cuda(const KernelContext& ctx, TensorArg dwte, TensorA
   const std::int64_t n = B * T;
   cudaStream_t stream = stream_of(ctx);
   if (dwte.data != nullptr) {
-    SortWorkspace w = sort_workspace(n);
-    if (w.status != cudaSuccess) {
-      return device_error(std::string("embedding_backward: sizing the token sort: ") +
-                          cudaGetErrorString(w.status));
-    }
-    auto* base = static_cast<unsigned char*>(ctx.workspace);
-    auto* keys = reinterpret_cast<std::uint64_t*>(base);
-    auto* sorted = reinterpret_cast<std::uint64_t*>(base + w.keys_bytes);
-    void* cub_temp = base + 2 * w.keys_bytes;
-    embedding_keys_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(keys, tokens, n, V);
-    STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));
-    const cudaError_t err = cub::DeviceRadixSort::SortKeys(cub_temp, w.cub_bytes, keys, sorted,
-                                                           static_cast<int>(n), 0, 64, stream);
-    if (err != cudaSuccess) {
-      return device_error(std::string("embedding_backward: token sort: ") + cudaGetErrorString(err));
-    }
-    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>((C + kTile - 1) / kTile));
-    const dim3 block(kTile, kRunLanes);
-    dispatch(dwte.dtype, [&](auto tg) {
-      dispatch(dout.dtype, [&](auto td) {
-        using TG = typename decltype(tg)::type;
-        using TD = typename decltype(td)::type;
-        embedding_wte_backward_kernel<<<grid, block, 0, stream>>>(typed<TG>(dwte), typed<TD>(dout), sorted, n,
-                                                                  C, V);
-      });
-    });
-    STRATA_RETURN_IF_ERROR(launch_status("embedding_backward"));
+    STRATA_RETURN_IF_ERROR(wte_backward(ctx, "embedding_backward", dwte, dout, tokens, n, C, V, 0));
   }
   if (dwpe.data != nullptr) {
     dispatch(dwpe.dtype, [&](auto tg) {

@@ -225,4 +225,40 @@ Status cross_entropy_backward(const KernelContext& ctx, TensorArg dlogits, Const
                               const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
                               std::int64_t V, std::int64_t Vp);
 
+// ---- vocabulary-parallel embedding and cross-entropy (tensor parallel) -------------------------
+// A rank holds rows [vocab_begin, vocab_begin + Vs) of the (padded) vocabulary: its shard of the
+// token embedding (Vs, C) and the logits of its columns (N, Vs). The model sums the ranks'
+// results with all-reduces between these calls (docs/parallel.md "Tensor parallel").
+//
+// out (B,T,C) = (wte_shard[tok - vocab_begin] if the token is in the shard, else 0) + wpe[t];
+// wpe may be absent (pass it on one rank only, so the sum over ranks adds it once). A negative
+// token is kInvalidArgument on cpu (a NaN row on cuda); a token past the shard is another rank's.
+Status embedding_shard_forward(const KernelContext& ctx, TensorArg out, const std::int32_t* tokens,
+                               ConstTensorArg wte_shard, ConstTensorArg wpe, std::int64_t B, std::int64_t T,
+                               std::int64_t C, std::int64_t vocab_begin, std::int64_t Vs);
+// dwte_shard (Vs,C) += Σ over positions whose token is in the shard of dout (B,T,C), per row summed
+// in fp32 and added once, like embedding_backward. Uses embedding_backward_workspace_bytes.
+Status embedding_shard_backward(const KernelContext& ctx, TensorArg dwte_shard, ConstTensorArg dout,
+                                const std::int32_t* tokens, std::int64_t B, std::int64_t T, std::int64_t C,
+                                std::int64_t vocab_begin, std::int64_t Vs);
+// Cross-entropy over vocabulary shards, in three steps with all-reduces between them. Column v of
+// logits (N, Vs) is full column vocab_begin + v; full columns ≥ V (padding) are ignored; targets
+// hold full indices (negative: ignored row), each < V.
+//  1. row_max (N) = max of the shard's real columns (-inf when it has none); all-reduce max.
+//  2. sums (2, N): sums[n] = Σ exp(z - row_max[n]) over the shard's real columns, sums[N + n] =
+//     z[target - vocab_begin] when the target is in the shard, else 0; all-reduce sum.
+//  3. lse (N) = row_max + log(sums[n]); losses (N) = lse - sums[N + n] (0 for ignored rows).
+Status cross_entropy_shard_max(const KernelContext& ctx, float* row_max, ConstTensorArg logits, std::int64_t N,
+                               std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V);
+Status cross_entropy_shard_sums(const KernelContext& ctx, float* sums, ConstTensorArg logits, const float* row_max,
+                                const std::int32_t* targets, std::int64_t N, std::int64_t Vs,
+                                std::int64_t vocab_begin, std::int64_t V);
+Status cross_entropy_shard_finish(const KernelContext& ctx, float* losses, float* lse, const float* row_max,
+                                  const float* sums, const std::int32_t* targets, std::int64_t N);
+// dlogits (N, Vs) = (exp(z - lse) - [column is the target])·dloss on real columns, 0 on padding
+// and on ignored rows. dlogits may alias logits.
+Status cross_entropy_shard_backward(const KernelContext& ctx, TensorArg dlogits, ConstTensorArg logits,
+                                    const float* lse, const std::int32_t* targets, float dloss, std::int64_t N,
+                                    std::int64_t Vs, std::int64_t vocab_begin, std::int64_t V);
+
 }  // namespace strata::kernels

@@ -212,5 +212,46 @@ TEST(DistCliTrain, SigtermStopsEveryRankWithOneCheckpoint) {
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
 }
 
+// Tensor parallel from the config (strata.tensor_parallel_size): 2 ranks split one model and
+// train one process's batch; 4 ranks are 2 x 2 (tensor x data parallel) and train the batch of
+// one process with twice the accumulation. The losses match within the same bound (fp32: the
+// split matmuls and softmax change rounding only, ~1e-6 relative measured).
+TEST(DistCliTrain, TensorParallelFromTheConfigTrainsLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string tp_config = write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
+  const std::string flags = kTiny + "--steps 6 --val-every 3 --val-windows 4 ";
+  auto one = run_cli("train " + flags + "--grad-accum 2 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto tp = run_command(mpirun(2) + "train " + flags + "--grad-accum 2 --config " + tp_config + " --out " +
+                        (dir / "tp").string());
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  EXPECT_NE(tp.output.find("2 tensor-parallel ranks"), std::string::npos) << tp.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "tp" / "metrics.jsonl"), "tp 2");
+  EXPECT_TRUE(std::filesystem::exists(dir / "tp" / "weights.safetensors"));
+
+  auto one4 = run_cli("train " + flags + "--grad-accum 4 --metrics " + (dir / "one4.jsonl").string());
+  ASSERT_EQ(one4.exit_code, 0) << one4.output;
+  auto grid = run_command(mpirun(4) + "train " + flags + "--grad-accum 2 --config " + tp_config + " --metrics " +
+                          (dir / "grid.jsonl").string());
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  EXPECT_NE(grid.output.find("2 data-parallel ranks"), std::string::npos) << grid.output;
+  expect_same_losses(losses_of(dir / "one4.jsonl"), losses_of(dir / "grid.jsonl"), "tp 2 x dp 2");
+}
+
+// A tensor-parallel size the launch or the model cannot split is refused before training,
+// naming the key and the numbers.
+TEST(DistCliTrain, TensorParallelSizeThatDoesNotSplitIsRefused) {
+  TempDir dir("strata-dist-cli");
+  const std::string tp_config = write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
+  auto alone = run_cli("train " + kTiny + "--steps 1 --config " + tp_config);
+  EXPECT_EQ(alone.exit_code, 2) << alone.output;
+  EXPECT_NE(alone.output.find("strata.tensor_parallel_size = 2"), std::string::npos) << alone.output;
+  // One kv head (LLaMA, grouped-query) cannot be split over 2 ranks.
+  auto heads = run_command(mpirun(2) + "train " + kTiny + "--model llama --kv-heads 1 --steps 1 --config " + tp_config);
+  EXPECT_NE(heads.exit_code, 0) << heads.output;
+  EXPECT_NE(heads.output.find("n_kv_head"), std::string::npos) << heads.output;
+  EXPECT_NE(heads.output.find("tensor_parallel_size = 2"), std::string::npos) << heads.output;
+}
+
 }  // namespace
 }  // namespace strata::testing

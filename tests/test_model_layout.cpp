@@ -216,5 +216,112 @@ TEST(ModelFlops, MatchesTheFormula) {
   EXPECT_TRUE(gemms[2].trans_a);
 }
 
+// ---- tensor-parallel shards ----
+
+// For tp = 2 and 4 (GPT-2 and LLaMA with grouped kv heads): every element of every full parameter
+// is held by exactly one rank (split parameters) or by every rank (replicated ones, whole);
+// shard_from_full / full_from_shard round-trip; each shard's init_values are the full
+// parameter's values at the elements it holds, so a tensor-parallel run starts where one process
+// does; and the shards of one rank are the table of a model of the same modules.
+void expect_shards_tile(const ModelConfig& c, int tp) {
+  auto full = describe_model(c);
+  ASSERT_TRUE(full.ok()) << full.status().to_string();
+  std::vector<ModelLayout> shards;
+  for (int r = 0; r < tp; ++r) {
+    auto s = describe_model(c, TensorParallel{tp, r});
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_EQ(s->params.size(), full->params.size());
+    ASSERT_EQ(s->modules.size(), full->modules.size());
+    shards.push_back(std::move(*s));
+  }
+  const std::string what = std::string(to_string(c.kind)) + " tp=" + std::to_string(tp);
+  std::int64_t split = 0;
+  for (std::size_t i = 0; i < full->params.size(); ++i) {
+    const ParamDesc& f = full->params[i];
+    if (!f.owns_storage()) {
+      for (const auto& s : shards) EXPECT_EQ(s.params[i].tied_with, f.tied_with) << what << " " << f.name;
+      continue;
+    }
+    std::vector<float> values(static_cast<std::size_t>(f.numel()));
+    init_values(*full, static_cast<int>(i), 42, 0, f.numel(), values.data());
+    std::vector<int> hits(values.size(), 0);
+    for (int r = 0; r < tp; ++r) {
+      const ParamDesc& p = shards[static_cast<std::size_t>(r)].params[i];
+      EXPECT_EQ(p.name, f.name);
+      EXPECT_EQ(p.shard.full_shape, f.shape) << what << " " << f.name;
+      if (p.shard.kind == ShardKind::kReplicated) {
+        EXPECT_EQ(p.shape, f.shape) << what << " " << f.name;
+      } else {
+        EXPECT_EQ(p.numel() * tp, f.numel()) << what << " " << f.name;
+        EXPECT_TRUE(p.exports.empty());
+      }
+      // Mark the elements this shard holds: its own indices, through full_from_shard.
+      std::vector<float> index(static_cast<std::size_t>(p.numel())), placed(values.size(), -1.0f);
+      for (std::size_t k = 0; k < index.size(); ++k) index[k] = static_cast<float>(k);
+      full_from_shard(p, index.data(), placed.data());
+      for (std::size_t k = 0; k < placed.size(); ++k) hits[k] += placed[k] >= 0.0f ? 1 : 0;
+      // shard_from_full is its inverse, and init_values gives the full parameter's values.
+      std::vector<float> back(index.size()), init(index.size()), sliced(index.size());
+      shard_from_full(p, placed.data(), back.data());
+      EXPECT_EQ(back, index) << what << " " << f.name;
+      init_values(shards[static_cast<std::size_t>(r)], static_cast<int>(i), 42, 0, p.numel(), init.data());
+      shard_from_full(p, values.data(), sliced.data());
+      EXPECT_EQ(init, sliced) << what << " " << f.name << " rank " << r;
+    }
+    const bool replicated = shards[0].params[i].shard.kind == ShardKind::kReplicated;
+    if (!replicated) ++split;
+    for (std::size_t k = 0; k < hits.size(); ++k) {
+      ASSERT_EQ(hits[k], replicated ? tp : 1) << what << " " << f.name << " element " << k;
+    }
+  }
+  EXPECT_GT(split, 0) << what;
+}
+
+TEST(ModelLayout, TensorParallelShardsTileTheFullParameters) {
+  ModelConfig g = gpt2(2, 64, 4, 97, 32);  // vocabulary 97 padded to 128
+  ModelConfig l = llama(2, 64, 4, 2, 97);  // grouped kv heads
+  for (int tp : {2, 4}) expect_shards_tile(g, tp);
+  expect_shards_tile(l, 2);
+  l.n_kv_head = 4;
+  l.ffn_hidden = 192;
+  expect_shards_tile(l, 4);
+}
+
+TEST(ModelLayout, TensorParallelShardsSplitByHeads) {
+  const ModelConfig l = llama(1, 64, 4, 2, 97);  // D = 16: q 64 rows, k and v 32 each
+  auto s = describe_model(l, TensorParallel{2, 1});
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  const ParamDesc& qkv = s->params[static_cast<std::size_t>(s->find("model.layers.0.self_attn.qkv_proj.weight"))];
+  ASSERT_EQ(qkv.shard.kind, ShardKind::kRows);
+  ASSERT_EQ(qkv.shard.rows.size(), 3u);
+  EXPECT_EQ(qkv.shard.rows[0].full_begin, 32);  // query heads 2, 3
+  EXPECT_EQ(qkv.shard.rows[1].full_begin, 64 + 16);  // kv head 1 of k
+  EXPECT_EQ(qkv.shard.rows[2].full_begin, 96 + 16);  // ... and of v
+  EXPECT_EQ(qkv.shape, (std::vector<std::int64_t>{64, 64}));
+  const ParamDesc& gate_up = s->params[static_cast<std::size_t>(s->find("model.layers.0.mlp.gate_up_proj.weight"))];
+  const std::int64_t F = l.ffn();
+  ASSERT_EQ(gate_up.shard.rows.size(), 2u);
+  EXPECT_EQ(gate_up.shard.rows[0].full_begin, F / 2);      // its gate rows ...
+  EXPECT_EQ(gate_up.shard.rows[1].full_begin, F + F / 2);  // ... then its up rows
+  const ParamDesc& o = s->params[static_cast<std::size_t>(s->find("model.layers.0.self_attn.o_proj.weight"))];
+  EXPECT_EQ(o.shard.kind, ShardKind::kColumns);
+  EXPECT_EQ(o.shard.col_begin, 32);
+  EXPECT_EQ(s->params[static_cast<std::size_t>(s->find("model.norm.weight"))].shard.kind, ShardKind::kReplicated);
+  const ParamDesc& head = s->params[static_cast<std::size_t>(s->find("lm_head.weight"))];
+  EXPECT_EQ(head.shard.rows[0].full_begin, 64);  // vocabulary rows 64..127 of the padded 128
+}
+
+TEST(ModelLayout, TensorParallelSizesThatDoNotSplitAreNamed) {
+  ModelConfig l = llama(1, 64, 4, 2, 97);
+  STRATA_EXPECT_ERROR(check_tensor_parallel(l, 4), kInvalidArgument, "n_kv_head");
+  STRATA_EXPECT_ERROR(check_tensor_parallel(l, 4), kInvalidArgument, "tensor_parallel_size = 4");
+  STRATA_EXPECT_ERROR(check_tensor_parallel(l, 3), kInvalidArgument, "n_head");
+  ModelConfig g = gpt2(1, 64, 4, 62, 32);  // 62 ≤ vocab_multiple: not padded, 62 rows
+  STRATA_EXPECT_ERROR(check_tensor_parallel(g, 4), kInvalidArgument, "vocab_size");
+  STRATA_EXPECT_ERROR(describe_model(g, TensorParallel{4, 0}).status(), kInvalidArgument, "vocab_multiple");
+  STRATA_EXPECT_ERROR(check_tensor_parallel(g, 0), kInvalidArgument, "tensor_parallel_size = 0");
+  EXPECT_FALSE(describe_model(gpt2(1, 64, 4, 97, 32), TensorParallel{2, 2}).ok());
+}
+
 }  // namespace
 }  // namespace strata::testing

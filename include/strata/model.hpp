@@ -35,6 +35,7 @@
 
 namespace strata {
 
+class Comm;
 class Device;
 class Stream;
 
@@ -99,6 +100,39 @@ struct ExportSlice {
   bool transpose = false;
 };
 
+// Tensor parallel (docs/parallel.md "Tensor parallel"). A layout may describe one rank's shard of
+// the model: every parameter keeps its index and name, and `shard` maps the shard's elements to
+// the full parameter's, so initialisation, saving and loading work on full coordinates.
+struct TensorParallel {
+  int size = 1;  // ranks the model is split over
+  int rank = 0;  // this shard, in [0, size)
+};
+
+enum class ShardKind : std::uint8_t {
+  kReplicated,  // every rank holds the whole parameter (norms, row-parallel biases, wpe)
+  kRows,        // column-parallel layers and the vocabulary: a set of the full parameter's rows
+  kColumns,     // row-parallel layers: a range of the full parameter's columns (its input dim)
+};
+std::string_view to_string(ShardKind kind);
+
+// Row r of a kRows shard is full row `full_begin + (r - shard_begin)` of the block holding it.
+struct ShardRows {
+  std::int64_t full_begin = 0;
+  std::int64_t rows = 0;
+};
+
+struct ShardMap {
+  ShardKind kind = ShardKind::kReplicated;
+  std::vector<std::int64_t> full_shape;  // the full parameter's shape (== shape when replicated)
+  std::vector<ShardRows> rows;           // kRows: the shard's rows, block after block
+  std::int64_t col_begin = 0;            // kColumns: shard column c is full column col_begin + c
+  // Rows of the full parameter that are real (vocabulary padding excluded): init_values keeps
+  // the others zero, as in the full layout.
+  std::int64_t full_real_rows = 0;
+
+  std::int64_t full_numel() const;
+};
+
 struct ParamDesc {
   std::string name;                 // unique in the model, e.g. "h.3.attn.c_attn.weight"
   std::vector<std::int64_t> shape;  // storage shape, row-major; linear weights are (out, in)
@@ -110,6 +144,9 @@ struct ParamDesc {
   std::vector<ExportSlice> exports;  // empty for a tied alias (its target exports)
   std::uint64_t param_offset = 0;    // bytes into the params region (a tied alias: its target's)
   std::uint64_t grad_offset = 0;     // bytes into the grads region
+  // Where this parameter's elements sit in the full parameter (kReplicated, full_shape = shape,
+  // in an unsharded layout). A shard parameter has no exports (the full parameter has them).
+  ShardMap shard;
 
   std::int64_t numel() const;
   bool owns_storage() const { return tied_with < 0; }
@@ -127,6 +164,7 @@ struct ModuleDesc {
 
 struct ModelLayout {
   ModelConfig config;
+  TensorParallel tp;  // the shard this layout describes ({1, 0}: the whole model)
   std::vector<ParamDesc> params;
   std::vector<ModuleDesc> modules;
   std::uint64_t param_bytes = 0;  // size of the params region
@@ -144,7 +182,21 @@ struct ModelLayout {
 // Every parameter offset is a multiple of this (the arena's default alignment).
 inline constexpr std::uint64_t kParamAlignment = 256;
 
-Result<ModelLayout> describe_model(const ModelConfig& config);
+// The descriptor table of the whole model, or with tp.size > 1 of rank tp.rank's shard: qkv
+// split by heads (query heads and kv heads both divisible by tp.size), attention output, MLP down
+// projections split by columns, MLP up projections (GPT-2 c_fc, LLaMA gate and up rows alike)
+// by rows, the vocabulary (embedding, LLaMA lm_head; GPT-2's tied head follows wte) by rows of
+// the padded vocabulary; everything else replicated. Parameter indices and names are those of
+// the full layout. Errors name the config field and the tensor-parallel size.
+Result<ModelLayout> describe_model(const ModelConfig& config, TensorParallel tp = {});
+// Whether `config` splits over `tp_size` ranks; the error names n_head / n_kv_head / ffn_hidden /
+// the padded vocabulary and the tensor-parallel size.
+Status check_tensor_parallel(const ModelConfig& config, int tp_size);
+
+// Copies the shard's elements out of the full parameter (`full`: full_numel() values) into
+// `shard` (p.numel() values), and back. Replicated parameters copy everything.
+void shard_from_full(const ParamDesc& p, const float* full, float* shard);
+void full_from_shard(const ParamDesc& p, const float* shard, float* full);
 
 // Floating-point operations of one training step (forward + backward = 3 × forward) over
 // `batch` sequences of `seq_len` tokens: every matmul 2·M·N·K, plus causal attention
@@ -165,7 +217,9 @@ struct GemmShape {
 std::vector<GemmShape> model_gemms(const ModelConfig& config, std::int64_t batch, std::int64_t seq_len);
 
 // Deterministic initial values of parameter `index` (N(0, std²) from a per-parameter stream keyed
-// by (seed, index), zeros or ones), elements [begin, begin + n) of its row-major storage.
+// by (seed, index), zeros or ones), elements [begin, begin + n) of its row-major storage. In a
+// shard layout every element gets the value of the full parameter's element it maps to, so the
+// shards of a tensor-parallel run start from exactly the single-process initialisation.
 void init_values(const ModelLayout& layout, int index, std::uint64_t seed, std::int64_t begin, std::int64_t n,
                  float* out);
 
@@ -191,6 +245,13 @@ class Model {
     // module runs: the offload engine, which places parameters and gradients on its tiers.
     bool own_storage = true;
     int loss_slots = 1;  // pinned read-back slots for per-token losses (one per micro-batch)
+    // Tensor parallel: the group of the layout's shards (size layout.tp.size, this rank
+    // layout.tp.rank), required when the layout is a shard. The model issues its collectives on it
+    // in stream order (cpu: a host function on the stream that runs the collective and waits;
+    // cuda: the host synchronizes the stream, then runs the collective and waits), so it must be
+    // used by nothing else; every rank enqueues the same modules in the same order. Not owned:
+    // it must outlive the model.
+    Comm* tensor_parallel = nullptr;
   };
 
   // The persistent regions the model carves: "model.params" and, with grads, "model.grads".

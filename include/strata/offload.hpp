@@ -90,6 +90,10 @@ struct OffloadSettings {
   // "what would each rank need".
   int zero_stage = 0;
   int dp_size = 1;
+  // Tensor parallel (docs/parallel.md "Tensor parallel"): the number of ranks each model is split
+  // over. The engine of each rank places, offloads and updates only its shard; the plan is for
+  // the largest shard. create() sets it from its tensor-parallel Comm.
+  int tp_size = 1;
 
   Status validate() const;
   // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
@@ -302,9 +306,16 @@ class OffloadEngine {
   // step(), loss(), evaluate(), the state getters/setters and checkpoint save/load in the same
   // order; each step's batch is the rank's own share (docs/parallel.md). The engine splits the
   // group for its threads and keeps it referenced: the Comm must outlive the engine.
+  //
+  // `tensor_parallel`: the tensor-parallel group (null or one rank: the whole model). Collective
+  // likewise; every rank of the group trains the same batch, holds and updates its shard
+  // (describe_model(config.model, {size, rank})), and the state getters, set_param, and
+  // save/load_weights speak of full parameters (gathered over the group, or sliced from
+  // full values). Composes with `data_parallel` (make_process_groups' tp and dp groups).
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
-                                                       Stream* compute = nullptr, Comm* data_parallel = nullptr);
+                                                       Stream* compute = nullptr, Comm* data_parallel = nullptr,
+                                                       Comm* tensor_parallel = nullptr);
   ~OffloadEngine();
   OffloadEngine(const OffloadEngine&) = delete;
   OffloadEngine& operator=(const OffloadEngine&) = delete;
@@ -327,7 +338,8 @@ class OffloadEngine {
   // Waits for every update in flight; reports the first error any engine thread held.
   Status synchronize();
 
-  // Parameter `index` (its owner's storage for a tied alias) wherever it lives.
+  // Parameter `index` (its owner's storage for a tied alias) wherever it lives. Tensor parallel:
+  // full parameters (the getters gather the shards over the group: collective).
   Status set_param(int index, std::span<const float> values);  // working and master copies
   Result<std::vector<float>> get_param(int index);              // working copy, widened to fp32
   Result<std::vector<float>> get_master(int index);             // fp32 master
@@ -369,6 +381,7 @@ class OffloadEngine {
   static Result<std::unique_ptr<OffloadEngine>> create_with_faults(const TrainerConfig& config,
                                                                    const OffloadSettings& settings, Device& device,
                                                                    Stream* compute, Comm* data_parallel,
+                                                                   Comm* tensor_parallel,
                                                                    const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

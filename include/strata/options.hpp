@@ -35,6 +35,7 @@ enum class Option : std::uint16_t {
   kCommTimeout,     // seconds a collective or send/recv may take before it fails
   kOffloadPrefetchModules,  // offload: modules whose parameters are fetched ahead of the one running
   kOffloadGradients,        // offload: where gradients wait for an off-device optimizer (cpu | nvme)
+  kTensorParallelSize,      // ranks each model is split over under mpirun (1 = no tensor parallel)
   kCount
 };
 

@@ -49,6 +49,9 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "offload: modules whose parameters are fetched ahead of the running one (0 = fetch on demand)"},
     {Option::kOffloadGradients, "offload_gradients", OptionKind::kString, "cpu",
      "offload: where fp32 gradients wait for an off-device optimizer: cpu (host memory) or nvme"},
+    {Option::kTensorParallelSize, "tensor_parallel_size", OptionKind::kInt, "1",
+     "under mpirun: ranks each model is split over (Megatron-style tensor parallel); the data-parallel "
+     "size is the world size over it"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

@@ -3,6 +3,7 @@
 // and which Hugging Face tensors they export as. Also the FLOP count and the GEMM list of a step.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -19,9 +20,28 @@ std::string field_error(std::string_view field, std::int64_t value, std::string_
 }
 
 // Builds the table module by module; each parameter's offsets follow the previous one's.
+// Rows of a parameter that reach an exported tensor (all of them but the vocabulary padding).
+std::int64_t exported_rows_of(const std::vector<ExportSlice>& exports, std::int64_t rows) {
+  if (exports.empty()) return rows;
+  std::int64_t end = 0;
+  for (const auto& e : exports) end = std::max(end, e.row_begin + e.rows);
+  return end;
+}
+
+// How a parameter splits over tensor-parallel ranks. kRows: the full rows are consecutive groups
+// (qkv: q | k | v; gate_up: gate | up; one group otherwise), each cut into tp equal blocks; rank r
+// holds block r of every group, in group order. kColumns: the columns cut into tp equal blocks.
+struct Split {
+  ShardKind kind = ShardKind::kReplicated;
+  std::vector<std::int64_t> groups;  // kRows: rows per group (sum = rows); empty = one group
+};
+
 class LayoutBuilder {
  public:
-  explicit LayoutBuilder(const ModelConfig& config) { layout_.config = config; }
+  LayoutBuilder(const ModelConfig& config, TensorParallel tp) {
+    layout_.config = config;
+    layout_.tp = tp;
+  }
 
   void begin_module(std::string name, ModuleKind kind, int layer) {
     ModuleDesc m;
@@ -35,16 +55,40 @@ class LayoutBuilder {
 
   // Declares a parameter with its own storage. `exports` empty means one slice: the whole tensor
   // under `hf_name` (when non-empty).
+  // `shape` is the full parameter's; with tensor parallelism the declared storage is this rank's
+  // shard of it per `split` (the caller checked divisibility: check_tensor_parallel).
   int add(std::string name, std::vector<std::int64_t> shape, bool decay, ParamInit init,
-          std::vector<ExportSlice> exports) {
+          std::vector<ExportSlice> exports, Split split = {}) {
     ParamDesc p;
     p.name = std::move(name);
-    p.shape = std::move(shape);
     p.dtype = layout_.config.dtype;
     p.weight_decay = decay;
     p.module = static_cast<int>(layout_.modules.size()) - 1;
     p.init = init;
     p.exports = std::move(exports);
+    p.shard.full_shape = shape;
+    p.shard.full_real_rows = exported_rows_of(p.exports, shape[0]);
+    const TensorParallel tp = layout_.tp;
+    if (tp.size > 1 && split.kind == ShardKind::kRows) {
+      p.shard.kind = ShardKind::kRows;
+      if (split.groups.empty()) split.groups = {shape[0]};
+      std::int64_t group_begin = 0, rows = 0;
+      for (std::int64_t g : split.groups) {
+        const std::int64_t block = g / tp.size;
+        p.shard.rows.push_back(ShardRows{group_begin + tp.rank * block, block});
+        rows += block;
+        group_begin += g;
+      }
+      shape[0] = rows;
+      p.exports.clear();
+    } else if (tp.size > 1 && split.kind == ShardKind::kColumns) {
+      p.shard.kind = ShardKind::kColumns;
+      const std::int64_t block = shape[1] / tp.size;
+      p.shard.col_begin = tp.rank * block;
+      shape[1] = block;
+      p.exports.clear();
+    }
+    p.shape = std::move(shape);
     p.param_offset = param_cursor_;
     p.grad_offset = grad_cursor_;
     const auto n = static_cast<std::uint64_t>(p.numel());
@@ -99,22 +143,25 @@ void describe_gpt2(const ModelConfig& c, LayoutBuilder& b) {
   const ParamInit ones{InitKind::kOnes, 0.0};
 
   b.begin_module("embedding", ModuleKind::kEmbedding, -1);
-  b.add("wte.weight", {Vp, C}, true, normal, {whole("wte.weight", V)});
+  const Split rows{ShardKind::kRows, {}};
+  const Split columns{ShardKind::kColumns, {}};
+  const Split qkv{ShardKind::kRows, {C, C, C}};  // q | k | v, each split by heads
+  b.add("wte.weight", {Vp, C}, true, normal, {whole("wte.weight", V)}, rows);
   b.add("wpe.weight", {P, C}, false, normal, {whole("wpe.weight", P)});
   for (std::int64_t l = 0; l < c.n_layer; ++l) {
     const std::string h = "h." + std::to_string(l) + ".";
     b.begin_module("h." + std::to_string(l), ModuleKind::kBlock, static_cast<int>(l));
     b.add(h + "ln_1.weight", {C}, false, ones, {whole(h + "ln_1.weight", C)});
     b.add(h + "ln_1.bias", {C}, false, zeros, {whole(h + "ln_1.bias", C)});
-    b.add(h + "attn.c_attn.weight", {3 * C, C}, true, normal, {whole(h + "attn.c_attn.weight", 3 * C, true)});
-    b.add(h + "attn.c_attn.bias", {3 * C}, false, zeros, {whole(h + "attn.c_attn.bias", 3 * C)});
-    b.add(h + "attn.c_proj.weight", {C, C}, true, residual, {whole(h + "attn.c_proj.weight", C, true)});
+    b.add(h + "attn.c_attn.weight", {3 * C, C}, true, normal, {whole(h + "attn.c_attn.weight", 3 * C, true)}, qkv);
+    b.add(h + "attn.c_attn.bias", {3 * C}, false, zeros, {whole(h + "attn.c_attn.bias", 3 * C)}, qkv);
+    b.add(h + "attn.c_proj.weight", {C, C}, true, residual, {whole(h + "attn.c_proj.weight", C, true)}, columns);
     b.add(h + "attn.c_proj.bias", {C}, false, zeros, {whole(h + "attn.c_proj.bias", C)});
     b.add(h + "ln_2.weight", {C}, false, ones, {whole(h + "ln_2.weight", C)});
     b.add(h + "ln_2.bias", {C}, false, zeros, {whole(h + "ln_2.bias", C)});
-    b.add(h + "mlp.c_fc.weight", {F, C}, true, normal, {whole(h + "mlp.c_fc.weight", F, true)});
-    b.add(h + "mlp.c_fc.bias", {F}, false, zeros, {whole(h + "mlp.c_fc.bias", F)});
-    b.add(h + "mlp.c_proj.weight", {C, F}, true, residual, {whole(h + "mlp.c_proj.weight", C, true)});
+    b.add(h + "mlp.c_fc.weight", {F, C}, true, normal, {whole(h + "mlp.c_fc.weight", F, true)}, rows);
+    b.add(h + "mlp.c_fc.bias", {F}, false, zeros, {whole(h + "mlp.c_fc.bias", F)}, rows);
+    b.add(h + "mlp.c_proj.weight", {C, F}, true, residual, {whole(h + "mlp.c_proj.weight", C, true)}, columns);
     b.add(h + "mlp.c_proj.bias", {C}, false, zeros, {whole(h + "mlp.c_proj.bias", C)});
   }
   b.begin_module("head", ModuleKind::kHead, -1);
@@ -131,7 +178,9 @@ void describe_llama(const ModelConfig& c, LayoutBuilder& b) {
   const ParamInit ones{InitKind::kOnes, 0.0};
 
   b.begin_module("embedding", ModuleKind::kEmbedding, -1);
-  b.add("model.embed_tokens.weight", {Vp, C}, true, normal, {whole("model.embed_tokens.weight", V)});
+  const Split rows{ShardKind::kRows, {}};
+  const Split columns{ShardKind::kColumns, {}};
+  b.add("model.embed_tokens.weight", {Vp, C}, true, normal, {whole("model.embed_tokens.weight", V)}, rows);
   for (std::int64_t l = 0; l < c.n_layer; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     b.begin_module("model.layers." + std::to_string(l), ModuleKind::kBlock, static_cast<int>(l));
@@ -140,20 +189,22 @@ void describe_llama(const ModelConfig& c, LayoutBuilder& b) {
     b.add(p + "self_attn.qkv_proj.weight", {(H + 2 * Hkv) * D, C}, true, normal,
           {ExportSlice{p + "self_attn.q_proj.weight", 0, H * D, false},
            ExportSlice{p + "self_attn.k_proj.weight", H * D, Hkv * D, false},
-           ExportSlice{p + "self_attn.v_proj.weight", (H + Hkv) * D, Hkv * D, false}});
+           ExportSlice{p + "self_attn.v_proj.weight", (H + Hkv) * D, Hkv * D, false}},
+          Split{ShardKind::kRows, {H * D, Hkv * D, Hkv * D}});
     b.add(p + "self_attn.o_proj.weight", {C, H * D}, true, residual,
-          {whole(p + "self_attn.o_proj.weight", C)});
+          {whole(p + "self_attn.o_proj.weight", C)}, columns);
     b.add(p + "post_attention_layernorm.weight", {C}, false, ones,
           {whole(p + "post_attention_layernorm.weight", C)});
     // gate and up likewise: rows [0, F) are the gate, [F, 2F) the up projection (swiglu's layout).
     b.add(p + "mlp.gate_up_proj.weight", {2 * F, C}, true, normal,
           {ExportSlice{p + "mlp.gate_proj.weight", 0, F, false},
-           ExportSlice{p + "mlp.up_proj.weight", F, F, false}});
-    b.add(p + "mlp.down_proj.weight", {C, F}, true, residual, {whole(p + "mlp.down_proj.weight", C)});
+           ExportSlice{p + "mlp.up_proj.weight", F, F, false}},
+          Split{ShardKind::kRows, {F, F}});  // each rank: its gate rows, then its up rows
+    b.add(p + "mlp.down_proj.weight", {C, F}, true, residual, {whole(p + "mlp.down_proj.weight", C)}, columns);
   }
   b.begin_module("head", ModuleKind::kHead, -1);
   b.add("model.norm.weight", {C}, false, ones, {whole("model.norm.weight", C)});
-  b.add("lm_head.weight", {Vp, C}, true, normal, {whole("lm_head.weight", V)});
+  b.add("lm_head.weight", {Vp, C}, true, normal, {whole("lm_head.weight", V)}, rows);
 }
 
 // splitmix64: a counter-based generator, so element i of a parameter can be produced without
@@ -169,15 +220,64 @@ double uniform01(std::uint64_t bits) {  // (0, 1]
   return (static_cast<double>(bits >> 11) + 1.0) * (1.0 / 9007199254740992.0);
 }
 
-// Rows of a parameter that reach an exported tensor (all of them but the vocabulary padding).
-std::int64_t exported_rows(const ParamDesc& p) {
-  if (p.exports.empty()) return p.shape[0];
-  std::int64_t end = 0;
-  for (const auto& e : p.exports) end = std::max(end, e.row_begin + e.rows);
-  return end;
+// The full parameter's element for element e of a shard with `shard_cols` columns.
+std::int64_t full_element(const ShardMap& m, std::int64_t shard_cols, std::int64_t e) {
+  switch (m.kind) {
+    case ShardKind::kReplicated:
+      return e;
+    case ShardKind::kColumns: {
+      const std::int64_t full_cols = m.full_shape[1];
+      return (e / shard_cols) * full_cols + m.col_begin + e % shard_cols;
+    }
+    case ShardKind::kRows: {
+      std::int64_t r = e / shard_cols;
+      for (const ShardRows& b : m.rows) {
+        if (r < b.rows) return (b.full_begin + r) * shard_cols + e % shard_cols;
+        r -= b.rows;
+      }
+      return -1;  // outside the shard: not reached for e < numel
+    }
+  }
+  return -1;
 }
 
 }  // namespace
+
+std::string_view to_string(ShardKind kind) {
+  switch (kind) {
+    case ShardKind::kReplicated:
+      return "replicated";
+    case ShardKind::kRows:
+      return "rows";
+    case ShardKind::kColumns:
+      return "columns";
+  }
+  return "unknown";
+}
+
+std::int64_t ShardMap::full_numel() const {
+  std::int64_t n = 1;
+  for (auto d : full_shape) n *= d;
+  return n;
+}
+
+// Both directions walk the shard's rows: a row of a kRows shard is a whole full row; a row of a
+// kColumns shard is a contiguous piece of one.
+void shard_from_full(const ParamDesc& p, const float* full, float* shard) {
+  const std::int64_t rows = p.shape[0], cols = p.numel() / std::max<std::int64_t>(rows, 1);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t at = full_element(p.shard, cols, r * cols);
+    std::memcpy(shard + r * cols, full + at, static_cast<std::size_t>(cols) * sizeof(float));
+  }
+}
+
+void full_from_shard(const ParamDesc& p, const float* shard, float* full) {
+  const std::int64_t rows = p.shape[0], cols = p.numel() / std::max<std::int64_t>(rows, 1);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t at = full_element(p.shard, cols, r * cols);
+    std::memcpy(full + at, shard + r * cols, static_cast<std::size_t>(cols) * sizeof(float));
+  }
+}
 
 std::string_view to_string(ModelKind kind) { return kind == ModelKind::kGpt2 ? "gpt2" : "llama"; }
 
@@ -537,9 +637,38 @@ Status ModelLayout::is_valid() const {
   return ok_status();
 }
 
-Result<ModelLayout> describe_model(const ModelConfig& config) {
-  STRATA_RETURN_IF_ERROR(config.validate());
-  LayoutBuilder b(config);
+Status check_tensor_parallel(const ModelConfig& c, int tp) {
+  STRATA_RETURN_IF_ERROR(c.validate());
+  const std::string of = " over tensor_parallel_size = " + std::to_string(tp);
+  if (tp < 1) return invalid_argument("tensor_parallel_size = " + std::to_string(tp) + " must be at least 1");
+  if (tp == 1) return ok_status();
+  if (c.n_head % tp != 0) {
+    return invalid_argument(field_error("n_head", c.n_head, "query heads do not split evenly" + of));
+  }
+  if (c.kv_heads() % tp != 0) {
+    return invalid_argument(field_error(c.n_kv_head > 0 ? "n_kv_head" : "n_head (= n_kv_head)", c.kv_heads(),
+                                        "kv heads do not split evenly" + of +
+                                            " (each rank keeps whole grouped kv heads)"));
+  }
+  if (c.ffn() % tp != 0) {
+    return invalid_argument(field_error("ffn_hidden", c.ffn(), "(the MLP width) does not split evenly" + of));
+  }
+  if (c.padded_vocab() % tp != 0) {
+    return invalid_argument(field_error("vocab_size", c.vocab_size,
+                                        "padded to " + std::to_string(c.padded_vocab()) + " (vocab_multiple = " +
+                                            std::to_string(c.vocab_multiple) + ") does not split evenly" + of +
+                                            "; raise vocab_multiple to a multiple of it"));
+  }
+  return ok_status();
+}
+
+Result<ModelLayout> describe_model(const ModelConfig& config, TensorParallel tp) {
+  STRATA_RETURN_IF_ERROR(check_tensor_parallel(config, tp.size));
+  if (tp.rank < 0 || tp.rank >= tp.size) {
+    return invalid_argument("tensor-parallel rank " + std::to_string(tp.rank) + " is outside [0, " +
+                            std::to_string(tp.size) + ")");
+  }
+  LayoutBuilder b(config, tp);
   if (config.kind == ModelKind::kGpt2) {
     describe_gpt2(config, b);
   } else {
@@ -606,13 +735,15 @@ void init_values(const ModelLayout& layout, int index, std::uint64_t seed, std::
       break;
   }
   const std::uint64_t stream = mix64(seed ^ mix64(static_cast<std::uint64_t>(index) + 0x5eed));
-  const std::int64_t rows = p.shape[0];
-  const std::int64_t cols = p.numel() / rows;
-  const std::int64_t real_rows = exported_rows(p);
-  // Each element is a function of (seed, index, position) alone, so the threads split it freely.
+  const std::int64_t full_rows = p.shard.full_shape[0];
+  const std::int64_t cols = p.shard.full_numel() / full_rows;
+  const std::int64_t shard_cols = p.numel() / p.shape[0];
+  const std::int64_t real_rows = p.shard.full_real_rows;
+  // Each element is a function of (seed, index, position in the full parameter) alone, so the
+  // threads split it freely and a shard gets the values of the full parameter's elements.
 #pragma omp parallel for schedule(static) if (n >= (1 << 18))
   for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t e = begin + i;
+    const std::int64_t e = full_element(p.shard, shard_cols, begin + i);
     if (e / cols >= real_rows) {  // padded vocabulary rows stay zero: they are never exported
       out[i] = 0.0f;
       continue;

@@ -23,6 +23,7 @@
 #include "model/staging.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
+#include "strata/parallel.hpp"
 
 namespace strata {
 
@@ -95,8 +96,13 @@ struct Model::Impl {
   std::unique_ptr<detail::KernelLauncher> launch;
   DType wdt = DType::kF32;
   std::int64_t Bmax = 0, Tmax = 0;
-  std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0;
+  // Sizes this rank computes with: with tensor parallelism H, Hkv, F and Q are the shard's
+  // (heads, kv heads and MLP width over tp) and Vp is the shard's vocabulary rows, starting at
+  // full row vocab_begin; C and V (the real vocabulary) are always the full model's.
+  std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0, vocab_begin = 0;
   bool gpt2 = true;
+  Comm* tp = nullptr;  // the tensor-parallel group; null for the whole model
+  int tp_rank = 0;
 
   char* params = nullptr;  // the model.params region when the model owns its storage, else null
   float* grads = nullptr;  // the model.grads region likewise
@@ -118,6 +124,7 @@ struct Model::Impl {
   std::vector<BlockActs> sets;  // L, or 1 with checkpointing
   Tensor final_norm, logits;
   float *final_mean = nullptr, *final_rstd = nullptr, *losses = nullptr, *ce_lse = nullptr;
+  float *ce_max = nullptr, *ce_sums = nullptr;  // tensor parallel: (N) and (2, N), see kernels.hpp
   std::int32_t *tokens = nullptr, *targets = nullptr;
   float* rope = nullptr;
   Tensor dres, dln, dqkv, datty, dff1, dff2;
@@ -159,7 +166,28 @@ struct Model::Impl {
   void carve_activations(Carver& c, bool with_grads);
   Status block_forward(int l, const BlockActs& A, bool recompute);
   Status block_backward(int l, const BlockActs& A);
+  // Tensor parallel: `buf` (n elements) summed (or max-reduced) over the group in place, in
+  // stream order. No-op without a group.
+  Status tp_all_reduce(const char* label, Tensor buf, std::int64_t n, ReduceOp op = ReduceOp::kSum);
+  bool tp_rank0() const { return tp_rank == 0; }
 };
+
+Status Model::Impl::tp_all_reduce(const char* label, Tensor buf, std::int64_t n, ReduceOp op) {
+  if (tp == nullptr) return ok_status();
+  Comm* comm = tp;
+  const auto count = static_cast<std::size_t>(n);
+  if (launch->is_cpu()) {
+    // The stream's worker runs the collective and waits for it: later kernels of the stream see
+    // the sum, and the ranks' streams meet here in the same order (they enqueue the same modules).
+    return launch->run(label, [=](const KernelContext&) -> Status {
+      return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op).wait().with_context(label);
+    });
+  }
+  // cuda: the Comm's own stream is not ordered with this one, so the host waits for the compute
+  // stream, runs the collective and waits for it before enqueueing more work (no overlap yet).
+  STRATA_RETURN_IF_ERROR(stream->synchronize());
+  return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op).wait().with_context(label);
+}
 
 // ---- construction ----------------------------------------------------------------------------
 
@@ -238,6 +266,10 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
   logits = c.tensor(N * Vp, wdt);
   losses = c.floats(N);
   ce_lse = c.floats(N);
+  if (tp != nullptr) {
+    ce_max = c.floats(N);
+    ce_sums = c.floats(2 * N);
+  }
 }
 
 std::vector<RegionSpec> Model::regions(const ModelLayout& layout, const Options& options) {
@@ -281,14 +313,31 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
                             " exceeds the context length n_positions = " + std::to_string(cfg.n_positions));
   }
   if (options.loss_slots < 1) return invalid_argument("model: loss_slots must be at least 1");
+  const TensorParallel tpl = layout.tp;
+  if (tpl.size > 1) {
+    if (options.tensor_parallel == nullptr || options.tensor_parallel->size() != tpl.size ||
+        options.tensor_parallel->rank() != tpl.rank) {
+      return invalid_argument("model: the layout is tensor-parallel shard " + std::to_string(tpl.rank) + " of " +
+                              std::to_string(tpl.size) +
+                              "; Options::tensor_parallel must be a group of that size with this rank at that rank");
+    }
+    if (cfg.dtype != DType::kF32 && cfg.dtype != DType::kBF16) {
+      return invalid_argument("model: tensor parallel runs f32 or bf16 models (the collectives' dtypes), not " +
+                              std::string(to_string(cfg.dtype)));
+    }
+    m.tp = options.tensor_parallel;
+    m.tp_rank = tpl.rank;
+  }
+  const std::int64_t t = tpl.size;
   m.C = cfg.n_embd;
-  m.H = cfg.n_head;
-  m.Hkv = cfg.kv_heads();
+  m.H = cfg.n_head / t;
+  m.Hkv = cfg.kv_heads() / t;
   m.D = cfg.head_dim();
-  m.F = cfg.ffn();
+  m.F = cfg.ffn() / t;
   m.Q = (m.H + 2 * m.Hkv) * m.D;
   m.V = cfg.vocab_size;
-  m.Vp = cfg.padded_vocab();
+  m.Vp = cfg.padded_vocab() / t;
+  m.vocab_begin = m.Vp * tpl.rank;
   m.layout = std::move(layout);
   STRATA_RETURN_IF_ERROR(m.bind_params());
 
@@ -684,12 +733,17 @@ Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
     return kernels::attention_forward(ctx, A.atty.arg(), A.lse, A.qkv.carg(), A.qkv.at(H_ * D_).carg(),
                                       A.qkv.at((H_ + Hkv_) * D_).carg(), shape);
   }));
-  // res2 = x + atty·Wprojᵀ (+ b)
+  // res2 = x + atty·Wprojᵀ (+ b). Tensor parallel (row-parallel projection): each rank's partial
+  // product over its heads, rank 0's with the bias and the residual, summed by the all-reduce, so
+  // the bias and x enter the sum once.
+  const bool add_once = tp_rank0();
   STRATA_RETURN_IF_ERROR(k.run("attn proj + residual", [=](const KernelContext& ctx) -> Status {
-    STRATA_RETURN_IF_ERROR(
-        kernels::matmul_forward(ctx, A.res2.arg(), A.atty.carg(), proj_w, proj_b, N, H_ * D_, C_));
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, A.res2.arg(), A.atty.carg(), proj_w,
+                                                   add_once ? proj_b : kernels::kNone, N, H_ * D_, C_));
+    if (!add_once) return ok_status();
     return kernels::residual_forward(ctx, A.res2.arg(), A.res2.carg(), x.carg(), BT * C_);
   }));
+  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce attn proj", A.res2, N * C_));
   // MLP sublayer.
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("ln_2", [=](const KernelContext& ctx) {
@@ -712,12 +766,14 @@ Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
     }));
   }
   if (recompute) return ok_status();  // the block's output (the next residual) is kept already
-  // out = res2 + ff2·Wᵀ (+ b)
-  return k.run("mlp proj + residual", [=](const KernelContext& ctx) -> Status {
-    STRATA_RETURN_IF_ERROR(
-        kernels::matmul_forward(ctx, out.arg(), A.ff2.carg(), fcproj_w, fcproj_b, N, F_, C_));
+  // out = res2 + ff2·Wᵀ (+ b); tensor parallel as the attention projection.
+  STRATA_RETURN_IF_ERROR(k.run("mlp proj + residual", [=](const KernelContext& ctx) -> Status {
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, out.arg(), A.ff2.carg(), fcproj_w,
+                                                   add_once ? fcproj_b : kernels::kNone, N, F_, C_));
+    if (!add_once) return ok_status();
     return kernels::residual_forward(ctx, out.arg(), out.carg(), A.res2.carg(), BT * C_);
-  });
+  }));
+  return tp_all_reduce("tp all-reduce mlp proj", out, N * C_);
 }
 
 // Backward of block l. On entry dres holds ∂L/∂(block output); on exit ∂L/∂(block input).
@@ -750,6 +806,8 @@ Status Model::Impl::block_backward(int l, const BlockActs& A) {
       return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), g_fc_b.arg(), dff1_.carg(),
                                       A.norm2.carg(), fc_w, N, C_, F_, Accumulate::kOverwrite);
     }));
+    // Column-parallel layer: its input gradient is the sum of the ranks' partial products.
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce c_fc dinp", dln_, N * C_));
     STRATA_RETURN_IF_ERROR(k.run("ln_2 backward", [=](const KernelContext& ctx) {
       return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), g_norm_b2.arg(), dln_.carg(),
                                          A.res2.carg(), norm_w2, A.mean2, A.rstd2, N, C_, Accumulate::kAdd);
@@ -767,6 +825,7 @@ Status Model::Impl::block_backward(int l, const BlockActs& A) {
       return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), kernels::kNoOutput, dff1_.carg(),
                                       A.norm2.carg(), fc_w, N, C_, 2 * F_, Accumulate::kOverwrite);
     }));
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce gate_up dinp", dln_, N * C_));
     STRATA_RETURN_IF_ERROR(k.run("post_attention_layernorm backward", [=](const KernelContext& ctx) {
       return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), dln_.carg(), A.res2.carg(), norm_w2,
                                        A.rstd2, N, C_, Accumulate::kAdd);
@@ -796,6 +855,7 @@ Status Model::Impl::block_backward(int l, const BlockActs& A) {
     return kernels::matmul_backward(ctx, dln_.arg(), g_qkv_w.arg(), g_qkv_b.arg(), dqkv_.carg(),
                                     A.norm1.carg(), qkv_w, N, C_, Q_, Accumulate::kOverwrite);
   }));
+  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce qkv dinp", dln_, N * C_));
   if (gpt2) {
     return k.run("ln_1 backward", [=](const KernelContext& ctx) {
       return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), g_norm_b1.arg(), dln_.carg(),
@@ -853,6 +913,16 @@ Status Model::Impl::forward_module(int m, bool for_backward) {
     const std::int32_t* tok = tokens;
     const Tensor x0 = resid[0];
     const auto wte = P(eh.wte).carg(), wpe = Pc(eh.wpe);
+    if (tp != nullptr) {
+      // Vocabulary-parallel: rows of tokens outside the shard are zero, the sum over the ranks
+      // is the embedding; rank 0 adds the position table so that it enters once.
+      const std::int64_t vb = vocab_begin;
+      const auto wpe0 = tp_rank0() ? wpe : kernels::kNone;
+      STRATA_RETURN_IF_ERROR(k.run("embedding shard", [=](const KernelContext& ctx) {
+        return kernels::embedding_shard_forward(ctx, x0.arg(), tok, wte, wpe0, B_, T_, C_, vb, Vp_);
+      }));
+      return tp_all_reduce("tp all-reduce embedding", x0, N * C_);
+    }
     return k.run("embedding", [=](const KernelContext& ctx) {
       return kernels::embedding_forward(ctx, x0.arg(), tok, wte, wpe, B_, T_, C_, Vp_);
     });
@@ -878,6 +948,25 @@ Status Model::Impl::forward_module(int m, bool for_backward) {
       return kernels::rmsnorm_forward(ctx, fn.arg(), frstd, xL.carg(), norm_w, N, C_, eps);
     }));
   }
+  if (tp != nullptr) {
+    // Vocabulary-parallel cross-entropy: this rank's logits columns, the row max and then the
+    // exp-sums and target logits summed over the ranks (kernels.hpp, cross_entropy_shard_*).
+    float *row_max = ce_max, *sums = ce_sums;
+    const std::int64_t vb = vocab_begin;
+    STRATA_RETURN_IF_ERROR(k.run("lm_head shard + row max", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          kernels::matmul_forward(ctx, lg.arg(), fn.carg(), lm_head, kernels::kNone, N, C_, Vp_));
+      return kernels::cross_entropy_shard_max(ctx, row_max, lg.carg(), N, Vp_, vb, V_);
+    }));
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce logits max", Tensor{row_max, DType::kF32}, N, ReduceOp::kMax));
+    STRATA_RETURN_IF_ERROR(k.run("cross-entropy shard sums", [=](const KernelContext& ctx) {
+      return kernels::cross_entropy_shard_sums(ctx, sums, lg.carg(), row_max, tgt, N, Vp_, vb, V_);
+    }));
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce exp sums", Tensor{sums, DType::kF32}, 2 * N));
+    return k.run("cross-entropy shard finish", [=](const KernelContext& ctx) {
+      return kernels::cross_entropy_shard_finish(ctx, loss, lse, row_max, sums, tgt, N);
+    });
+  }
   return k.run("lm_head + cross-entropy", [=](const KernelContext& ctx) -> Status {
     STRATA_RETURN_IF_ERROR(
         kernels::matmul_forward(ctx, lg.arg(), fn.carg(), lm_head, kernels::kNone, N, C_, Vp_));
@@ -894,6 +983,18 @@ Status Model::Impl::backward_module(int m, float dloss) {
   const Tensor dres_ = dres, dln_ = dln;
   if (md.kind == ModuleKind::kEmbedding) {
     const Tensor g_wte = G(eh.wte), g_wpe = G(eh.wpe);
+    if (tp != nullptr) {
+      // dres is the whole (replicated) gradient: each rank scatters the rows of its tokens, and
+      // every rank computes the replicated position table's gradient alike.
+      const std::int64_t vb = vocab_begin;
+      return k.run("embedding shard backward", [=](const KernelContext& ctx) -> Status {
+        STRATA_RETURN_IF_ERROR(
+            kernels::embedding_shard_backward(ctx, g_wte.arg(), dres_.carg(), tok, B_, T_, C_, vb, Vp_));
+        if (g_wpe.data == nullptr) return ok_status();
+        return kernels::embedding_backward(ctx, kernels::kNoOutput, g_wpe.arg(), dres_.carg(), tok, B_, T_, C_,
+                                           V_);
+      });
+    }
     return k.run("embedding backward", [=](const KernelContext& ctx) {
       return kernels::embedding_backward(ctx, g_wte.arg(), g_wpe.arg(), dres_.carg(), tok, B_, T_, C_, Vp_);
     });
@@ -916,13 +1017,22 @@ Status Model::Impl::backward_module(int m, float dloss) {
   const float *fmean = final_mean, *frstd = final_rstd, *lse = ce_lse;
 
   // Head: the logits' gradient overwrites the logits.
+  const bool shard = tp != nullptr;
+  const std::int64_t vb = vocab_begin;
   STRATA_RETURN_IF_ERROR(
       k.run("cross-entropy backward + lm_head backward", [=](const KernelContext& ctx) -> Status {
-        STRATA_RETURN_IF_ERROR(
-            kernels::cross_entropy_backward(ctx, lg.arg(), lg.carg(), lse, tgt, dloss, N, V_, Vp_));
+        if (shard) {
+          STRATA_RETURN_IF_ERROR(
+              kernels::cross_entropy_shard_backward(ctx, lg.arg(), lg.carg(), lse, tgt, dloss, N, Vp_, vb, V_));
+        } else {
+          STRATA_RETURN_IF_ERROR(
+              kernels::cross_entropy_backward(ctx, lg.arg(), lg.carg(), lse, tgt, dloss, N, V_, Vp_));
+        }
         return kernels::matmul_backward(ctx, dln_.arg(), g_lm_head.arg(), kernels::kNoOutput, lg.carg(),
                                         fn.carg(), lm_head, N, C_, Vp_, Accumulate::kOverwrite);
       }));
+  // The head is column-parallel over the vocabulary: the final norm's output gradient is the sum.
+  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce lm_head dinp", dln_, N * C_));
   if (gpt2) {
     return k.run("ln_f backward", [=](const KernelContext& ctx) {
       return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w.arg(), g_norm_b.arg(), dln_.carg(),

@@ -251,6 +251,19 @@ struct OffloadEngine::Impl {
   std::atomic<std::uint64_t> dp_bytes{0};
   int dp_tracks[4] = {0, 0, 0, 0};  // caller, gradient stream, optimizer thread, h2d stream
 
+  // Tensor parallel (null / size 1: the whole model; docs/parallel.md "Tensor parallel"). This
+  // rank's model, state and plan are its shard. One Comm per thread that talks, split from the
+  // group: the compute stream (the model's collectives and the device update's norm), the caller
+  // (gathering full parameters, save/load) and the host optimizer thread (the norm).
+  Comm* tp = nullptr;
+  int tp_size = 1, tp_rank = 0;
+  std::unique_ptr<Comm> tp_model, tp_step, tp_norm;
+  std::vector<ModelLayout> tp_layouts;  // every rank's shard layout, by tp rank
+  // Per unit, the element ranges of its fp32 layout whose squares this rank adds to the gradient
+  // norm: sharded parameters on every rank, replicated ones (identical on every rank) on rank 0
+  // only, so the sum over the group counts each element of the full model once.
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> norm_ranges;
+
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
   std::int64_t steps = 0;
@@ -383,6 +396,21 @@ struct OffloadEngine::Impl {
   Status read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob);
   Status write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob);
   Status initialize();
+
+  // Tensor parallel.
+  // Collective over both groups: every rank gathers every full parameter's state, then the first
+  // rank of both writes the single-process checkpoint; the outcome is broadcast back.
+  Result<std::string> save_checkpoint_tp(const std::string& root, const CheckpointManifest& manifest, int keep);
+  Status setup_tensor_parallel();
+  // This rank's part of the gradient norm over `n` fp32 gradients at `grads`, elements
+  // [first, first + n) of unit u's layout (the unit, or this rank's data-parallel slice of it).
+  Result<GradStats> scan_norm(const CpuOptimizer& opt, int u, const char* grads, std::uint64_t first,
+                              std::uint64_t n, float inv_scale) const;
+  // The statistics of every tensor-parallel rank merged in rank order (the same bits on every rank).
+  Result<GradStats> merge_over_tp(const GradStats& local, Comm& comm) const;
+  // State `which` (read_state) of the full parameter: this rank's shard gathered over the group.
+  Result<std::vector<float>> read_full(int index, int which);
+  Status write_full(int index, std::span<const float> values);
 };
 
 // ---- setup ------------------------------------------------------------------------------------
@@ -397,7 +425,8 @@ Status OffloadEngine::Impl::setup() {
     scaler.emplace(ls);
   }
   opt_on_device = settings.optimizer == Tier::kDevice;
-  STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
+  STRATA_RETURN_IF_ERROR(setup_tensor_parallel());
+  STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model, TensorParallel{tp_size, tp_rank}));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
   M = static_cast<int>(lay.modules.size());
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
@@ -427,6 +456,7 @@ Status OffloadEngine::Impl::setup() {
   mo.plan_arena = false;
   mo.own_storage = false;
   mo.loss_slots = static_cast<int>(config.grad_accum);
+  mo.tensor_parallel = tp_model.get();
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
 
@@ -882,6 +912,165 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
 }
 
 // ---- data parallel ---------------------------------------------------------------------------
+
+Status OffloadEngine::Impl::setup_tensor_parallel() {
+  if (tp == nullptr || tp->size() == 1) return ok_status();
+  tp_size = tp->size();
+  tp_rank = tp->rank();
+  STRATA_ASSIGN_OR_RETURN(tp_model, tp->split(0, tp_rank, "tp.model"));
+  STRATA_ASSIGN_OR_RETURN(tp_step, tp->split(0, tp_rank, "tp.step"));
+  STRATA_ASSIGN_OR_RETURN(tp_norm, tp->split(0, tp_rank, "tp.norm"));
+  for (int r = 0; r < tp_size; ++r) {
+    STRATA_ASSIGN_OR_RETURN(ModelLayout l, describe_model(config.model, TensorParallel{tp_size, r}));
+    tp_layouts.push_back(std::move(l));
+  }
+  const ModelLayout& L = tp_layouts[static_cast<std::size_t>(tp_rank)];
+  norm_ranges.assign(L.modules.size(), {});
+  for (std::size_t u = 0; u < L.modules.size(); ++u) {
+    const ModuleDesc& md = L.modules[u];
+    if (tp_rank == 0) {
+      norm_ranges[u].emplace_back(0, (md.grad_end - md.grad_begin) / 4);
+      continue;
+    }
+    for (int i : md.params) {
+      const ParamDesc& p = L.params[static_cast<std::size_t>(i)];
+      if (!p.owns_storage() || p.shard.kind == ShardKind::kReplicated) continue;
+      const std::uint64_t first = (p.grad_offset - md.grad_begin) / 4;
+      norm_ranges[u].emplace_back(first, first + static_cast<std::uint64_t>(p.numel()));
+    }
+  }
+  return ok_status();
+}
+
+Result<GradStats> OffloadEngine::Impl::scan_norm(const CpuOptimizer& opt, int u, const char* grads,
+                                                 std::uint64_t first, std::uint64_t n, float inv_scale) const {
+  if (tp_size == 1) return opt.scan_gradients(const_cast<char*>(grads), DType::kF32, n, inv_scale, false);
+  GradStats total;
+  for (const auto& [a, b] : norm_ranges[static_cast<std::size_t>(u)]) {
+    const std::uint64_t lo = std::max(a, first), hi = std::min(b, first + n);
+    if (lo >= hi) continue;
+    STRATA_ASSIGN_OR_RETURN(GradStats g, opt.scan_gradients(const_cast<char*>(grads) + 4 * (lo - first), DType::kF32,
+                                                            hi - lo, inv_scale, false));
+    total.merge(g);
+  }
+  return total;
+}
+
+Result<GradStats> OffloadEngine::Impl::merge_over_tp(const GradStats& local, Comm& comm) const {
+  static_assert(sizeof(GradStats) % 4 == 0);
+  constexpr std::size_t kWords = sizeof(GradStats) / 4;
+  std::vector<GradStats> all(static_cast<std::size_t>(tp_size));
+  // The statistics travel as raw 32-bit words (an all-gather moves bits, it does not add).
+  STRATA_RETURN_IF_ERROR(comm.all_gather(&local, all.data(), kWords, DType::kF32).wait().with_context(
+      "tensor parallel: gathering the gradient statistics"));
+  GradStats total;
+  for (const GradStats& g : all) total.merge(g);
+  return total;
+}
+
+Result<std::vector<float>> OffloadEngine::Impl::read_full(int index, int which) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<float> shard, read_state(index, which));
+  if (tp_size == 1) return shard;
+  const ParamDesc* p = &layout().params[static_cast<std::size_t>(index)];
+  const int target = p->owns_storage() ? index : p->tied_with;
+  p = &layout().params[static_cast<std::size_t>(target)];
+  if (p->shard.kind == ShardKind::kReplicated) return shard;
+  // Every shard of a parameter has the same number of elements.
+  std::vector<float> gathered(shard.size() * static_cast<std::size_t>(tp_size));
+  STRATA_RETURN_IF_ERROR(tp_step->all_gather(shard.data(), gathered.data(), shard.size(), DType::kF32)
+                             .wait()
+                             .with_context("tensor parallel: gathering '" + p->name + "'"));
+  std::vector<float> full(static_cast<std::size_t>(p->shard.full_numel()));
+  for (int r = 0; r < tp_size; ++r) {
+    full_from_shard(tp_layouts[static_cast<std::size_t>(r)].params[static_cast<std::size_t>(target)],
+                    gathered.data() + static_cast<std::size_t>(r) * shard.size(), full.data());
+  }
+  return full;
+}
+
+Status OffloadEngine::Impl::write_full(int index, std::span<const float> values) {
+  if (tp_size == 1) return write_values(index, values, true);
+  if (index < 0 || index >= static_cast<int>(layout().params.size())) {
+    return invalid_argument("set_param: no parameter with index " + std::to_string(index));
+  }
+  const ParamDesc* p = &layout().params[static_cast<std::size_t>(index)];
+  if (!p->owns_storage()) p = &layout().params[static_cast<std::size_t>(p->tied_with)];
+  if (static_cast<std::int64_t>(values.size()) != p->shard.full_numel()) {
+    return invalid_argument("set_param '" + p->name + "': got " + std::to_string(values.size()) +
+                            " values for the full parameter of " + std::to_string(p->shard.full_numel()) +
+                            " elements (tensor parallel: this rank keeps its shard)");
+  }
+  std::vector<float> shard(static_cast<std::size_t>(p->numel()));
+  shard_from_full(*p, values.data(), shard.data());
+  return write_values(index, shard, true);
+}
+
+Result<std::string> OffloadEngine::Impl::save_checkpoint_tp(const std::string& root, const CheckpointManifest& manifest,
+                                                            int keep) {
+  STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
+  struct State {
+    std::vector<char> param;  // working dtype
+    std::vector<float> master, m, v;
+  };
+  std::vector<State> state(full.params.size());
+  for (int u = 0; u < M; ++u) {
+    for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+      const int index = owned[static_cast<std::size_t>(k)].index;
+      State& st = state[static_cast<std::size_t>(index)];
+      STRATA_ASSIGN_OR_RETURN(std::vector<float> working, read_full(index, 0));
+      st.param.resize(working.size() * dtype_size(wdtype));
+      STRATA_RETURN_IF_ERROR(convert(working.data(), DType::kF32, st.param.data(), wdtype, working.size()));
+      STRATA_ASSIGN_OR_RETURN(st.master, read_full(index, 1));
+      STRATA_ASSIGN_OR_RETURN(st.m, read_full(index, 2));
+      STRATA_ASSIGN_OR_RETURN(st.v, read_full(index, 3));
+    }
+  }
+  const bool writer = tp_rank == 0 && dp_rank == 0;
+  const std::string working = wdtype == DType::kBF16 ? "BF16" : wdtype == DType::kF16 ? "F16" : "F32";
+  Result<std::string> published = std::string();
+  if (writer) {
+    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+      for (int u = 0; u < M; ++u) {
+        const auto& mine = owned_of_unit[static_cast<std::size_t>(u)];
+        if (mine.empty()) continue;
+        SafetensorsWriter w;
+        for (int k : mine) {
+          const ParamDesc& p = full.params[static_cast<std::size_t>(owned[static_cast<std::size_t>(k)].index)];
+          const State& st = state[static_cast<std::size_t>(owned[static_cast<std::size_t>(k)].index)];
+          STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, st.param.data(), st.param.size()));
+          STRATA_RETURN_IF_ERROR(w.add("master/" + p.name, "F32", p.shape, st.master.data(), st.master.size() * 4));
+          STRATA_RETURN_IF_ERROR(w.add("exp_avg/" + p.name, "F32", p.shape, st.m.data(), st.m.size() * 4));
+          STRATA_RETURN_IF_ERROR(w.add("exp_avg_sq/" + p.name, "F32", p.shape, st.v.data(), st.v.size() * 4));
+        }
+        w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
+        char name[40];
+        std::snprintf(name, sizeof name, "module-%04d.safetensors", u);
+        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+        names->push_back(name);
+      }
+      if (scaler) return failed_precondition("fp16 is not trained tensor-parallel");  // refused at create
+      return ok_status();
+    });
+  }
+  // The outcome, as 4-byte words: from the writer over its tensor-parallel group, then from each
+  // data-parallel rank 0 (which now has it) over its data-parallel group.
+  constexpr std::size_t kWords = 1 + 256;
+  std::array<std::uint32_t, kWords> word{};
+  if (writer && published.ok() && published->size() < 4 * (kWords - 1)) {
+    word[0] = 1;
+    std::memcpy(word.data() + 1, published->data(), published->size());
+  }
+  STRATA_RETURN_IF_ERROR(tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait());
+  if (dp_size > 1) {
+    STRATA_RETURN_IF_ERROR(
+        dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1, 4 * kWords));
+  }
+  if (writer) return published;
+  if (word[0] != 1) {
+    return io_error("checkpoint under '" + root + "': the first rank, which writes it, failed (its log says why)");
+  }
+  return std::string(reinterpret_cast<const char*>(word.data() + 1));
+}
 
 Status OffloadEngine::Impl::setup_data_parallel() {
   psharded.assign(static_cast<std::size_t>(M), 0);
@@ -1367,7 +1556,8 @@ void OffloadEngine::Impl::worker_main() {
       } else if (s.ok()) {
         detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
         const auto [grads, n] = unit_grads(c.unit);
-        auto r = host_opt->scan_gradients(grads, DType::kF32, n, static_cast<float>(1.0 / c.loss_scale), false);
+        const std::uint64_t first = sharded ? slices.begin[uu] : 0;
+        auto r = scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale));
         if (r.ok()) {
           stats[uu] = *r;
         } else {
@@ -1405,6 +1595,14 @@ void OffloadEngine::Impl::worker_main() {
       }
     } else {
       for (const GradStats& g : stats) total.merge(g);
+    }
+    if (tp_size > 1) {
+      auto merged = merge_over_tp(total, *tp_norm);
+      if (!merged.ok()) {
+        fail(merged.status());
+        continue;
+      }
+      total = *merged;
     }
     const double norm = total.norm();
     {
@@ -1854,6 +2052,8 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     // merge theirs), then every update with the clip applied.
     struct Job {
       const CpuOptimizer* opt;
+      const Impl* engine;
+      Comm* tp;  // tensor parallel: the model's group (this stream's), null otherwise
       std::vector<std::pair<float*, std::size_t>> unit_grads;
       struct P {
         OptimizerBuffers b;
@@ -1863,6 +2063,8 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     };
     auto job = std::make_shared<Job>();
     job->opt = &*device_opt;
+    job->engine = this;
+    job->tp = tp_size > 1 ? tp_model.get() : nullptr;
     for (int u = 0; u < M; ++u)
       job->unit_grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
                                    units.gbytes[static_cast<std::size_t>(u)] / 4);
@@ -1888,9 +2090,15 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     const bool skip_overflow = fp16;
     return launch->run("optimizer step", [=, this](const kernels::KernelContext&) -> Status {
       GradStats total;
-      for (const auto& [g, n] : job->unit_grads) {
-        STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
+      for (std::size_t u = 0; u < job->unit_grads.size(); ++u) {
+        const auto& [g, n] = job->unit_grads[u];
+        STRATA_ASSIGN_OR_RETURN(GradStats s, job->engine->scan_norm(*job->opt, static_cast<int>(u),
+                                                                    reinterpret_cast<const char*>(g), 0, n, inv_scale));
         total.merge(s);
+      }
+      if (job->tp != nullptr) {
+        // On the compute stream, after every rank's backward: the model's group, in stream order.
+        STRATA_ASSIGN_OR_RETURN(total, job->engine->merge_over_tp(total, *job->tp));
       }
       const double norm = total.norm();
       *norm_out = norm;
@@ -1959,18 +2167,34 @@ OffloadEngine::~OffloadEngine() {
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
                                                              const OffloadSettings& settings, Device& device,
-                                                             Stream* compute, Comm* data_parallel) {
-  return create_with_faults(config, settings, device, compute, data_parallel, nullptr);
+                                                             Stream* compute, Comm* data_parallel,
+                                                             Comm* tensor_parallel) {
+  return create_with_faults(config, settings, device, compute, data_parallel, tensor_parallel, nullptr);
 }
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
                                                                             const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, faults);
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, faults);
 }
 
 namespace {
+
+// What tensor parallelism supports today; the errors say what to use instead.
+Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device) {
+  const std::string ranks = " with tensor_parallel_size = " + std::to_string(s.tp_size);
+  if (s.gradients == Tier::kNvme) {
+    return invalid_argument("gradients on NVMe (--offload-gradients nvme)" + ranks +
+                            " are not built yet: leave the gradients on the host");
+  }
+  if (s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda) {
+    return invalid_argument("the optimizer on the device" + ranks +
+                            " is built for the cpu backend only (its norm is reduced in host memory); use "
+                            "offload_optimizer.device cpu");
+  }
+  return ok_status();
+}
 
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
@@ -2004,9 +2228,19 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
                                                                          const OffloadSettings& settings_in,
                                                                          Device& device, Stream* compute,
                                                                          Comm* data_parallel,
+                                                                         Comm* tensor_parallel,
                                                                          const nvme_detail::IoFaults* faults) {
   OffloadSettings settings = settings_in;
   if (data_parallel != nullptr) settings.dp_size = data_parallel->size();
+  if (tensor_parallel != nullptr) settings.tp_size = tensor_parallel->size();
+  if (settings.tp_size > 1) {
+    if (tensor_parallel == nullptr) {
+      return invalid_argument("offload settings: tp_size = " + std::to_string(settings.tp_size) +
+                              " needs the tensor-parallel group (the Comm argument of OffloadEngine::create)");
+    }
+    STRATA_RETURN_IF_ERROR(check_tensor_parallel(config.model, settings.tp_size));
+    STRATA_RETURN_IF_ERROR(check_tensor_parallel_placement(settings, device));
+  }
   if (settings.dp_size > 1) {
     if (data_parallel == nullptr) {
       return invalid_argument("offload settings: dp_size = " + std::to_string(settings.dp_size) +
@@ -2020,6 +2254,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   impl->config = config;
   impl->settings = settings;
   impl->dp = data_parallel;
+  impl->tp = tensor_parallel;
   impl->plan = std::move(plan);
   impl->device = &device;
   impl->compute = compute;
@@ -2182,17 +2417,31 @@ Status OffloadEngine::synchronize() {
   return impl_->device->synchronize();
 }
 
-Status OffloadEngine::set_param(int index, std::span<const float> values) {
-  return impl_->write_values(index, values, true);
-}
-Result<std::vector<float>> OffloadEngine::get_param(int index) { return impl_->read_state(index, 0); }
-Result<std::vector<float>> OffloadEngine::get_master(int index) { return impl_->read_state(index, 1); }
-Result<std::vector<float>> OffloadEngine::get_exp_avg(int index) { return impl_->read_state(index, 2); }
-Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return impl_->read_state(index, 3); }
+Status OffloadEngine::set_param(int index, std::span<const float> values) { return impl_->write_full(index, values); }
+Result<std::vector<float>> OffloadEngine::get_param(int index) { return impl_->read_full(index, 0); }
+Result<std::vector<float>> OffloadEngine::get_master(int index) { return impl_->read_full(index, 1); }
+Result<std::vector<float>> OffloadEngine::get_exp_avg(int index) { return impl_->read_full(index, 2); }
+Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return impl_->read_full(index, 3); }
 
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  if (t.tp_size > 1) {
+    // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
+    // stage 3, the data-parallel group), then the first rank of both writes the full model, the
+    // same file as one process saves.
+    STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
+    std::vector<std::vector<float>> values(full.params.size());
+    for (std::size_t i = 0; i < full.params.size(); ++i) {
+      if (!full.params[i].owns_storage()) continue;
+      STRATA_ASSIGN_OR_RETURN(values[i], t.read_full(static_cast<int>(i), 0));
+    }
+    if (t.tp_rank != 0 || t.dp_rank != 0) return ok_status();
+    return write_weights(full, path, format, t.config.model.dtype, [&](int index, std::vector<float>& out) {
+      out = std::move(values[static_cast<std::size_t>(index)]);
+      return ok_status();
+    });
+  }
   if (t.dp_size == 1) {
     return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
       STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
@@ -2231,6 +2480,11 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
 
 Status OffloadEngine::load_weights(const std::string& path) {
   Impl& t = *impl_;
+  if (t.tp_size > 1) {
+    // Every rank reads the full file and keeps its shard of each parameter.
+    STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
+    return read_weights(full, path, [&](int index, std::span<const float> values) { return t.write_full(index, values); });
+  }
   return read_weights(t.layout(), path,
                       [&](int index, std::span<const float> values) { return t.write_values(index, values, true); });
 }
@@ -2297,6 +2551,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   const ModelLayout& L = t.layout();
   const std::string working = working_tensor_dtype(t.wdtype);
   const std::uint64_t wsize = dtype_size(t.wdtype);
+  if (t.tp_size > 1) return t.save_checkpoint_tp(root, manifest, keep);
   // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
   // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
   // the outcome and the published directory.
@@ -2395,7 +2650,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
       if (it == where.end()) return data_loss("checkpoint '" + dir + "' has no tensor '" + name + "'");
       const SafetensorsEntry* e = files[it->second].find(name);
       const std::string dtype = std::string(kind) == "param/" ? working : "F32";
-      if (e->dtype != dtype || e->shape != p.shape) {
+      if (e->dtype != dtype || e->shape != p.shard.full_shape) {  // tensor parallel: the full parameter
         return data_loss("checkpoint file '" + files[it->second].path() + "': tensor '" + name + "' is " + e->dtype +
                          " of another shape or dtype than this model's " + dtype + " parameter");
       }
@@ -2444,8 +2699,24 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
       const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
       const std::string& pname = L.params[static_cast<std::size_t>(o.index)].name;
       float* master = blob.data() + o.grad_in_unit / 4;
-      auto read = [&](const std::string& name, void* dst, std::uint64_t bytes) {
-        return files[where[name]].read(name, dst, bytes);
+      const ParamDesc& pd = L.params[static_cast<std::size_t>(o.index)];
+      std::vector<char> full_bytes;
+      std::vector<float> full_values, shard_values;
+      auto read = [&](const std::string& name, void* dst, std::uint64_t bytes) -> Status {
+        if (pd.shard.kind == ShardKind::kReplicated) return files[where[name]].read(name, dst, bytes);
+        // Tensor parallel: the file holds the full parameter; keep this rank's shard of it (the
+        // values pass through fp32 exactly, whatever the stored dtype).
+        const bool param = name.rfind("param/", 0) == 0;
+        const DType dt = param ? t.wdtype : DType::kF32;
+        const auto full_n = static_cast<std::size_t>(pd.shard.full_numel());
+        full_bytes.resize(full_n * dtype_size(dt));
+        STRATA_RETURN_IF_ERROR(files[where[name]].read(name, full_bytes.data(), full_bytes.size()));
+        full_values.resize(full_n);
+        STRATA_RETURN_IF_ERROR(convert(full_bytes.data(), dt, full_values.data(), DType::kF32, full_n));
+        shard_values.resize(o.n);
+        shard_from_full(pd, full_values.data(), shard_values.data());
+        if (bytes != o.n * dtype_size(dt)) return internal_error("load_checkpoint: shard size of '" + name + "'");
+        return convert(shard_values.data(), DType::kF32, dst, dt, o.n);
       };
       STRATA_RETURN_IF_ERROR(read("param/" + pname, pbytes.data() + o.param_in_unit, o.n * wsize));
       STRATA_RETURN_IF_ERROR(read("master/" + pname, master, o.n * 4));

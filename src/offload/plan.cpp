@@ -63,6 +63,9 @@ Status OffloadSettings::validate() const {
     return invalid_argument("zero_optimization.stage = " + std::to_string(zero_stage) + " must be 0, 1, 2 or 3");
   }
   if (dp_size < 1) return invalid_argument("data-parallel size = " + std::to_string(dp_size) + " must be >= 1");
+  if (tp_size < 1) {
+    return invalid_argument("tensor_parallel_size = " + std::to_string(tp_size) + " must be >= 1");
+  }
   if (host_threads < 0) {
     return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
   }
@@ -123,7 +126,8 @@ Status OffloadSettings::apply(const Config& config) {
 Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const OffloadSettings& settings) {
   STRATA_RETURN_IF_ERROR(config.validate());
   STRATA_RETURN_IF_ERROR(settings.validate());
-  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  // Tensor parallel: rank 0's shard (every shard has the same shapes).
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model, TensorParallel{settings.tp_size, 0}));
   const offload_detail::Units units = offload_detail::describe_units(layout, settings);
   OffloadPlan plan;
   plan.module_home = units.home;

@@ -262,6 +262,14 @@ int run_train(std::span<const std::string> argv) {
   // ---- data parallel: one rank per process under mpirun ----
   std::unique_ptr<CommContext> comm_context;
   int rank = 0, ranks = 1;
+  // Tensor parallel: each group of tp_size consecutive ranks splits one model; the groups are the
+  // data-parallel ranks (make_process_groups' grid, docs/parallel.md).
+  int tp_size = 1;
+  {
+    Options tp_options = options;
+    if (Status e = tp_options.load_env(); !e.ok()) return usage(e);
+    tp_size = static_cast<int>(tp_options.get_int(Option::kTensorParallelSize));
+  }
   if (launched_by_mpirun()) {
     Options comm_options = options;  // the config's tunables, then the environment's (as the device's)
     if (Status e = comm_options.load_env(); !e.ok()) return usage(e);
@@ -274,6 +282,13 @@ int run_train(std::span<const std::string> argv) {
     ranks = comm_context->world_size();
   }
   const bool leader = rank == 0;
+  if (tp_size < 1 || ranks % tp_size != 0) {
+    return usage(invalid_argument("strata.tensor_parallel_size = " + std::to_string(tp_size) +
+                                  " must be at least 1 and divide the number of ranks (" + std::to_string(ranks) +
+                                  (launched_by_mpirun() ? ", mpirun -np" : ": one process; launch with mpirun -np N") +
+                                  "): each model is split over that many ranks"));
+  }
+  const int dp_size = ranks / tp_size, dp_rank = rank / tp_size;
   if (ranks > 1) {
     g_rank_prefix = "rank " + std::to_string(rank) + ": ";
     // One rank speaks: the others' output would repeat it.
@@ -361,6 +376,12 @@ int run_train(std::span<const std::string> argv) {
   const bool can_validate = static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
   s = tc.validate();
   if (!s.ok()) return usage(s);
+  if (tp_size > 1) {
+    // The model's heads, MLP width and vocabulary must split (the error names the field).
+    s = check_tensor_parallel(tc.model, tp_size);
+    if (!s.ok()) return usage(s);
+  }
+  offload.tp_size = tp_size;  // the plan (--plan and the printed one) is this rank's shard
 
   // ---- placement, plan, device and engine ----
   std::unique_ptr<TempSwapDir> temp_swap;
@@ -407,15 +428,23 @@ int run_train(std::span<const std::string> argv) {
   }
   if (!device.ok()) return fail(device.status());
   std::unique_ptr<Comm> dp_group;
+  ProcessGroups groups;  // tensor parallel: the grid's groups (they outlive the engine)
   if (ranks > 1) {
     // The optimizer on a GPU reduces device buffers (nccl); everything else host buffers (mpi).
     const CommBackend backend =
         offload.optimizer == Tier::kDevice && dc.kind == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kMpi;
-    auto w = comm_context->world(backend);
-    if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
-    dp_group = std::move(*w);
+    if (tp_size > 1) {
+      auto g = make_process_groups(*comm_context, backend, tp_size, 1);
+      if (!g.ok()) return fail(g.status().with_context("tensor- and data-parallel groups"));
+      groups = std::move(*g);
+      dp_group = std::move(groups.dp);
+    } else {
+      auto w = comm_context->world(backend);
+      if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
+      dp_group = std::move(*w);
+    }
   }
-  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get());
+  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get(), groups.tp.get());
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
   const std::string trace_path = leader ? args.get("trace").value_or("") : "";
@@ -447,7 +476,7 @@ int run_train(std::span<const std::string> argv) {
   identity["train_tokens"] = data.train.size();
   identity["train_tokens_crc32c"] = crc32c(data.train.data(), data.train.size() * sizeof(std::int32_t));
   identity["micro_batch"] = tc.micro_batch;
-  identity["grad_accum"] = tc.grad_accum * ranks;  // micro-batches per step, over all ranks
+  identity["grad_accum"] = tc.grad_accum * dp_size;  // micro-batches per step, over all data-parallel ranks
   identity["seq_len"] = tc.seq_len;
   identity["seed"] = tc.seed;
   std::int64_t first_step = 0;
@@ -482,7 +511,7 @@ int run_train(std::span<const std::string> argv) {
   };
 
   const ModelLayout& layout = tr.model().layout();
-  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len * ranks;
+  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len * dp_size;
   std::printf(
       "model    %s: %lld layers, width %lld, %lld heads, context %lld, vocab %lld, %s%s; %.2fM parameters\n",
       std::string(to_string(tc.model.kind)).c_str(), static_cast<long long>(tc.model.n_layer),
@@ -507,14 +536,19 @@ int run_train(std::span<const std::string> argv) {
   std::printf("device   %s, %d compute threads, %s budget\ncpus     %s\n", (*device)->info().name.c_str(),
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str(),
               (*device)->cpu_budget().to_string().c_str());
+  if (tp_size > 1) {
+    std::printf("parallel %d tensor-parallel ranks per model (each holds 1/%d of the split parameters and "
+                "trains its group's batch); the plan below is per rank\n",
+                tp_size, tp_size);
+  }
   if (ranks > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
-                ranks, std::string(to_string(dp_group->backend())).c_str(),
+                dp_size, std::string(to_string(dp_group->backend())).c_str(),
                 offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
                 offload.optimizer == Tier::kHost ? "optimizer state and gradients sharded over the ranks"
                                                  : "gradients all-reduced, optimizer state replicated",
-                static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * ranks));
+                static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * dp_size));
   }
   std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
               std::string(to_string(offload.optimizer)).c_str(), uses_nvme ? ", swap in " : "",
@@ -540,7 +574,8 @@ int run_train(std::span<const std::string> argv) {
   run["optimizer"] = tr.optimizer_name();
   run["device"] = (*device)->info().name;
   run["compute_threads"] = (*device)->info().compute_threads;
-  run["data_parallel"] = Json{{"ranks", ranks}, {"zero_stage", offload.zero_stage}};
+  run["data_parallel"] = Json{{"ranks", dp_size}, {"zero_stage", offload.zero_stage}};
+  run["tensor_parallel"] = Json{{"ranks", tp_size}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))}};
@@ -594,8 +629,9 @@ int run_train(std::span<const std::string> argv) {
     inputs.clear();
     targets.clear();
     for (std::int64_t a = 0; a < tc.grad_accum; ++a) {
-      // Global micro-batch (step, a * ranks + rank): one process with grad_accum x ranks sees the same.
-      batcher->batch(static_cast<std::uint64_t>((step * tc.grad_accum + a) * ranks + rank), mb_in, mb_tg);
+      // Global micro-batch (step, a * dp_size + dp_rank): one process with grad_accum x dp_size sees
+      // the same; the ranks of a tensor-parallel group train the same micro-batches.
+      batcher->batch(static_cast<std::uint64_t>((step * tc.grad_accum + a) * dp_size + dp_rank), mb_in, mb_tg);
       inputs.insert(inputs.end(), mb_in.begin(), mb_in.end());
       targets.insert(targets.end(), mb_tg.begin(), mb_tg.end());
     }

@@ -37,8 +37,9 @@ Status load_settings(const Args& args, const std::string& config_path, RunSettin
   for (const std::string& p : config->present_paths) {
     if (p.find('.') == std::string::npos) top.push_back(p);
   }
-  // Under mpirun every rank is a data-parallel rank: the config's train_batch_size is global.
-  STRATA_RETURN_IF_ERROR(tc.apply(*config, top, rs->world_size));
+  // Under mpirun the data-parallel size is the world over strata.tensor_parallel_size: the
+  // config's train_batch_size is global (strata train refuses a size that does not divide).
+  STRATA_RETURN_IF_ERROR(tc.apply(*config, top, rs->data_parallel_size()));
   if (config->has("zero_optimization") || config->has("aio")) {
     STRATA_RETURN_IF_ERROR(rs->offload.apply(*config));
   }
@@ -106,7 +107,7 @@ std::string number(double v) {
 // The resolved value of an "auto" key.
 std::string auto_value(std::string_view path, const RunSettings& rs) {
   const TrainerConfig& tc = rs.trainer;
-  if (path == "train_batch_size") return std::to_string(tc.micro_batch * tc.grad_accum * rs.world_size);
+  if (path == "train_batch_size") return std::to_string(tc.micro_batch * tc.grad_accum * rs.data_parallel_size());
   if (path == "train_micro_batch_size_per_gpu") return std::to_string(tc.micro_batch);
   if (path == "gradient_accumulation_steps") return std::to_string(tc.grad_accum);
   if (path == "gradient_clipping") return number(tc.grad_clip);

@@ -1,0 +1,419 @@
+// Tensor parallelism on the offload engine, on real processes: run by tests/mpi_run.sh under
+// `mpirun -np N` (tests/CMakeLists.txt), the world being the tensor-parallel group. Every rank
+// trains the same batch with its shard of the model, and, in the same process, the
+// single-process engine on that batch as the reference.
+//
+// What is compared, and how exactly:
+// - Initialisation: each shard holds exactly the single-process initial values, so the weights
+//   file a tensor-parallel engine saves before training is byte for byte the single process's.
+// - Every rank ends with the same bits of every full parameter (gathered) and its optimizer
+//   state: replicated parameters get identical gradients on every rank (their inputs come out of
+//   all-reduces), so they cannot drift apart.
+// - Against the single process: the row-parallel matmuls, the vocabulary-parallel softmax and
+//   the input gradients of column-parallel layers sum partial products over the ranks instead of
+//   one dot product, so fp32 rounding differs: the state agrees within the tolerances below,
+//   set from the measured differences with a margin (each printed by rank 0).
+// - Weights: a tensor-parallel save loads into one process bit for bit, and the other way round.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include "comm_environment.hpp"
+#include "offload_fixture.hpp"
+#include "strata/parallel.hpp"
+
+namespace strata {
+namespace {
+
+using testing::Snapshot;
+using testing::world;
+
+// The tiny test models, split over the world. With 4 ranks LLaMA gets 8 query and 4 kv heads so
+// that the grouped kv heads still split (each rank: 2 query heads sharing 1 kv head).
+TrainerConfig config_for(ModelKind kind, DType dtype, std::int64_t accum, double clip) {
+  TrainerConfig c = testing::tiny(kind, dtype, accum, clip);
+  if (kind == ModelKind::kLlama && world().size() == 4) {
+    c.model.n_head = 8;
+    c.model.n_kv_head = 4;
+  }
+  return c;
+}
+
+std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::uint64_t h = 1469598103934665603ull) {
+  for (const auto& t : tensors) {
+    const auto* p = reinterpret_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+void expect_ranks_identical(const Snapshot& s, const std::string& what) {
+  std::uint64_t h = fnv(s.param);
+  h = fnv(s.master, h);
+  h = fnv(s.m, h);
+  h = fnv(s.v, h);
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(world().size()));
+  ASSERT_TRUE(world().all_gather(&h, all.data(), 2, DType::kF32).wait().ok());
+  for (std::size_t r = 0; r < all.size(); ++r) EXPECT_EQ(all[r], all[0]) << what << ": state of rank " << r;
+  // The losses and norms too: every rank computed the full loss from the same all-reduces.
+  std::vector<double> mine = s.losses;
+  mine.insert(mine.end(), s.norms.begin(), s.norms.end());
+  std::vector<double> every(mine.size() * all.size());
+  ASSERT_TRUE(world().all_gather(mine.data(), every.data(), 2 * mine.size(), DType::kF32).wait().ok());
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      EXPECT_EQ(every[r * mine.size() + i], mine[i]) << what << ": rank " << r;
+  }
+}
+
+struct Tolerance {
+  double loss = 1e-5;  // relative
+  double norm = 1e-4;  // relative
+  double rms = 1e-5;   // parameters and master weights: absolute; moments: of their largest value
+  double max = 2e-3;
+};
+
+// fp32, measured on 2 ranks (lr 1e-2, 3 steps): loss 6.5e-7 relative, norm 7.6e-6, parameters
+// rms 1.6e-6 and max 4.2e-4, moments rms 1.2e-6 and max 9e-5 of their scale: the defaults above
+// hold at least 5x headroom. A wrong shard or a missing reduction moves the parameters by about the
+// learning rate.
+//
+// bf16: each rank's partial sum is rounded to 8 bits before the all-reduce rounds the sum again,
+// and working weights round the master, so rounding differences become bf16 steps of the weights
+// and of the activations, and grow over the steps. Measured on 2 ranks: loss 1.3e-3 relative,
+// norm 1.6e-2, parameters rms 2.0e-3 and max 0.054, moments rms 3.2e-3 and max 0.18 of their
+// scale. The bounds hold 1.7x (moments) to 3x (parameters, loss, norm) headroom; the fp32 cases
+// are the precise check.
+Tolerance bf16_tolerance() {
+  Tolerance t;
+  t.loss = 5e-3;
+  t.norm = 5e-2;
+  t.rms = 6e-3;
+  t.max = 0.3;
+  return t;
+}
+
+struct Diff {
+  double max = 0.0, rms = 0.0;
+};
+
+Diff diff_of(const std::vector<std::vector<float>>& ref, const std::vector<std::vector<float>>& got) {
+  Diff d;
+  double sum = 0.0;
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+    EXPECT_EQ(ref[i].size(), got[i].size()) << "tensor " << i;
+    for (std::size_t k = 0; k < ref[i].size() && k < got[i].size(); ++k) {
+      const double e = std::fabs(static_cast<double>(ref[i][k]) - got[i][k]);
+      d.max = std::max(d.max, e);
+      sum += e * e;
+      ++n;
+    }
+  }
+  d.rms = n == 0 ? 0.0 : std::sqrt(sum / static_cast<double>(n));
+  return d;
+}
+
+void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol, const std::string& what) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
+  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
+  ASSERT_FALSE(ref.param.empty()) << what;
+  double worst_loss = 0.0, worst_norm = 0.0;
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+    worst_loss = std::max(worst_loss, std::fabs(got.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]));
+    worst_norm = std::max(worst_norm, std::fabs(got.norms[i] - ref.norms[i]) / std::fabs(ref.norms[i]));
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i]))
+        << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i]))
+        << what << ": norm of step " << i + 1;
+  }
+  if (world().rank() == 0)
+    std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
+  const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
+  const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
+  const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
+  for (int k = 0; k < 4; ++k) {
+    const Diff d = diff_of(*r[k], *g[k]);
+    double scale = 1.0;
+    if (k >= 2) {
+      std::vector<std::vector<float>> zero;
+      for (const auto& t : *r[k]) zero.emplace_back(t.size(), 0.0f);
+      scale = diff_of(*r[k], zero).max;
+    }
+    if (world().rank() == 0) {
+      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max,
+                  d.rms, scale);
+    }
+    EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
+    EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
+  }
+  EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
+}
+
+Snapshot train_tp(const TrainerConfig& c, const OffloadSettings& s, int steps) {
+  Snapshot out;
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(c, s, *device, nullptr, nullptr, &world());
+  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+  if (!engine.ok()) return out;
+  if (!testing::run_steps(**engine, c, 0, steps, out)) return out;
+  testing::capture_state(**engine, out);
+  return out;
+}
+
+struct Case {
+  const char* name;
+  ModelKind kind;
+  DType dtype;
+  std::int64_t accum;
+  double clip;
+  Tier params, optimizer;
+};
+
+void check_case(const Case& c) {
+  const TrainerConfig config = config_for(c.kind, c.dtype, c.accum, c.clip);
+  OffloadSettings s;
+  s.params = c.params;
+  s.optimizer = c.optimizer;
+  s.persistence_threshold = 0;
+  testing::TempDir swap_tp("strata-tp-swap"), swap_ref("strata-tp-swap");  // each rank its own
+  const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
+  if (nvme) s.nvme_path = {swap_tp.path().string()};
+  constexpr int kSteps = 3;
+  const Snapshot tp = train_tp(config, s, kSteps);
+  OffloadSettings single = s;
+  if (nvme) single.nvme_path = {swap_ref.path().string()};
+  const Snapshot ref = testing::train(config, single, kSteps);
+  const std::string what = std::string(c.name) + ", tp " + std::to_string(world().size());
+  expect_ranks_identical(tp, what);
+  expect_close(ref, tp, c.dtype == DType::kF32 ? Tolerance{} : bf16_tolerance(), what);
+}
+
+TEST(TensorParallel, Gpt2Fp32OptimizerOnDevice) {
+  check_case({"gpt2 fp32, optimizer on the device", ModelKind::kGpt2, DType::kF32, 1, 0.0, Tier::kDevice,
+              Tier::kDevice});
+}
+
+TEST(TensorParallel, Gpt2Fp32ParametersAndOptimizerOnHostAccumulationClipping) {
+  check_case({"gpt2 fp32, parameters and optimizer on host, accumulation 2, clip 0.5", ModelKind::kGpt2,
+              DType::kF32, 2, 0.5, Tier::kHost, Tier::kHost});
+}
+
+TEST(TensorParallel, LlamaGroupedKvFp32OptimizerOnHostClipping) {
+  check_case({"llama (grouped kv heads) fp32, optimizer on host, clip 1", ModelKind::kLlama, DType::kF32, 1,
+              1.0, Tier::kDevice, Tier::kHost});
+}
+
+TEST(TensorParallel, LlamaGroupedKvBf16ParametersOnNvme) {
+  check_case({"llama (grouped kv heads) bf16, parameters on NVMe, optimizer on host", ModelKind::kLlama,
+              DType::kBF16, 1, 1.0, Tier::kNvme, Tier::kHost});
+}
+
+TEST(TensorParallel, Gpt2Bf16OptimizerOnDeviceAccumulation) {
+  check_case({"gpt2 bf16, optimizer on the device, accumulation 2", ModelKind::kGpt2, DType::kBF16, 2, 0.0,
+              Tier::kDevice, Tier::kDevice});
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Weights: before training the tensor-parallel save is the single-process save byte for byte
+// (initialisation and gathering); after training it loads into one process bit for bit, and a
+// single-process file loads into the shards bit for bit.
+TEST(TensorParallel, SaveAndLoadWeightsAreTheFullModel) {
+  for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    const TrainerConfig config = config_for(kind, DType::kF32, 1, 0.0);
+    const std::string what(to_string(kind));
+    OffloadSettings s;
+    s.optimizer = Tier::kHost;
+    testing::TempDir dir("strata-tp-weights");  // rank 0's is the one written
+    std::string path = (dir.path() / "tp.safetensors").string();
+    const std::string single_path = (dir.path() / "single.safetensors").string();
+    // Every rank writes to (and later reads) rank 0's directory.
+    std::vector<char> name(512, 0);
+    std::snprintf(name.data(), name.size(), "%s", path.c_str());
+    ASSERT_TRUE(world().broadcast(name.data(), 128, DType::kF32, 0).wait().ok());
+    path = name.data();
+    const std::string shared_single = path.substr(0, path.size() - std::string("tp.safetensors").size()) +
+                                      "single-" + std::to_string(world().rank()) + ".safetensors";
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    STRATA_ASSERT_OK((*engine)->save_weights(path, WeightFormat::kNative));
+    ASSERT_TRUE(world().barrier().wait().ok());
+    auto device1 = testing::make_device();
+    auto single = OffloadEngine::create(config, s, *device1);
+    ASSERT_TRUE(single.ok()) << single.status().to_string();
+    STRATA_ASSERT_OK((*single)->save_weights(shared_single, WeightFormat::kNative));
+    EXPECT_EQ(file_bytes(path), file_bytes(shared_single)) << what << ": the initial weights files differ";
+    ASSERT_FALSE(file_bytes(path).empty());
+    (void)single_path;
+
+    // Train the shards, save (collective), load into one process.
+    Snapshot tp;
+    ASSERT_TRUE(testing::run_steps(**engine, config, 0, 2, tp));
+    ASSERT_TRUE(world().barrier().wait().ok());
+    STRATA_ASSERT_OK((*engine)->save_weights(path, WeightFormat::kNative));
+    ASSERT_TRUE(world().barrier().wait().ok());
+    ASSERT_TRUE(testing::capture_state(**engine, tp));
+    STRATA_ASSERT_OK((*single)->load_weights(path));
+    const ModelLayout& L = (*single)->model().layout();
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < L.params.size(); ++i) {
+      if (!L.params[i].owns_storage()) continue;
+      auto p = (*single)->get_param(static_cast<int>(i));
+      ASSERT_TRUE(p.ok());
+      EXPECT_TRUE(testing::bitwise_equal(*p, tp.param[k++])) << what << ": " << L.params[i].name;
+    }
+    // The other way: the single process's (untrained) weights into the shards.
+    auto device2 = testing::make_device();
+    auto fresh = OffloadEngine::create(config, s, *device2);
+    ASSERT_TRUE(fresh.ok());
+    STRATA_ASSERT_OK((*fresh)->save_weights(shared_single, WeightFormat::kHuggingFace));
+    STRATA_ASSERT_OK((*engine)->load_weights(shared_single));
+    for (std::size_t i = 0; i < L.params.size(); ++i) {
+      if (!L.params[i].owns_storage()) continue;
+      auto want = (*fresh)->get_param(static_cast<int>(i));
+      auto got = (*engine)->get_param(static_cast<int>(i));
+      ASSERT_TRUE(want.ok() && got.ok());
+      EXPECT_TRUE(testing::bitwise_equal(*got, *want)) << what << ": loaded " << L.params[i].name;
+    }
+    ASSERT_TRUE(world().barrier().wait().ok());
+  }
+}
+
+// TP x DP on 4 ranks (make_process_groups' 2 x 2 grid): each data-parallel rank trains its share
+// of the global batch (global micro-batches dp, dp + 2, ...) with its tensor-parallel group's
+// shards; ZeRO shards each tensor-parallel shard's optimizer state over its data-parallel group.
+// Against one process on the global batch: the fp32 tolerances (the data-parallel sum order adds
+// its own rounding, measured well inside them).
+TEST(TensorParallel, ComposesWithDataParallel) {
+  if (world().size() != 4) GTEST_SKIP() << "needs 4 ranks (2 x 2)";
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const int DP = groups->dp->size(), dp_rank = groups->dp->rank();
+  for (int stage : {1, 3}) {
+    const TrainerConfig global = config_for(ModelKind::kLlama, DType::kF32, 2 * DP, 1.0);
+    TrainerConfig local = global;
+    local.grad_accum = global.grad_accum / DP;
+    OffloadSettings s;
+    s.optimizer = Tier::kHost;
+    s.params = stage == 3 ? Tier::kHost : Tier::kDevice;
+    s.zero_stage = stage;
+    s.persistence_threshold = 0;
+    Snapshot got;
+    {
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), groups->tp.get());
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+      for (int step = 0; step < 3; ++step) {
+        std::vector<std::int32_t> gin, gtg, in, tg;
+        testing::batch(global, step, gin, gtg);
+        for (std::size_t i = static_cast<std::size_t>(dp_rank);
+             i < static_cast<std::size_t>(global.grad_accum); i += static_cast<std::size_t>(DP)) {
+          in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
+                    gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+          tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
+                    gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+        }
+        auto m = (*engine)->step(in, tg);
+        ASSERT_TRUE(m.ok()) << m.status().to_string();
+        got.losses.push_back(m->loss);
+        got.norms.push_back(m->grad_norm);
+      }
+      ASSERT_TRUE(testing::capture_state(**engine, got));
+    }
+    OffloadSettings single = s;
+    single.zero_stage = 0;
+    const Snapshot ref = testing::train(global, single, 3);
+    const std::string what = "llama fp32, tp 2 x dp 2, stage " + std::to_string(stage);
+    expect_ranks_identical(got, what);
+    expect_close(ref, got, Tolerance{}, what);
+  }
+}
+
+// Checkpoints are collective and hold the full model: a tensor-parallel checkpoint resumes the
+// tensor-parallel run bit for bit (the same ranks, the same order of every sum) and loads into
+// one process bit for bit (every full parameter and its optimizer state).
+TEST(TensorParallel, CheckpointResumesAndLoadsIntoOneProcess) {
+  const TrainerConfig config = config_for(ModelKind::kLlama, DType::kBF16, 1, 1.0);
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.params = Tier::kHost;
+  s.persistence_threshold = 0;
+  testing::TempDir dir("strata-tp-checkpoint");
+  std::vector<char> name(512, 0);
+  std::snprintf(name.data(), name.size(), "%s", (dir.path() / "ck").string().c_str());
+  ASSERT_TRUE(world().broadcast(name.data(), 128, DType::kF32, 0).wait().ok());
+  const std::string root = name.data();  // rank 0's directory: every rank reads it
+  Snapshot warm, straight, resumed;      // steps 1-2; step 3 straight on, and after resuming
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, config, 0, 2, warm));
+    auto saved = (*engine)->save_checkpoint(root, "{}", 2);
+    ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, config, 2, 3, straight));
+    ASSERT_TRUE(testing::capture_state(**engine, straight));
+  }
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(root);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(m->step, 2);
+    ASSERT_TRUE(testing::run_steps(**engine, config, 2, 3, resumed));
+    ASSERT_TRUE(testing::capture_state(**engine, resumed));
+  }
+  ASSERT_EQ(resumed.losses.size(), 1u);
+  testing::expect_same(straight, resumed, "tensor-parallel resume");
+  // One process loads the same checkpoint: the state after 2 steps, every tensor whole.
+  Snapshot tp2, one;
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok());
+    ASSERT_TRUE((*engine)->load_checkpoint(root).ok());
+    ASSERT_TRUE(testing::capture_state(**engine, tp2));
+  }
+  auto device = testing::make_device();
+  auto single = OffloadEngine::create(config, s, *device);
+  ASSERT_TRUE(single.ok());
+  auto m = (*single)->load_checkpoint(root);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  ASSERT_TRUE(testing::capture_state(**single, one));
+  testing::expect_same(tp2, one, "tensor-parallel checkpoint in one process");
+  ASSERT_TRUE(world().barrier().wait().ok());  // rank 0's directory outlives every reader
+}
+
+TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
+  TrainerConfig c = testing::tiny(ModelKind::kLlama, DType::kF32, 1, 0.0);
+  c.model.n_kv_head = 1;  // one kv head cannot be split
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(c, OffloadSettings{}, *device, nullptr, nullptr, &world());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("n_kv_head"), std::string::npos) << engine.status().to_string();
+  EXPECT_NE(engine.status().message().find("tensor_parallel_size"), std::string::npos)
+      << engine.status().to_string();
+  OffloadSettings s;
+  s.optimizer = Tier::kNvme;
+  s.gradients = Tier::kNvme;
+  testing::TempDir swap("strata-tp-swap");
+  s.nvme_path = {swap.path().string()};
+  auto device2 = testing::make_device();
+  auto e2 = OffloadEngine::create(testing::tiny(ModelKind::kGpt2, DType::kF32, 1, 0.0), s, *device2, nullptr,
+                                  nullptr, &world());
+  ASSERT_FALSE(e2.ok());
+  EXPECT_NE(e2.status().message().find("offload-gradients"), std::string::npos) << e2.status().to_string();
+}
+
+}  // namespace
+}  // namespace strata
