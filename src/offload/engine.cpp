@@ -2188,10 +2188,12 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
     return invalid_argument("gradients on NVMe (--offload-gradients nvme)" + ranks +
                             " are not built yet: leave the gradients on the host");
   }
-  if (s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda) {
-    return invalid_argument("the optimizer on the device" + ranks +
-                            " is built for the cpu backend only (its norm is reduced in host memory); use "
-                            "offload_optimizer.device cpu");
+  if (device.info().kind == DeviceKind::kCuda) {
+    // The model's collectives reduce device buffers (nccl), while the norm statistics and the
+    // parameter gathers reduce host buffers, which need an mpi group beside it.
+    return invalid_argument("tensor parallel on the cuda backend" + ranks +
+                            " is not built yet (the engine's host-buffer collectives need an mpi group beside "
+                            "the nccl one); use the cpu backend");
   }
   return ok_status();
 }
