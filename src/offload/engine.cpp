@@ -41,6 +41,13 @@
 // after updating its slice of a unit, all-gathers the unit's updated parameters. Each of the
 // three threads that talk (caller, gradient stream, optimizer thread) has its own Comm, split
 // from the group, which it uses in the same order on every rank.
+//
+// Tensor parallel (docs/parallel.md "Tensor parallel"). The model, units, plan and optimizer state
+// are this rank's shard (describe_model with {tp_size, tp_rank}); everything above works on it
+// unchanged. The model's collectives run on the compute stream (tp.model); the gradient norm adds
+// the sharded parameters' squares on every rank and the replicated ones on rank 0 (norm_ranges),
+// merged over the group in rank order (tp.norm on the optimizer thread, tp.model in the device
+// update); the state getters, weights and checkpoints gather full parameters (tp.step, caller).
 #include <time.h>
 
 #include <algorithm>
