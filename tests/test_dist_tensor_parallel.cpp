@@ -202,6 +202,12 @@ TEST(TensorParallel, Gpt2Fp32ParametersAndOptimizerOnHostAccumulationClipping) {
               DType::kF32, 2, 0.5, Tier::kHost, Tier::kHost});
 }
 
+// Clipping off: the host optimizer updates each unit as its gradients land, before the norm.
+TEST(TensorParallel, Gpt2Fp32OptimizerOnHostUpdatedDuringBackward) {
+  check_case({"gpt2 fp32, optimizer on host, updated during backward", ModelKind::kGpt2, DType::kF32, 1, 0.0,
+              Tier::kDevice, Tier::kHost});
+}
+
 TEST(TensorParallel, LlamaGroupedKvFp32OptimizerOnHostClipping) {
   check_case({"llama (grouped kv heads) fp32, optimizer on host, clip 1", ModelKind::kLlama, DType::kF32, 1,
               1.0, Tier::kDevice, Tier::kHost});

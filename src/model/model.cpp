@@ -12,6 +12,11 @@
 // Activation gradients need one set shared by all blocks: the residual-stream gradient (updated
 // in place: every op that feeds the residual adds its input gradient into it), and scratch for
 // the norm, qkv, attention and MLP gradients.
+//
+// Tensor parallel (layout.tp.size > 1): H, Hkv, F, Q and the vocabulary rows are the shard's, so
+// qkv, attention, MLP and logits buffers shrink by tp; the residual stream and norms stay full
+// width on every rank. The conjugate all-reduces (docs/parallel.md) run in stream order through
+// tp_all_reduce; the vocabulary-parallel cross-entropy adds (N) row maxima and (2, N) sums.
 #include "strata/model.hpp"
 
 #include <algorithm>

@@ -41,6 +41,13 @@
 // after updating its slice of a unit, all-gathers the unit's updated parameters. Each of the
 // three threads that talk (caller, gradient stream, optimizer thread) has its own Comm, split
 // from the group, which it uses in the same order on every rank.
+//
+// Tensor parallel (docs/parallel.md "Tensor parallel"). The model, units, plan and optimizer state
+// are this rank's shard (describe_model with {tp_size, tp_rank}); everything above works on it
+// unchanged. The model's collectives run on the compute stream (tp.model); the gradient norm adds
+// the sharded parameters' squares on every rank and the replicated ones on rank 0 (norm_ranges),
+// merged over the group in rank order (tp.norm on the optimizer thread, tp.model in the device
+// update); the state getters, weights and checkpoints gather full parameters (tp.step, caller).
 #include <time.h>
 
 #include <algorithm>
@@ -2188,10 +2195,12 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
     return invalid_argument("gradients on NVMe (--offload-gradients nvme)" + ranks +
                             " are not built yet: leave the gradients on the host");
   }
-  if (s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda) {
-    return invalid_argument("the optimizer on the device" + ranks +
-                            " is built for the cpu backend only (its norm is reduced in host memory); use "
-                            "offload_optimizer.device cpu");
+  if (device.info().kind == DeviceKind::kCuda) {
+    // The model's collectives reduce device buffers (nccl), while the norm statistics and the
+    // parameter gathers reduce host buffers, which need an mpi group beside it.
+    return invalid_argument("tensor parallel on the cuda backend" + ranks +
+                            " is not built yet (the engine's host-buffer collectives need an mpi group beside "
+                            "the nccl one); use the cpu backend");
   }
   return ok_status();
 }
