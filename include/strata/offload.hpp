@@ -78,6 +78,15 @@ struct OffloadSettings {
   // (host tier). Off: update after backward, in forward order, overlapped with
   // the next step's forward. Either way the result is the same bits.
   bool update_during_backward = true;
+  // One-step delayed parameter update (ZeRO-Offload's DPU; docs/offload.md "Delayed update"): a
+  // step's host update runs while the next step's forward and backward compute with the
+  // parameters from before it, so step t+1 computes its gradients at the parameters after step
+  // t-1's update. Not equivalent to the ordinary run (it trades exactness for overlap). Needs the
+  // optimizer off the device and the working parameters on it. strata.delayed_update.
+  bool delayed_update = false;
+  // The first this many steps' updates are not delayed (the next step sees them).
+  // strata.delayed_update_warmup.
+  int delayed_update_warmup = 1;
   // Threads of the host optimizer (0: the device's CpuBudget host_threads, one per host cpu).
   int host_threads = 0;
   // Host memory the plan may use (0: no limit beyond what the machine has available).

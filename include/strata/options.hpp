@@ -35,6 +35,8 @@ enum class Option : std::uint16_t {
   kCommTimeout,     // seconds a collective or send/recv may take before it fails
   kOffloadPrefetchModules,  // offload: modules whose parameters are fetched ahead of the one running
   kOffloadGradients,        // offload: where gradients wait for an off-device optimizer (cpu | nvme)
+  kDelayedUpdate,           // offload: one-step delayed parameter update (DPU)
+  kDelayedUpdateWarmup,     // offload: steps whose update is not delayed before DPU starts
   kCount
 };
 

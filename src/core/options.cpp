@@ -49,6 +49,13 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "offload: modules whose parameters are fetched ahead of the running one (0 = fetch on demand)"},
     {Option::kOffloadGradients, "offload_gradients", OptionKind::kString, "cpu",
      "offload: where fp32 gradients wait for an off-device optimizer: cpu (host memory) or nvme"},
+    {Option::kDelayedUpdate, "delayed_update", OptionKind::kBool, "false",
+     "offload: one-step delayed parameter update (ZeRO-Offload's DPU): step t's host update runs while step "
+     "t+1 computes with the parameters before it; not equivalent to the ordinary step; needs the optimizer "
+     "off the device and the parameters on it"},
+    {Option::kDelayedUpdateWarmup, "delayed_update_warmup", OptionKind::kInt, "1",
+     "offload: with delayed_update, the first this many steps' updates are seen by the next step (not "
+     "delayed)"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

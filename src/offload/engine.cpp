@@ -215,6 +215,13 @@ struct OffloadEngine::Impl {
   // and loss scale.
   std::int64_t opt_step_now = 0;
   double loss_scale_now = 1.0;
+  // One-step delayed update (settings.delayed_update, docs/offload.md "Delayed update"). The
+  // optimizer thread writes a unit's updated working parameters only to their host copy
+  // (host_params); the caller uploads them (publish_delayed) once the device may see them: after
+  // the next step's backward, or before anything else reads the parameters. pending_publish is
+  // the step whose update has not been uploaded yet (0: none). Caller thread only.
+  bool delayed = false;
+  std::int64_t pending_publish = 0;
   Status worker_error;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
@@ -308,8 +315,18 @@ struct OffloadEngine::Impl {
   Status publish_params(int u, const char* bytes);
   void mark_updated(int u, std::int64_t step);
   Status check_worker();
-  Status wait_updated(int u);
-  Status wait_all_updates();
+  // Waits until unit u holds step `step`'s update (wait_updated: the last step's).
+  Status wait_update_of(int u, std::int64_t step);
+  Status wait_updated(int u) { return wait_update_of(u, steps); }
+  // Waits for every update in flight; `publish` (the default): a delayed update is uploaded too,
+  // so the device holds the latest parameters.
+  Status wait_all_updates(bool publish = true);
+  // Delayed update: waits for step pending_publish's update of every unit and enqueues the
+  // uploads of the new working parameters on h2d (uploaded[u]). Compute must not be reading them.
+  Status publish_delayed();
+  // Optimizer thread, delayed update: before unit u's host copy is rewritten, the upload that
+  // reads it (enqueued by publish_delayed before this update was released) must have finished.
+  Status await_upload(int u);
   // Waits until the optimizer thread has processed every command (whatever its error state).
   void drain_worker();
   // After a failed step: every slot and bucket forgotten (their contents may be partial) and
@@ -397,6 +414,7 @@ Status OffloadEngine::Impl::setup() {
     scaler.emplace(ls);
   }
   opt_on_device = settings.optimizer == Tier::kDevice;
+  delayed = settings.delayed_update;
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
   M = static_cast<int>(lay.modules.size());
@@ -1044,6 +1062,12 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
   switch (units.home[uu]) {
     case Tier::kDevice: {
       char* host = host_params.bytes() + host_param_offset[uu];
+      if (delayed) {
+        // The device keeps the previous parameters until the caller's publish_delayed.
+        STRATA_RETURN_IF_ERROR(await_upload(u));
+        if (bytes != host) std::memcpy(host, bytes, n);
+        return ok_status();
+      }
       if (bytes != host) std::memcpy(host, bytes, n);
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
       STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
@@ -1068,6 +1092,7 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
 
 Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale) {
   const std::size_t uu = static_cast<std::size_t>(u);
+  if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
   if (sharded) {
@@ -1320,12 +1345,16 @@ void OffloadEngine::Impl::worker_main() {
   }
   worker_cpu.join(/*since_start=*/true);
   std::vector<GradStats> stats(static_cast<std::size_t>(M));
-  std::vector<int> forward_order(static_cast<std::size_t>(M));
-  for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
+  // The order of a step's update. Forward order lets the next forward wait only for the unit it
+  // reaches. The delayed update is not waited for by the next forward but by the next backward's
+  // gradients of each unit (they reuse its gradient buffers), which come in backward order.
+  std::vector<int> update_order(static_cast<std::size_t>(M));
+  for (int u = 0; u < M; ++u) update_order[static_cast<std::size_t>(u)] = delayed ? M - 1 - u : u;
   // Not when sharded: a rank's slice alone cannot tell every rank whether to skip the update.
   // Not with fp16: an overflow anywhere skips the whole step, so no unit may update before the
   // norm is known (as with clipping).
-  const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
+  // Not with the delayed update: the step's update runs while the next step computes.
+  const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
@@ -1428,11 +1457,12 @@ void OffloadEngine::Impl::worker_main() {
     const float scale = update_scale(norm, c.loss_scale);
     Status s;
     if (settings.optimizer == Tier::kNvme) {
-      s = update_units_nvme(forward_order, c.opt_step, c.lr, scale, c.step);
+      s = update_units_nvme(update_order, c.opt_step, c.lr, scale, c.step);
     } else {
-      for (int u = 0; u < M && s.ok(); ++u) {
+      for (int u : update_order) {
         s = update_unit_host(u, c.opt_step, c.lr, scale);
-        if (s.ok()) mark_updated(u, c.step);
+        if (!s.ok()) break;
+        mark_updated(u, c.step);
       }
     }
     if (!s.ok()) fail(s);
@@ -1444,10 +1474,10 @@ Status OffloadEngine::Impl::check_worker() {
   return worker_error;
 }
 
-Status OffloadEngine::Impl::wait_updated(int u) {
+Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step) {
   if (opt_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
-  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; };
+  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= step; };
   if (!ready()) {
     detail::HostSpan span(tracer, track.caller, TraceCounter::kUpdateStall, "wait update", u);
     cv.wait(lock, ready);
@@ -1483,10 +1513,38 @@ void OffloadEngine::Impl::reset_pass_state() {
   pos = 0;
 }
 
-Status OffloadEngine::Impl::wait_all_updates() {
+Status OffloadEngine::Impl::wait_all_updates(bool publish) {
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_updated(u));
+  if (publish) STRATA_RETURN_IF_ERROR(publish_delayed());
   if (!opt_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
   return ok_status();
+}
+
+Status OffloadEngine::Impl::publish_delayed() {
+  if (pending_publish == 0) return ok_status();
+  for (int u = 0; u < M; ++u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    STRATA_RETURN_IF_ERROR(wait_update_of(u, pending_publish));
+    if (units.pbytes[uu] == 0) continue;
+    // validate(): the delayed update keeps every unit resident.
+    if (units.home[uu] != Tier::kDevice) return internal_error("delayed update: unit " + std::to_string(u) + " is not resident");
+    const std::uint64_t n = units.pbytes[uu];
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
+                                       host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload (delayed)", u, n));
+    STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
+    uploaded_recorded[uu] = 1;
+  }
+  pending_publish = 0;
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::await_upload(int u) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  if (!uploaded_recorded[uu]) return ok_status();
+  detail::HostSpan span(tracer, track.optimizer, TraceCounter::kNone, "wait upload", u);
+  return uploaded[uu]->synchronize();
 }
 
 // ---- the pass: prefetch, slots, buckets ------------------------------------------------------
@@ -1584,7 +1642,9 @@ Status OffloadEngine::Impl::access_params(int m) {
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (units.pbytes[uu] == 0) continue;
-    STRATA_RETURN_IF_ERROR(wait_updated(u));
+    // The delayed update's caller publishes what this pass may read before the pass starts (the
+    // update in flight is the next step's to see); compute then waits for the upload alone.
+    if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
     if (units.home[uu] == Tier::kDevice) {
       if (!opt_on_device && uploaded_recorded[uu]) {
         STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
@@ -1729,6 +1789,10 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (last_touch[uu] != m || gslot_of[uu] < 0) continue;
+    // Delayed update: the previous step's update of u may still read its gradients (host_grads,
+    // the shard or the NVMe shards), which this copy out overwrites. (Otherwise the forward
+    // already waited for it.)
+    if (delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
@@ -2029,6 +2093,11 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   return engine;
 }
 
+Status offload_detail::EngineFaults::set_working_param(OffloadEngine& engine, int index,
+                                                      std::span<const float> values) {
+  return engine.impl_->write_values(index, values, /*master_too=*/false);
+}
+
 const OffloadPlan& OffloadEngine::plan() const { return impl_->plan; }
 const OffloadSettings& OffloadEngine::settings() const { return impl_->settings; }
 const TrainerConfig& OffloadEngine::config() const { return impl_->config; }
@@ -2061,6 +2130,11 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   m.loss_scale = t.scaler ? t.scaler->scale() : 1.0;
   t.opt_step_now = applied + 1;
   t.loss_scale_now = m.loss_scale;
+  // Delayed update: the update of a warm-up step (the first delayed_update_warmup) is seen by
+  // the next step, like a flush (synchronize, a checkpoint, an evaluation).
+  if (t.delayed && t.pending_publish > 0 && t.pending_publish <= t.settings.delayed_update_warmup) {
+    STRATA_RETURN_IF_ERROR(t.publish_delayed());
+  }
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
@@ -2076,6 +2150,10 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     if (s.ok()) s = t.compute->synchronize();
     if (s.ok()) s = t.h2d->synchronize();
     if (s.ok()) s = t.gstream->synchronize();
+    // Delayed update: compute is done with the parameters of this step; the previous step's
+    // update (which this step did not see) goes to the device now, before this step's update
+    // may rewrite the host copy it is uploaded from (await_upload).
+    if (s.ok() && t.delayed) s = t.publish_delayed();
     {
       std::lock_guard<std::mutex> lock(t.mu);
       t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr,
@@ -2093,6 +2171,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
+    if (t.delayed) t.pending_publish = m.step;
   }
   if (t.scaler) {
     // Every unit skipped or every unit updated; either way the scaler moves (and fails the step
@@ -2115,7 +2194,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   }
   t.steps += 1;
   if (!t.have_baseline) {
-    STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+    // Not published: a delayed update stays delayed (its upload allocates nothing).
+    STRATA_RETURN_IF_ERROR(t.wait_all_updates(/*publish=*/false));
     t.alloc_baseline = t.allocation_count();
     t.have_baseline = true;
   }
@@ -2150,6 +2230,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
   t.begin_pass();
   Status s = t.run_forward(false);
@@ -2165,6 +2246,7 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   auto forward = [&t]() -> Status {
     t.begin_pass();
     STRATA_RETURN_IF_ERROR(t.run_forward(false));
@@ -2430,6 +2512,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     std::lock_guard<std::mutex> lock(t.mu);
     t.worker_error = ok_status();
   }
+  t.pending_publish = 0;  // the checkpoint's parameters replace the delayed update's
   const std::uint64_t wsize = dtype_size(t.wdtype);
   std::vector<char> pbytes;
   std::vector<float> blob;

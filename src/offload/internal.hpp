@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -278,6 +279,9 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, cons
 struct EngineFaults {
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config, const OffloadSettings& settings,
                                                        Device& device, const nvme_detail::IoFaults* faults);
+  // Tests only: parameter `index`'s working copy set to `values`, its fp32 master left as it is
+  // (the delayed update's reference: gradients taken at other parameters than the ones updated).
+  static Status set_working_param(OffloadEngine& engine, int index, std::span<const float> values);
 };
 
 }  // namespace strata::offload_detail

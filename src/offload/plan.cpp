@@ -66,6 +66,23 @@ Status OffloadSettings::validate() const {
   if (host_threads < 0) {
     return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
   }
+  if (delayed_update && optimizer == Tier::kDevice) {
+    return invalid_argument(
+        "strata.delayed_update = true needs the optimizer off the device (the device's update is in stream order "
+        "with the next step anyway): set zero_optimization.offload_optimizer.device to cpu or nvme, or turn "
+        "strata.delayed_update off");
+  }
+  if (delayed_update && params != Tier::kDevice) {
+    return invalid_argument(
+        "strata.delayed_update = true needs the working parameters on the device "
+        "(zero_optimization.offload_param.device = none, --offload-param none): the next step keeps computing with "
+        "the resident parameters while the update runs; offload_param.device = " +
+        std::string(to_string(params)) + " is not supported with it");
+  }
+  if (delayed_update_warmup < 0) {
+    return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +
+                            " must be >= 0");
+  }
   if (params == Tier::kNvme || optimizer == Tier::kNvme) STRATA_RETURN_IF_ERROR(io.validate());
   return ok_status();
 }
@@ -109,6 +126,8 @@ Status OffloadSettings::apply(const Config& config) {
   // Strata's own tunables of the placement (the `strata` section, or STRATA_OFFLOAD_*).
   prefetch_modules = static_cast<int>(config.strata.get_int(Option::kOffloadPrefetchModules));
   gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
+  delayed_update = config.strata.get_bool(Option::kDelayedUpdate);
+  delayed_update_warmup = static_cast<int>(config.strata.get_int(Option::kDelayedUpdateWarmup));
   if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
     return invalid_argument(config.source +
                             ": zero_optimization.offload_optimizer.ratio = " +
