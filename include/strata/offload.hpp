@@ -55,6 +55,13 @@ struct OffloadSettings {
   // device's fused update; gradients stay on the device), kHost (CPU Adam on host memory;
   // gradients stream out to host), kNvme (CPU Adam streaming state through a pinned ring).
   Tier optimizer = Tier::kDevice;  // zero_optimization.offload_optimizer.device
+  // zero_optimization.offload_optimizer.ratio: the fraction of the optimizer state (and of the
+  // updates) on the host; the rest stays on the device with the device's update. The device
+  // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
+  // their gradients land last in backward and the next forward reads them first, so they are
+  // the ones the host would make the step wait for. < 1 needs optimizer = kHost and the
+  // parameters on the device, one process and no delayed update (docs/offload.md).
+  double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
   // through one pinned staging buffer on the way out and in; needs optimizer = kNvme). A Strata

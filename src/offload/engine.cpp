@@ -157,6 +157,17 @@ struct OffloadEngine::Impl {
   bool fp16 = false;  // fp16: loss scaling and skipped steps
   std::optional<LossScaler> scaler;  // fp16 only; moved by the caller once a step's norm is known
   bool opt_on_device = true;
+  // Partial optimizer offload (Units::device_opt_units): units [0, kdev) keep gradients, masters
+  // and moments in the device regions (indexed by the fp32 layout's offsets, the prefix
+  // [0, hshift)) and are updated by the device after the norm is known; the host arrays hold
+  // [hshift, grad_bytes) (host_at).
+  int kdev = 0;
+  bool partial = false;
+  std::uint64_t hshift = 0;
+  std::vector<GradStats> dev_stats;  // per device unit: its gradient scan (compute stream)
+  bool dev_unit(int u) const { return opt_on_device || u < kdev; }
+  // Global fp32-layout offset `off` (of a host unit) in one of the host arrays.
+  char* host_at(const HostMem& h, std::uint64_t off) const { return h.bytes() + (off - hshift); }
   std::vector<OwnedParam> owned;                 // every owning parameter
   std::vector<std::vector<int>> owned_of_unit;   // indices into `owned`
   std::vector<int> first_touch, last_touch;      // per unit: backward modules (first = highest)
@@ -377,13 +388,17 @@ struct OffloadEngine::Impl {
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
-    return {host_grads.bytes() + grad_begin(u), units.gbytes[uu] / 4};
+    return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
   }
   Status run_forward(bool for_backward);
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
   Status device_update(double lr, std::int64_t step);
+  // Partial optimizer offload, in compute order: the device units' gradient scans into
+  // dev_stats (after backward), and their update once the step's norm is known.
+  Status scan_device_units();
+  Status update_device_units(double lr, std::int64_t step, float scale);
 
   // State access (not on the hot path).
   Status read_unit_params(int u, std::vector<char>& bytes);
@@ -417,6 +432,10 @@ Status OffloadEngine::Impl::setup() {
   delayed = settings.delayed_update;
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
+  kdev = static_cast<int>(units.device_opt_units);
+  partial = !opt_on_device && kdev > 0;
+  hshift = partial ? units.device_opt_bytes : 0;
+  dev_stats.assign(static_cast<std::size_t>(kdev), GradStats{});
   M = static_cast<int>(lay.modules.size());
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
   STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
@@ -459,10 +478,11 @@ Status OffloadEngine::Impl::setup() {
     if (units.home[static_cast<std::size_t>(u)] == Tier::kDevice)
       bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
   }
-  if (opt_on_device) {
+  if (opt_on_device || partial) {
+    const std::uint64_t dbytes = opt_on_device ? L.grad_bytes : units.device_opt_bytes;
     auto carve = [&](const char* name) -> Result<float*> {
-      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(L.grad_bytes, 1)));
-      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, L.grad_bytes));
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(dbytes, 1)));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, dbytes));
       return reinterpret_cast<float*>(base + off);
     };
     STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
@@ -471,7 +491,7 @@ Status OffloadEngine::Impl::setup() {
     }
     STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq"));
-    for (int u = 0; u < M; ++u)
+    for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
       bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
   }
   STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
@@ -546,7 +566,7 @@ Status OffloadEngine::Impl::setup() {
         STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes - hshift, "offload.host_grads"));
     }
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
@@ -572,7 +592,7 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes;
+    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes - hshift;
     STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
     STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
@@ -627,7 +647,7 @@ Status OffloadEngine::Impl::setup() {
   for (std::uint64_t b : units.pbytes) largest = std::max(largest, b);
   STRATA_ASSIGN_OR_RETURN(stager, detail::HostStager::create(dev, *compute, std::min<std::uint64_t>(largest, 16u << 20),
                                                              "offload.staging"));
-  if (opt_on_device) {
+  if (opt_on_device || partial) {
     if (launch->is_cpu()) {
       CpuOptimizerConfig oc;
       STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
@@ -661,11 +681,11 @@ Status OffloadEngine::Impl::initialize() {
       values.resize(o.n);
       init_values(L, o.index, config.seed, 0, static_cast<std::int64_t>(o.n), values.data());
       STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, pbytes.data() + o.param_in_unit, wdtype, o.n));
-      if (settings.optimizer == Tier::kHost && !sharded) {
-        std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
+      if (settings.optimizer == Tier::kHost && !sharded && !dev_unit(u)) {
+        std::memcpy(host_at(host_master, o.grad_offset), values.data(), o.n * 4);
       }
       if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
-      if (opt_on_device && half) {
+      if (dev_unit(u) && half) {
         STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
       }
     }
@@ -760,9 +780,9 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
     return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
-  std::memcpy(blob.data(), host_master.bytes() + g, n * 4);
-  std::memcpy(blob.data() + n, host_m.bytes() + g, n * 4);
-  std::memcpy(blob.data() + 2 * n, host_v.bytes() + g, n * 4);
+  std::memcpy(blob.data(), host_at(host_master, g), n * 4);
+  std::memcpy(blob.data() + n, host_at(host_m, g), n * 4);
+  std::memcpy(blob.data() + 2 * n, host_at(host_v, g), n * 4);
   return ok_status();
 }
 
@@ -789,9 +809,9 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
     return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
-  std::memcpy(host_master.bytes() + g, blob.data(), n * 4);
-  std::memcpy(host_m.bytes() + g, blob.data() + n, n * 4);
-  std::memcpy(host_v.bytes() + g, blob.data() + 2 * n, n * 4);
+  std::memcpy(host_at(host_master, g), blob.data(), n * 4);
+  std::memcpy(host_at(host_m, g), blob.data() + n, n * 4);
+  std::memcpy(host_at(host_v, g), blob.data() + 2 * n, n * 4);
   return ok_status();
 }
 
@@ -833,7 +853,7 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
   STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, bytes.data() + o.param_in_unit, wdtype, o.n));
   STRATA_RETURN_IF_ERROR(write_unit_params(o.unit, bytes));
   if (!master_too) return ok_status();
-  if (opt_on_device) {
+  if (dev_unit(o.unit)) {
     if (!half) return ok_status();  // the resident params are the master
     STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
     return compute->synchronize();
@@ -850,13 +870,13 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
   std::vector<float> out(o.n);
-  if (which == 0 || (which == 1 && opt_on_device && !half)) {
+  if (which == 0 || (which == 1 && dev_unit(o.unit) && !half)) {
     std::vector<char> bytes;
     STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
     STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
-  if (opt_on_device) {
+  if (dev_unit(o.unit)) {
     const float* src = which == 1 ? dmaster : which == 2 ? dm : dv;
     STRATA_RETURN_IF_ERROR(stager->download(out.data(), reinterpret_cast<const char*>(src) + o.grad_offset, o.n * 4));
     return out;
@@ -870,7 +890,7 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
 
 Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(read_unit_params(u, pbytes));
-  if (!opt_on_device) return read_unit_optim(u, blob);
+  if (!dev_unit(u)) return read_unit_optim(u, blob);
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   blob.assign(3 * n, 0.0f);
   if (n == 0) return ok_status();
@@ -889,7 +909,7 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
 
 Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
-  if (!opt_on_device) return write_unit_optim(u, blob);
+  if (!dev_unit(u)) return write_unit_optim(u, blob);
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   if (n == 0) return ok_status();
   const std::uint64_t g = grad_begin(u);
@@ -1136,11 +1156,11 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     OptimizerBuffers b;
-    b.master = reinterpret_cast<float*>(host_master.bytes() + o.grad_offset);
-    b.grad = host_grads.bytes() + o.grad_offset;
+    b.master = reinterpret_cast<float*>(host_at(host_master, o.grad_offset));
+    b.grad = host_at(host_grads, o.grad_offset);
     b.grad_dtype = DType::kF32;
-    b.exp_avg = host_m.bytes() + o.grad_offset;
-    b.exp_avg_sq = host_v.bytes() + o.grad_offset;
+    b.exp_avg = host_at(host_m, o.grad_offset);
+    b.exp_avg_sq = host_at(host_v, o.grad_offset);
     b.moment_dtype = DType::kF32;
     b.param_out = half ? out_unit + o.param_in_unit : nullptr;
     b.out_dtype = wdtype;
@@ -1306,7 +1326,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       b.master = master + (lo - b0);
       b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4
                : sharded     ? shard_grads.bytes() + 4 * (slices.offset[uu] + lo - slices.begin[uu])
-                             : host_grads.bytes() + grad_begin(u) + lo * 4;
+                             : host_at(host_grads, grad_begin(u)) + lo * 4;
       b.grad_dtype = DType::kF32;
       b.exp_avg = master + len + (lo - b0);
       b.exp_avg_sq = master + 2 * len + (lo - b0);
@@ -1433,7 +1453,8 @@ void OffloadEngine::Impl::worker_main() {
         for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
       }
     } else {
-      for (const GradStats& g : stats) total.merge(g);
+      // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
+      for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
     }
     const double norm = total.norm();
     {
@@ -1442,6 +1463,8 @@ void OffloadEngine::Impl::worker_main() {
       norm_step = c.step;
     }
     cv.notify_all();
+    // The device units' update is the caller's, in compute order before the next forward.
+    for (int u = 0; u < kdev; ++u) mark_updated(u, c.step);
     if (immediate_ok) continue;
     if (!total.finite() && fp16) {
       // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
@@ -1460,6 +1483,7 @@ void OffloadEngine::Impl::worker_main() {
       s = update_units_nvme(update_order, c.opt_step, c.lr, scale, c.step);
     } else {
       for (int u : update_order) {
+        if (u < kdev) continue;  // partial offload: on the device
         s = update_unit_host(u, c.opt_step, c.lr, scale);
         if (!s.ok()) break;
         mark_updated(u, c.step);
@@ -1744,7 +1768,7 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
   if (opt_on_device) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0) continue;
+    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0 || dev_unit(u)) continue;
     int s = -1;
     for (std::size_t i = 0; i < gslots.size() && s < 0; ++i)
       if (gslots[i].unit < 0) s = static_cast<int>(i);
@@ -1756,7 +1780,7 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
-      const char* from = grads_on_nvme ? nullptr : host_grads.bytes() + grad_begin(u);
+      const char* from = grads_on_nvme ? nullptr : host_at(host_grads, grad_begin(u));
       if (grads_on_nvme) {
         char* staging = grad_staging.bytes();
         STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe read of grad." + std::to_string(u),
@@ -1788,7 +1812,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
   if (opt_on_device) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (last_touch[uu] != m || gslot_of[uu] < 0) continue;
+    if (last_touch[uu] != m || gslot_of[uu] < 0 || dev_unit(u)) continue;
     // Delayed update: the previous step's update of u may still read its gradients (host_grads,
     // the shard or the NVMe shards), which this copy out overwrites. (Otherwise the forward
     // already waited for it.)
@@ -1801,7 +1825,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     const bool reduce = sharded && (last_micro || settings.zero_stage >= 2);
     char* out = reduce          ? rs_send.bytes()
                 : grads_on_nvme ? grad_staging.bytes()
-                                : host_grads.bytes() + grad_begin(u);
+                                : host_at(host_grads, grad_begin(u));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
     STRATA_RETURN_IF_ERROR(
         traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
@@ -1896,6 +1920,7 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
   if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
+  if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   for (std::int64_t a = 0; a < micro; ++a) {
@@ -2001,6 +2026,95 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
   const DType param_dtype = wdtype;
   for (int decay = 0; decay < 2; ++decay) {
     STRATA_RETURN_IF_ERROR(fused_adam_cuda(group[decay], param_dtype, DType::kF32,
+                                           hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::scan_device_units() {
+  const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
+  if (launch->is_cpu()) {
+    // The same per-unit scan as the host optimizer's and the device tier's: the same bits.
+    std::vector<std::pair<float*, std::size_t>> grads;
+    for (int u = 0; u < kdev; ++u)
+      grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
+                         units.gbytes[static_cast<std::size_t>(u)] / 4);
+    const CpuOptimizer* opt = &*device_opt;
+    GradStats* out = dev_stats.data();
+    return launch->run("gradient scan (device modules)", [grads, opt, out, inv_scale](const kernels::KernelContext&) -> Status {
+      for (std::size_t i = 0; i < grads.size(); ++i) {
+        STRATA_ASSIGN_OR_RETURN(out[i], opt->scan_gradients(grads[i].first, DType::kF32, grads[i].second, inv_scale, false));
+      }
+      return ok_status();
+    });
+  }
+  // cuda: one sum of squares per unit, read back in turn (not bitwise with the cpu scan).
+  auto* partials = static_cast<double*>(cuda_partials.data());
+  void* cs = compute->native_handle();
+  for (int u = 0; u < kdev; ++u) {
+    const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+    double* result = partials + detail::sum_of_squares_cuda_partials(n);
+    const auto* g = reinterpret_cast<const float*>(reinterpret_cast<const char*>(dgrads) + grad_begin(u));
+    STRATA_RETURN_IF_ERROR(detail::sum_of_squares_cuda(cs, g, n, partials, result));
+    STRATA_RETURN_IF_ERROR(compute->copy_async(pinned_norm.data(), result, sizeof(double), CopyKind::kDeviceToHost));
+    STRATA_RETURN_IF_ERROR(compute->synchronize());
+    GradStats& st = dev_stats[static_cast<std::size_t>(u)];
+    st.sum_of_squares = *static_cast<double*>(pinned_norm.data()) * static_cast<double>(inv_scale) * inv_scale;
+    st.count = n;
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, float scale) {
+  if (launch->is_cpu()) {
+    struct P {
+      OptimizerBuffers b;
+      bool decay;
+    };
+    std::vector<P> params;
+    for (const OwnedParam& o : owned) {
+      if (o.unit >= kdev) continue;
+      OptimizerBuffers b;
+      char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+      b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
+                      : reinterpret_cast<float*>(wp);
+      b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
+      b.grad_dtype = DType::kF32;
+      b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
+      b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
+      b.moment_dtype = DType::kF32;
+      b.param_out = half ? wp : nullptr;
+      b.out_dtype = wdtype;
+      b.n = o.n;
+      params.push_back(P{b, o.decay});
+    }
+    const CpuOptimizer* opt = &*device_opt;
+    const OptimizerSettings os = config.optimizer;
+    return launch->run("optimizer step (device modules)",
+                       [params, opt, os, lr, step, scale](const kernels::KernelContext&) -> Status {
+                         for (const P& p : params) {
+                           STRATA_RETURN_IF_ERROR(opt->update(hyper_of(os, lr, p.decay), step, scale, p.b));
+                         }
+                         return ok_status();
+                       });
+  }
+  std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
+  for (const OwnedParam& o : owned) {
+    if (o.unit >= kdev) continue;
+    char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+    DeviceAdamTensor x;
+    x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
+    x.param = half ? static_cast<void*>(wp) : static_cast<void*>(x.master);
+    x.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
+    x.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
+    x.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
+    x.n = o.n;
+    group[o.decay ? 1 : 0].push_back(x);
+  }
+  void* cs = compute->native_handle();
+  for (int decay = 0; decay < 2; ++decay) {
+    if (group[decay].empty()) continue;
+    STRATA_RETURN_IF_ERROR(fused_adam_cuda(group[decay], wdtype, DType::kF32,
                                            hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
   }
   return ok_status();
@@ -2136,6 +2250,7 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     STRATA_RETURN_IF_ERROR(t.publish_delayed());
   }
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
+  if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
@@ -2172,6 +2287,15 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
     if (t.delayed) t.pending_publish = m.step;
+    lock.unlock();
+    // Partial offload: a finite norm applies the step on the device units too (an fp16 overflow
+    // skips it everywhere; any other non-finite norm failed on the optimizer thread).
+    if (t.partial && std::isfinite(t.grad_norm)) {
+      s = t.tracer.stream_begin(*t.compute, t.track.compute);
+      if (s.ok()) s = t.update_device_units(m.lr, t.opt_step_now, t.update_scale(t.grad_norm, t.loss_scale_now));
+      if (s.ok()) s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step (device modules)", -1);
+      if (!s.ok()) return s;
+    }
   }
   if (t.scaler) {
     // Every unit skipped or every unit updated; either way the scaler moves (and fails the step
