@@ -68,5 +68,32 @@ TEST(CliBenchOffload, FiguresAreConsistentAndTrafficMatchesThePlacement) {
   }
 }
 
+// --delayed-update adds the host optimizer with the one-step delayed update, and its step against
+// the ordinary host-optimizer step measured in the same run.
+TEST(CliBenchOffload, DelayedUpdateRowComparesWithTheOrdinaryStep) {
+  auto r = run_cli(
+      "bench offload --layers 2 --width 64 --heads 2 --seq-len 32 --batch 2 --steps 2 --warmup 1 --threads 1 "
+      "--delayed-update");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto json_begin = r.output.find('{');
+  ASSERT_NE(json_begin, std::string::npos) << r.output;
+  const auto d = nlohmann::json::parse(r.output.substr(json_begin));
+  const auto& rows = d.at("placements");
+  ASSERT_EQ(rows.size(), 5u);
+  const auto& ordinary = rows.at(1);
+  const auto& delayed = rows.at(4);
+  ASSERT_EQ(ordinary.at("placement"), "optimizer on host");
+  ASSERT_EQ(delayed.at("placement"), "optimizer on host, delayed update");
+  EXPECT_FALSE(ordinary.contains("vs_ordinary"));
+  EXPECT_NEAR(delayed.at("vs_ordinary").get<double>(),
+              ordinary.at("step_s").get<double>() / delayed.at("step_s").get<double>(), 1e-9);
+  EXPECT_EQ(delayed.at("allocations_after_warmup").get<int>(), 0);
+  // The same traffic as the ordinary step: gradients out, updated parameters in.
+  const double params = d.at("parameters").get<double>();
+  EXPECT_GE(delayed.at("bytes_per_step").at("d2h").get<double>(), 4 * params);
+  EXPECT_GE(delayed.at("bytes_per_step").at("h2d").get<double>(), 4 * params);
+  EXPECT_TRUE(delayed.at("parts_s").contains("optimizer"));
+}
+
 }  // namespace
 }  // namespace strata::testing

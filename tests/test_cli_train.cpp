@@ -171,6 +171,8 @@ TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
       {"train --threads -2", "--threads"},
       {"train --bogus", "--bogus"},
       {"train extra", "extra"},
+      // the default placement keeps the parameters on NVMe: the delayed update needs them resident
+      {"train --delayed-update", "strata.delayed_update"},
       {"eval --data x.txt", "--weights"},
       {"eval --weights w --data d --batch 0", "--batch"},
       {"export --weights out.safetensors", "--run"},
@@ -181,6 +183,19 @@ TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
     EXPECT_NE(r.output.find(c.needle), std::string::npos) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find("usage: strata"), std::string::npos) << c.args << "\n" << r.output;
   }
+}
+
+// --delayed-update trains (the delayed update itself is checked bit for bit in
+// test_offload_delayed_update.cpp) and says that it is on, in the output and in run.json.
+TEST(CliTrain, DelayedUpdateFlagTrainsAndIsReported) {
+  TempDir dir("strata-cli-dpu");
+  auto r = run_cli("train " + kTiny + "--steps 4 --val-windows 1 --offload-param none --offload-optimizer cpu " +
+                   "--delayed-update --out " + dir.path().string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("delayed update: each step computes with the parameters from before"), std::string::npos)
+      << r.output;
+  const auto run = nlohmann::json::parse(read_file((dir / "run.json").string()));
+  EXPECT_TRUE(run["offload"]["delayed_update"].get<bool>());
 }
 
 TEST(CliTrain, BadFilesExitOneNamingThePath) {

@@ -176,6 +176,7 @@ struct Case {
   double clip;
   int stage;
   Tier params, optimizer;
+  bool delayed = false;  // strata.delayed_update (warm-up 0), in the reference too
 };
 
 Snapshot train_dp(const TrainerConfig& global, const OffloadSettings& s, int steps) {
@@ -197,6 +198,8 @@ void check_case(const Case& c) {
   s.optimizer = c.optimizer;
   s.zero_stage = c.stage;
   s.persistence_threshold = 0;
+  s.delayed_update = c.delayed;
+  s.delayed_update_warmup = 0;
   testing::TempDir swap_dp("strata-dp-swap"), swap_ref("strata-dp-swap");  // each rank its own
   const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
   if (nvme) s.nvme_path = {swap_dp.path().string()};
@@ -284,6 +287,19 @@ TEST(DataParallel, Stage2OptimizerOnNvme) {
 // ZeRO-Infinity's placement: parameters and optimizer state partitioned and on NVMe.
 TEST(DataParallel, Stage3EverythingOnNvmeBf16) {
   check_case({"stage 3, parameters and optimizer on NVMe, bf16", DType::kBF16, 1, 1.0, 3, Tier::kNvme, Tier::kNvme});
+}
+
+// The delayed update: each rank's shard update is delayed the same way, so the data-parallel run
+// follows the single process's delayed run (itself checked bit for bit against its hand-driven
+// reference in test_offload_delayed_update.cpp) within the same rounding tolerances.
+TEST(DataParallel, DelayedUpdateStage2HostOptimizerBf16) {
+  check_case({"delayed update, stage 2, bf16, accumulation 2, clip 1", DType::kBF16, 2, 1.0, 2, Tier::kDevice,
+              Tier::kHost, true});
+}
+
+TEST(DataParallel, DelayedUpdateStage1OptimizerOnNvme) {
+  check_case({"delayed update, stage 1, optimizer on NVMe, clip 0.5", DType::kF32, 1, 0.5, 1, Tier::kDevice,
+              Tier::kNvme, true});
 }
 
 TEST(DataParallel, Stage0OptimizerOnDevice) {

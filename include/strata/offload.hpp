@@ -55,6 +55,13 @@ struct OffloadSettings {
   // device's fused update; gradients stay on the device), kHost (CPU Adam on host memory;
   // gradients stream out to host), kNvme (CPU Adam streaming state through a pinned ring).
   Tier optimizer = Tier::kDevice;  // zero_optimization.offload_optimizer.device
+  // zero_optimization.offload_optimizer.ratio: the fraction of the optimizer state (and of the
+  // updates) on the host; the rest stays on the device with the device's update. The device
+  // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
+  // their gradients land last in backward and the next forward reads them first, so they are
+  // the ones the host would make the step wait for. < 1 needs optimizer = kHost and the
+  // parameters on the device, one process and no delayed update (docs/offload.md).
+  double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
   // through one pinned staging buffer on the way out and in; needs optimizer = kNvme). A Strata
@@ -78,6 +85,15 @@ struct OffloadSettings {
   // (host tier). Off: update after backward, in forward order, overlapped with
   // the next step's forward. Either way the result is the same bits.
   bool update_during_backward = true;
+  // One-step delayed parameter update (ZeRO-Offload's DPU; docs/offload.md "Delayed update"): a
+  // step's host update runs while the next step's forward and backward compute with the
+  // parameters from before it, so step t+1 computes its gradients at the parameters after step
+  // t-1's update. Not equivalent to the ordinary run (it trades exactness for overlap). Needs the
+  // optimizer off the device and the working parameters on it. strata.delayed_update.
+  bool delayed_update = false;
+  // The first this many steps' updates are not delayed (the next step sees them).
+  // strata.delayed_update_warmup.
+  int delayed_update_warmup = 1;
   // Threads of the host optimizer (0: the device's CpuBudget host_threads, one per host cpu).
   int host_threads = 0;
   // Host memory the plan may use (0: no limit beyond what the machine has available).

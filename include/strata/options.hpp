@@ -36,6 +36,8 @@ enum class Option : std::uint16_t {
   kOffloadPrefetchModules,  // offload: modules whose parameters are fetched ahead of the one running
   kOffloadGradients,        // offload: where gradients wait for an off-device optimizer (cpu | nvme)
   kTensorParallelSize,      // ranks each model is split over under mpirun (1 = no tensor parallel)
+  kDelayedUpdate,           // offload: one-step delayed parameter update (DPU)
+  kDelayedUpdateWarmup,     // offload: steps whose update is not delayed before DPU starts
   kCount
 };
 

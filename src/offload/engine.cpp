@@ -164,6 +164,17 @@ struct OffloadEngine::Impl {
   bool fp16 = false;  // fp16: loss scaling and skipped steps
   std::optional<LossScaler> scaler;  // fp16 only; moved by the caller once a step's norm is known
   bool opt_on_device = true;
+  // Partial optimizer offload (Units::device_opt_units): units [0, kdev) keep gradients, masters
+  // and moments in the device regions (indexed by the fp32 layout's offsets, the prefix
+  // [0, hshift)) and are updated by the device after the norm is known; the host arrays hold
+  // [hshift, grad_bytes) (host_at).
+  int kdev = 0;
+  bool partial = false;
+  std::uint64_t hshift = 0;
+  std::vector<GradStats> dev_stats;  // per device unit: its gradient scan (compute stream)
+  bool dev_unit(int u) const { return opt_on_device || u < kdev; }
+  // Global fp32-layout offset `off` (of a host unit) in one of the host arrays.
+  char* host_at(const HostMem& h, std::uint64_t off) const { return h.bytes() + (off - hshift); }
   std::vector<OwnedParam> owned;                 // every owning parameter
   std::vector<std::vector<int>> owned_of_unit;   // indices into `owned`
   std::vector<int> first_touch, last_touch;      // per unit: backward modules (first = highest)
@@ -222,6 +233,13 @@ struct OffloadEngine::Impl {
   // and loss scale.
   std::int64_t opt_step_now = 0;
   double loss_scale_now = 1.0;
+  // One-step delayed update (settings.delayed_update, docs/offload.md "Delayed update"). The
+  // optimizer thread writes a unit's updated working parameters only to their host copy
+  // (host_params); the caller uploads them (publish_delayed) once the device may see them: after
+  // the next step's backward, or before anything else reads the parameters. pending_publish is
+  // the step whose update has not been uploaded yet (0: none). Caller thread only.
+  bool delayed = false;
+  std::int64_t pending_publish = 0;
   Status worker_error;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
@@ -328,8 +346,18 @@ struct OffloadEngine::Impl {
   Status publish_params(int u, const char* bytes);
   void mark_updated(int u, std::int64_t step);
   Status check_worker();
-  Status wait_updated(int u);
-  Status wait_all_updates();
+  // Waits until unit u holds step `step`'s update (wait_updated: the last step's).
+  Status wait_update_of(int u, std::int64_t step);
+  Status wait_updated(int u) { return wait_update_of(u, steps); }
+  // Waits for every update in flight; `publish` (the default): a delayed update is uploaded too,
+  // so the device holds the latest parameters.
+  Status wait_all_updates(bool publish = true);
+  // Delayed update: waits for step pending_publish's update of every unit and enqueues the
+  // uploads of the new working parameters on h2d (uploaded[u]). Compute must not be reading them.
+  Status publish_delayed();
+  // Optimizer thread, delayed update: before unit u's host copy is rewritten, the upload that
+  // reads it (enqueued by publish_delayed before this update was released) must have finished.
+  Status await_upload(int u);
   // Waits until the optimizer thread has processed every command (whatever its error state).
   void drain_worker();
   // After a failed step: every slot and bucket forgotten (their contents may be partial) and
@@ -380,13 +408,17 @@ struct OffloadEngine::Impl {
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
-    return {host_grads.bytes() + grad_begin(u), units.gbytes[uu] / 4};
+    return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
   }
   Status run_forward(bool for_backward);
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
   Status device_update(double lr, std::int64_t step);
+  // Partial optimizer offload, in compute order: the device units' gradient scans into
+  // dev_stats (after backward), and their update once the step's norm is known.
+  Status scan_device_units();
+  Status update_device_units(double lr, std::int64_t step, float scale);
 
   // State access (not on the hot path).
   Status read_unit_params(int u, std::vector<char>& bytes);
@@ -432,9 +464,14 @@ Status OffloadEngine::Impl::setup() {
     scaler.emplace(ls);
   }
   opt_on_device = settings.optimizer == Tier::kDevice;
+  delayed = settings.delayed_update;
   STRATA_RETURN_IF_ERROR(setup_tensor_parallel());
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model, TensorParallel{tp_size, tp_rank}));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
+  kdev = static_cast<int>(units.device_opt_units);
+  partial = !opt_on_device && kdev > 0;
+  hshift = partial ? units.device_opt_bytes : 0;
+  dev_stats.assign(static_cast<std::size_t>(kdev), GradStats{});
   M = static_cast<int>(lay.modules.size());
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
   STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
@@ -478,10 +515,11 @@ Status OffloadEngine::Impl::setup() {
     if (units.home[static_cast<std::size_t>(u)] == Tier::kDevice)
       bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
   }
-  if (opt_on_device) {
+  if (opt_on_device || partial) {
+    const std::uint64_t dbytes = opt_on_device ? L.grad_bytes : units.device_opt_bytes;
     auto carve = [&](const char* name) -> Result<float*> {
-      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(L.grad_bytes, 1)));
-      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, L.grad_bytes));
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(dbytes, 1)));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, dbytes));
       return reinterpret_cast<float*>(base + off);
     };
     STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
@@ -490,7 +528,7 @@ Status OffloadEngine::Impl::setup() {
     }
     STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq"));
-    for (int u = 0; u < M; ++u)
+    for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
       bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
   }
   STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
@@ -565,7 +603,7 @@ Status OffloadEngine::Impl::setup() {
         STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes - hshift, "offload.host_grads"));
     }
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
@@ -591,7 +629,7 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes;
+    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes - hshift;
     STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
     STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
@@ -646,7 +684,7 @@ Status OffloadEngine::Impl::setup() {
   for (std::uint64_t b : units.pbytes) largest = std::max(largest, b);
   STRATA_ASSIGN_OR_RETURN(stager, detail::HostStager::create(dev, *compute, std::min<std::uint64_t>(largest, 16u << 20),
                                                              "offload.staging"));
-  if (opt_on_device) {
+  if (opt_on_device || partial) {
     if (launch->is_cpu()) {
       CpuOptimizerConfig oc;
       STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
@@ -680,11 +718,11 @@ Status OffloadEngine::Impl::initialize() {
       values.resize(o.n);
       init_values(L, o.index, config.seed, 0, static_cast<std::int64_t>(o.n), values.data());
       STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, pbytes.data() + o.param_in_unit, wdtype, o.n));
-      if (settings.optimizer == Tier::kHost && !sharded) {
-        std::memcpy(host_master.bytes() + o.grad_offset, values.data(), o.n * 4);
+      if (settings.optimizer == Tier::kHost && !sharded && !dev_unit(u)) {
+        std::memcpy(host_at(host_master, o.grad_offset), values.data(), o.n * 4);
       }
       if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
-      if (opt_on_device && half) {
+      if (dev_unit(u) && half) {
         STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
       }
     }
@@ -779,9 +817,9 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
     return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
-  std::memcpy(blob.data(), host_master.bytes() + g, n * 4);
-  std::memcpy(blob.data() + n, host_m.bytes() + g, n * 4);
-  std::memcpy(blob.data() + 2 * n, host_v.bytes() + g, n * 4);
+  std::memcpy(blob.data(), host_at(host_master, g), n * 4);
+  std::memcpy(blob.data() + n, host_at(host_m, g), n * 4);
+  std::memcpy(blob.data() + 2 * n, host_at(host_v, g), n * 4);
   return ok_status();
 }
 
@@ -808,9 +846,9 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
     return ok_status();
   }
   const std::uint64_t g = grad_begin(u);
-  std::memcpy(host_master.bytes() + g, blob.data(), n * 4);
-  std::memcpy(host_m.bytes() + g, blob.data() + n, n * 4);
-  std::memcpy(host_v.bytes() + g, blob.data() + 2 * n, n * 4);
+  std::memcpy(host_at(host_master, g), blob.data(), n * 4);
+  std::memcpy(host_at(host_m, g), blob.data() + n, n * 4);
+  std::memcpy(host_at(host_v, g), blob.data() + 2 * n, n * 4);
   return ok_status();
 }
 
@@ -852,7 +890,7 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
   STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, bytes.data() + o.param_in_unit, wdtype, o.n));
   STRATA_RETURN_IF_ERROR(write_unit_params(o.unit, bytes));
   if (!master_too) return ok_status();
-  if (opt_on_device) {
+  if (dev_unit(o.unit)) {
     if (!half) return ok_status();  // the resident params are the master
     STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
     return compute->synchronize();
@@ -869,13 +907,13 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
   std::vector<float> out(o.n);
-  if (which == 0 || (which == 1 && opt_on_device && !half)) {
+  if (which == 0 || (which == 1 && dev_unit(o.unit) && !half)) {
     std::vector<char> bytes;
     STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
     STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
-  if (opt_on_device) {
+  if (dev_unit(o.unit)) {
     const float* src = which == 1 ? dmaster : which == 2 ? dm : dv;
     STRATA_RETURN_IF_ERROR(stager->download(out.data(), reinterpret_cast<const char*>(src) + o.grad_offset, o.n * 4));
     return out;
@@ -889,7 +927,7 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
 
 Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(read_unit_params(u, pbytes));
-  if (!opt_on_device) return read_unit_optim(u, blob);
+  if (!dev_unit(u)) return read_unit_optim(u, blob);
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   blob.assign(3 * n, 0.0f);
   if (n == 0) return ok_status();
@@ -908,7 +946,7 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
 
 Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
-  if (!opt_on_device) return write_unit_optim(u, blob);
+  if (!dev_unit(u)) return write_unit_optim(u, blob);
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   if (n == 0) return ok_status();
   const std::uint64_t g = grad_begin(u);
@@ -1240,6 +1278,12 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
   switch (units.home[uu]) {
     case Tier::kDevice: {
       char* host = host_params.bytes() + host_param_offset[uu];
+      if (delayed) {
+        // The device keeps the previous parameters until the caller's publish_delayed.
+        STRATA_RETURN_IF_ERROR(await_upload(u));
+        if (bytes != host) std::memcpy(host, bytes, n);
+        return ok_status();
+      }
       if (bytes != host) std::memcpy(host, bytes, n);
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
       STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
@@ -1264,6 +1308,7 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
 
 Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale) {
   const std::size_t uu = static_cast<std::size_t>(u);
+  if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
   if (sharded) {
@@ -1307,11 +1352,11 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     OptimizerBuffers b;
-    b.master = reinterpret_cast<float*>(host_master.bytes() + o.grad_offset);
-    b.grad = host_grads.bytes() + o.grad_offset;
+    b.master = reinterpret_cast<float*>(host_at(host_master, o.grad_offset));
+    b.grad = host_at(host_grads, o.grad_offset);
     b.grad_dtype = DType::kF32;
-    b.exp_avg = host_m.bytes() + o.grad_offset;
-    b.exp_avg_sq = host_v.bytes() + o.grad_offset;
+    b.exp_avg = host_at(host_m, o.grad_offset);
+    b.exp_avg_sq = host_at(host_v, o.grad_offset);
     b.moment_dtype = DType::kF32;
     b.param_out = half ? out_unit + o.param_in_unit : nullptr;
     b.out_dtype = wdtype;
@@ -1477,7 +1522,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       b.master = master + (lo - b0);
       b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4
                : sharded     ? shard_grads.bytes() + 4 * (slices.offset[uu] + lo - slices.begin[uu])
-                             : host_grads.bytes() + grad_begin(u) + lo * 4;
+                             : host_at(host_grads, grad_begin(u)) + lo * 4;
       b.grad_dtype = DType::kF32;
       b.exp_avg = master + len + (lo - b0);
       b.exp_avg_sq = master + 2 * len + (lo - b0);
@@ -1516,12 +1561,16 @@ void OffloadEngine::Impl::worker_main() {
   }
   worker_cpu.join(/*since_start=*/true);
   std::vector<GradStats> stats(static_cast<std::size_t>(M));
-  std::vector<int> forward_order(static_cast<std::size_t>(M));
-  for (int u = 0; u < M; ++u) forward_order[static_cast<std::size_t>(u)] = u;
+  // The order of a step's update. Forward order lets the next forward wait only for the unit it
+  // reaches. The delayed update is not waited for by the next forward but by the next backward's
+  // gradients of each unit (they reuse its gradient buffers), which come in backward order.
+  std::vector<int> update_order(static_cast<std::size_t>(M));
+  for (int u = 0; u < M; ++u) update_order[static_cast<std::size_t>(u)] = delayed ? M - 1 - u : u;
   // Not when sharded: a rank's slice alone cannot tell every rank whether to skip the update.
   // Not with fp16: an overflow anywhere skips the whole step, so no unit may update before the
   // norm is known (as with clipping).
-  const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
+  // Not with the delayed update: the step's update runs while the next step computes.
+  const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
@@ -1601,7 +1650,8 @@ void OffloadEngine::Impl::worker_main() {
         for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
       }
     } else {
-      for (const GradStats& g : stats) total.merge(g);
+      // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
+      for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
     }
     if (tp_size > 1) {
       auto merged = merge_over_tp(total, *tp_norm);
@@ -1618,6 +1668,8 @@ void OffloadEngine::Impl::worker_main() {
       norm_step = c.step;
     }
     cv.notify_all();
+    // The device units' update is the caller's, in compute order before the next forward.
+    for (int u = 0; u < kdev; ++u) mark_updated(u, c.step);
     if (immediate_ok) continue;
     if (!total.finite() && fp16) {
       // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
@@ -1633,11 +1685,13 @@ void OffloadEngine::Impl::worker_main() {
     const float scale = update_scale(norm, c.loss_scale);
     Status s;
     if (settings.optimizer == Tier::kNvme) {
-      s = update_units_nvme(forward_order, c.opt_step, c.lr, scale, c.step);
+      s = update_units_nvme(update_order, c.opt_step, c.lr, scale, c.step);
     } else {
-      for (int u = 0; u < M && s.ok(); ++u) {
+      for (int u : update_order) {
+        if (u < kdev) continue;  // partial offload: on the device
         s = update_unit_host(u, c.opt_step, c.lr, scale);
-        if (s.ok()) mark_updated(u, c.step);
+        if (!s.ok()) break;
+        mark_updated(u, c.step);
       }
     }
     if (!s.ok()) fail(s);
@@ -1649,10 +1703,10 @@ Status OffloadEngine::Impl::check_worker() {
   return worker_error;
 }
 
-Status OffloadEngine::Impl::wait_updated(int u) {
+Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step) {
   if (opt_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
-  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= steps; };
+  auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= step; };
   if (!ready()) {
     detail::HostSpan span(tracer, track.caller, TraceCounter::kUpdateStall, "wait update", u);
     cv.wait(lock, ready);
@@ -1688,10 +1742,38 @@ void OffloadEngine::Impl::reset_pass_state() {
   pos = 0;
 }
 
-Status OffloadEngine::Impl::wait_all_updates() {
+Status OffloadEngine::Impl::wait_all_updates(bool publish) {
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_updated(u));
+  if (publish) STRATA_RETURN_IF_ERROR(publish_delayed());
   if (!opt_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
   return ok_status();
+}
+
+Status OffloadEngine::Impl::publish_delayed() {
+  if (pending_publish == 0) return ok_status();
+  for (int u = 0; u < M; ++u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    STRATA_RETURN_IF_ERROR(wait_update_of(u, pending_publish));
+    if (units.pbytes[uu] == 0) continue;
+    // validate(): the delayed update keeps every unit resident.
+    if (units.home[uu] != Tier::kDevice) return internal_error("delayed update: unit " + std::to_string(u) + " is not resident");
+    const std::uint64_t n = units.pbytes[uu];
+    STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
+                                       host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
+    STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload (delayed)", u, n));
+    STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
+    uploaded_recorded[uu] = 1;
+  }
+  pending_publish = 0;
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::await_upload(int u) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  if (!uploaded_recorded[uu]) return ok_status();
+  detail::HostSpan span(tracer, track.optimizer, TraceCounter::kNone, "wait upload", u);
+  return uploaded[uu]->synchronize();
 }
 
 // ---- the pass: prefetch, slots, buckets ------------------------------------------------------
@@ -1789,7 +1871,9 @@ Status OffloadEngine::Impl::access_params(int m) {
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (units.pbytes[uu] == 0) continue;
-    STRATA_RETURN_IF_ERROR(wait_updated(u));
+    // The delayed update's caller publishes what this pass may read before the pass starts (the
+    // update in flight is the next step's to see); compute then waits for the upload alone.
+    if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
     if (units.home[uu] == Tier::kDevice) {
       if (!opt_on_device && uploaded_recorded[uu]) {
         STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
@@ -1889,7 +1973,7 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
   if (opt_on_device) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0) continue;
+    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0 || dev_unit(u)) continue;
     int s = -1;
     for (std::size_t i = 0; i < gslots.size() && s < 0; ++i)
       if (gslots[i].unit < 0) s = static_cast<int>(i);
@@ -1901,7 +1985,7 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
       STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
-      const char* from = grads_on_nvme ? nullptr : host_grads.bytes() + grad_begin(u);
+      const char* from = grads_on_nvme ? nullptr : host_at(host_grads, grad_begin(u));
       if (grads_on_nvme) {
         char* staging = grad_staging.bytes();
         STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe read of grad." + std::to_string(u),
@@ -1933,7 +2017,11 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
   if (opt_on_device) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (last_touch[uu] != m || gslot_of[uu] < 0) continue;
+    if (last_touch[uu] != m || gslot_of[uu] < 0 || dev_unit(u)) continue;
+    // Delayed update: the previous step's update of u may still read its gradients (host_grads,
+    // the shard or the NVMe shards), which this copy out overwrites. (Otherwise the forward
+    // already waited for it.)
+    if (delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
     GradSlot& g = gslots[static_cast<std::size_t>(gslot_of[uu])];
     STRATA_RETURN_IF_ERROR(compute->record(*g.done));
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
@@ -1942,7 +2030,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     const bool reduce = sharded && (last_micro || settings.zero_stage >= 2);
     char* out = reduce          ? rs_send.bytes()
                 : grads_on_nvme ? grad_staging.bytes()
-                                : host_grads.bytes() + grad_begin(u);
+                                : host_at(host_grads, grad_begin(u));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
     STRATA_RETURN_IF_ERROR(
         traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
@@ -2037,6 +2125,7 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
   if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
+  if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   for (std::int64_t a = 0; a < micro; ++a) {
@@ -2157,6 +2246,95 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
   return ok_status();
 }
 
+Status OffloadEngine::Impl::scan_device_units() {
+  const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
+  if (launch->is_cpu()) {
+    // The same per-unit scan as the host optimizer's and the device tier's: the same bits.
+    std::vector<std::pair<float*, std::size_t>> grads;
+    for (int u = 0; u < kdev; ++u)
+      grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
+                         units.gbytes[static_cast<std::size_t>(u)] / 4);
+    const CpuOptimizer* opt = &*device_opt;
+    GradStats* out = dev_stats.data();
+    return launch->run("gradient scan (device modules)", [grads, opt, out, inv_scale](const kernels::KernelContext&) -> Status {
+      for (std::size_t i = 0; i < grads.size(); ++i) {
+        STRATA_ASSIGN_OR_RETURN(out[i], opt->scan_gradients(grads[i].first, DType::kF32, grads[i].second, inv_scale, false));
+      }
+      return ok_status();
+    });
+  }
+  // cuda: one sum of squares per unit, read back in turn (not bitwise with the cpu scan).
+  auto* partials = static_cast<double*>(cuda_partials.data());
+  void* cs = compute->native_handle();
+  for (int u = 0; u < kdev; ++u) {
+    const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+    double* result = partials + detail::sum_of_squares_cuda_partials(n);
+    const auto* g = reinterpret_cast<const float*>(reinterpret_cast<const char*>(dgrads) + grad_begin(u));
+    STRATA_RETURN_IF_ERROR(detail::sum_of_squares_cuda(cs, g, n, partials, result));
+    STRATA_RETURN_IF_ERROR(compute->copy_async(pinned_norm.data(), result, sizeof(double), CopyKind::kDeviceToHost));
+    STRATA_RETURN_IF_ERROR(compute->synchronize());
+    GradStats& st = dev_stats[static_cast<std::size_t>(u)];
+    st.sum_of_squares = *static_cast<double*>(pinned_norm.data()) * static_cast<double>(inv_scale) * inv_scale;
+    st.count = n;
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, float scale) {
+  if (launch->is_cpu()) {
+    struct P {
+      OptimizerBuffers b;
+      bool decay;
+    };
+    std::vector<P> params;
+    for (const OwnedParam& o : owned) {
+      if (o.unit >= kdev) continue;
+      OptimizerBuffers b;
+      char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+      b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
+                      : reinterpret_cast<float*>(wp);
+      b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
+      b.grad_dtype = DType::kF32;
+      b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
+      b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
+      b.moment_dtype = DType::kF32;
+      b.param_out = half ? wp : nullptr;
+      b.out_dtype = wdtype;
+      b.n = o.n;
+      params.push_back(P{b, o.decay});
+    }
+    const CpuOptimizer* opt = &*device_opt;
+    const OptimizerSettings os = config.optimizer;
+    return launch->run("optimizer step (device modules)",
+                       [params, opt, os, lr, step, scale](const kernels::KernelContext&) -> Status {
+                         for (const P& p : params) {
+                           STRATA_RETURN_IF_ERROR(opt->update(hyper_of(os, lr, p.decay), step, scale, p.b));
+                         }
+                         return ok_status();
+                       });
+  }
+  std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
+  for (const OwnedParam& o : owned) {
+    if (o.unit >= kdev) continue;
+    char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+    DeviceAdamTensor x;
+    x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
+    x.param = half ? static_cast<void*>(wp) : static_cast<void*>(x.master);
+    x.grad = reinterpret_cast<const float*>(reinterpret_cast<char*>(dgrads) + o.grad_offset);
+    x.exp_avg = reinterpret_cast<float*>(reinterpret_cast<char*>(dm) + o.grad_offset);
+    x.exp_avg_sq = reinterpret_cast<float*>(reinterpret_cast<char*>(dv) + o.grad_offset);
+    x.n = o.n;
+    group[o.decay ? 1 : 0].push_back(x);
+  }
+  void* cs = compute->native_handle();
+  for (int decay = 0; decay < 2; ++decay) {
+    if (group[decay].empty()) continue;
+    STRATA_RETURN_IF_ERROR(fused_adam_cuda(group[decay], wdtype, DType::kF32,
+                                           hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
+  }
+  return ok_status();
+}
+
 // ---- OffloadEngine ----------------------------------------------------------------------------
 
 OffloadEngine::OffloadEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -2194,6 +2372,15 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
   if (s.gradients == Tier::kNvme) {
     return invalid_argument("gradients on NVMe (--offload-gradients nvme)" + ranks +
                             " are not built yet: leave the gradients on the host");
+  }
+  if (s.optimizer_ratio < 1.0) {
+    // The device units' gradient scan (on the compute stream) counts every element; the
+    // tensor-parallel norm must count replicated parameters on one rank only.
+    return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(s.optimizer_ratio) + ranks +
+                            " is not built yet: use ratio 1");
+  }
+  if (s.delayed_update) {
+    return invalid_argument("strata.delayed_update" + ranks + " is not built yet (untested): turn it off");
   }
   if (device.info().kind == DeviceKind::kCuda) {
     // The model's collectives reduce device buffers (nccl), while the norm statistics and the
@@ -2273,6 +2460,11 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   return engine;
 }
 
+Status offload_detail::EngineFaults::set_working_param(OffloadEngine& engine, int index,
+                                                      std::span<const float> values) {
+  return engine.impl_->write_values(index, values, /*master_too=*/false);
+}
+
 const OffloadPlan& OffloadEngine::plan() const { return impl_->plan; }
 const OffloadSettings& OffloadEngine::settings() const { return impl_->settings; }
 const TrainerConfig& OffloadEngine::config() const { return impl_->config; }
@@ -2305,7 +2497,13 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   m.loss_scale = t.scaler ? t.scaler->scale() : 1.0;
   t.opt_step_now = applied + 1;
   t.loss_scale_now = m.loss_scale;
+  // Delayed update: the update of a warm-up step (the first delayed_update_warmup) is seen by
+  // the next step, like a flush (synchronize, a checkpoint, an evaluation).
+  if (t.delayed && t.pending_publish > 0 && t.pending_publish <= t.settings.delayed_update_warmup) {
+    STRATA_RETURN_IF_ERROR(t.publish_delayed());
+  }
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
+  if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
@@ -2320,6 +2518,10 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     if (s.ok()) s = t.compute->synchronize();
     if (s.ok()) s = t.h2d->synchronize();
     if (s.ok()) s = t.gstream->synchronize();
+    // Delayed update: compute is done with the parameters of this step; the previous step's
+    // update (which this step did not see) goes to the device now, before this step's update
+    // may rewrite the host copy it is uploaded from (await_upload).
+    if (s.ok() && t.delayed) s = t.publish_delayed();
     {
       std::lock_guard<std::mutex> lock(t.mu);
       t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr,
@@ -2337,6 +2539,16 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
     STRATA_RETURN_IF_ERROR(t.worker_error);
     t.grad_norm = t.norm_value;
+    if (t.delayed) t.pending_publish = m.step;
+    lock.unlock();
+    // Partial offload: a finite norm applies the step on the device units too (an fp16 overflow
+    // skips it everywhere; any other non-finite norm failed on the optimizer thread).
+    if (t.partial && std::isfinite(t.grad_norm)) {
+      s = t.tracer.stream_begin(*t.compute, t.track.compute);
+      if (s.ok()) s = t.update_device_units(m.lr, t.opt_step_now, t.update_scale(t.grad_norm, t.loss_scale_now));
+      if (s.ok()) s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step (device modules)", -1);
+      if (!s.ok()) return s;
+    }
   }
   if (t.scaler) {
     // Every unit skipped or every unit updated; either way the scaler moves (and fails the step
@@ -2359,7 +2571,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   }
   t.steps += 1;
   if (!t.have_baseline) {
-    STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+    // Not published: a delayed update stays delayed (its upload allocates nothing).
+    STRATA_RETURN_IF_ERROR(t.wait_all_updates(/*publish=*/false));
     t.alloc_baseline = t.allocation_count();
     t.have_baseline = true;
   }
@@ -2394,6 +2607,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
   t.begin_pass();
   Status s = t.run_forward(false);
@@ -2409,6 +2623,7 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.check_worker());
+  if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   auto forward = [&t]() -> Status {
     t.begin_pass();
     STRATA_RETURN_IF_ERROR(t.run_forward(false));
@@ -2694,6 +2909,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     std::lock_guard<std::mutex> lock(t.mu);
     t.worker_error = ok_status();
   }
+  t.pending_publish = 0;  // the checkpoint's parameters replace the delayed update's
   const std::uint64_t wsize = dtype_size(t.wdtype);
   std::vector<char> pbytes;
   std::vector<float> blob;

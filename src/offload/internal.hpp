@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,11 @@ struct Units {
   // (0 = b0 < b1 < ... < bk = n); sub-group c is [b_c, b_c+1), swap key "optim.<u>" shard c.
   std::vector<std::vector<std::uint64_t>> sub_groups;
   std::uint64_t param_out_bytes = 0;  // NVMe optimizer: one updated-parameter staging buffer
+  // Partial optimizer offload (optimizer_ratio < 1): modules [0, device_opt_units) keep their
+  // gradients and optimizer state on the device, which is the fp32 layout's prefix
+  // [0, device_opt_bytes) (units are laid out in module order); the host holds the rest.
+  std::uint32_t device_opt_units = 0;
+  std::uint64_t device_opt_bytes = 0;
 };
 
 // Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
@@ -150,6 +156,16 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     u.grad_slots = most + 1;
     u.grad_slot_bytes = align_up(std::max<std::uint64_t>(max_grad, 4), 4096);
   }
+  if (settings.optimizer != Tier::kDevice && settings.optimizer_ratio < 1.0) {
+    // The largest prefix of modules whose elements fit in (1 - ratio) of all elements.
+    std::uint64_t total = 0, acc = 0;
+    for (std::size_t m = 0; m < M; ++m) total += u.gbytes[m] / 4;
+    const double budget = (1.0 - settings.optimizer_ratio) * static_cast<double>(total);
+    std::size_t k = 0;
+    while (k < M && static_cast<double>(acc + u.gbytes[k] / 4) <= budget) acc += u.gbytes[k++] / 4;
+    u.device_opt_units = static_cast<std::uint32_t>(k);
+    u.device_opt_bytes = k == 0 ? 0 : k == M ? layout.grad_bytes : layout.modules[k].grad_begin;
+  }
   if (settings.optimizer == Tier::kNvme) {
     u.ring_buffers = static_cast<std::uint32_t>(std::max(3, settings.nvme_buffer_count));
     std::uint64_t most = 0;
@@ -192,6 +208,14 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
     r.push_back(RegionSpec{"optim.exp_avg_sq", gb, 0, 0});
   } else {
     r.push_back(RegionSpec{"offload.grad_slots", 0, u.grad_slot_bytes, u.grad_slots});
+    if (u.device_opt_units > 0) {
+      // Partial optimizer offload: the first modules' gradients and state, in the fp32 layout.
+      const std::uint64_t db = std::max<std::uint64_t>(u.device_opt_bytes, kParamAlignment);
+      r.push_back(RegionSpec{"offload.grads", db, 0, 0});
+      if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", db, 0, 0});
+      r.push_back(RegionSpec{"optim.exp_avg", db, 0, 0});
+      r.push_back(RegionSpec{"optim.exp_avg_sq", db, 0, 0});
+    }
   }
   return r;
 }
@@ -278,6 +302,9 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, cons
 struct EngineFaults {
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config, const OffloadSettings& settings,
                                                        Device& device, const nvme_detail::IoFaults* faults);
+  // Tests only: parameter `index`'s working copy set to `values`, its fp32 master left as it is
+  // (the delayed update's reference: gradients taken at other parameters than the ones updated).
+  static Status set_working_param(OffloadEngine& engine, int index, std::span<const float> values);
 };
 
 }  // namespace strata::offload_detail

@@ -69,6 +69,46 @@ Status OffloadSettings::validate() const {
   if (host_threads < 0) {
     return invalid_argument("offload host threads = " + std::to_string(host_threads) + " must be >= 0");
   }
+  if (!(optimizer_ratio > 0.0 && optimizer_ratio <= 1.0)) {
+    return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) +
+                            " must be in (0, 1]: the fraction of the optimizer state on the host");
+  }
+  if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
+    const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio);
+    if (optimizer != Tier::kHost) {
+      return invalid_argument(key + " with offload_optimizer.device nvme is not built yet: use device cpu (the rest "
+                                    "of the state on the host) or ratio 1");
+    }
+    if (params != Tier::kDevice) {
+      return invalid_argument(key + " needs the working parameters on the device (zero_optimization.offload_param."
+                                    "device = none): the device's update writes the resident parameters");
+    }
+    if (dp_size > 1) {
+      return invalid_argument(key + " with " + std::to_string(dp_size) +
+                              " data-parallel ranks is not built yet: use ratio 1 (state sharded over the ranks' host "
+                              "memory)");
+    }
+    if (delayed_update) {
+      return invalid_argument(key + " with strata.delayed_update is not built yet: use one or the other");
+    }
+  }
+  if (delayed_update && optimizer == Tier::kDevice) {
+    return invalid_argument(
+        "strata.delayed_update = true needs the optimizer off the device (the device's update is in stream order "
+        "with the next step anyway): set zero_optimization.offload_optimizer.device to cpu or nvme, or turn "
+        "strata.delayed_update off");
+  }
+  if (delayed_update && params != Tier::kDevice) {
+    return invalid_argument(
+        "strata.delayed_update = true needs the working parameters on the device "
+        "(zero_optimization.offload_param.device = none, --offload-param none): the next step keeps computing with "
+        "the resident parameters while the update runs; offload_param.device = " +
+        std::string(to_string(params)) + " is not supported with it");
+  }
+  if (delayed_update_warmup < 0) {
+    return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +
+                            " must be >= 0");
+  }
   if (params == Tier::kNvme || optimizer == Tier::kNvme) STRATA_RETURN_IF_ERROR(io.validate());
   return ok_status();
 }
@@ -112,12 +152,9 @@ Status OffloadSettings::apply(const Config& config) {
   // Strata's own tunables of the placement (the `strata` section, or STRATA_OFFLOAD_*).
   prefetch_modules = static_cast<int>(config.strata.get_int(Option::kOffloadPrefetchModules));
   gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
-  if (z.offload_optimizer.ratio != 1.0 && optimizer != Tier::kDevice) {
-    return invalid_argument(config.source +
-                            ": zero_optimization.offload_optimizer.ratio = " +
-                            std::to_string(z.offload_optimizer.ratio) +
-                            ": partial optimizer offload is not supported yet (use 1.0)");
-  }
+  delayed_update = config.strata.get_bool(Option::kDelayedUpdate);
+  delayed_update_warmup = static_cast<int>(config.strata.get_int(Option::kDelayedUpdateWarmup));
+  optimizer_ratio = z.offload_optimizer.ratio;
   return validate().with_context(config.source);
 }
 
@@ -152,6 +189,12 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
        offload_detail::activation_bytes_estimate(config));
   const bool pin = settings.pin_memory;
   const bool sharded = offload_detail::dp_sharded(settings);
+  // Partial optimizer offload: which modules' state each side holds.
+  const std::string host_part =
+      units.device_opt_units == 0
+          ? std::string()
+          : " (modules " + std::to_string(units.device_opt_units) + ".." + std::to_string(units.home.size() - 1) +
+                "; modules 0.." + std::to_string(units.device_opt_units - 1) + " on the device)";
   if (sharded) {
     // Rank 0 holds the largest slices: its bytes bound every rank's.
     const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
@@ -192,14 +235,17 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
       line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, layout.grad_bytes);
       line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
     } else {
-      line("gradients (fp32, host)", Tier::kHost, StateKind::kGradients, layout.grad_bytes, pin);
+      line("gradients (fp32, host)" + host_part, Tier::kHost, StateKind::kGradients,
+           layout.grad_bytes - units.device_opt_bytes, pin);
     }
     line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
   }
   if (settings.optimizer == Tier::kHost && !sharded) {
-    line("fp32 master weights", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
-    line("Adam exp_avg", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
-    line("Adam exp_avg_sq", Tier::kHost, StateKind::kOptimizer, layout.grad_bytes, pin);
+    // Partial offload: the first modules' state is in the device regions optim.* above.
+    const std::uint64_t host_state = layout.grad_bytes - units.device_opt_bytes;
+    line("fp32 master weights" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
+    line("Adam exp_avg" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
+    line("Adam exp_avg_sq" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
   }
   if (settings.optimizer == Tier::kNvme) {
     const std::uint64_t state = sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements

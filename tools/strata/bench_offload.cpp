@@ -16,6 +16,9 @@
 //   cpu_s           per step, the CPU seconds (thread clocks) of each engine: compute (stream
 //                   workers and their OpenMP teams), copy (the copy engines' memcpy), io (NVMe
 //                   I/O threads), optimizer (the host optimizer thread and its team)
+//   vs_ordinary     --delayed-update: one more row, the optimizer on the host with the one-step
+//                   delayed update (strata.delayed_update, warm-up 0), and the ordinary row's step
+//                   over its step, measured in the same run
 //
 // The cpus are split by the device's CpuBudget (cpu_budget.hpp): compute pinned to compute_cpus,
 // copies, I/O and the host optimizer to host_cpus; STRATA_CPU_AFFINITY=0 runs the same split's
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -61,6 +65,8 @@ constexpr FlagSpec kOffloadFlags[] = {
     {"batch", "N", "sequences per step (default 8)"},
     {"seq-len", "T", "tokens per sequence (default 128)"},
     {"nvme-path", "DIR", "swap directory (default: a fresh directory under $TMPDIR, removed at exit)"},
+    {"delayed-update", "",
+     "also time the optimizer on host with the one-step delayed update, and its ratio to the ordinary step"},
     {"help", "", "show this help"},
 };
 
@@ -88,6 +94,7 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 struct Placement {
   const char* name;
   Tier params, optimizer, gradients;
+  bool delayed = false;  // strata.delayed_update
 };
 
 constexpr Placement kPlacements[] = {
@@ -148,9 +155,14 @@ int bench_offload(std::span<const std::string> argv) {
     }
   } cleanup{temp_dir};
 
+  std::vector<Placement> placements(std::begin(kPlacements), std::end(kPlacements));
+  constexpr const char* kOrdinaryHost = "optimizer on host";
+  if (args.has("delayed-update")) {
+    placements.push_back({"optimizer on host, delayed update", Tier::kDevice, Tier::kHost, Tier::kHost, true});
+  }
   Options options;
   std::uint64_t device_need = 0;
-  for (const Placement& p : kPlacements) {
+  for (const Placement& p : placements) {
     OffloadSettings os;
     os.params = p.params;
     os.optimizer = p.optimizer;
@@ -221,9 +233,9 @@ int bench_offload(std::span<const std::string> argv) {
                      {"pinned", budget.pin},
                      {"shared", budget.shared()}};
   Json rows = Json::array();
-  double all_device_step = 0;
+  double all_device_step = 0, ordinary_host_step = 0;
   int index = 0;
-  for (const Placement& p : kPlacements) {
+  for (const Placement& p : placements) {
     // Each placement's swap files in a directory of their own, removed after it.
     const std::string swap_dir = dir + "/placement-" + std::to_string(index++);
     std::filesystem::create_directories(swap_dir);
@@ -241,6 +253,8 @@ int bench_offload(std::span<const std::string> argv) {
     os.nvme_path = {swap_dir};
     os.io.nvme_path = os.nvme_path;
     os.persistence_threshold = 0;
+    os.delayed_update = p.delayed;
+    os.delayed_update_warmup = 0;
     auto compute = compute_alone();
     if (!compute.ok()) return fail(compute.status());
     const double compute_s = *compute;
@@ -305,12 +319,14 @@ int bench_offload(std::span<const std::string> argv) {
     for (auto it = parts.begin(); it != parts.end(); ++it) lower = std::max(lower, it.value().get<double>());
     const double step_s = median(step_times);
     if (p.params == Tier::kDevice && p.optimizer == Tier::kDevice) all_device_step = step_s;
+    if (std::string_view(p.name) == kOrdinaryHost) ordinary_host_step = step_s;
     Json row;
     row["placement"] = p.name;
     row["step_s"] = step_s;
     row["lower_bound_s"] = lower;
     row["efficiency"] = lower / step_s;
     row["vs_all_device"] = all_device_step > 0 ? all_device_step / step_s : 1.0;
+    if (p.delayed) row["vs_ordinary"] = ordinary_host_step / step_s;
     row["parts_s"] = parts;
     row["stall_s"] = (after.fetch_stall_seconds - before.fetch_stall_seconds + after.update_stall_seconds -
                       before.update_stall_seconds) /

@@ -553,6 +553,11 @@ int run_train(std::span<const std::string> argv) {
   std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
               std::string(to_string(offload.optimizer)).c_str(), uses_nvme ? ", swap in " : "",
               uses_nvme ? offload.nvme_path.front().c_str() : "", tr.plan().to_string().c_str());
+  if (offload.delayed_update) {
+    std::printf("offload  delayed update: each step computes with the parameters from before the previous step's "
+                "update (not equivalent to the ordinary step); the first %d step(s) not delayed\n",
+                offload.delayed_update_warmup);
+  }
   std::fflush(stdout);
 
   // The run's configuration goes to DIR/run.json first, so a run that stops early can still be
@@ -578,7 +583,8 @@ int run_train(std::span<const std::string> argv) {
   run["tensor_parallel"] = Json{{"ranks", tp_size}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
-                        {"optimizer", std::string(to_string(offload.optimizer))}};
+                        {"optimizer", std::string(to_string(offload.optimizer))},
+                        {"delayed_update", offload.delayed_update}};
   run["plan"] = Json{{"device", tr.plan().device_bytes},
                      {"host", tr.plan().host_bytes},
                      {"pinned", tr.plan().pinned_bytes},

@@ -89,6 +89,15 @@ Status apply_settings_flags(const Args& args, RunSettings* rs) {
       *tier = *t;
     }
   }
+  // strata.delayed_update(_warmup) of a config without a zero_optimization section (apply() reads
+  // them otherwise), then the flag.
+  if (rs->options.source(Option::kDelayedUpdate) != "default") {
+    rs->offload.delayed_update = rs->options.get_bool(Option::kDelayedUpdate);
+  }
+  if (rs->options.source(Option::kDelayedUpdateWarmup) != "default") {
+    rs->offload.delayed_update_warmup = static_cast<int>(rs->options.get_int(Option::kDelayedUpdateWarmup));
+  }
+  if (args.has("delayed-update")) rs->offload.delayed_update = true;
   if (auto dir = args.get("nvme-path")) {
     rs->offload.nvme_path = {*dir};
     rs->offload.io.nvme_path = rs->offload.nvme_path;

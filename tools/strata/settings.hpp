@@ -59,6 +59,10 @@ inline constexpr FlagSpec kSettingsFlags[] = {
      "where fp32 gradients wait for an off-device optimizer: cpu (host memory, default) or nvme (needs "
      "--offload-optimizer nvme; for models whose gradients do not fit in host memory)"},
     {"nvme-path", "DIR", "swap directory of the NVMe tier (train default: a fresh directory under $TMPDIR)"},
+    {"delayed-update", "",
+     "one-step delayed parameter update (strata.delayed_update): each step computes with the parameters "
+     "from before the previous step's update, which overlaps it; not equivalent to the ordinary step; needs "
+     "--offload-param none and the optimizer on cpu or nvme"},
 };
 
 struct RunSettings {

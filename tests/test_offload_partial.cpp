@@ -1,0 +1,167 @@
+// Partial optimizer offload (zero_optimization.offload_optimizer.ratio < 1, docs/offload.md
+// "Partial optimizer offload"): the first modules keep gradients, masters and moments on the
+// device and are updated there; the rest as with the host optimizer. Every split trains to the
+// same bits as the all-device run and the all-host run on the cpu backend: the device units are
+// scanned with the same per-unit gradient scan, merged in unit order with the host units', and
+// updated by the same CPU Adam on the same elements.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "harness/harness.hpp"
+#include "offload_fixture.hpp"
+#include "strata/config.hpp"
+#include "strata/offload.hpp"
+
+namespace strata::testing {
+namespace {
+
+struct PartialCase {
+  ModelKind kind;
+  DType dtype;
+  std::int64_t accum;
+  double clip;
+};
+
+OffloadSettings partial(double ratio) {
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.optimizer_ratio = ratio;
+  return s;
+}
+
+std::uint64_t plan_bytes(const OffloadPlan& p, const std::string& prefix) {
+  std::uint64_t b = 0;
+  for (const PlanLine& l : p.lines)
+    if (l.what.rfind(prefix, 0) == 0) b += l.bytes;
+  return b;
+}
+
+class PartialOffload : public ::testing::TestWithParam<PartialCase> {};
+
+TEST_P(PartialOffload, EverySplitMatchesTheAllDeviceAndAllHostRunsBitForBit) {
+  const PartialCase k = GetParam();
+  const TrainerConfig c = tiny(k.kind, k.dtype, k.accum, k.clip);
+  constexpr int kSteps = 3;
+  const Snapshot device = train(c, OffloadSettings{}, kSteps);
+  const Snapshot host = train(c, partial(1.0), kSteps);
+  expect_same(device, host, "ratio 1 (all on the host)");
+  // Splits that keep 1, 2 and every but the last module on the device (tiny's modules: the
+  // embedding, 3 blocks, the head).
+  std::set<std::uint32_t> splits;
+  for (double ratio : {0.9, 0.5, 0.2, 0.01}) {
+    auto plan = OffloadPlan::make(c, partial(ratio));
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    const Snapshot got = train(c, partial(ratio), kSteps);
+    expect_same(device, got, "ratio " + std::to_string(ratio));
+    splits.insert(static_cast<std::uint32_t>(plan_bytes(*plan, "device region optim.exp_avg_sq")));
+  }
+  EXPECT_GE(splits.size(), 3u) << "the ratios should give different splits";
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, PartialOffload,
+                         ::testing::Values(PartialCase{ModelKind::kGpt2, DType::kF32, 1, 0.0},
+                                           PartialCase{ModelKind::kGpt2, DType::kBF16, 2, 1.0},
+                                           PartialCase{ModelKind::kLlama, DType::kBF16, 1, 0.5},
+                                           PartialCase{ModelKind::kLlama, DType::kF32, 2, 0.0},
+                                           PartialCase{ModelKind::kGpt2, DType::kF16, 2, 1.0},
+                                           PartialCase{ModelKind::kLlama, DType::kF16, 1, 0.0}),
+                         [](const ::testing::TestParamInfo<PartialCase>& info) {
+                           const PartialCase& k = info.param;
+                           return std::string(k.kind == ModelKind::kGpt2 ? "Gpt2" : "Llama") + "_" +
+                                  std::string(to_string(k.dtype)) + "_accum" + std::to_string(k.accum) +
+                                  (k.clip > 0 ? "_clip" : "");
+                         });
+
+// The plan splits the optimizer state (and the gradients) between the device and the host: the
+// two sides add up to the whole, the device keeps a prefix of the modules within 1 - ratio of
+// the elements, and a smaller ratio moves more to the device.
+TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  auto whole = OffloadPlan::make(c, partial(1.0));
+  ASSERT_TRUE(whole.ok());
+  const std::uint64_t full = plan_bytes(*whole, "Adam exp_avg_sq");
+  ASSERT_GT(full, 0u);
+  EXPECT_EQ(plan_bytes(*whole, "device region optim."), 0u);
+  std::uint64_t last_device = 0;
+  for (double ratio : {0.9, 0.5, 0.2}) {
+    auto p = OffloadPlan::make(c, partial(ratio));
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    const std::uint64_t dev = plan_bytes(*p, "device region optim.exp_avg_sq");
+    const std::uint64_t host = plan_bytes(*p, "Adam exp_avg_sq");
+    EXPECT_EQ(dev + host, full) << "ratio " << ratio;
+    EXPECT_LE(static_cast<double>(dev), (1.0 - ratio) * static_cast<double>(full) + 4096) << "ratio " << ratio;
+    EXPECT_GT(dev, last_device) << "ratio " << ratio;
+    last_device = dev;
+    // bf16: the device keeps fp32 masters and gradients for its modules too.
+    EXPECT_EQ(plan_bytes(*p, "device region optim.master"), dev);
+    EXPECT_EQ(plan_bytes(*p, "device region offload.grads"), dev);
+    EXPECT_EQ(plan_bytes(*p, "gradients (fp32, host)"), host);
+    EXPECT_NE(p->to_string().find("on the device)"), std::string::npos) << p->to_string();
+  }
+}
+
+// A checkpoint saved under a split resumes bit for bit under another placement (the all-device
+// run here) and the other way round.
+TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 2, 1.0);
+  const Snapshot ref = train(c, OffloadSettings{}, 6);
+  for (const auto& [first, second] : {std::pair{partial(0.5), OffloadSettings{}}, std::pair{OffloadSettings{}, partial(0.5)}}) {
+    TempDir ckpt("strata-partial-ckpt");
+    Snapshot got;
+    {
+      auto device = make_device();
+      auto engine = OffloadEngine::create(c, first, *device);
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      ASSERT_TRUE(run_steps(**engine, c, 0, 3, got));
+      ASSERT_TRUE((*engine)->save_checkpoint(ckpt.path().string()).ok());
+    }
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, second, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(ckpt.path().string());
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    ASSERT_TRUE(run_steps(**engine, c, 3, 6, got));
+    ASSERT_TRUE(capture_state(**engine, got));
+    expect_same(ref, got, first.optimizer_ratio < 1 ? "saved at ratio 0.5, resumed all-device"
+                                                    : "saved all-device, resumed at ratio 0.5");
+  }
+}
+
+// What is not built is refused, naming the key.
+TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
+  TempDir dir("strata-partial");
+  auto refused = [](OffloadSettings s, const std::string& want) {
+    Status e = s.validate();
+    EXPECT_FALSE(e.ok()) << want;
+    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
+  };
+  OffloadSettings nvme = partial(0.5);
+  nvme.optimizer = Tier::kNvme;
+  nvme.nvme_path = {dir.path().string()};
+  refused(nvme, "nvme");
+  OffloadSettings params = partial(0.5);
+  params.params = Tier::kHost;
+  refused(params, "offload_param");
+  OffloadSettings dp = partial(0.5);
+  dp.dp_size = 2;
+  refused(dp, "data-parallel");
+  OffloadSettings dpu = partial(0.5);
+  dpu.delayed_update = true;
+  refused(dpu, "strata.delayed_update");
+  refused(partial(0.0), "(0, 1]");
+  refused(partial(1.5), "(0, 1]");
+  EXPECT_TRUE(partial(0.5).validate().ok());
+  // The DeepSpeed key reaches the setting.
+  auto config = parse_config(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
+                             "partial.json");
+  ASSERT_TRUE(config.ok()) << config.status().to_string();
+  OffloadSettings s;
+  ASSERT_TRUE(s.apply(*config).ok());
+  EXPECT_EQ(s.optimizer_ratio, 0.3);
+}
+
+}  // namespace
+}  // namespace strata::testing
