@@ -120,7 +120,7 @@ struct OwnedParam {
   bool decay = false;
   std::uint64_t grad_in_unit = 0;   // bytes from the unit's grad_begin (fp32 layout)
   std::uint64_t param_in_unit = 0;  // bytes from the unit's param_begin (working layout)
-  std::uint64_t grad_offset = 0;    // global fp32 layout
+  std::uint64_t grad_offset = 0;    // in the engine's fp32 arrays (grad_begin(unit) + grad_in_unit)
   std::size_t n = 0;
 };
 
@@ -251,6 +251,24 @@ struct OffloadEngine::Impl {
   std::atomic<std::uint64_t> dp_bytes{0};
   int dp_tracks[4] = {0, 0, 0, 0};  // caller, gradient stream, optimizer thread, h2d stream
 
+  // Pipeline parallel (null / size 1: every module here). This stage runs modules
+  // [stage_first, stage_end); units.in_stage says which units it holds. Each thread that talks
+  // has its own Comm split from the group, used in one order on every stage: the caller
+  // (activations and activation gradients, the loss), the thread that computes the gradient norm
+  // (the compute stream's optimizer step, or the host optimizer thread: per-unit statistics), and
+  // the thread that holds the tied embedding's final gradient (compute stream / gradient stream:
+  // its all-reduce between the first and the last stage).
+  Comm* pp = nullptr;
+  int pp_size = 1, pp_rank = 0;
+  int stage_first = 0, stage_end = 0;
+  std::unique_ptr<Comm> pp_caller, pp_norm, pp_tied;
+  int tied_unit = -1;                   // the unit both the first and the last stage hold (GPT-2's embedding)
+  std::vector<int> unit_stage;          // per unit: the lowest stage holding it (whose statistics count)
+  std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
+  std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
+  std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
+  std::vector<CommWork> sends;          // this step's sends, waited at its end
+
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
   std::int64_t steps = 0;
@@ -263,7 +281,9 @@ struct OffloadEngine::Impl {
     return device->memory().stats().allocations + device->pinned().stats().allocations + device->stats().raw_allocs;
   }
   const ModelLayout& layout() const { return model->layout(); }
-  std::uint64_t grad_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].grad_begin; }
+  // Unit u's gradient offset in the engine's fp32 arrays (internal.hpp's Units::grad_offset: the
+  // layout's grad_begin in one process; packed to the stage's units in a pipeline).
+  std::uint64_t grad_begin(int u) const { return units.grad_offset[static_cast<std::size_t>(u)]; }
   std::uint64_t param_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].param_begin; }
   int owner_unit(int index) const {
     const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
@@ -291,6 +311,13 @@ struct OffloadEngine::Impl {
     STRATA_RETURN_IF_ERROR(s.copy_async(dst, src, n, kind));
     return tracer.stream_end(
         s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D, what, u, n);
+  }
+  // Operations that need every module in this process.
+  Status single_stage(const char* what) const {
+    if (pp_size == 1) return ok_status();
+    return failed_precondition(std::string(what) + " with " + std::to_string(pp_size) +
+                               " pipeline stages is not built yet (this stage holds modules " +
+                               std::to_string(stage_first) + ".." + std::to_string(stage_end - 1) + ")");
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -366,6 +393,16 @@ struct OffloadEngine::Impl {
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
+  // Pipeline parallel.
+  Status setup_pipeline();
+  Status run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                      std::int64_t micro, float dloss, std::int64_t step, double lr);
+  // `stats` (per unit, this stage's) merged over the stages in unit order, each unit's from the
+  // lowest stage holding it: the single process's merge (collective over pp_norm).
+  Result<GradStats> merge_stage_stats(const std::vector<GradStats>& stats);
+  // The tied unit's gradient at `grads` summed over the first and the last stage (collective).
+  Status reduce_tied_grads(float* grads);
+  DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
   Status device_update(double lr, std::int64_t step);
 
   // State access (not on the hot path).
@@ -427,6 +464,16 @@ Status OffloadEngine::Impl::setup() {
   mo.plan_arena = false;
   mo.own_storage = false;
   mo.loss_slots = static_cast<int>(config.grad_accum);
+  stage_first = 0;
+  stage_end = M;
+  if (pp_size > 1) {
+    stage_first = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank)];
+    stage_end = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank) + 1];
+    mo.first_module = stage_first;
+    mo.end_module = stage_end;
+    mo.activation_slots =
+        pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
+  }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
 
@@ -443,8 +490,8 @@ Status OffloadEngine::Impl::setup() {
   }
   if (opt_on_device) {
     auto carve = [&](const char* name) -> Result<float*> {
-      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(L.grad_bytes, 1)));
-      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, L.grad_bytes));
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(units.grad_bytes, 1)));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, units.grad_bytes));
       return reinterpret_cast<float*>(base + off);
     };
     STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
@@ -460,6 +507,7 @@ Status OffloadEngine::Impl::setup() {
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
 
   STRATA_RETURN_IF_ERROR(setup_data_parallel());
+  STRATA_RETURN_IF_ERROR(setup_pipeline());
 
   // Slots and buckets.
   slot_of.assign(static_cast<std::size_t>(M), -1);
@@ -494,13 +542,13 @@ Status OffloadEngine::Impl::setup() {
   owned_of_unit.assign(static_cast<std::size_t>(M), {});
   for (std::size_t i = 0; i < L.params.size(); ++i) {
     const ParamDesc& p = L.params[i];
-    if (!p.owns_storage()) continue;
+    if (!p.owns_storage() || !units.in_stage[static_cast<std::size_t>(p.module)]) continue;
     OwnedParam o;
     o.index = static_cast<int>(i);
     o.unit = p.module;
     o.decay = p.weight_decay;
-    o.grad_offset = p.grad_offset;
-    o.grad_in_unit = p.grad_offset - grad_begin(p.module);
+    o.grad_in_unit = p.grad_offset - L.modules[static_cast<std::size_t>(p.module)].grad_begin;
+    o.grad_offset = grad_begin(p.module) + o.grad_in_unit;
     o.param_in_unit = p.param_offset - param_begin(p.module);
     o.n = static_cast<std::size_t>(p.numel());
     owned_of_unit[static_cast<std::size_t>(p.module)].push_back(static_cast<int>(owned.size()));
@@ -508,7 +556,7 @@ Status OffloadEngine::Impl::setup() {
   }
   first_touch.assign(static_cast<std::size_t>(M), -1);
   last_touch.assign(static_cast<std::size_t>(M), M);
-  for (int m = 0; m < M; ++m) {
+  for (int m = stage_first; m < stage_end; ++m) {  // this stage's modules (all without a pipeline)
     for (int u : units.storage[static_cast<std::size_t>(m)]) {
       first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
       last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
@@ -525,10 +573,10 @@ Status OffloadEngine::Impl::setup() {
     } else if (sharded) {
       // Unsharded gradients only to carry stage 1's accumulation between micro-batches.
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
-        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes, "offload.host_grads"));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes, "offload.host_grads"));
     }
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
@@ -554,7 +602,7 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes;
+    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : units.grad_bytes;
     STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
     STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
@@ -619,7 +667,7 @@ Status OffloadEngine::Impl::setup() {
     } else {
       STRATA_ASSIGN_OR_RETURN(
           cuda_partials,
-          dev.allocate((detail::sum_of_squares_cuda_partials(L.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
+          dev.allocate((detail::sum_of_squares_cuda_partials(units.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
       STRATA_ASSIGN_OR_RETURN(pinned_norm, dev.pinned().allocate(sizeof(double), "offload.norm"));
     }
   }
@@ -634,6 +682,7 @@ Status OffloadEngine::Impl::initialize() {
   std::vector<float> values;
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
+    if (!units.in_stage[uu]) continue;  // another pipeline stage's
     std::vector<char> pbytes(units.pbytes[uu], 0);
     std::vector<float> blob;
     const bool via_blob = settings.optimizer == Tier::kNvme || sharded;
@@ -828,6 +877,12 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
 
 Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which) {
   const int k = owned_index(index);
+  if (k < 0 && pp_size > 1 && index >= 0 && index < static_cast<int>(layout().params.size())) {
+    return failed_precondition("parameter '" + layout().params[static_cast<std::size_t>(index)].name +
+                               "' is held by pipeline stage " +
+                               std::to_string(unit_stage[static_cast<std::size_t>(owner_unit(index))]) +
+                               ", not by this stage (" + std::to_string(pp_rank) + ")");
+  }
   if (k < 0) return invalid_argument("no parameter with index " + std::to_string(index));
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
@@ -908,6 +963,141 @@ Status OffloadEngine::Impl::setup_data_parallel() {
   }
   gathered_sums.reserve(static_cast<std::size_t>(4 * dp_size));
   return ok_status();
+}
+
+// ---- pipeline parallel -----------------------------------------------------------------------
+
+Status OffloadEngine::Impl::setup_pipeline() {
+  if (pp_size == 1) return ok_status();
+  STRATA_ASSIGN_OR_RETURN(pp_caller, pp->split(0, pp_rank, "pp.step"));
+  STRATA_ASSIGN_OR_RETURN(pp_norm, pp->split(0, pp_rank, "pp.norm"));
+  // The tied unit: held by the first stage (its own module) and by the last (read by the head).
+  const ModelLayout& L = layout();
+  unit_stage.assign(static_cast<std::size_t>(M), -1);
+  for (int st = pp_size - 1; st >= 0; --st) {
+    const std::vector<char> in = offload_detail::stage_units(L, settings.pipeline_bounds, st);
+    for (int u = 0; u < M; ++u)
+      if (in[static_cast<std::size_t>(u)]) unit_stage[static_cast<std::size_t>(u)] = st;
+  }
+  const std::vector<char> last = offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1);
+  for (int u = 0; u < M && tied_unit < 0; ++u)
+    if (last[static_cast<std::size_t>(u)] && unit_stage[static_cast<std::size_t>(u)] != pp_size - 1) tied_unit = u;
+  if (tied_unit >= 0 && unit_stage[static_cast<std::size_t>(tied_unit)] != 0) {
+    return internal_error("pipeline: the tied unit '" + L.modules[static_cast<std::size_t>(tied_unit)].name +
+                          "' is not the first stage's");
+  }
+  if (tied_unit >= 0) {
+    // The first and the last stage form one group; every other stage a group of its own (unused).
+    const bool member = pp_rank == 0 || pp_rank == pp_size - 1;
+    STRATA_ASSIGN_OR_RETURN(pp_tied, pp->split(member ? 0 : 1 + pp_rank, pp_rank, "pp.tied"));
+    if (!member || !units.in_stage[static_cast<std::size_t>(tied_unit)]) pp_tied.reset();
+  }
+  pp_stats.assign(static_cast<std::size_t>(M), GradStats{});
+  pp_gathered.assign(static_cast<std::size_t>(M * pp_size), GradStats{});
+  const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+                                 dtype_size(wdtype);
+  for (std::int64_t a = 0; a < config.grad_accum; ++a) {
+    if (pp_rank + 1 < pp_size) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_activations"));
+      act_send.push_back(std::move(b));
+    }
+    if (pp_rank > 0) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_gradients"));
+      grad_send.push_back(std::move(b));
+    }
+  }
+  sends.reserve(static_cast<std::size_t>(2 * config.grad_accum));
+  return ok_status();
+}
+
+Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradStats>& stats) {
+  static_assert(sizeof(GradStats) % 4 == 0);
+  std::copy(stats.begin(), stats.end(), pp_stats.begin());
+  Status s = pp_norm->all_gather(pp_stats.data(), pp_gathered.data(), pp_stats.size() * sizeof(GradStats) / 4,
+                                 DType::kF32).wait();
+  if (!s.ok()) return s.with_context("pipeline: gather of the gradient statistics");
+  GradStats total;
+  for (int u = 0; u < M; ++u) {
+    const int st = unit_stage[static_cast<std::size_t>(u)];
+    total.merge(pp_gathered[static_cast<std::size_t>(st * M + u)]);
+  }
+  return total;
+}
+
+Status OffloadEngine::Impl::reduce_tied_grads(float* grads) {
+  if (!pp_tied) return ok_status();
+  const std::size_t n = units.gbytes[static_cast<std::size_t>(tied_unit)] / 4;
+  return pp_tied->all_reduce(grads, grads, n, DType::kF32, ReduceOp::kSum)
+      .wait()
+      .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
+}
+
+// One step's micro-batches through this stage in the schedule's order. Forwards and backwards
+// each run in micro-batch order, so every unit's gradient accumulates in the single process's
+// order. The whole step is one pass of the prefetch trace (recorded in the first step).
+// Receives land in the model's own buffers once the compute stream has finished with them (the
+// stream is synchronized first); sends leave from per-micro-batch copies, waited at the end.
+Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                                         std::int64_t micro, float dloss, std::int64_t step, double lr) {
+  const std::int64_t B = config.micro_batch, T = config.seq_len;
+  const auto per = static_cast<std::size_t>(B * T);
+  const int k = model->activation_slots();
+  const bool first_stage = pp_rank == 0, last_stage = pp_rank + 1 == pp_size;
+  const DType wire = wire_dtype();
+  sends.clear();
+  cyclic = false;
+  begin_pass();
+  Status s;
+  for (const PipelineOp& op : pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro))) {
+    const int a = op.micro;
+    STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
+    if (op.forward) {
+      STRATA_RETURN_IF_ERROR(
+          model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+      const std::uint64_t bytes = model->boundary_bytes();
+      const std::size_t count = bytes / dtype_size(wire);
+      if (!first_stage) {
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        STRATA_RETURN_IF_ERROR(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
+                                   .wait()
+                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
+                                                 "'s activations from stage " + std::to_string(pp_rank - 1)));
+      }
+      STRATA_RETURN_IF_ERROR(run_forward(true));
+      STRATA_RETURN_IF_ERROR(model->copy_losses(a));
+      if (!last_stage) {
+        void* out = act_send[static_cast<std::size_t>(a)].data();
+        STRATA_RETURN_IF_ERROR(
+            compute->copy_async(out, model->boundary_activation(stage_end), bytes, CopyKind::kDeviceToDevice));
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        sends.push_back(pp_caller->send(out, count, wire, pp_rank + 1));
+      }
+    } else {
+      const std::uint64_t bytes = model->boundary_bytes();
+      const std::size_t count = bytes / dtype_size(wire);
+      if (!last_stage) {
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        STRATA_RETURN_IF_ERROR(pp_caller->recv(model->activation_grad(), count, wire, pp_rank + 1)
+                                   .wait()
+                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
+                                                 "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
+      }
+      STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr));
+      if (!first_stage) {
+        void* out = grad_send[static_cast<std::size_t>(a)].data();
+        STRATA_RETURN_IF_ERROR(compute->copy_async(out, model->activation_grad(), bytes, CopyKind::kDeviceToDevice));
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        sends.push_back(pp_caller->send(out, count, wire, pp_rank - 1));
+      }
+    }
+  }
+  for (const CommWork& w : sends) {
+    Status ws = w.wait();
+    if (s.ok() && !ws.ok()) s = ws.with_context("pipeline: send");
+  }
+  sends.clear();
+  STRATA_RETURN_IF_ERROR(s);
+  return end_pass();
 }
 
 void OffloadEngine::Impl::to_elements(int u, const char* working, char* elements) const {
@@ -1007,7 +1197,7 @@ Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate) {
 
 Status OffloadEngine::Impl::all_reduce_device_grads() {
   STRATA_RETURN_IF_ERROR(compute->synchronize());
-  const std::size_t n = layout().grad_bytes / 4;
+  const std::size_t n = units.grad_bytes / 4;
   return dp_wait(dp_tracks[0], dp_caller->all_reduce(dgrads, dgrads, n, DType::kF32, ReduceOp::kSum),
                  "all-reduce gradients", -1, n * 4);
 }
@@ -1326,7 +1516,7 @@ void OffloadEngine::Impl::worker_main() {
   // Not with fp16: an overflow anywhere skips the whole step, so no unit may update before the
   // norm is known (as with clipping).
   const bool immediate_ok = settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
-                            settings.optimizer == Tier::kHost && !sharded &&
+                            settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
     std::lock_guard<std::mutex> lock(mu);
@@ -1403,6 +1593,13 @@ void OffloadEngine::Impl::worker_main() {
       for (int u = 0; u < M; ++u) {
         for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
       }
+    } else if (pp_size > 1) {
+      auto merged = merge_stage_stats(stats);
+      if (!merged.ok()) {
+        fail(merged.status());
+        continue;
+      }
+      total = *merged;
     } else {
       for (const GradStats& g : stats) total.merge(g);
     }
@@ -1427,10 +1624,16 @@ void OffloadEngine::Impl::worker_main() {
     }
     const float scale = update_scale(norm, c.loss_scale);
     Status s;
+    for (int u = 0; u < M; ++u)
+      if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
     if (settings.optimizer == Tier::kNvme) {
-      s = update_units_nvme(forward_order, c.opt_step, c.lr, scale, c.step);
+      std::vector<int> order;
+      for (int u : forward_order)
+        if (units.in_stage[static_cast<std::size_t>(u)]) order.push_back(u);
+      s = update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
     } else {
       for (int u = 0; u < M && s.ok(); ++u) {
+        if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
         s = update_unit_host(u, c.opt_step, c.lr, scale);
         if (s.ok()) mark_updated(u, c.step);
       }
@@ -1744,6 +1947,11 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     STRATA_RETURN_IF_ERROR(
         tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
+    if (u == tied_unit && last_micro && step > 0) {
+      float* grads = reinterpret_cast<float*>(out);
+      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: pipeline all-reduce of the tied grad." + std::to_string(u),
+                                              [this, grads]() { return reduce_tied_grads(grads); }));
+    }
     if (reduce) {
       const bool accumulate = settings.zero_stage >= 2 && !first_micro;
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
@@ -1785,7 +1993,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
 }
 
 Status OffloadEngine::Impl::run_forward(bool for_backward) {
-  for (int m = 0; m < M; ++m) {
+  for (int m = stage_first; m < stage_end; ++m) {
     note_access(m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
@@ -1799,7 +2007,7 @@ Status OffloadEngine::Impl::run_forward(bool for_backward) {
 
 Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr) {
-  for (int m = M - 1; m >= 0; --m) {
+  for (int m = stage_end - 1; m >= stage_first; --m) {
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
@@ -1831,9 +2039,10 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
     count = static_cast<std::int64_t>(global);
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
-  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
+  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.grad_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
+  if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
   for (std::int64_t a = 0; a < micro; ++a) {
     STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
     cyclic = a + 1 < micro;
@@ -1888,9 +2097,20 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     const bool skip_overflow = fp16;
     return launch->run("optimizer step", [=, this](const kernels::KernelContext&) -> Status {
       GradStats total;
-      for (const auto& [g, n] : job->unit_grads) {
-        STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
-        total.merge(s);
+      if (pp_size > 1) {
+        // Every stage's units, merged in unit order (merge_stage_stats): the tied unit's gradient
+        // was summed over the first and last stage before this step ran (step()).
+        std::vector<GradStats> per_unit;
+        for (const auto& [g, n] : job->unit_grads) {
+          STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
+          per_unit.push_back(s);
+        }
+        STRATA_ASSIGN_OR_RETURN(total, merge_stage_stats(per_unit));
+      } else {
+        for (const auto& [g, n] : job->unit_grads) {
+          STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
+          total.merge(s);
+        }
       }
       const double norm = total.norm();
       *norm_out = norm;
@@ -1907,7 +2127,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     });
   }
   // cuda: the norm is needed on the host to pick the clip scale.
-  const std::size_t n = layout().grad_bytes / 4;
+  const std::size_t n = units.grad_bytes / 4;
   auto* partials = static_cast<double*>(cuda_partials.data());
   double* result = partials + detail::sum_of_squares_cuda_partials(n);
   void* cs = compute->native_handle();
@@ -1959,15 +2179,15 @@ OffloadEngine::~OffloadEngine() {
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
                                                              const OffloadSettings& settings, Device& device,
-                                                             Stream* compute, Comm* data_parallel) {
-  return create_with_faults(config, settings, device, compute, data_parallel, nullptr);
+                                                             Stream* compute, Comm* data_parallel, Comm* pipeline) {
+  return create_with_faults(config, settings, device, compute, data_parallel, pipeline, nullptr);
 }
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
                                                                             const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, faults);
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, faults);
 }
 
 namespace {
@@ -1998,15 +2218,50 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
   return ok_status();
 }
 
+// What pipeline parallelism supports today (docs/parallel.md "Pipeline parallel"); the errors
+// say what to use instead.
+Status check_pipeline(const TrainerConfig& config, const OffloadSettings& s, Device& device, const Comm& pp) {
+  const std::string stages = std::to_string(pp.size()) + " pipeline stages";
+  if (s.dp_size > 1) {
+    return invalid_argument(stages + " with " + std::to_string(s.dp_size) +
+                            " data-parallel ranks: pipeline x data parallel is not built yet; run the pipeline "
+                            "alone (world size = pipeline_parallel_size)");
+  }
+  if (device.info().kind != DeviceKind::kCpu) {
+    return invalid_argument(stages + " on the " + std::string(device.info().name) +
+                            " device: the pipeline runs on the cpu device backend so far (its boundary tensors go "
+                            "over the mpi backend); use --device cpu");
+  }
+  if (pp.backend() != CommBackend::kMpi) {
+    return invalid_argument("pipeline group '" + pp.name() + "' uses the " + std::string(to_string(pp.backend())) +
+                            " backend; the cpu device's pipeline needs mpi");
+  }
+  if (s.gradients == Tier::kNvme) {
+    return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + stages +
+                            " are not built yet: leave the gradients on the host");
+  }
+  (void)config;
+  return ok_status();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const TrainerConfig& config,
                                                                          const OffloadSettings& settings_in,
                                                                          Device& device, Stream* compute,
-                                                                         Comm* data_parallel,
+                                                                         Comm* data_parallel, Comm* pipeline,
                                                                          const nvme_detail::IoFaults* faults) {
   OffloadSettings settings = settings_in;
   if (data_parallel != nullptr) settings.dp_size = data_parallel->size();
+  const int pp_size = pipeline != nullptr ? pipeline->size() : 1;
+  settings.pipeline_bounds.clear();
+  settings.pp_stage = 0;
+  if (pp_size > 1) {
+    STRATA_RETURN_IF_ERROR(check_pipeline(config, settings, device, *pipeline));
+    STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds, pipeline_stages(config.model, pp_size, config.seq_len));
+    settings.pp_stage = pipeline->rank();
+    settings.update_during_backward = false;  // the norm needs every stage's gradients
+  }
   if (settings.dp_size > 1) {
     if (data_parallel == nullptr) {
       return invalid_argument("offload settings: dp_size = " + std::to_string(settings.dp_size) +
@@ -2020,6 +2275,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   impl->config = config;
   impl->settings = settings;
   impl->dp = data_parallel;
+  impl->pp = pp_size > 1 ? pipeline : nullptr;
+  impl->pp_size = pp_size;
+  impl->pp_rank = pp_size > 1 ? pipeline->rank() : 0;
   impl->plan = std::move(plan);
   impl->device = &device;
   impl->compute = compute;
@@ -2064,6 +2322,11 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
+    if (s.ok() && t.pp_tied) {  // pipeline: the tied embedding's gradient of the first and last stage
+      s = t.compute->synchronize();
+      if (s.ok())
+        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)));
+    }
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);
     if (s.ok())
@@ -2113,6 +2376,15 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     total.sum = sums[0];
     total.count = static_cast<std::int64_t>(sums[1]);
   }
+  if (t.pp_size > 1) {
+    // The last stage computed the losses; every stage reports them (its bits, moved as words).
+    double sums[2] = {total.sum, static_cast<double>(total.count)};
+    STRATA_RETURN_IF_ERROR(t.pp_caller->broadcast(sums, 4, DType::kF32, t.pp_size - 1)
+                               .wait()
+                               .with_context("pipeline: broadcast of the loss from the last stage"));
+    total.sum = sums[0];
+    total.count = static_cast<std::int64_t>(sums[1]);
+  }
   t.steps += 1;
   if (!t.have_baseline) {
     STRATA_RETURN_IF_ERROR(t.wait_all_updates());
@@ -2132,6 +2404,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
   if (!t.opt_on_device) {
     return failed_precondition("loss_and_gradients: needs the optimizer (and gradients) on the device");
   }
+  STRATA_RETURN_IF_ERROR(t.single_stage("loss_and_gradients"));
   const auto micro = static_cast<std::int64_t>(inputs.size()) / (t.config.micro_batch * t.config.seq_len);
   if (micro < 1 || micro > t.config.grad_accum) {
     return invalid_argument("loss_and_gradients: expected 1 to " + std::to_string(t.config.grad_accum) +
@@ -2149,6 +2422,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("loss"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
   t.begin_pass();
@@ -2164,6 +2438,7 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
 
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("evaluate"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   auto forward = [&t]() -> Status {
     t.begin_pass();
@@ -2192,6 +2467,7 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("save_weights"));
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   if (t.dp_size == 1) {
     return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
@@ -2231,6 +2507,7 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
 
 Status OffloadEngine::load_weights(const std::string& path) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("load_weights"));
   return read_weights(t.layout(), path,
                       [&](int index, std::span<const float> values) { return t.write_values(index, values, true); });
 }
@@ -2286,6 +2563,7 @@ std::string config_difference(const std::string& saved, const std::string& curre
 
 Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("save_checkpoint"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   CheckpointManifest manifest;
@@ -2366,6 +2644,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("load_checkpoint"));
   // Allowed after a failed step (the way to recover from one): the error stays until the
   // checkpoint is verified and loaded.
   STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
