@@ -65,8 +65,10 @@ bool capture_stage(OffloadEngine& engine, Snapshot& out, std::vector<int>& held)
 }
 
 // The tied wte's sum order moves GPT-2's state by rounding (largest difference relative to the
-// quantity's largest value; check_case prints the measured figures).
-constexpr double kRelTolerance = 1e-3;
+// quantity's largest value; check_case prints the measured figures). Measured on 2 and 3 stages,
+// fp32, lr 1e-2, 3 steps: parameters 3.0e-5, exp_avg 1e-6, exp_avg_sq 7e-7 of their scale; a
+// missing or doubled tied gradient moves the parameters by about the learning rate.
+constexpr double kRelTolerance = 3e-4;
 
 struct Case {
   ModelKind kind;

@@ -301,6 +301,12 @@ struct OffloadStats {
   // the seconds the engine's threads spent waiting for them.
   std::uint64_t bytes_dp = 0;
   double dp_seconds = 0.0;
+  // Pipeline parallel: wall seconds of the steps' schedules on this stage, and the part of them
+  // it sat waiting for a neighbour's activations or activation gradients (its bubble);
+  // bytes_pp counts the boundary tensors it sent.
+  double pipeline_seconds = 0.0;
+  double pipeline_wait_seconds = 0.0;
+  std::uint64_t bytes_pp = 0;
   double hit_rate() const {
     return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
   }

@@ -35,6 +35,8 @@ enum class Option : std::uint16_t {
   kCommTimeout,     // seconds a collective or send/recv may take before it fails
   kOffloadPrefetchModules,  // offload: modules whose parameters are fetched ahead of the one running
   kOffloadGradients,        // offload: where gradients wait for an off-device optimizer (cpu | nvme)
+  kPipelineParallelSize,    // pipeline stages (processes) per pipeline under mpirun
+  kPipelineSchedule,        // pipeline schedule: gpipe | 1f1b
   kCount
 };
 

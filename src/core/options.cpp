@@ -49,6 +49,12 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
      "offload: modules whose parameters are fetched ahead of the running one (0 = fetch on demand)"},
     {Option::kOffloadGradients, "offload_gradients", OptionKind::kString, "cpu",
      "offload: where fp32 gradients wait for an off-device optimizer: cpu (host memory) or nvme"},
+    {Option::kPipelineParallelSize, "pipeline_parallel_size", OptionKind::kInt, "1",
+     "pipeline parallel: stages per pipeline under mpirun (the model's modules split over them, balanced "
+     "by forward FLOPs); data parallel = ranks / this"},
+    {Option::kPipelineSchedule, "pipeline_schedule", OptionKind::kString, "1f1b",
+     "pipeline parallel: the order of a stage's micro-batches: gpipe (all forwards, then all backwards) "
+     "or 1f1b (one forward, one backward)"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

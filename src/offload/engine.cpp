@@ -268,6 +268,9 @@ struct OffloadEngine::Impl {
   std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
   std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
   std::vector<CommWork> sends;          // this step's sends, waited at its end
+  std::optional<Command> tied_landed;   // host optimizer: the tied unit, landed but not yet summed
+  double pp_seconds = 0.0, pp_wait_seconds = 0.0;  // OffloadStats::pipeline_seconds / _wait_seconds
+  std::uint64_t pp_bytes = 0;
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
@@ -1044,6 +1047,14 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   const int k = model->activation_slots();
   const bool first_stage = pp_rank == 0, last_stage = pp_rank + 1 == pp_size;
   const DType wire = wire_dtype();
+  const auto started = std::chrono::steady_clock::now();
+  // A receive's wait, timed: the stage's idle time (its share of the bubble).
+  auto received = [this](CommWork w) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Status st = w.wait();
+    pp_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
   sends.clear();
   cyclic = false;
   begin_pass();
@@ -1058,8 +1069,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
       const std::size_t count = bytes / dtype_size(wire);
       if (!first_stage) {
         STRATA_RETURN_IF_ERROR(compute->synchronize());
-        STRATA_RETURN_IF_ERROR(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
-                                   .wait()
+        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1))
                                    .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
                                                  "'s activations from stage " + std::to_string(pp_rank - 1)));
       }
@@ -1071,14 +1081,14 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
             compute->copy_async(out, model->boundary_activation(stage_end), bytes, CopyKind::kDeviceToDevice));
         STRATA_RETURN_IF_ERROR(compute->synchronize());
         sends.push_back(pp_caller->send(out, count, wire, pp_rank + 1));
+        pp_bytes += bytes;
       }
     } else {
       const std::uint64_t bytes = model->boundary_bytes();
       const std::size_t count = bytes / dtype_size(wire);
       if (!last_stage) {
         STRATA_RETURN_IF_ERROR(compute->synchronize());
-        STRATA_RETURN_IF_ERROR(pp_caller->recv(model->activation_grad(), count, wire, pp_rank + 1)
-                                   .wait()
+        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->activation_grad(), count, wire, pp_rank + 1))
                                    .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
                                                  "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
       }
@@ -1088,6 +1098,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
         STRATA_RETURN_IF_ERROR(compute->copy_async(out, model->activation_grad(), bytes, CopyKind::kDeviceToDevice));
         STRATA_RETURN_IF_ERROR(compute->synchronize());
         sends.push_back(pp_caller->send(out, count, wire, pp_rank - 1));
+        pp_bytes += bytes;
       }
     }
   }
@@ -1096,7 +1107,20 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     if (s.ok() && !ws.ok()) s = ws.with_context("pipeline: send");
   }
   sends.clear();
+  pp_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   STRATA_RETURN_IF_ERROR(s);
+  if (tied_landed) {  // the host optimizer's tied unit: summed, then handed to the optimizer thread
+    const Command c = *tied_landed;
+    tied_landed.reset();
+    STRATA_RETURN_IF_ERROR(gstream->synchronize());
+    STRATA_RETURN_IF_ERROR(
+        reduce_tied_grads(reinterpret_cast<float*>(host_grads.bytes() + grad_begin(c.unit))));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      commands.push_back(c);
+    }
+    cv.notify_all();
+  }
   return end_pass();
 }
 
@@ -1947,11 +1971,6 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     STRATA_RETURN_IF_ERROR(
         tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
-    if (u == tied_unit && last_micro && step > 0) {
-      float* grads = reinterpret_cast<float*>(out);
-      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: pipeline all-reduce of the tied grad." + std::to_string(u),
-                                              [this, grads]() { return reduce_tied_grads(grads); }));
-    }
     if (reduce) {
       const bool accumulate = settings.zero_stage >= 2 && !first_micro;
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
@@ -1980,7 +1999,13 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     g.unit = -1;
     gslot_of[uu] = -1;
     bound_grads[uu] = nullptr;
-    if (last_micro && step > 0) {
+    if (last_micro && step > 0 && u == tied_unit && pp_tied) {
+      // Pipeline: the tied unit's gradient is summed with the other end's once this stage's whole
+      // schedule has run (run_pipeline), not on the gradient stream here: the other end may still
+      // need this stage's activation gradients, which wait behind this stream's buckets.
+      STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
+      tied_landed = Command{Command::kLanded, u, step, lr, opt_step_now, loss_scale_now};
+    } else if (last_micro && step > 0) {
       STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -2776,6 +2801,9 @@ OffloadStats OffloadEngine::stats() const {
   s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
   s.bytes_dp = t.dp_bytes.load(std::memory_order_relaxed);
   s.dp_seconds = t.tracer.seconds(TraceCounter::kComm);
+  s.pipeline_seconds = t.pp_seconds;
+  s.pipeline_wait_seconds = t.pp_wait_seconds;
+  s.bytes_pp = t.pp_bytes;
   return s;
 }
 

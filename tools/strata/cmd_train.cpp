@@ -273,6 +273,38 @@ int run_train(std::span<const std::string> argv) {
     rank = comm_context->world_rank();
     ranks = comm_context->world_size();
   }
+  // ---- pipeline parallel: strata.pipeline_parallel_size stages, one per process ----
+  Options pp_options = options;  // the config's, then the environment's
+  if (Status e = pp_options.load_env(); !e.ok()) return usage(e);
+  const std::int64_t pp = pp_options.get_int(Option::kPipelineParallelSize);
+  {
+    const std::string key = pp_options.source(Option::kPipelineParallelSize);
+    if (pp < 1) {
+      return usage(invalid_argument(key + ": pipeline_parallel_size = " + std::to_string(pp) + " must be at least 1"));
+    }
+    if (pp > 1 && ranks != pp) {
+      return usage(invalid_argument(
+          key + ": pipeline_parallel_size = " + std::to_string(pp) + " with " + std::to_string(ranks) +
+          " process(es): every stage is a process of its own and pipeline x data parallel is not built yet; start "
+          "`mpirun -np " + std::to_string(pp) + " strata train ...`"));
+    }
+    auto schedule = parse_pipeline_schedule(pp_options.get_string(Option::kPipelineSchedule));
+    if (!schedule.ok()) {
+      return usage(invalid_argument(pp_options.source(Option::kPipelineSchedule) + ": " + schedule.status().message()));
+    }
+    offload.pipeline_schedule = *schedule;
+    for (const char* flag : {"out", "save-weights", "checkpoint-dir", "resume"}) {
+      if (pp > 1 && args.has(flag)) {
+        return usage(invalid_argument(std::string("--") + flag + " with pipeline_parallel_size = " +
+                                      std::to_string(pp) +
+                                      ": weights and checkpoints of a pipeline (each stage holds its modules) are not "
+                                      "built yet"));
+      }
+    }
+  }
+  // The data-parallel ranks (every rank when there is no pipeline) and this process's index.
+  const int dp_ranks = pp > 1 ? 1 : ranks;
+  const int dp_rank = pp > 1 ? 0 : rank;
   const bool leader = rank == 0;
   if (ranks > 1) {
     g_rank_prefix = "rank " + std::to_string(rank) + ": ";
@@ -358,7 +390,8 @@ int run_train(std::span<const std::string> argv) {
   const double unigram = unigram_entropy(data.train, data.tokenizer->vocab_size());
   auto batcher = Batcher::create(data.train, tc.micro_batch, tc.seq_len, tc.seed);
   if (!batcher.ok()) return fail(batcher.status().with_context("training data (" + data.name + ")"));
-  const bool can_validate = static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
+  // A pipeline does not validate yet (evaluate() needs every module in one process).
+  const bool can_validate = pp == 1 && static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
   s = tc.validate();
   if (!s.ok()) return usage(s);
 
@@ -406,8 +439,12 @@ int run_train(std::span<const std::string> argv) {
                        train_usage());
   }
   if (!device.ok()) return fail(device.status());
-  std::unique_ptr<Comm> dp_group;
-  if (ranks > 1) {
+  std::unique_ptr<Comm> dp_group, pp_group;
+  if (pp > 1) {
+    auto w = comm_context->world(CommBackend::kMpi);
+    if (!w.ok()) return fail(w.status().with_context("pipeline group"));
+    pp_group = std::move(*w);
+  } else if (ranks > 1) {
     // The optimizer on a GPU reduces device buffers (nccl); everything else host buffers (mpi).
     const CommBackend backend =
         offload.optimizer == Tier::kDevice && dc.kind == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kMpi;
@@ -415,7 +452,7 @@ int run_train(std::span<const std::string> argv) {
     if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
     dp_group = std::move(*w);
   }
-  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get());
+  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get(), pp_group.get());
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
   const std::string trace_path = leader ? args.get("trace").value_or("") : "";
@@ -447,7 +484,7 @@ int run_train(std::span<const std::string> argv) {
   identity["train_tokens"] = data.train.size();
   identity["train_tokens_crc32c"] = crc32c(data.train.data(), data.train.size() * sizeof(std::int32_t));
   identity["micro_batch"] = tc.micro_batch;
-  identity["grad_accum"] = tc.grad_accum * ranks;  // micro-batches per step, over all ranks
+  identity["grad_accum"] = tc.grad_accum * dp_ranks;  // micro-batches per step, over all ranks
   identity["seq_len"] = tc.seq_len;
   identity["seed"] = tc.seed;
   std::int64_t first_step = 0;
@@ -482,7 +519,7 @@ int run_train(std::span<const std::string> argv) {
   };
 
   const ModelLayout& layout = tr.model().layout();
-  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len * ranks;
+  const std::int64_t tokens_per_step = tc.micro_batch * tc.grad_accum * tc.seq_len * dp_ranks;
   std::printf(
       "model    %s: %lld layers, width %lld, %lld heads, context %lld, vocab %lld, %s%s; %.2fM parameters\n",
       std::string(to_string(tc.model.kind)).c_str(), static_cast<long long>(tc.model.n_layer),
@@ -507,7 +544,14 @@ int run_train(std::span<const std::string> argv) {
   std::printf("device   %s, %d compute threads, %s budget\ncpus     %s\n", (*device)->info().name.c_str(),
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str(),
               (*device)->cpu_budget().to_string().c_str());
-  if (ranks > 1) {
+  if (pp > 1) {
+    std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
+                std::string(to_string(offload.pipeline_schedule)).c_str());
+    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
+    for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
+      std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
+    std::printf(" (balanced by forward FLOPs); the plan below is stage 0's; no validation\n");
+  } else if (ranks > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
                 ranks, std::string(to_string(dp_group->backend())).c_str(),
@@ -540,7 +584,8 @@ int run_train(std::span<const std::string> argv) {
   run["optimizer"] = tr.optimizer_name();
   run["device"] = (*device)->info().name;
   run["compute_threads"] = (*device)->info().compute_threads;
-  run["data_parallel"] = Json{{"ranks", ranks}, {"zero_stage", offload.zero_stage}};
+  run["data_parallel"] = Json{{"ranks", dp_ranks}, {"zero_stage", offload.zero_stage}};
+  run["pipeline"] = Json{{"stages", pp}, {"schedule", std::string(to_string(offload.pipeline_schedule))}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))}};
@@ -595,7 +640,7 @@ int run_train(std::span<const std::string> argv) {
     targets.clear();
     for (std::int64_t a = 0; a < tc.grad_accum; ++a) {
       // Global micro-batch (step, a * ranks + rank): one process with grad_accum x ranks sees the same.
-      batcher->batch(static_cast<std::uint64_t>((step * tc.grad_accum + a) * ranks + rank), mb_in, mb_tg);
+      batcher->batch(static_cast<std::uint64_t>((step * tc.grad_accum + a) * dp_ranks + dp_rank), mb_in, mb_tg);
       inputs.insert(inputs.end(), mb_in.begin(), mb_in.end());
       targets.insert(targets.end(), mb_tg.begin(), mb_tg.end());
     }

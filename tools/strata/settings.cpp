@@ -37,7 +37,9 @@ Status load_settings(const Args& args, const std::string& config_path, RunSettin
   for (const std::string& p : config->present_paths) {
     if (p.find('.') == std::string::npos) top.push_back(p);
   }
-  // Under mpirun every rank is a data-parallel rank: the config's train_batch_size is global.
+  // Under mpirun every pipeline is a data-parallel rank: the config's train_batch_size is global.
+  const std::int64_t pp = rs->options.get_int(Option::kPipelineParallelSize);
+  if (pp > 1 && rs->world_size % pp == 0) rs->world_size /= pp;
   STRATA_RETURN_IF_ERROR(tc.apply(*config, top, rs->world_size));
   if (config->has("zero_optimization") || config->has("aio")) {
     STRATA_RETURN_IF_ERROR(rs->offload.apply(*config));

@@ -67,7 +67,9 @@ struct RunSettings {
   Options options;
   std::int64_t steps = Defaults::kSteps;
   std::optional<Config> config;  // the --config file, when given
-  // The data-parallel ranks of this launch: mpirun's world size (OMPI_COMM_WORLD_SIZE), else 1.
+  // The data-parallel ranks of this launch: mpirun's world size (OMPI_COMM_WORLD_SIZE), else 1,
+  // over strata.pipeline_parallel_size when that divides it (the stages of one pipeline share
+  // their batch).
   std::int64_t world_size = 1;
 };
 
