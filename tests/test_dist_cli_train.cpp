@@ -145,6 +145,16 @@ TEST(DistCliTrain, PipelineStagesTrainLikeOneProcess) {
   EXPECT_NE(three.output.find("3 pipeline stages (gpipe schedule)"), std::string::npos) << three.output;
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "three.jsonl"), "3 pipeline stages");
 
+  // 2 stages x 2 data-parallel pipelines on 4 ranks, each pipeline half of the global batch.
+  auto single4 = run_cli("train " + kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 4 --metrics " +
+                         (dir / "one4.jsonl").string());
+  ASSERT_EQ(single4.exit_code, 0) << single4.output;
+  auto four = run_command(mpirun(4) + "train " + kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 2 " +
+                          "--config " + two_cfg + " --metrics " + (dir / "four.jsonl").string());
+  ASSERT_EQ(four.exit_code, 0) << four.output;
+  EXPECT_NE(four.output.find("2 pipeline(s) of data parallel"), std::string::npos) << four.output;
+  expect_same_losses(losses_of(dir / "one4.jsonl"), losses_of(dir / "four.jsonl"), "2 stages x 2 pipelines");
+
   const std::string bad_schedule =
       write_file(dir / "bad.json", R"({"strata": {"pipeline_parallel_size": 2, "pipeline_schedule": "zigzag"}})");
   auto bad = run_command(mpirun(2) + "train " + flags + "--config " + bad_schedule);

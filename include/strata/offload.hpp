@@ -343,7 +343,9 @@ class OffloadEngine {
   // settings.pipeline_schedule with the activations sent to the next stage and the activation
   // gradients to the previous one. Collective over the group like the data-parallel group (every
   // stage calls step() with the whole micro-batches: each uses the tokens or targets its modules
-  // need); the Comm must outlive the engine. Not yet combined with a data-parallel group.
+  // need); the Comm must outlive the engine. With a data-parallel group too (pp x dp of
+  // make_process_groups), each pipeline trains its share of the batch and the data-parallel
+  // reductions run per stage over the stage's units.
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
                                                        Stream* compute = nullptr, Comm* data_parallel = nullptr,

@@ -403,8 +403,10 @@ struct OffloadEngine::Impl {
   // `stats` (per unit, this stage's) merged over the stages in unit order, each unit's from the
   // lowest stage holding it: the single process's merge (collective over pp_norm).
   Result<GradStats> merge_stage_stats(const std::vector<GradStats>& stats);
-  // The tied unit's gradient at `grads` summed over the first and the last stage (collective).
-  Status reduce_tied_grads(float* grads);
+  // The tied unit's gradient (`n` elements at `grads`: the whole unit, or this data-parallel
+  // rank's slice of it, the same slice on both ends) summed over the first and the last stage
+  // (collective).
+  Status reduce_tied_grads(float* grads, std::size_t n);
   DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
   Status device_update(double lr, std::int64_t step);
 
@@ -1027,9 +1029,8 @@ Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradS
   return total;
 }
 
-Status OffloadEngine::Impl::reduce_tied_grads(float* grads) {
+Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
   if (!pp_tied) return ok_status();
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(tied_unit)] / 4;
   return pp_tied->all_reduce(grads, grads, n, DType::kF32, ReduceOp::kSum)
       .wait()
       .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
@@ -1113,8 +1114,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     const Command c = *tied_landed;
     tied_landed.reset();
     STRATA_RETURN_IF_ERROR(gstream->synchronize());
-    STRATA_RETURN_IF_ERROR(
-        reduce_tied_grads(reinterpret_cast<float*>(host_grads.bytes() + grad_begin(c.unit))));
+    const auto [grads, n] = unit_grads(c.unit);  // data parallel: this rank's reduced slice
+    STRATA_RETURN_IF_ERROR(reduce_tied_grads(reinterpret_cast<float*>(grads), n));
     {
       std::lock_guard<std::mutex> lock(mu);
       commands.push_back(c);
@@ -1614,8 +1615,23 @@ void OffloadEngine::Impl::worker_main() {
         fail(s);
         continue;
       }
-      for (int u = 0; u < M; ++u) {
-        for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+      if (pp_size > 1) {
+        // Each unit's statistics over the data-parallel ranks, then over the pipeline stages.
+        std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r)
+            per_unit[static_cast<std::size_t>(u)].merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
+        auto merged = merge_stage_stats(per_unit);
+        if (!merged.ok()) {
+          fail(merged.status());
+          continue;
+        }
+        total = *merged;
+      } else {
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
       }
     } else if (pp_size > 1) {
       auto merged = merge_stage_stats(stats);
@@ -2247,11 +2263,6 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
 // say what to use instead.
 Status check_pipeline(const TrainerConfig& config, const OffloadSettings& s, Device& device, const Comm& pp) {
   const std::string stages = std::to_string(pp.size()) + " pipeline stages";
-  if (s.dp_size > 1) {
-    return invalid_argument(stages + " with " + std::to_string(s.dp_size) +
-                            " data-parallel ranks: pipeline x data parallel is not built yet; run the pipeline "
-                            "alone (world size = pipeline_parallel_size)");
-  }
   if (device.info().kind != DeviceKind::kCpu) {
     return invalid_argument(stages + " on the " + std::string(device.info().name) +
                             " device: the pipeline runs on the cpu device backend so far (its boundary tensors go "
@@ -2350,7 +2361,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     if (s.ok() && t.pp_tied) {  // pipeline: the tied embedding's gradient of the first and last stage
       s = t.compute->synchronize();
       if (s.ok())
-        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)));
+        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)),
+                                t.units.gbytes[static_cast<std::size_t>(t.tied_unit)] / 4);
     }
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);

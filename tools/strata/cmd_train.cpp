@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -282,11 +283,11 @@ int run_train(std::span<const std::string> argv) {
     if (pp < 1) {
       return usage(invalid_argument(key + ": pipeline_parallel_size = " + std::to_string(pp) + " must be at least 1"));
     }
-    if (pp > 1 && ranks != pp) {
+    if (pp > 1 && ranks % pp != 0) {
       return usage(invalid_argument(
           key + ": pipeline_parallel_size = " + std::to_string(pp) + " with " + std::to_string(ranks) +
-          " process(es): every stage is a process of its own and pipeline x data parallel is not built yet; start "
-          "`mpirun -np " + std::to_string(pp) + " strata train ...`"));
+          " process(es): every stage is a process of its own, so the number of processes must be a multiple of it "
+          "(pipelines x stages); start `mpirun -np " + std::to_string(pp) + " strata train ...` or a multiple"));
     }
     auto schedule = parse_pipeline_schedule(pp_options.get_string(Option::kPipelineSchedule));
     if (!schedule.ok()) {
@@ -302,9 +303,16 @@ int run_train(std::span<const std::string> argv) {
       }
     }
   }
-  // The data-parallel ranks (every rank when there is no pipeline) and this process's index.
-  const int dp_ranks = pp > 1 ? 1 : ranks;
-  const int dp_rank = pp > 1 ? 0 : rank;
+  // The rank grid (parallel.hpp: rank = dp * PP + stage): the data-parallel ranks (pipelines)
+  // and this process's index among them.
+  std::optional<ProcessGroups> groups;
+  if (pp > 1) {
+    auto g = make_process_groups(*comm_context, CommBackend::kMpi, 1, static_cast<int>(pp));
+    if (!g.ok()) return fail(g.status().with_context("pipeline groups"));
+    groups = std::move(*g);
+  }
+  const int dp_ranks = groups ? groups->grid.dp() : ranks;
+  const int dp_rank = groups ? groups->coord.dp : rank;
   const bool leader = rank == 0;
   if (ranks > 1) {
     g_rank_prefix = "rank " + std::to_string(rank) + ": ";
@@ -440,10 +448,9 @@ int run_train(std::span<const std::string> argv) {
   }
   if (!device.ok()) return fail(device.status());
   std::unique_ptr<Comm> dp_group, pp_group;
-  if (pp > 1) {
-    auto w = comm_context->world(CommBackend::kMpi);
-    if (!w.ok()) return fail(w.status().with_context("pipeline group"));
-    pp_group = std::move(*w);
+  if (groups) {
+    pp_group = std::move(groups->pp);
+    if (dp_ranks > 1) dp_group = std::move(groups->dp);
   } else if (ranks > 1) {
     // The optimizer on a GPU reduces device buffers (nccl); everything else host buffers (mpi).
     const CommBackend backend =
@@ -550,7 +557,9 @@ int run_train(std::span<const std::string> argv) {
     auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
     for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
       std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
-    std::printf(" (balanced by forward FLOPs); the plan below is stage 0's; no validation\n");
+    std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's; no "
+                "validation\n",
+                dp_ranks);
   } else if (ranks > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
