@@ -122,6 +122,51 @@ TEST(DistCliTrain, TrainBatchSizeCountsTheRanks) {
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "train_batch_size 8 on 1 and 2 ranks");
 }
 
+// Pipeline parallel from the config's Strata keys: 2 stages (1F1B) and 3 stages (GPipe) train
+// like one process on the same batch (the tied embedding's gradient sums in another order, so
+// within rounding); rank 0 prints the last stage's loss. Bad values name the key.
+TEST(DistCliTrain, PipelineStagesTrainLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string flags = kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 3 ";
+  auto one = run_cli("train " + flags + "--metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string two_cfg = write_file(dir / "pp2.json", R"({"strata": {"pipeline_parallel_size": 2}})");
+  auto two = run_command(mpirun(2) + "train " + flags + "--config " + two_cfg + " --metrics " +
+                         (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("2 pipeline stages (1f1b schedule)"), std::string::npos) << two.output;
+  EXPECT_EQ(two.output.find("done:"), two.output.rfind("done:")) << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 pipeline stages");
+  const std::string three_cfg = write_file(
+      dir / "pp3.json", R"({"strata": {"pipeline_parallel_size": 3, "pipeline_schedule": "gpipe"}})");
+  auto three = run_command(mpirun(3) + "train " + flags + "--config " + three_cfg + " --metrics " +
+                           (dir / "three.jsonl").string());
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_NE(three.output.find("3 pipeline stages (gpipe schedule)"), std::string::npos) << three.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "three.jsonl"), "3 pipeline stages");
+
+  // 2 stages x 2 data-parallel pipelines on 4 ranks, each pipeline half of the global batch.
+  auto single4 = run_cli("train " + kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 4 --metrics " +
+                         (dir / "one4.jsonl").string());
+  ASSERT_EQ(single4.exit_code, 0) << single4.output;
+  auto four = run_command(mpirun(4) + "train " + kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 2 " +
+                          "--config " + two_cfg + " --metrics " + (dir / "four.jsonl").string());
+  ASSERT_EQ(four.exit_code, 0) << four.output;
+  EXPECT_NE(four.output.find("2 pipeline(s) of data parallel"), std::string::npos) << four.output;
+  expect_same_losses(losses_of(dir / "one4.jsonl"), losses_of(dir / "four.jsonl"), "2 stages x 2 pipelines");
+
+  const std::string bad_schedule =
+      write_file(dir / "bad.json", R"({"strata": {"pipeline_parallel_size": 2, "pipeline_schedule": "zigzag"}})");
+  auto bad = run_command(mpirun(2) + "train " + flags + "--config " + bad_schedule);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("strata.pipeline_schedule"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("'zigzag'"), std::string::npos) << bad.output;
+  auto mismatch = run_command(mpirun(2) + "train " + flags + "--config " + three_cfg);
+  EXPECT_NE(mismatch.exit_code, 0) << mismatch.output;
+  EXPECT_NE(mismatch.output.find("pipeline_parallel_size = 3 with 2 process(es)"), std::string::npos)
+      << mismatch.output;
+}
+
 // ZeRO-Infinity's placement: parameters partitioned over the ranks and kept on NVMe, each rank
 // in its own directory under --nvme-path, the optimizer sharded on the host.
 TEST(DistCliTrain, StageThreeWithParametersOnNvme) {

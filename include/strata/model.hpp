@@ -205,6 +205,18 @@ void full_from_shard(const ParamDesc& p, const float* shard, float* full);
 double model_flops(const ModelConfig& config, std::int64_t batch, std::int64_t seq_len,
                    bool forward_only = false);
 
+// Forward FLOPs of each module (layout order: embedding, blocks, head) over `batch` sequences of
+// `seq_len` tokens, as model_flops counts them: a block its matmuls and causal attention, the
+// head its vocabulary matmul, the embedding 0 (a gather). They sum to model_flops(forward_only).
+std::vector<double> module_flops(const ModelConfig& config, std::int64_t batch, std::int64_t seq_len);
+
+// Pipeline stages (docs/parallel.md "Pipeline parallel"): the module ranges of `stages`
+// contiguous, non-empty stages, as stages + 1 bounds 0 = b_0 < b_1 < ... < b_stages = modules;
+// stage s runs modules [b_s, b_{s+1}). The rule: balanced by forward FLOPs (module_flops), the
+// split that minimises the largest stage's FLOPs; among those, each stage ends as early as the
+// optimum allows (deterministic). Errors name the counts (more stages than modules).
+Result<std::vector<int>> pipeline_stages(const ModelConfig& config, int stages, std::int64_t seq_len);
+
 // One GEMM of a model step, as the kernels' gemm() is called: c (M,N) = op(a) (M,K)·op(b) (K,N).
 struct GemmShape {
   std::string what;  // "h.*.attn.c_attn forward", ...
@@ -252,6 +264,16 @@ class Model {
     // used by nothing else; every rank enqueues the same modules in the same order. Not owned:
     // it must outlive the model.
     Comm* tensor_parallel = nullptr;
+    // Pipeline parallel (docs/parallel.md "Pipeline parallel"). activation_slots sets of
+    // tokens, targets, residual stream, block activations, head buffers and per-token losses, so
+    // several micro-batches can be in flight between their forward and their backward;
+    // select_slot() picks the set the batch and module calls use. One activation-gradient set is
+    // shared (one backward runs at a time).
+    int activation_slots = 1;
+    // The modules this model runs: [first_module, end_module) (end_module -1: to the last). Only
+    // their activations are allocated; forward and backward passes start and end at the range.
+    int first_module = 0;
+    int end_module = -1;
   };
 
   // The persistent regions the model carves: "model.params" and, with grads, "model.grads".
@@ -326,6 +348,30 @@ class Model {
   Status copy_losses(int slot);
   // ... and sums them once the stream has passed that copy (synchronize first).
   LossSum loss_sum(int slot) const;
+
+  // ---- Activation slots and stage boundaries (pipeline parallel) --------------------------
+  // Selects the activation set that set_batch, forward_module, backward_module and copy_losses
+  // use from now on. Each slot keeps its own batch and pass position, so micro-batches may
+  // interleave (forward of one between forward and backward of another) in any order in which
+  // each slot's own calls are in order.
+  Status select_slot(int slot);
+  int slot() const;
+  int activation_slots() const;
+  // The range of modules this model runs (Options::first_module / end_module).
+  int first_module() const;
+  int end_module() const;
+  // The residual stream between module `module` - 1 and `module` (1 <= module < num_modules())
+  // in the selected slot: (B, T, C) in the working dtype, boundary_bytes() long. For a stage
+  // [b, e): receive the forward input into boundary_activation(b) before forward_module(b),
+  // send boundary_activation(e) after forward_module(e - 1) has run. Null where not allocated.
+  void* boundary_activation(int module) const;
+  // ∂loss/∂(residual stream) (shared by the slots, working dtype, boundary_bytes() long). Before
+  // backward_module(e - 1) of a stage that does not end with the head, it must hold the gradient
+  // at the stage's output (receive it here); after backward_module(b) it holds the gradient at
+  // boundary_activation(b) (send it).
+  void* activation_grad() const;
+  // Bytes of one boundary tensor for the selected slot's batch (B·T·C working-dtype elements).
+  std::uint64_t boundary_bytes() const;
 
   // Device bytes of activations + activation gradients + io buffers allocated at create().
   std::uint64_t activation_bytes() const;

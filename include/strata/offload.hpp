@@ -46,6 +46,27 @@ struct Config;
 // "device" (or DeepSpeed's "none"), "host" (or "cpu"), "nvme".
 Result<Tier> parse_tier(std::string_view text);
 
+// The order in which a pipeline stage runs the forwards and backwards of a step's micro-batches
+// (docs/parallel.md "Pipeline parallel"): kGpipe every forward then every backward; kOneFOneB
+// warm-up forwards, then one forward and one backward alternately, then the remaining backwards.
+enum class PipelineSchedule : std::uint8_t { kGpipe, kOneFOneB };
+std::string_view to_string(PipelineSchedule schedule);  // "gpipe", "1f1b"
+// The error names the text and the accepted values.
+Result<PipelineSchedule> parse_pipeline_schedule(std::string_view text);
+
+// One stage's order of work in a step: (true, a) the forward of micro-batch a, (false, a) its
+// backward. Forwards and backwards each run in micro-batch order. kOneFOneB on stage s of p runs
+// min(p - s - 1, m) warm-up forwards.
+struct PipelineOp {
+  bool forward = true;
+  int micro = 0;
+  friend bool operator==(const PipelineOp&, const PipelineOp&) = default;
+};
+std::vector<PipelineOp> pipeline_ops(PipelineSchedule schedule, int stages, int stage, int micro_batches);
+// The most micro-batches in flight (forward done, backward not) at once on that stage: the
+// activation slots it needs.
+int pipeline_slots(PipelineSchedule schedule, int stages, int stage, int micro_batches);
+
 // Where the state lives and how it moves. DeepSpeed's keys map onto it (apply()).
 struct OffloadSettings {
   // Working parameters (bf16/fp32): kDevice keeps every module resident; kHost/kNvme keep them
@@ -110,6 +131,13 @@ struct OffloadSettings {
   // over. The engine of each rank places, offloads and updates only its shard; the plan is for
   // the largest shard. create() sets it from its tensor-parallel Comm.
   int tp_size = 1;
+  // Pipeline parallel (docs/parallel.md "Pipeline parallel"): the stages' module bounds
+  // (pipeline_stages; empty: one process runs every module) and this process's stage. create()
+  // sets both from its pipeline group; strata estimate may set them to ask "what would stage s
+  // need". The plan then covers only the stage's units.
+  std::vector<int> pipeline_bounds;
+  int pp_stage = 0;
+  PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
 
   Status validate() const;
   // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
@@ -293,6 +321,12 @@ struct OffloadStats {
   // the seconds the engine's threads spent waiting for them.
   std::uint64_t bytes_dp = 0;
   double dp_seconds = 0.0;
+  // Pipeline parallel: wall seconds of the steps' schedules on this stage, and the part of them
+  // it sat waiting for a neighbour's activations or activation gradients (its bubble);
+  // bytes_pp counts the boundary tensors it sent.
+  double pipeline_seconds = 0.0;
+  double pipeline_wait_seconds = 0.0;
+  std::uint64_t bytes_pp = 0;
   double hit_rate() const {
     return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
   }
@@ -328,10 +362,20 @@ class OffloadEngine {
   // (describe_model(config.model, {size, rank})), and the state getters, set_param, and
   // save/load_weights speak of full parameters (gathered over the group, or sliced from
   // full values). Composes with `data_parallel` (make_process_groups' tp and dp groups).
+  //
+  // `pipeline`: the pipeline group (null or one rank: no pipeline). Its rank is this process's
+  // stage: the engine places, fetches and updates only the stage's modules
+  // (pipeline_stages(config.model, size, config.seq_len)) and step() runs
+  // settings.pipeline_schedule with the activations sent to the next stage and the activation
+  // gradients to the previous one. Collective over the group like the data-parallel group (every
+  // stage calls step() with the whole micro-batches: each uses the tokens or targets its modules
+  // need); the Comm must outlive the engine. With a data-parallel group too (pp x dp of
+  // make_process_groups), each pipeline trains its share of the batch and the data-parallel
+  // reductions run per stage over the stage's units.
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
                                                        Stream* compute = nullptr, Comm* data_parallel = nullptr,
-                                                       Comm* tensor_parallel = nullptr);
+                                                       Comm* tensor_parallel = nullptr, Comm* pipeline = nullptr);
   ~OffloadEngine();
   OffloadEngine(const OffloadEngine&) = delete;
   OffloadEngine& operator=(const OffloadEngine&) = delete;
@@ -398,6 +442,7 @@ class OffloadEngine {
                                                                    const OffloadSettings& settings, Device& device,
                                                                    Stream* compute, Comm* data_parallel,
                                                                    Comm* tensor_parallel,
+                                                                   Comm* pipeline,
                                                                    const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

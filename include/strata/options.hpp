@@ -38,6 +38,8 @@ enum class Option : std::uint16_t {
   kTensorParallelSize,      // ranks each model is split over under mpirun (1 = no tensor parallel)
   kDelayedUpdate,           // offload: one-step delayed parameter update (DPU)
   kDelayedUpdateWarmup,     // offload: steps whose update is not delayed before DPU starts
+  kPipelineParallelSize,    // pipeline stages (processes) per pipeline under mpirun
+  kPipelineSchedule,        // pipeline schedule: gpipe | 1f1b
   kCount
 };
 

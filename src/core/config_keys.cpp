@@ -275,7 +275,10 @@ constexpr ConfigKey kKeys[] = {
     {"autotuning", I, "DeepSpeed's autotuner; use strata estimate to compare placements", true},
     // ---- features Strata does not have ----
     {"elasticity", R, "elastic training is not supported; set the batch sizes directly", true},
-    {"pipeline", R, "pipeline parallelism is not implemented yet; remove the section", true},
+    {"pipeline", R,
+     "DeepSpeed's pipeline section (PipelineModule) does not apply; set strata.pipeline_parallel_size and "
+     "strata.pipeline_schedule",
+     true},
     {"sparse_attention", R, "sparse attention is not implemented; remove the section", true},
     {"curriculum_learning", R, "curriculum learning is not implemented; remove the section", true},
     {"data_efficiency", R, "data efficiency (curriculum, random-LTD) is not implemented; remove the section",

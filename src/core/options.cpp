@@ -59,6 +59,12 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kDelayedUpdateWarmup, "delayed_update_warmup", OptionKind::kInt, "1",
      "offload: with delayed_update, the first this many steps' updates are seen by the next step (not "
      "delayed)"},
+    {Option::kPipelineParallelSize, "pipeline_parallel_size", OptionKind::kInt, "1",
+     "pipeline parallel: stages per pipeline under mpirun (the model's modules split over them, balanced "
+     "by forward FLOPs); data parallel = ranks / this"},
+    {Option::kPipelineSchedule, "pipeline_schedule", OptionKind::kString, "1f1b",
+     "pipeline parallel: the order of a stage's micro-batches: gpipe (all forwards, then all backwards) "
+     "or 1f1b (one forward, one backward)"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

@@ -91,9 +91,29 @@ struct EmbedHeadParams {
   int wte = -1, wpe = -1, norm_w = -1, norm_b = -1, lm_head = -1;
 };
 
+// One activation slot: everything a micro-batch keeps between its forward and its backward,
+// and its position in the passes. Model::Impl derives from it: the inherited members are the
+// selected slot's (the passes use them by name); select() parks them in `parked` and brings
+// another slot's in.
+struct ActState {
+  ArenaBuffer act_block;        // this slot's activations (one arena block)
+  std::vector<Tensor> resid;    // L+1 of (Bmax·Tmax, C); null outside the model's module range
+  std::vector<BlockActs> sets;  // L, or 1 with checkpointing; empty blocks outside the range
+  Tensor final_norm, logits;
+  float *final_mean = nullptr, *final_rstd = nullptr, *losses = nullptr, *ce_lse = nullptr;
+  float *ce_max = nullptr, *ce_sums = nullptr;  // tensor parallel: (N) and (2, N), see kernels.hpp
+  std::int32_t *tokens = nullptr, *targets = nullptr;
+  std::int64_t B = 0, T = 0, target_count = 0;
+  bool have_batch = false;
+  bool forward_saved = false;  // the last forward kept what backward needs
+  int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
+  int next_forward = 0;        // the module forward_module() expects next
+  int next_backward = -1;      // the module backward_module() expects next (-1: none)
+};
+
 }  // namespace
 
-struct Model::Impl {
+struct Model::Impl : ActState {
   ModelLayout layout;
   Device* device = nullptr;
   Stream* stream = nullptr;
@@ -119,18 +139,13 @@ struct Model::Impl {
   std::vector<float*> unit_grads;
   std::vector<int> owner;
   std::vector<std::vector<int>> storage;
-  int next_forward = 0;   // the module forward_module() expects next
-  int next_backward = -1; // the module backward_module() expects next (-1: none)
+  int first = 0, end = 0;  // the module range [first, end) this model runs
+  std::vector<ActState> parked;  // per slot; the selected slot's entry is empty (its state is *this)
+  int current = 0;               // the selected slot
   EmbedHeadParams eh;
   std::vector<BlockParams> blocks;
 
-  ArenaBuffer act_block, grad_block, io_block;
-  std::vector<Tensor> resid;    // L+1 of (Bmax·Tmax, C)
-  std::vector<BlockActs> sets;  // L, or 1 with checkpointing
-  Tensor final_norm, logits;
-  float *final_mean = nullptr, *final_rstd = nullptr, *losses = nullptr, *ce_lse = nullptr;
-  float *ce_max = nullptr, *ce_sums = nullptr;  // tensor parallel: (N) and (2, N), see kernels.hpp
-  std::int32_t *tokens = nullptr, *targets = nullptr;
+  ArenaBuffer grad_block, io_block;
   float* rope = nullptr;
   Tensor dres, dln, dqkv, datty, dff1, dff2;
 
@@ -139,10 +154,16 @@ struct Model::Impl {
   std::unique_ptr<Event> tokens_copied;
   std::vector<std::int64_t> slot_rows, slot_counts;
 
-  std::int64_t B = 0, T = 0, target_count = 0;
-  bool have_batch = false;
-  bool forward_saved = false;  // the last forward kept what backward needs
-  int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
+
+  void select(int slot) {
+    if (slot == current) return;
+    std::swap(static_cast<ActState&>(*this), parked[static_cast<std::size_t>(current)]);
+    std::swap(static_cast<ActState&>(*this), parked[static_cast<std::size_t>(slot)]);
+    current = slot;
+  }
+  // The residual-stream index range [lo, hi] the module range reads and writes.
+  std::int64_t resid_lo() const { return std::max(first - 1, 0); }
+  std::int64_t resid_hi() const { return std::min<std::int64_t>(end - 1, layout.config.n_layer); }
 
   Tensor P(int i) const {
     const auto& p = layout.params[static_cast<std::size_t>(i)];
@@ -248,10 +269,14 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
   const std::int64_t L = layout.config.n_layer;
   const std::int64_t ff1 = gpt2 ? F : 2 * F;
   resid.clear();
-  for (std::int64_t l = 0; l <= L; ++l) resid.push_back(c.tensor(N * C, wdt));
+  for (std::int64_t l = 0; l <= L; ++l)
+    resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(N * C, wdt) : Tensor{nullptr, wdt});
   const bool shared = layout.config.activation_checkpointing || !with_grads;
   sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
-  for (auto& a : sets) {
+  for (std::size_t i = 0; i < sets.size(); ++i) {
+    BlockActs& a = sets[i];
+    const int module = static_cast<int>(i) + 1;  // block l is module l + 1
+    if (!shared && (module < first || module >= end)) continue;
     a.norm1 = c.tensor(N * C, wdt);
     a.qkv = c.tensor(N * Q, wdt);
     a.atty = c.tensor(N * H * D, wdt);
@@ -265,11 +290,14 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
     a.rstd2 = c.floats(N);
     a.lse = c.floats(N * H);
   }
+  tokens = c.ints(N);
+  targets = c.ints(N);
+  losses = c.floats(N);  // zero rows of a stage without the head: its losses sum to 0
+  if (end < static_cast<int>(layout.modules.size())) return;  // the head runs elsewhere
   final_norm = c.tensor(N * C, wdt);
   final_mean = gpt2 ? c.floats(N) : nullptr;
   final_rstd = c.floats(N);
   logits = c.tensor(N * Vp, wdt);
-  losses = c.floats(N);
   ce_lse = c.floats(N);
   if (tp != nullptr) {
     ce_max = c.floats(N);
@@ -318,6 +346,21 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
                             " exceeds the context length n_positions = " + std::to_string(cfg.n_positions));
   }
   if (options.loss_slots < 1) return invalid_argument("model: loss_slots must be at least 1");
+  if (options.activation_slots < 1) {
+    return invalid_argument("model: activation_slots = " + std::to_string(options.activation_slots) +
+                            " must be at least 1");
+  }
+  {
+    const int M = static_cast<int>(layout.modules.size());
+    const int e = options.end_module < 0 ? M : options.end_module;
+    if (options.first_module < 0 || e > M || options.first_module >= e) {
+      return invalid_argument("model: module range [first_module = " + std::to_string(options.first_module) +
+                              ", end_module = " + std::to_string(options.end_module) + ") is not a non-empty range of the " +
+                              std::to_string(M) + " modules");
+    }
+    m.first = options.first_module;
+    m.end = e;
+  }
   const TensorParallel tpl = layout.tp;
   if (tpl.size > 1) {
     if (options.tensor_parallel == nullptr || options.tensor_parallel->size() != tpl.size ||
@@ -373,14 +416,20 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     }
   }
 
-  // Activations: measure, allocate once, carve.
-  {
+  // Activations: measure, allocate once per slot, carve; slot 0 is selected.
+  m.parked.resize(static_cast<std::size_t>(options.activation_slots));
+  for (int k = options.activation_slots - 1; k >= 0; --k) {
     Carver measure(nullptr);
     m.carve_activations(measure, options.with_grads);
     STRATA_ASSIGN_OR_RETURN(m.act_block, device.allocate(measure.used(), "model.activations"));
     Carver carve(static_cast<char*>(m.act_block.data()));
     m.carve_activations(carve, options.with_grads);
+    m.next_forward = m.first;
+    // A stage without the head copies out losses it never computes: zeros (they add nothing).
+    STRATA_RETURN_IF_ERROR(stream.memset_async(m.losses, 0, static_cast<std::uint64_t>(m.Bmax * m.Tmax) * 4));
+    if (k > 0) std::swap(static_cast<ActState&>(m), m.parked[static_cast<std::size_t>(k)]);
   }
+  m.current = 0;
   const std::int64_t N = m.Bmax * m.Tmax;
   if (options.with_grads) {
     auto carve_grads = [&](Carver& c) {
@@ -400,8 +449,6 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   const std::int64_t rope_floats = m.gpt2 ? 0 : m.Tmax * m.D;
   {
     auto carve_io = [&](Carver& c) {
-      m.tokens = c.ints(N);
-      m.targets = c.ints(N);
       m.rope = rope_floats > 0 ? c.floats(rope_floats) : nullptr;
     };
     Carver measure(nullptr);
@@ -461,8 +508,33 @@ void* Model::params_base() const { return impl_->params; }
 float* Model::grads_base() const { return impl_->grads; }
 
 std::uint64_t Model::activation_bytes() const {
-  return impl_->act_block.size() + (impl_->grad_block ? impl_->grad_block.size() : 0) +
-         impl_->io_block.size();
+  std::uint64_t acts = impl_->act_block.size();
+  for (const ActState& a : impl_->parked) acts += a.act_block.size();  // the selected slot's entry is empty
+  return acts + (impl_->grad_block ? impl_->grad_block.size() : 0) + impl_->io_block.size();
+}
+
+Status Model::select_slot(int slot) {
+  if (slot < 0 || slot >= static_cast<int>(impl_->parked.size())) {
+    return invalid_argument("select_slot: no activation slot " + std::to_string(slot) + " (the model has " +
+                            std::to_string(impl_->parked.size()) + ", Options::activation_slots)");
+  }
+  impl_->select(slot);
+  return ok_status();
+}
+int Model::slot() const { return impl_->current; }
+int Model::activation_slots() const { return static_cast<int>(impl_->parked.size()); }
+int Model::first_module() const { return impl_->first; }
+int Model::end_module() const { return impl_->end; }
+
+void* Model::boundary_activation(int module) const {
+  const Impl& m = *impl_;
+  if (module < 1 || module >= num_modules()) return nullptr;
+  return m.resid[static_cast<std::size_t>(module - 1)].data;
+}
+void* Model::activation_grad() const { return impl_->dres.data; }
+std::uint64_t Model::boundary_bytes() const {
+  const Impl& m = *impl_;
+  return static_cast<std::uint64_t>(m.B * m.T * m.C) * dtype_size(m.wdt);
 }
 
 Status Model::upload_param(int index, std::span<const float> values) {
@@ -584,7 +656,7 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
   m.target_count = count;
   m.have_batch = true;
   m.forward_saved = false;
-  m.next_forward = 0;
+  m.next_forward = m.first;
   m.next_backward = -1;
   return ok_status();
 }
@@ -623,12 +695,12 @@ Status Model::zero_grads() {
 }
 
 Status Model::forward(bool for_backward) {
-  for (int m = 0; m < num_modules(); ++m) STRATA_RETURN_IF_ERROR(forward_module(m, for_backward));
+  for (int m = impl_->first; m < impl_->end; ++m) STRATA_RETURN_IF_ERROR(forward_module(m, for_backward));
   return ok_status();
 }
 
 Status Model::backward(float dloss) {
-  for (int m = num_modules() - 1; m >= 0; --m) STRATA_RETURN_IF_ERROR(backward_module(m, dloss));
+  for (int m = impl_->end - 1; m >= impl_->first; --m) STRATA_RETURN_IF_ERROR(backward_module(m, dloss));
   return ok_status();
 }
 
@@ -658,14 +730,14 @@ Status Model::forward_module(int module, bool for_backward) {
                                "') out of order; the forward pass expects module " +
                                std::to_string(m.next_forward) + " next");
   }
-  if (module == 0 && !m.have_batch) return failed_precondition("forward: no batch has been set (call set_batch)");
+  if (module == m.first && !m.have_batch) return failed_precondition("forward: no batch has been set (call set_batch)");
   if (for_backward && !m.options.with_grads) {
     return failed_precondition("forward(for_backward): the model was created without gradients");
   }
   STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
   STRATA_RETURN_IF_ERROR(m.forward_module(module, for_backward));
-  m.next_forward = module + 1 == num_modules() ? 0 : module + 1;
-  if (module + 1 == num_modules()) {
+  m.next_forward = module + 1 == m.end ? m.first : module + 1;
+  if (module + 1 == m.end) {
     m.forward_saved = for_backward;
     m.next_backward = for_backward ? module : -1;
   } else {
@@ -688,8 +760,8 @@ Status Model::backward_module(int module, float dloss) {
   }
   STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
   STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
-  m.next_backward = module - 1;
-  if (module == 0) m.forward_saved = false;  // backward consumed the saved activations
+  m.next_backward = module == m.first ? -1 : module - 1;
+  if (module == m.first) m.forward_saved = false;  // backward consumed the saved activations
   return ok_status();
 }
 

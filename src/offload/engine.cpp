@@ -127,7 +127,7 @@ struct OwnedParam {
   bool decay = false;
   std::uint64_t grad_in_unit = 0;   // bytes from the unit's grad_begin (fp32 layout)
   std::uint64_t param_in_unit = 0;  // bytes from the unit's param_begin (working layout)
-  std::uint64_t grad_offset = 0;    // global fp32 layout
+  std::uint64_t grad_offset = 0;    // in the engine's fp32 arrays (grad_begin(unit) + grad_in_unit)
   std::size_t n = 0;
 };
 
@@ -288,6 +288,26 @@ struct OffloadEngine::Impl {
   // norm: sharded parameters on every rank, replicated ones (identical on every rank) on rank 0
   // only, so the sum over the group counts each element of the full model once.
   std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> norm_ranges;
+  // Pipeline parallel (null / size 1: every module here). This stage runs modules
+  // [stage_first, stage_end); units.in_stage says which units it holds. Each thread that talks
+  // has its own Comm split from the group, used in one order on every stage: the caller
+  // (activations and activation gradients, the loss), the thread that computes the gradient norm
+  // (the compute stream's optimizer step, or the host optimizer thread: per-unit statistics), and
+  // the thread that holds the tied embedding's final gradient (compute stream / gradient stream:
+  // its all-reduce between the first and the last stage).
+  Comm* pp = nullptr;
+  int pp_size = 1, pp_rank = 0;
+  int stage_first = 0, stage_end = 0;
+  std::unique_ptr<Comm> pp_caller, pp_norm, pp_tied;
+  int tied_unit = -1;                   // the unit both the first and the last stage hold (GPT-2's embedding)
+  std::vector<int> unit_stage;          // per unit: the lowest stage holding it (whose statistics count)
+  std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
+  std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
+  std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
+  std::vector<CommWork> sends;          // this step's sends, waited at its end
+  std::optional<Command> tied_landed;   // host optimizer: the tied unit, landed but not yet summed
+  double pp_seconds = 0.0, pp_wait_seconds = 0.0;  // OffloadStats::pipeline_seconds / _wait_seconds
+  std::uint64_t pp_bytes = 0;
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
@@ -301,7 +321,9 @@ struct OffloadEngine::Impl {
     return device->memory().stats().allocations + device->pinned().stats().allocations + device->stats().raw_allocs;
   }
   const ModelLayout& layout() const { return model->layout(); }
-  std::uint64_t grad_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].grad_begin; }
+  // Unit u's gradient offset in the engine's fp32 arrays (internal.hpp's Units::grad_offset: the
+  // layout's grad_begin in one process; packed to the stage's units in a pipeline).
+  std::uint64_t grad_begin(int u) const { return units.grad_offset[static_cast<std::size_t>(u)]; }
   std::uint64_t param_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].param_begin; }
   int owner_unit(int index) const {
     const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
@@ -329,6 +351,13 @@ struct OffloadEngine::Impl {
     STRATA_RETURN_IF_ERROR(s.copy_async(dst, src, n, kind));
     return tracer.stream_end(
         s, copy_track, kind == CopyKind::kDeviceToHost ? TraceCounter::kD2H : TraceCounter::kH2D, what, u, n);
+  }
+  // Operations that need every module in this process.
+  Status single_stage(const char* what) const {
+    if (pp_size == 1) return ok_status();
+    return failed_precondition(std::string(what) + " with " + std::to_string(pp_size) +
+                               " pipeline stages is not built yet (this stage holds modules " +
+                               std::to_string(stage_first) + ".." + std::to_string(stage_end - 1) + ")");
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -414,6 +443,18 @@ struct OffloadEngine::Impl {
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
+  // Pipeline parallel.
+  Status setup_pipeline();
+  Status run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                      std::int64_t micro, float dloss, std::int64_t step, double lr);
+  // `stats` (per unit, this stage's) merged over the stages in unit order, each unit's from the
+  // lowest stage holding it: the single process's merge (collective over pp_norm).
+  Result<GradStats> merge_stage_stats(const std::vector<GradStats>& stats);
+  // The tied unit's gradient (`n` elements at `grads`: the whole unit, or this data-parallel
+  // rank's slice of it, the same slice on both ends) summed over the first and the last stage
+  // (collective).
+  Status reduce_tied_grads(float* grads, std::size_t n);
+  DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
   Status device_update(double lr, std::int64_t step);
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
@@ -501,6 +542,16 @@ Status OffloadEngine::Impl::setup() {
   mo.own_storage = false;
   mo.loss_slots = static_cast<int>(config.grad_accum);
   mo.tensor_parallel = tp_model.get();
+  stage_first = 0;
+  stage_end = M;
+  if (pp_size > 1) {
+    stage_first = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank)];
+    stage_end = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank) + 1];
+    mo.first_module = stage_first;
+    mo.end_module = stage_end;
+    mo.activation_slots =
+        pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
+  }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
 
@@ -516,7 +567,7 @@ Status OffloadEngine::Impl::setup() {
       bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
   }
   if (opt_on_device || partial) {
-    const std::uint64_t dbytes = opt_on_device ? L.grad_bytes : units.device_opt_bytes;
+    const std::uint64_t dbytes = opt_on_device ? units.grad_bytes : units.device_opt_bytes;
     auto carve = [&](const char* name) -> Result<float*> {
       STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(dbytes, 1)));
       STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, dbytes));
@@ -535,6 +586,7 @@ Status OffloadEngine::Impl::setup() {
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
 
   STRATA_RETURN_IF_ERROR(setup_data_parallel());
+  STRATA_RETURN_IF_ERROR(setup_pipeline());
 
   // Slots and buckets.
   slot_of.assign(static_cast<std::size_t>(M), -1);
@@ -569,13 +621,13 @@ Status OffloadEngine::Impl::setup() {
   owned_of_unit.assign(static_cast<std::size_t>(M), {});
   for (std::size_t i = 0; i < L.params.size(); ++i) {
     const ParamDesc& p = L.params[i];
-    if (!p.owns_storage()) continue;
+    if (!p.owns_storage() || !units.in_stage[static_cast<std::size_t>(p.module)]) continue;
     OwnedParam o;
     o.index = static_cast<int>(i);
     o.unit = p.module;
     o.decay = p.weight_decay;
-    o.grad_offset = p.grad_offset;
-    o.grad_in_unit = p.grad_offset - grad_begin(p.module);
+    o.grad_in_unit = p.grad_offset - L.modules[static_cast<std::size_t>(p.module)].grad_begin;
+    o.grad_offset = grad_begin(p.module) + o.grad_in_unit;
     o.param_in_unit = p.param_offset - param_begin(p.module);
     o.n = static_cast<std::size_t>(p.numel());
     owned_of_unit[static_cast<std::size_t>(p.module)].push_back(static_cast<int>(owned.size()));
@@ -583,7 +635,7 @@ Status OffloadEngine::Impl::setup() {
   }
   first_touch.assign(static_cast<std::size_t>(M), -1);
   last_touch.assign(static_cast<std::size_t>(M), M);
-  for (int m = 0; m < M; ++m) {
+  for (int m = stage_first; m < stage_end; ++m) {  // this stage's modules (all without a pipeline)
     for (int u : units.storage[static_cast<std::size_t>(m)]) {
       first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
       last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
@@ -600,10 +652,10 @@ Status OffloadEngine::Impl::setup() {
     } else if (sharded) {
       // Unsharded gradients only to carry stage 1's accumulation between micro-batches.
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
-        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes, "offload.host_grads"));
+        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes, "offload.host_grads"));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, L.grad_bytes - hshift, "offload.host_grads"));
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes - hshift, "offload.host_grads"));
     }
     host_param_offset.assign(static_cast<std::size_t>(M), 0);
     std::uint64_t off = 0;
@@ -629,7 +681,7 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : L.grad_bytes - hshift;
+    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : units.grad_bytes - hshift;
     STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
     STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
@@ -694,7 +746,7 @@ Status OffloadEngine::Impl::setup() {
     } else {
       STRATA_ASSIGN_OR_RETURN(
           cuda_partials,
-          dev.allocate((detail::sum_of_squares_cuda_partials(L.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
+          dev.allocate((detail::sum_of_squares_cuda_partials(units.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
       STRATA_ASSIGN_OR_RETURN(pinned_norm, dev.pinned().allocate(sizeof(double), "offload.norm"));
     }
   }
@@ -709,6 +761,7 @@ Status OffloadEngine::Impl::initialize() {
   std::vector<float> values;
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
+    if (!units.in_stage[uu]) continue;  // another pipeline stage's
     std::vector<char> pbytes(units.pbytes[uu], 0);
     std::vector<float> blob;
     const bool via_blob = settings.optimizer == Tier::kNvme || sharded;
@@ -903,6 +956,12 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
 
 Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which) {
   const int k = owned_index(index);
+  if (k < 0 && pp_size > 1 && index >= 0 && index < static_cast<int>(layout().params.size())) {
+    return failed_precondition("parameter '" + layout().params[static_cast<std::size_t>(index)].name +
+                               "' is held by pipeline stage " +
+                               std::to_string(unit_stage[static_cast<std::size_t>(owner_unit(index))]) +
+                               ", not by this stage (" + std::to_string(pp_rank) + ")");
+  }
   if (k < 0) return invalid_argument("no parameter with index " + std::to_string(index));
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
@@ -1144,6 +1203,161 @@ Status OffloadEngine::Impl::setup_data_parallel() {
   return ok_status();
 }
 
+// ---- pipeline parallel -----------------------------------------------------------------------
+
+Status OffloadEngine::Impl::setup_pipeline() {
+  if (pp_size == 1) return ok_status();
+  STRATA_ASSIGN_OR_RETURN(pp_caller, pp->split(0, pp_rank, "pp.step"));
+  STRATA_ASSIGN_OR_RETURN(pp_norm, pp->split(0, pp_rank, "pp.norm"));
+  // The tied unit: held by the first stage (its own module) and by the last (read by the head).
+  const ModelLayout& L = layout();
+  unit_stage.assign(static_cast<std::size_t>(M), -1);
+  for (int st = pp_size - 1; st >= 0; --st) {
+    const std::vector<char> in = offload_detail::stage_units(L, settings.pipeline_bounds, st);
+    for (int u = 0; u < M; ++u)
+      if (in[static_cast<std::size_t>(u)]) unit_stage[static_cast<std::size_t>(u)] = st;
+  }
+  const std::vector<char> last = offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1);
+  for (int u = 0; u < M && tied_unit < 0; ++u)
+    if (last[static_cast<std::size_t>(u)] && unit_stage[static_cast<std::size_t>(u)] != pp_size - 1) tied_unit = u;
+  if (tied_unit >= 0 && unit_stage[static_cast<std::size_t>(tied_unit)] != 0) {
+    return internal_error("pipeline: the tied unit '" + L.modules[static_cast<std::size_t>(tied_unit)].name +
+                          "' is not the first stage's");
+  }
+  if (tied_unit >= 0) {
+    // The first and the last stage form one group; every other stage a group of its own (unused).
+    const bool member = pp_rank == 0 || pp_rank == pp_size - 1;
+    STRATA_ASSIGN_OR_RETURN(pp_tied, pp->split(member ? 0 : 1 + pp_rank, pp_rank, "pp.tied"));
+    if (!member || !units.in_stage[static_cast<std::size_t>(tied_unit)]) pp_tied.reset();
+  }
+  pp_stats.assign(static_cast<std::size_t>(M), GradStats{});
+  pp_gathered.assign(static_cast<std::size_t>(M * pp_size), GradStats{});
+  const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+                                 dtype_size(wdtype);
+  for (std::int64_t a = 0; a < config.grad_accum; ++a) {
+    if (pp_rank + 1 < pp_size) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_activations"));
+      act_send.push_back(std::move(b));
+    }
+    if (pp_rank > 0) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_gradients"));
+      grad_send.push_back(std::move(b));
+    }
+  }
+  sends.reserve(static_cast<std::size_t>(2 * config.grad_accum));
+  return ok_status();
+}
+
+Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradStats>& stats) {
+  static_assert(sizeof(GradStats) % 4 == 0);
+  std::copy(stats.begin(), stats.end(), pp_stats.begin());
+  Status s = pp_norm->all_gather(pp_stats.data(), pp_gathered.data(), pp_stats.size() * sizeof(GradStats) / 4,
+                                 DType::kF32).wait();
+  if (!s.ok()) return s.with_context("pipeline: gather of the gradient statistics");
+  GradStats total;
+  for (int u = 0; u < M; ++u) {
+    const int st = unit_stage[static_cast<std::size_t>(u)];
+    total.merge(pp_gathered[static_cast<std::size_t>(st * M + u)]);
+  }
+  return total;
+}
+
+Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
+  if (!pp_tied) return ok_status();
+  return pp_tied->all_reduce(grads, grads, n, DType::kF32, ReduceOp::kSum)
+      .wait()
+      .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
+}
+
+// One step's micro-batches through this stage in the schedule's order. Forwards and backwards
+// each run in micro-batch order, so every unit's gradient accumulates in the single process's
+// order. The whole step is one pass of the prefetch trace (recorded in the first step).
+// Receives land in the model's own buffers once the compute stream has finished with them (the
+// stream is synchronized first); sends leave from per-micro-batch copies, waited at the end.
+Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
+                                         std::int64_t micro, float dloss, std::int64_t step, double lr) {
+  const std::int64_t B = config.micro_batch, T = config.seq_len;
+  const auto per = static_cast<std::size_t>(B * T);
+  const int k = model->activation_slots();
+  const bool first_stage = pp_rank == 0, last_stage = pp_rank + 1 == pp_size;
+  const DType wire = wire_dtype();
+  const auto started = std::chrono::steady_clock::now();
+  // A receive's wait, timed: the stage's idle time (its share of the bubble).
+  auto received = [this](CommWork w) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Status st = w.wait();
+    pp_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  };
+  sends.clear();
+  cyclic = false;
+  begin_pass();
+  Status s;
+  for (const PipelineOp& op : pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro))) {
+    const int a = op.micro;
+    STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
+    if (op.forward) {
+      STRATA_RETURN_IF_ERROR(
+          model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+      const std::uint64_t bytes = model->boundary_bytes();
+      const std::size_t count = bytes / dtype_size(wire);
+      if (!first_stage) {
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1))
+                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
+                                                 "'s activations from stage " + std::to_string(pp_rank - 1)));
+      }
+      STRATA_RETURN_IF_ERROR(run_forward(true));
+      STRATA_RETURN_IF_ERROR(model->copy_losses(a));
+      if (!last_stage) {
+        void* out = act_send[static_cast<std::size_t>(a)].data();
+        STRATA_RETURN_IF_ERROR(
+            compute->copy_async(out, model->boundary_activation(stage_end), bytes, CopyKind::kDeviceToDevice));
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        sends.push_back(pp_caller->send(out, count, wire, pp_rank + 1));
+        pp_bytes += bytes;
+      }
+    } else {
+      const std::uint64_t bytes = model->boundary_bytes();
+      const std::size_t count = bytes / dtype_size(wire);
+      if (!last_stage) {
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->activation_grad(), count, wire, pp_rank + 1))
+                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
+                                                 "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
+      }
+      STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr));
+      if (!first_stage) {
+        void* out = grad_send[static_cast<std::size_t>(a)].data();
+        STRATA_RETURN_IF_ERROR(compute->copy_async(out, model->activation_grad(), bytes, CopyKind::kDeviceToDevice));
+        STRATA_RETURN_IF_ERROR(compute->synchronize());
+        sends.push_back(pp_caller->send(out, count, wire, pp_rank - 1));
+        pp_bytes += bytes;
+      }
+    }
+  }
+  for (const CommWork& w : sends) {
+    Status ws = w.wait();
+    if (s.ok() && !ws.ok()) s = ws.with_context("pipeline: send");
+  }
+  sends.clear();
+  pp_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  STRATA_RETURN_IF_ERROR(s);
+  if (tied_landed) {  // the host optimizer's tied unit: summed, then handed to the optimizer thread
+    const Command c = *tied_landed;
+    tied_landed.reset();
+    STRATA_RETURN_IF_ERROR(gstream->synchronize());
+    const auto [grads, n] = unit_grads(c.unit);  // data parallel: this rank's reduced slice
+    STRATA_RETURN_IF_ERROR(reduce_tied_grads(reinterpret_cast<float*>(grads), n));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      commands.push_back(c);
+    }
+    cv.notify_all();
+  }
+  return end_pass();
+}
+
 void OffloadEngine::Impl::to_elements(int u, const char* working, char* elements) const {
   const std::uint64_t w = half ? 2 : 4;
   for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
@@ -1241,7 +1455,7 @@ Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate) {
 
 Status OffloadEngine::Impl::all_reduce_device_grads() {
   STRATA_RETURN_IF_ERROR(compute->synchronize());
-  const std::size_t n = layout().grad_bytes / 4;
+  const std::size_t n = units.grad_bytes / 4;
   return dp_wait(dp_tracks[0], dp_caller->all_reduce(dgrads, dgrads, n, DType::kF32, ReduceOp::kSum),
                  "all-reduce gradients", -1, n * 4);
 }
@@ -1571,7 +1785,7 @@ void OffloadEngine::Impl::worker_main() {
   // norm is known (as with clipping).
   // Not with the delayed update: the step's update runs while the next step computes.
   const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
-                            settings.optimizer == Tier::kHost && !sharded &&
+                            settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   auto fail = [&](Status s) {
     std::lock_guard<std::mutex> lock(mu);
@@ -1646,9 +1860,31 @@ void OffloadEngine::Impl::worker_main() {
         fail(s);
         continue;
       }
-      for (int u = 0; u < M; ++u) {
-        for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+      if (pp_size > 1) {
+        // Each unit's statistics over the data-parallel ranks, then over the pipeline stages.
+        std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r)
+            per_unit[static_cast<std::size_t>(u)].merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
+        auto merged = merge_stage_stats(per_unit);
+        if (!merged.ok()) {
+          fail(merged.status());
+          continue;
+        }
+        total = *merged;
+      } else {
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
       }
+    } else if (pp_size > 1) {
+      auto merged = merge_stage_stats(stats);
+      if (!merged.ok()) {
+        fail(merged.status());
+        continue;
+      }
+      total = *merged;
     } else {
       // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
       for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
@@ -1684,11 +1920,17 @@ void OffloadEngine::Impl::worker_main() {
     }
     const float scale = update_scale(norm, c.loss_scale);
     Status s;
+    for (int u = 0; u < M; ++u)
+      if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
     if (settings.optimizer == Tier::kNvme) {
-      s = update_units_nvme(update_order, c.opt_step, c.lr, scale, c.step);
+      std::vector<int> order;  // this stage's units, in the update's order
+      for (int u : update_order)
+        if (units.in_stage[static_cast<std::size_t>(u)]) order.push_back(u);
+      s = update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
     } else {
       for (int u : update_order) {
         if (u < kdev) continue;  // partial offload: on the device
+        if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
         s = update_unit_host(u, c.opt_step, c.lr, scale);
         if (!s.ok()) break;
         mark_updated(u, c.step);
@@ -2065,7 +2307,13 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     g.unit = -1;
     gslot_of[uu] = -1;
     bound_grads[uu] = nullptr;
-    if (last_micro && step > 0) {
+    if (last_micro && step > 0 && u == tied_unit && pp_tied) {
+      // Pipeline: the tied unit's gradient is summed with the other end's once this stage's whole
+      // schedule has run (run_pipeline), not on the gradient stream here: the other end may still
+      // need this stage's activation gradients, which wait behind this stream's buckets.
+      STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
+      tied_landed = Command{Command::kLanded, u, step, lr, opt_step_now, loss_scale_now};
+    } else if (last_micro && step > 0) {
       STRATA_RETURN_IF_ERROR(gstream->record(*landed[uu]));
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -2078,7 +2326,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
 }
 
 Status OffloadEngine::Impl::run_forward(bool for_backward) {
-  for (int m = 0; m < M; ++m) {
+  for (int m = stage_first; m < stage_end; ++m) {
     note_access(m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
@@ -2092,7 +2340,7 @@ Status OffloadEngine::Impl::run_forward(bool for_backward) {
 
 Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr) {
-  for (int m = M - 1; m >= 0; --m) {
+  for (int m = stage_end - 1; m >= stage_first; --m) {
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
@@ -2124,10 +2372,11 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
     count = static_cast<std::int64_t>(global);
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
-  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, layout().grad_bytes));
+  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.grad_bytes));
   if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
+  if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
   for (std::int64_t a = 0; a < micro; ++a) {
     STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
     cyclic = a + 1 < micro;
@@ -2186,11 +2435,23 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     const bool skip_overflow = fp16;
     return launch->run("optimizer step", [=, this](const kernels::KernelContext&) -> Status {
       GradStats total;
-      for (std::size_t u = 0; u < job->unit_grads.size(); ++u) {
-        const auto& [g, n] = job->unit_grads[u];
-        STRATA_ASSIGN_OR_RETURN(GradStats s, job->engine->scan_norm(*job->opt, static_cast<int>(u),
-                                                                    reinterpret_cast<const char*>(g), 0, n, inv_scale));
-        total.merge(s);
+      if (pp_size > 1) {
+        // Every stage's units, merged in unit order (merge_stage_stats): the tied unit's gradient
+        // was summed over the first and last stage before this step ran (step()).
+        std::vector<GradStats> per_unit;
+        for (const auto& [g, n] : job->unit_grads) {
+          STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
+          per_unit.push_back(s);
+        }
+        STRATA_ASSIGN_OR_RETURN(total, merge_stage_stats(per_unit));
+      } else {
+        // Tensor parallel: scan_norm counts replicated parameters on one rank only.
+        for (std::size_t u = 0; u < job->unit_grads.size(); ++u) {
+          const auto& [g, n] = job->unit_grads[u];
+          STRATA_ASSIGN_OR_RETURN(GradStats s, job->engine->scan_norm(*job->opt, static_cast<int>(u),
+                                                                      reinterpret_cast<const char*>(g), 0, n, inv_scale));
+          total.merge(s);
+        }
       }
       if (job->tp != nullptr) {
         // On the compute stream, after every rank's backward: the model's group, in stream order.
@@ -2211,7 +2472,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     });
   }
   // cuda: the norm is needed on the host to pick the clip scale.
-  const std::size_t n = layout().grad_bytes / 4;
+  const std::size_t n = units.grad_bytes / 4;
   auto* partials = static_cast<double*>(cuda_partials.data());
   double* result = partials + detail::sum_of_squares_cuda_partials(n);
   void* cs = compute->native_handle();
@@ -2353,15 +2614,15 @@ OffloadEngine::~OffloadEngine() {
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig& config,
                                                              const OffloadSettings& settings, Device& device,
                                                              Stream* compute, Comm* data_parallel,
-                                                             Comm* tensor_parallel) {
-  return create_with_faults(config, settings, device, compute, data_parallel, tensor_parallel, nullptr);
+                                                             Comm* tensor_parallel, Comm* pipeline) {
+  return create_with_faults(config, settings, device, compute, data_parallel, tensor_parallel, pipeline, nullptr);
 }
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
                                                                             const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, faults);
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, nullptr, faults);
 }
 
 namespace {
@@ -2418,17 +2679,45 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
   return ok_status();
 }
 
+// What pipeline parallelism supports today (docs/parallel.md "Pipeline parallel"); the errors
+// say what to use instead.
+Status check_pipeline(const TrainerConfig& config, const OffloadSettings& s, Device& device, const Comm& pp) {
+  const std::string stages = std::to_string(pp.size()) + " pipeline stages";
+  if (device.info().kind != DeviceKind::kCpu) {
+    return invalid_argument(stages + " on the " + std::string(device.info().name) +
+                            " device: the pipeline runs on the cpu device backend so far (its boundary tensors go "
+                            "over the mpi backend); use --device cpu");
+  }
+  if (pp.backend() != CommBackend::kMpi) {
+    return invalid_argument("pipeline group '" + pp.name() + "' uses the " + std::string(to_string(pp.backend())) +
+                            " backend; the cpu device's pipeline needs mpi");
+  }
+  if (s.gradients == Tier::kNvme) {
+    return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + stages +
+                            " are not built yet: leave the gradients on the host");
+  }
+  (void)config;
+  return ok_status();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const TrainerConfig& config,
                                                                          const OffloadSettings& settings_in,
                                                                          Device& device, Stream* compute,
                                                                          Comm* data_parallel,
-                                                                         Comm* tensor_parallel,
+                                                                         Comm* tensor_parallel, Comm* pipeline,
                                                                          const nvme_detail::IoFaults* faults) {
   OffloadSettings settings = settings_in;
   if (data_parallel != nullptr) settings.dp_size = data_parallel->size();
   if (tensor_parallel != nullptr) settings.tp_size = tensor_parallel->size();
+  const int pp_size = pipeline != nullptr ? pipeline->size() : 1;
+  if (settings.tp_size > 1 && pp_size > 1) {
+    return invalid_argument("tensor parallel (" + std::to_string(settings.tp_size) + " ranks) with pipeline parallel (" +
+                            std::to_string(pp_size) +
+                            " stages) in one engine is not built yet; use one of them (each composes with data "
+                            "parallelism)");
+  }
   if (settings.tp_size > 1) {
     if (tensor_parallel == nullptr) {
       return invalid_argument("offload settings: tp_size = " + std::to_string(settings.tp_size) +
@@ -2436,6 +2725,14 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
     }
     STRATA_RETURN_IF_ERROR(check_tensor_parallel(config.model, settings.tp_size));
     STRATA_RETURN_IF_ERROR(check_tensor_parallel_placement(settings, device));
+  }
+  settings.pipeline_bounds.clear();
+  settings.pp_stage = 0;
+  if (pp_size > 1) {
+    STRATA_RETURN_IF_ERROR(check_pipeline(config, settings, device, *pipeline));
+    STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds, pipeline_stages(config.model, pp_size, config.seq_len));
+    settings.pp_stage = pipeline->rank();
+    settings.update_during_backward = false;  // the norm needs every stage's gradients
   }
   if (settings.dp_size > 1) {
     if (data_parallel == nullptr) {
@@ -2451,6 +2748,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   impl->settings = settings;
   impl->dp = data_parallel;
   impl->tp = tensor_parallel;
+  impl->pp = pp_size > 1 ? pipeline : nullptr;
+  impl->pp_size = pp_size;
+  impl->pp_rank = pp_size > 1 ? pipeline->rank() : 0;
   impl->plan = std::move(plan);
   impl->device = &device;
   impl->compute = compute;
@@ -2506,6 +2806,12 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
     if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
+    if (s.ok() && t.pp_tied) {  // pipeline: the tied embedding's gradient of the first and last stage
+      s = t.compute->synchronize();
+      if (s.ok())
+        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)),
+                                t.units.gbytes[static_cast<std::size_t>(t.tied_unit)] / 4);
+    }
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);
     if (s.ok())
@@ -2569,6 +2875,15 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     total.sum = sums[0];
     total.count = static_cast<std::int64_t>(sums[1]);
   }
+  if (t.pp_size > 1) {
+    // The last stage computed the losses; every stage reports them (its bits, moved as words).
+    double sums[2] = {total.sum, static_cast<double>(total.count)};
+    STRATA_RETURN_IF_ERROR(t.pp_caller->broadcast(sums, 4, DType::kF32, t.pp_size - 1)
+                               .wait()
+                               .with_context("pipeline: broadcast of the loss from the last stage"));
+    total.sum = sums[0];
+    total.count = static_cast<std::int64_t>(sums[1]);
+  }
   t.steps += 1;
   if (!t.have_baseline) {
     // Not published: a delayed update stays delayed (its upload allocates nothing).
@@ -2589,6 +2904,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
   if (!t.opt_on_device) {
     return failed_precondition("loss_and_gradients: needs the optimizer (and gradients) on the device");
   }
+  STRATA_RETURN_IF_ERROR(t.single_stage("loss_and_gradients"));
   const auto micro = static_cast<std::int64_t>(inputs.size()) / (t.config.micro_batch * t.config.seq_len);
   if (micro < 1 || micro > t.config.grad_accum) {
     return invalid_argument("loss_and_gradients: expected 1 to " + std::to_string(t.config.grad_accum) +
@@ -2606,6 +2922,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("loss"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
@@ -2622,6 +2939,7 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
 
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("evaluate"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   auto forward = [&t]() -> Status {
@@ -2649,6 +2967,7 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("save_weights"));
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   if (t.tp_size > 1) {
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
@@ -2704,6 +3023,7 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
 
 Status OffloadEngine::load_weights(const std::string& path) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("load_weights"));
   if (t.tp_size > 1) {
     // Every rank reads the full file and keeps its shard of each parameter.
     STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
@@ -2764,6 +3084,7 @@ std::string config_difference(const std::string& saved, const std::string& curre
 
 Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("save_checkpoint"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   CheckpointManifest manifest;
@@ -2845,6 +3166,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
   Impl& t = *impl_;
+  STRATA_RETURN_IF_ERROR(t.single_stage("load_checkpoint"));
   // Allowed after a failed step (the way to recover from one): the error stays until the
   // checkpoint is verified and loaded.
   STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
@@ -2993,6 +3315,9 @@ OffloadStats OffloadEngine::stats() const {
   s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
   s.bytes_dp = t.dp_bytes.load(std::memory_order_relaxed);
   s.dp_seconds = t.tracer.seconds(TraceCounter::kComm);
+  s.pipeline_seconds = t.pp_seconds;
+  s.pipeline_wait_seconds = t.pp_wait_seconds;
+  s.bytes_pp = t.pp_bytes;
   return s;
 }
 

@@ -42,6 +42,13 @@ struct Units {
   // [0, device_opt_bytes) (units are laid out in module order); the host holds the rest.
   std::uint32_t device_opt_units = 0;
   std::uint64_t device_opt_bytes = 0;
+  // Pipeline parallel: the units this stage holds (every unit without a pipeline); the others
+  // have no bytes, no home beyond the device and no sub-groups. The engine's fp32 arrays
+  // (device gradients and optimizer state, host gradients and optimizer state) hold only the
+  // stage's units, unit u at grad_offset[u] (the layout's grad_begin without a pipeline).
+  std::vector<char> in_stage;
+  std::vector<std::uint64_t> grad_offset;
+  std::uint64_t grad_bytes = 0;
 };
 
 // Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
@@ -86,6 +93,20 @@ inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
   return s;
 }
 
+// The units stage `stage` of a pipeline with module bounds `bounds` (pipeline_stages) reads: its
+// modules and what they read (GPT-2's last stage: the embedding, for the tied head). All units
+// without a pipeline (bounds empty).
+inline std::vector<char> stage_units(const ModelLayout& layout, const std::vector<int>& bounds, int stage) {
+  const std::size_t M = layout.modules.size();
+  if (bounds.size() < 2) return std::vector<char>(M, 1);
+  std::vector<char> in(M, 0);
+  const std::vector<std::vector<int>> st = storage_of(layout);
+  for (int m = bounds[static_cast<std::size_t>(stage)]; m < bounds[static_cast<std::size_t>(stage) + 1]; ++m) {
+    for (int u : st[static_cast<std::size_t>(m)]) in[static_cast<std::size_t>(u)] = 1;
+  }
+  return in;
+}
+
 // Data parallel: rank r's slice [begin, begin + len) of a unit of n fp32 elements, cut into
 // `size` chunks of `chunk` elements (see DpSlices below).
 struct DpSlice {
@@ -110,11 +131,25 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   u.pbytes.resize(M);
   u.gbytes.resize(M);
   u.resident_offset.assign(M, 0);
+  u.in_stage = stage_units(layout, settings.pipeline_bounds, settings.pp_stage);
+  u.grad_offset.assign(M, 0);
+  const bool whole = settings.pipeline_bounds.size() < 2;
+  u.grad_bytes = whole ? layout.grad_bytes : 0;
   std::uint64_t max_grad = 0;
   for (std::size_t m = 0; m < M; ++m) {
     const ModuleDesc& md = layout.modules[m];
+    if (!u.in_stage[m]) {
+      u.home[m] = Tier::kDevice;  // nothing to place: pbytes = gbytes = 0
+      continue;
+    }
     u.pbytes[m] = md.param_end - md.param_begin;
     u.gbytes[m] = md.grad_end - md.grad_begin;
+    if (whole) {
+      u.grad_offset[m] = md.grad_begin;
+    } else {
+      u.grad_offset[m] = u.grad_bytes;
+      u.grad_bytes += align_up(u.gbytes[m], kParamAlignment);
+    }
     max_grad = std::max(max_grad, u.gbytes[m]);
     const auto elements = static_cast<std::int64_t>(u.gbytes[m] / 4);
     u.home[m] = elements <= settings.persistence_threshold ? Tier::kDevice : settings.params;
@@ -179,6 +214,8 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
         u.sub_groups[m] = {d.begin};
         for (std::uint64_t e = d.begin + step; e < d.begin + d.len; e += step) u.sub_groups[m].push_back(e);
         if (d.len > 0) u.sub_groups[m].push_back(d.begin + d.len);
+      } else if (!u.in_stage[m]) {
+        u.sub_groups[m] = {0};  // another stage's unit: no sub-groups
       } else {
         u.sub_groups[m] = sub_group_bounds(layout, m, static_cast<std::uint64_t>(settings.sub_group_size));
       }
@@ -200,7 +237,7 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   std::vector<RegionSpec> r;
   r.push_back(RegionSpec{"offload.params", std::max<std::uint64_t>(u.resident_bytes, kParamAlignment), 0, 0});
   if (u.param_slots > 0) r.push_back(RegionSpec{"offload.param_slots", 0, u.param_slot_bytes, u.param_slots});
-  const std::uint64_t gb = std::max<std::uint64_t>(layout.grad_bytes, kParamAlignment);
+  const std::uint64_t gb = std::max<std::uint64_t>(u.grad_bytes, kParamAlignment);
   if (settings.optimizer == Tier::kDevice) {
     r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
     if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", gb, 0, 0});

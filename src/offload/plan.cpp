@@ -105,6 +105,16 @@ Status OffloadSettings::validate() const {
         "the resident parameters while the update runs; offload_param.device = " +
         std::string(to_string(params)) + " is not supported with it");
   }
+  if (pipeline_bounds.size() > 2) {
+    const std::string stages = " with " + std::to_string(pipeline_bounds.size() - 1) + " pipeline stages";
+    if (optimizer_ratio < 1.0) {
+      return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) +
+                              stages + " is not built yet: use ratio 1");
+    }
+    if (delayed_update) {
+      return invalid_argument("strata.delayed_update" + stages + " is not built yet: turn it off");
+    }
+  }
   if (delayed_update_warmup < 0) {
     return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +
                             " must be >= 0");
@@ -187,6 +197,18 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   plan.grad_slot_bytes = units.grad_slot_bytes;
   line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
        offload_detail::activation_bytes_estimate(config));
+  if (settings.pipeline_bounds.size() > 2) {
+    // A stage keeps one activation set per micro-batch in flight (bounded above by the whole
+    // model's set each) and one send buffer per micro-batch and direction.
+    const int p = static_cast<int>(settings.pipeline_bounds.size()) - 1;
+    const int slots = pipeline_slots(settings.pipeline_schedule, p, settings.pp_stage, static_cast<int>(config.grad_accum));
+    const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+                                   dtype_size(config.model.dtype);
+    line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
+         static_cast<std::uint64_t>(slots - 1) * offload_detail::activation_bytes_estimate(config));
+    line("pipeline: send buffers", Tier::kDevice, StateKind::kActivations,
+         2 * static_cast<std::uint64_t>(config.grad_accum) * boundary);
+  }
   const bool pin = settings.pin_memory;
   const bool sharded = offload_detail::dp_sharded(settings);
   // Partial optimizer offload: which modules' state each side holds.
@@ -204,7 +226,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
     if (settings.zero_stage < 2 && config.grad_accum > 1) {
       line("gradient accumulation (fp32, host, unsharded in stage 1)", Tier::kHost, StateKind::kGradients,
-           layout.grad_bytes, pin);
+           units.grad_bytes, pin);
     }
     line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
     line("data-parallel all-gather staging", Tier::kHost, StateKind::kParameters,
@@ -232,24 +254,24 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
   } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
-      line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, layout.grad_bytes);
+      line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, units.grad_bytes);
       line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
     } else {
       line("gradients (fp32, host)" + host_part, Tier::kHost, StateKind::kGradients,
-           layout.grad_bytes - units.device_opt_bytes, pin);
+           units.grad_bytes - units.device_opt_bytes, pin);
     }
     line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
   }
   if (settings.optimizer == Tier::kHost && !sharded) {
     // Partial offload: the first modules' state is in the device regions optim.* above.
-    const std::uint64_t host_state = layout.grad_bytes - units.device_opt_bytes;
+    const std::uint64_t host_state = units.grad_bytes - units.device_opt_bytes;
     line("fp32 master weights" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
     line("Adam exp_avg" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
     line("Adam exp_avg_sq" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
   }
   if (settings.optimizer == Tier::kNvme) {
     const std::uint64_t state = sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
-                                        : 3 * layout.grad_bytes;
+                                        : 3 * units.grad_bytes;
     line(sharded ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
                  : std::string("fp32 master + exp_avg + exp_avg_sq"),
          Tier::kNvme, StateKind::kOptimizer, state);
@@ -329,6 +351,38 @@ Status OffloadPlan::check_fits(const Device& device, const OffloadSettings& sett
     }
   }
   return ok_status();
+}
+
+std::string_view to_string(PipelineSchedule schedule) {
+  return schedule == PipelineSchedule::kGpipe ? "gpipe" : "1f1b";
+}
+
+Result<PipelineSchedule> parse_pipeline_schedule(std::string_view text) {
+  if (text == "gpipe") return PipelineSchedule::kGpipe;
+  if (text == "1f1b") return PipelineSchedule::kOneFOneB;
+  return invalid_argument("pipeline schedule '" + std::string(text) + "': expected \"gpipe\" or \"1f1b\"");
+}
+
+std::vector<PipelineOp> pipeline_ops(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
+  std::vector<PipelineOp> ops;
+  const int m = micro_batches;
+  const int warm = schedule == PipelineSchedule::kGpipe ? m : std::min(std::max(stages - stage - 1, 0), m);
+  for (int a = 0; a < warm; ++a) ops.push_back({true, a});
+  for (int i = 0; warm + i < m; ++i) {  // steady state: one forward, one backward
+    ops.push_back({true, warm + i});
+    ops.push_back({false, i});
+  }
+  for (int a = m - warm; a < m; ++a) ops.push_back({false, a});  // cool-down
+  return ops;
+}
+
+int pipeline_slots(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
+  int live = 0, most = 0;
+  for (const PipelineOp& op : pipeline_ops(schedule, stages, stage, micro_batches)) {
+    live += op.forward ? 1 : -1;
+    most = std::max(most, live);
+  }
+  return std::max(most, 1);
 }
 
 std::string_view to_string(StateKind kind) {

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -281,14 +282,59 @@ int run_train(std::span<const std::string> argv) {
     rank = comm_context->world_rank();
     ranks = comm_context->world_size();
   }
+  // ---- pipeline parallel: strata.pipeline_parallel_size stages, one per process ----
+  Options pp_options = options;  // the config's, then the environment's
+  if (Status e = pp_options.load_env(); !e.ok()) return usage(e);
+  const std::int64_t pp = pp_options.get_int(Option::kPipelineParallelSize);
+  {
+    const std::string key = pp_options.source(Option::kPipelineParallelSize);
+    if (pp < 1) {
+      return usage(invalid_argument(key + ": pipeline_parallel_size = " + std::to_string(pp) + " must be at least 1"));
+    }
+    if (pp > 1 && ranks % pp != 0) {
+      return usage(invalid_argument(
+          key + ": pipeline_parallel_size = " + std::to_string(pp) + " with " + std::to_string(ranks) +
+          " process(es): every stage is a process of its own, so the number of processes must be a multiple of it "
+          "(pipelines x stages); start `mpirun -np " + std::to_string(pp) + " strata train ...` or a multiple"));
+    }
+    auto schedule = parse_pipeline_schedule(pp_options.get_string(Option::kPipelineSchedule));
+    if (!schedule.ok()) {
+      return usage(invalid_argument(pp_options.source(Option::kPipelineSchedule) + ": " + schedule.status().message()));
+    }
+    offload.pipeline_schedule = *schedule;
+    for (const char* flag : {"out", "save-weights", "checkpoint-dir", "resume"}) {
+      if (pp > 1 && args.has(flag)) {
+        return usage(invalid_argument(std::string("--") + flag + " with pipeline_parallel_size = " +
+                                      std::to_string(pp) +
+                                      ": weights and checkpoints of a pipeline (each stage holds its modules) are not "
+                                      "built yet"));
+      }
+    }
+  }
   const bool leader = rank == 0;
-  if (tp_size < 1 || ranks % tp_size != 0) {
+  if (tp_size < 1 || ranks % (tp_size * pp) != 0) {
     return usage(invalid_argument("strata.tensor_parallel_size = " + std::to_string(tp_size) +
                                   " must be at least 1 and divide the number of ranks (" + std::to_string(ranks) +
                                   (launched_by_mpirun() ? ", mpirun -np" : ": one process; launch with mpirun -np N") +
+                                  (pp > 1 ? " over pipeline_parallel_size = " + std::to_string(pp) : std::string()) +
                                   "): each model is split over that many ranks"));
   }
-  const int dp_size = ranks / tp_size, dp_rank = rank / tp_size;
+  if (tp_size > 1 && pp > 1) {
+    return usage(invalid_argument("strata.tensor_parallel_size = " + std::to_string(tp_size) +
+                                  " with strata.pipeline_parallel_size = " + std::to_string(pp) +
+                                  ": tensor and pipeline parallelism in one run are not built yet; use one of them "
+                                  "(each composes with data parallelism)"));
+  }
+  // The rank grid (parallel.hpp: rank = (dp * PP + stage) * TP + tp): the data-parallel ranks
+  // (model replicas: pipelines, or tensor-parallel groups) and this process's index among them.
+  std::optional<ProcessGroups> groups;
+  if (tp_size > 1 || pp > 1) {
+    auto g = make_process_groups(*comm_context, CommBackend::kMpi, tp_size, static_cast<int>(pp));
+    if (!g.ok()) return fail(g.status().with_context(pp > 1 ? "pipeline groups" : "tensor- and data-parallel groups"));
+    groups = std::move(*g);
+  }
+  const int dp_size = groups ? groups->grid.dp() : ranks;
+  const int dp_rank = groups ? groups->coord.dp : rank;
   if (ranks > 1) {
     g_rank_prefix = "rank " + std::to_string(rank) + ": ";
     // One rank speaks: the others' output would repeat it.
@@ -373,7 +419,8 @@ int run_train(std::span<const std::string> argv) {
   const double unigram = unigram_entropy(data.train, data.tokenizer->vocab_size());
   auto batcher = Batcher::create(data.train, tc.micro_batch, tc.seq_len, tc.seed);
   if (!batcher.ok()) return fail(batcher.status().with_context("training data (" + data.name + ")"));
-  const bool can_validate = static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
+  // A pipeline does not validate yet (evaluate() needs every module in one process).
+  const bool can_validate = pp == 1 && static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
   s = tc.validate();
   if (!s.ok()) return usage(s);
   if (tp_size > 1) {
@@ -427,24 +474,21 @@ int run_train(std::span<const std::string> argv) {
                        train_usage());
   }
   if (!device.ok()) return fail(device.status());
-  std::unique_ptr<Comm> dp_group;
-  ProcessGroups groups;  // tensor parallel: the grid's groups (they outlive the engine)
-  if (ranks > 1) {
+  // The groups outlive the engine.
+  std::unique_ptr<Comm> dp_group, tp_group, pp_group;
+  if (groups) {
+    tp_group = std::move(groups->tp);
+    pp_group = std::move(groups->pp);
+    if (dp_size > 1) dp_group = std::move(groups->dp);
+  } else if (ranks > 1) {
     // The optimizer on a GPU reduces device buffers (nccl); everything else host buffers (mpi).
     const CommBackend backend =
         offload.optimizer == Tier::kDevice && dc.kind == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kMpi;
-    if (tp_size > 1) {
-      auto g = make_process_groups(*comm_context, backend, tp_size, 1);
-      if (!g.ok()) return fail(g.status().with_context("tensor- and data-parallel groups"));
-      groups = std::move(*g);
-      dp_group = std::move(groups.dp);
-    } else {
-      auto w = comm_context->world(backend);
-      if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
-      dp_group = std::move(*w);
-    }
+    auto w = comm_context->world(backend);
+    if (!w.ok()) return fail(w.status().with_context("data-parallel group"));
+    dp_group = std::move(*w);
   }
-  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get(), groups.tp.get());
+  auto engine = OffloadEngine::create(tc, offload, **device, nullptr, dp_group.get(), tp_group.get(), pp_group.get());
   if (!engine.ok()) return fail(engine.status());
   OffloadEngine& tr = **engine;
   const std::string trace_path = leader ? args.get("trace").value_or("") : "";
@@ -541,7 +585,16 @@ int run_train(std::span<const std::string> argv) {
                 "trains its group's batch); the plan below is per rank\n",
                 tp_size, tp_size);
   }
-  if (ranks > 1) {
+  if (pp > 1) {
+    std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
+                std::string(to_string(offload.pipeline_schedule)).c_str());
+    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
+    for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
+      std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
+    std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's; no "
+                "validation\n",
+                dp_size);
+  } else if (dp_size > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
                 "micro-batches of a step; the plan below is per rank\n",
                 dp_size, std::string(to_string(dp_group->backend())).c_str(),
@@ -581,6 +634,7 @@ int run_train(std::span<const std::string> argv) {
   run["compute_threads"] = (*device)->info().compute_threads;
   run["data_parallel"] = Json{{"ranks", dp_size}, {"zero_stage", offload.zero_stage}};
   run["tensor_parallel"] = Json{{"ranks", tp_size}};
+  run["pipeline"] = Json{{"stages", pp}, {"schedule", std::string(to_string(offload.pipeline_schedule))}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))},

@@ -37,8 +37,9 @@ Status load_settings(const Args& args, const std::string& config_path, RunSettin
   for (const std::string& p : config->present_paths) {
     if (p.find('.') == std::string::npos) top.push_back(p);
   }
-  // Under mpirun the data-parallel size is the world over strata.tensor_parallel_size: the
-  // config's train_batch_size is global (strata train refuses a size that does not divide).
+  // Under mpirun the data-parallel size is the world over strata.tensor_parallel_size and
+  // strata.pipeline_parallel_size: the config's train_batch_size is global (strata train refuses
+  // a size that does not divide).
   STRATA_RETURN_IF_ERROR(tc.apply(*config, top, rs->data_parallel_size()));
   if (config->has("zero_optimization") || config->has("aio")) {
     STRATA_RETURN_IF_ERROR(rs->offload.apply(*config));

@@ -73,11 +73,13 @@ struct RunSettings {
   std::optional<Config> config;  // the --config file, when given
   // The ranks of this launch: mpirun's world size (OMPI_COMM_WORLD_SIZE), else 1.
   std::int64_t world_size = 1;
-  // The data-parallel ranks: the world over strata.tensor_parallel_size (the whole world when
-  // that does not divide it: strata train refuses such a launch, naming the key).
+  // The data-parallel ranks: the world over strata.tensor_parallel_size x
+  // strata.pipeline_parallel_size (the ranks of one model replica share its batch; the whole
+  // world when that does not divide it: strata train refuses such a launch, naming the key).
   std::int64_t data_parallel_size() const {
     const std::int64_t tp = std::max<std::int64_t>(1, options.get_int(Option::kTensorParallelSize));
-    return world_size % tp == 0 ? world_size / tp : world_size;
+    const std::int64_t pp = std::max<std::int64_t>(1, options.get_int(Option::kPipelineParallelSize));
+    return world_size % (tp * pp) == 0 ? world_size / (tp * pp) : world_size;
   }
 };
 

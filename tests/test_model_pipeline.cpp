@@ -1,0 +1,346 @@
+// Pipeline-parallel building blocks in one process: the stage assignment (balanced by forward
+// FLOPs), the schedules' order of work, and the model's activation slots and stage boundaries.
+// The slot tests run micro-batches in 1F1B order, and through two stage models handing the
+// boundary tensors over, against the same micro-batches run one after another: the gradients
+// must be the same bits (each module computes the same thing and every parameter gradient
+// accumulates in the same micro-batch order).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "offload_fixture.hpp"
+#include "strata/device.hpp"
+#include "strata/model.hpp"
+#include "strata/offload.hpp"
+
+namespace strata {
+namespace {
+
+ModelConfig small(ModelKind kind, int layers) {
+  ModelConfig c;
+  c.kind = kind;
+  c.n_layer = layers;
+  c.n_embd = 64;
+  c.n_head = 4;
+  c.n_kv_head = kind == ModelKind::kLlama ? 2 : 0;
+  c.n_positions = 32;
+  c.vocab_size = 97;
+  return c;
+}
+
+// The largest stage's FLOPs of a split, and the best over every split (brute force).
+double worst(const std::vector<double>& f, const std::vector<int>& b) {
+  double w = 0;
+  for (std::size_t s = 0; s + 1 < b.size(); ++s) {
+    double c = 0;
+    for (int m = b[s]; m < b[s + 1]; ++m) c += f[static_cast<std::size_t>(m)];
+    w = std::max(w, c);
+  }
+  return w;
+}
+double best_split(const std::vector<double>& f, int stages, std::vector<int> b, int from) {
+  if (static_cast<int>(b.size()) == stages) {
+    b.push_back(static_cast<int>(f.size()));
+    return worst(f, b);
+  }
+  double best = 1e300;
+  for (int e = from + 1; e + (stages - static_cast<int>(b.size())) <= static_cast<int>(f.size()); ++e) {
+    std::vector<int> nb = b;
+    nb.push_back(e);
+    best = std::min(best, best_split(f, stages, nb, e));
+  }
+  return best;
+}
+
+TEST(PipelineStages, BalancedByForwardFlopsAndContiguous) {
+  for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    for (int layers : {1, 4, 7}) {
+      const ModelConfig c = small(kind, layers);
+      const std::vector<double> f = module_flops(c, 1, 32);
+      ASSERT_EQ(f.size(), static_cast<std::size_t>(layers + 2));
+      EXPECT_EQ(f.front(), 0.0);  // the embedding is a gather
+      double sum = 0;
+      for (double x : f) sum += x;
+      EXPECT_NEAR(sum, model_flops(c, 1, 32, true), 1e-9 * sum);
+      for (int p = 1; p <= layers + 2; ++p) {
+        auto b = pipeline_stages(c, p, 32);
+        ASSERT_TRUE(b.ok()) << b.status().to_string();
+        ASSERT_EQ(b->size(), static_cast<std::size_t>(p + 1));
+        EXPECT_EQ(b->front(), 0);
+        EXPECT_EQ(b->back(), layers + 2);
+        for (int s = 0; s < p; ++s) EXPECT_LT((*b)[static_cast<std::size_t>(s)], (*b)[static_cast<std::size_t>(s) + 1]);
+        EXPECT_EQ(worst(f, *b), best_split(f, p, {0}, 0)) << "layers " << layers << ", stages " << p;
+      }
+      auto too_many = pipeline_stages(c, layers + 3, 32);
+      ASSERT_FALSE(too_many.ok());
+      EXPECT_NE(too_many.status().message().find("pipeline_parallel_size = " + std::to_string(layers + 3)),
+                std::string::npos)
+          << too_many.status().message();
+    }
+  }
+  // 4 blocks and a head lighter than a block on 2 stages: [embedding, 2 blocks | 2 blocks, head].
+  auto b = pipeline_stages(small(ModelKind::kGpt2, 4), 2, 32);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(*b, (std::vector<int>{0, 3, 6}));
+}
+
+std::string ops_text(const std::vector<PipelineOp>& ops) {
+  std::string s;
+  for (const auto& o : ops) s += (o.forward ? "F" : "B") + std::to_string(o.micro) + " ";
+  return s;
+}
+
+TEST(PipelineSchedule, OrdersAndSlots) {
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kGpipe, 3, 1, 3)), "F0 F1 F2 B0 B1 B2 ");
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kOneFOneB, 3, 0, 4)), "F0 F1 F2 B0 F3 B1 B2 B3 ");
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kOneFOneB, 3, 1, 4)), "F0 F1 B0 F2 B1 F3 B2 B3 ");
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kOneFOneB, 3, 2, 4)), "F0 B0 F1 B1 F2 B2 F3 B3 ");
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kOneFOneB, 3, 0, 1)), "F0 B0 ");
+  EXPECT_EQ(ops_text(pipeline_ops(PipelineSchedule::kOneFOneB, 3, 0, 2)), "F0 F1 B0 B1 ");
+  for (int p = 1; p <= 4; ++p) {
+    for (int s = 0; s < p; ++s) {
+      for (int m = 1; m <= 5; ++m) {
+        EXPECT_EQ(pipeline_slots(PipelineSchedule::kGpipe, p, s, m), m);
+        EXPECT_EQ(pipeline_slots(PipelineSchedule::kOneFOneB, p, s, m), std::min(p - s, m));
+        for (auto sched : {PipelineSchedule::kGpipe, PipelineSchedule::kOneFOneB}) {
+          const auto ops = pipeline_ops(sched, p, s, m);
+          ASSERT_EQ(ops.size(), static_cast<std::size_t>(2 * m));
+          int f = 0, bw = 0;
+          for (const auto& o : ops) {  // each kind in micro-batch order, backward after its forward
+            if (o.forward) {
+              EXPECT_EQ(o.micro, f++);
+            } else {
+              EXPECT_EQ(o.micro, bw++);
+              EXPECT_LT(o.micro, f);
+            }
+          }
+        }
+      }
+    }
+  }
+  auto bad = parse_pipeline_schedule("interleaved");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'interleaved'"), std::string::npos);
+  EXPECT_EQ(*parse_pipeline_schedule("gpipe"), PipelineSchedule::kGpipe);
+  EXPECT_EQ(*parse_pipeline_schedule("1f1b"), PipelineSchedule::kOneFOneB);
+}
+
+struct Batches {
+  std::vector<std::vector<std::int32_t>> in, tg;
+};
+Batches make_batches(const ModelConfig& c, int micro, std::int64_t n) {
+  Batches b;
+  std::mt19937 rng(7);
+  for (int a = 0; a < micro; ++a) {
+    std::vector<std::int32_t> in(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      in[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
+      tg[static_cast<std::size_t>(i)] = i % 5 == 2 ? -1 : static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
+    }
+    b.in.push_back(in);
+    b.tg.push_back(tg);
+  }
+  return b;
+}
+
+std::unique_ptr<Model> make_model(Device& device, Stream& stream, const ModelConfig& c, int slots, int first, int end,
+                                  bool plan) {
+  auto layout = describe_model(c);
+  EXPECT_TRUE(layout.ok());
+  Model::Options o;
+  o.max_batch = 2;
+  o.max_seq_len = 16;
+  o.activation_slots = slots;
+  o.first_module = first;
+  o.end_module = end;
+  o.plan_arena = plan;
+  o.loss_slots = 4;
+  auto m = Model::create(*layout, device, stream, o);
+  EXPECT_TRUE(m.ok()) << m.status().to_string();
+  if (!m.ok()) return nullptr;
+  EXPECT_TRUE((*m)->initialize(42).ok());
+  return std::move(*m);
+}
+
+std::vector<std::vector<float>> grads_of(Model& m, int first, int end) {
+  std::vector<std::vector<float>> g;
+  const ModelLayout& L = m.layout();
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    const ParamDesc& p = L.params[i];
+    if (!p.owns_storage() || p.module < first || p.module >= end) continue;
+    auto r = m.download_grad(static_cast<int>(i));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    g.push_back(r.ok() ? *r : std::vector<float>{});
+  }
+  return g;
+}
+
+constexpr int kMicro = 4;
+constexpr float kDloss = 1.0f / 100.0f;
+
+// The micro-batches one after another (the reference): gradients and losses.
+std::vector<std::vector<float>> sequential(const ModelConfig& c, const Batches& b, std::vector<double>& losses) {
+  auto device = testing::make_device();
+  auto stream = device->create_stream("compute");
+  auto model = make_model(*device, **stream, c, 1, 0, -1, true);
+  for (int a = 0; a < kMicro; ++a) {
+    EXPECT_TRUE(model->set_batch(b.in[a], b.tg[a], 2, 16).ok());
+    EXPECT_TRUE(model->forward(true).ok());
+    EXPECT_TRUE(model->copy_losses(a).ok());
+    EXPECT_TRUE(model->backward(kDloss).ok());
+  }
+  EXPECT_TRUE((*stream)->synchronize().ok());
+  for (int a = 0; a < kMicro; ++a) losses.push_back(model->loss_sum(a).sum);
+  return grads_of(*model, 0, model->num_modules());
+}
+
+TEST(ModelSlots, OneFOneBOrderGivesTheSequentialGradients) {
+  for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    const ModelConfig c = small(kind, 3);
+    const Batches b = make_batches(c, kMicro, 32);
+    std::vector<double> ref_losses;
+    const auto ref = sequential(c, b, ref_losses);
+
+    auto device = testing::make_device();
+    auto stream = device->create_stream("compute");
+    const int slots = pipeline_slots(PipelineSchedule::kOneFOneB, 3, 0, kMicro);
+    ASSERT_EQ(slots, 3);
+    auto model = make_model(*device, **stream, c, slots, 0, -1, true);
+    for (const PipelineOp& op : pipeline_ops(PipelineSchedule::kOneFOneB, 3, 0, kMicro)) {
+      ASSERT_TRUE(model->select_slot(op.micro % slots).ok());
+      if (op.forward) {
+        ASSERT_TRUE(model->set_batch(b.in[op.micro], b.tg[op.micro], 2, 16).ok());
+        ASSERT_TRUE(model->forward(true).ok());
+        ASSERT_TRUE(model->copy_losses(op.micro).ok());
+      } else {
+        ASSERT_TRUE(model->backward(kDloss).ok());
+      }
+    }
+    ASSERT_TRUE((*stream)->synchronize().ok());
+    const auto got = grads_of(*model, 0, model->num_modules());
+    ASSERT_EQ(got.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(testing::bitwise_equal(ref[i], got[i])) << "param " << i;
+    for (int a = 0; a < kMicro; ++a) EXPECT_EQ(model->loss_sum(a).sum, ref_losses[static_cast<std::size_t>(a)]);
+    // A slot that does not exist, and a backward on a slot without a forward, are errors.
+    EXPECT_FALSE(model->select_slot(slots).ok());
+    ASSERT_TRUE(model->select_slot(0).ok());
+    EXPECT_FALSE(model->backward(kDloss).ok());
+  }
+}
+
+// Two stage models (each with all parameters, initialised alike), the boundary tensors copied
+// between them through the host, in 1F1B order on both: each stage's gradients are the
+// reference's bits. GPT-2's tied wte: the stages hold the embedding's and the head's parts,
+// whose sum is the reference only within rounding when several micro-batches accumulate.
+TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
+  for (ModelKind kind : {ModelKind::kLlama, ModelKind::kGpt2}) {
+    const ModelConfig c = small(kind, 3);
+    const Batches b = make_batches(c, kMicro, 32);
+    std::vector<double> ref_losses;
+    const auto ref = sequential(c, b, ref_losses);
+    auto bounds = pipeline_stages(c, 2, 16);
+    ASSERT_TRUE(bounds.ok());
+    const int cut = (*bounds)[1], M = static_cast<int>(c.n_layer) + 2;
+
+    auto device = testing::make_device();
+    auto s0 = device->create_stream("stage0");
+    auto s1 = device->create_stream("stage1");
+    const int k0 = pipeline_slots(PipelineSchedule::kOneFOneB, 2, 0, kMicro);
+    const int k1 = pipeline_slots(PipelineSchedule::kOneFOneB, 2, 1, kMicro);
+    auto layout = describe_model(c);
+    ASSERT_TRUE(layout.ok());
+    // Each model carves regions named model.*: give each its own device instead.
+    auto device1 = testing::make_device();
+    auto s1b = device1->create_stream("stage1");
+    auto m0 = make_model(*device, **s0, c, k0, 0, cut, true);
+    auto m1 = make_model(*device1, **s1b, c, k1, cut, M, true);
+    ASSERT_TRUE(m0 && m1);
+    // The schedule of each stage, run as a dependency-respecting interleaving in one thread.
+    const auto ops0 = pipeline_ops(PipelineSchedule::kOneFOneB, 2, 0, kMicro);
+    const auto ops1 = pipeline_ops(PipelineSchedule::kOneFOneB, 2, 1, kMicro);
+    std::vector<std::vector<char>> acts(kMicro), dgrads(kMicro);
+    std::vector<char> have_act(kMicro, 0), have_grad(kMicro, 0);
+    std::size_t i0 = 0, i1 = 0;
+    while (i0 < ops0.size() || i1 < ops1.size()) {
+      bool progressed = false;
+      if (i0 < ops0.size()) {
+        const PipelineOp op = ops0[i0];
+        if (op.forward || have_grad[op.micro]) {
+          ASSERT_TRUE(m0->select_slot(op.micro % k0).ok());
+          if (op.forward) {
+            ASSERT_TRUE(m0->set_batch(b.in[op.micro], b.tg[op.micro], 2, 16).ok());
+            ASSERT_TRUE(m0->forward(true).ok());
+            auto& out = acts[op.micro];
+            out.resize(m0->boundary_bytes());
+            ASSERT_TRUE((*s0)->copy_async(out.data(), m0->boundary_activation(cut), out.size(), CopyKind::kDeviceToHost).ok());
+            ASSERT_TRUE((*s0)->synchronize().ok());
+            have_act[op.micro] = 1;
+          } else {
+            ASSERT_TRUE((*s0)->copy_async(m0->activation_grad(), dgrads[op.micro].data(), dgrads[op.micro].size(),
+                                          CopyKind::kHostToDevice).ok());
+            ASSERT_TRUE(m0->backward(kDloss).ok());
+          }
+          ++i0;
+          progressed = true;
+        }
+      }
+      if (i1 < ops1.size()) {
+        const PipelineOp op = ops1[i1];
+        if (!op.forward || have_act[op.micro]) {
+          ASSERT_TRUE(m1->select_slot(op.micro % k1).ok());
+          if (op.forward) {
+            ASSERT_TRUE(m1->set_batch(b.in[op.micro], b.tg[op.micro], 2, 16).ok());
+            ASSERT_TRUE((*s1b)->copy_async(m1->boundary_activation(cut), acts[op.micro].data(), acts[op.micro].size(),
+                                           CopyKind::kHostToDevice).ok());
+            ASSERT_TRUE(m1->forward(true).ok());
+            ASSERT_TRUE(m1->copy_losses(op.micro).ok());
+          } else {
+            ASSERT_TRUE(m1->backward(kDloss).ok());
+            auto& out = dgrads[op.micro];
+            out.resize(m1->boundary_bytes());
+            ASSERT_TRUE((*s1b)->copy_async(out.data(), m1->activation_grad(), out.size(), CopyKind::kDeviceToHost).ok());
+            ASSERT_TRUE((*s1b)->synchronize().ok());
+            have_grad[op.micro] = 1;
+          }
+          ++i1;
+          progressed = true;
+        }
+      }
+      ASSERT_TRUE(progressed) << "the two schedules wait for each other";
+    }
+    ASSERT_TRUE((*s0)->synchronize().ok());
+    ASSERT_TRUE((*s1b)->synchronize().ok());
+    for (int a = 0; a < kMicro; ++a) EXPECT_EQ(m1->loss_sum(a).sum, ref_losses[static_cast<std::size_t>(a)]);
+    // Reference gradients per owning parameter, in layout order; the stages' in the same order.
+    const auto g0 = grads_of(*m0, 0, cut), g1 = grads_of(*m1, cut, M);
+    ASSERT_EQ(g0.size() + g1.size(), ref.size());
+    const ModelLayout& L = m0->layout();
+    const int wte = L.find(kind == ModelKind::kGpt2 ? "wte.weight" : "model.embed_tokens.weight");
+    const bool tied = L.find("lm_head.weight") >= 0 && !L.params[static_cast<std::size_t>(L.find("lm_head.weight"))].owns_storage();
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < L.params.size(); ++i) {
+      if (!L.params[i].owns_storage()) continue;
+      const auto& got = k < g0.size() ? g0[k] : g1[k - g0.size()];
+      if (tied && static_cast<int>(i) == wte) {
+        // Stage 1's copy of the head holds the head's part: stage 0's + stage 1's = the reference.
+        auto head_part = m1->download_grad(static_cast<int>(i));
+        ASSERT_TRUE(head_part.ok());
+        double worst_diff = 0, scale = 0;
+        for (std::size_t e = 0; e < got.size(); ++e) {
+          worst_diff = std::max(worst_diff, static_cast<double>(std::abs(got[e] + (*head_part)[e] - ref[k][e])));
+          scale = std::max(scale, static_cast<double>(std::abs(ref[k][e])));
+        }
+        EXPECT_LE(worst_diff, 1e-6 * scale) << "tied wte";
+      } else {
+        EXPECT_TRUE(testing::bitwise_equal(ref[k], got)) << L.params[i].name;
+      }
+      ++k;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata
