@@ -109,6 +109,13 @@ struct DpuCase {
   int warmup;
 };
 
+// gtest prints the case with its name (not the struct's bytes, padding included).
+void PrintTo(const DpuCase& k, std::ostream* os) {
+  *os << (k.kind == ModelKind::kGpt2 ? "gpt2" : "llama") << " " << to_string(k.dtype) << " accum " << k.accum
+      << " clip " << k.clip << " optimizer " << to_string(k.optimizer) << (k.grads_on_nvme ? " grads nvme" : "")
+      << " warmup " << k.warmup;
+}
+
 class DelayedUpdate : public ::testing::TestWithParam<DpuCase> {};
 
 TEST_P(DelayedUpdate, EachStepComputesAtTheParametersBeforeThePreviousUpdate) {

@@ -38,6 +38,12 @@ std::uint64_t plan_bytes(const OffloadPlan& p, const std::string& prefix) {
   return b;
 }
 
+// gtest prints the case with its name (not the struct's bytes, padding included).
+void PrintTo(const PartialCase& k, std::ostream* os) {
+  *os << (k.kind == ModelKind::kGpt2 ? "gpt2" : "llama") << " " << to_string(k.dtype) << " accum " << k.accum
+      << " clip " << k.clip;
+}
+
 class PartialOffload : public ::testing::TestWithParam<PartialCase> {};
 
 TEST_P(PartialOffload, EverySplitMatchesTheAllDeviceAndAllHostRunsBitForBit) {
