@@ -97,7 +97,8 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
     const std::uint64_t dev = plan_bytes(*p, "device region optim.exp_avg_sq");
     const std::uint64_t host = plan_bytes(*p, "Adam exp_avg_sq");
     EXPECT_EQ(dev + host, full) << "ratio " << ratio;
-    EXPECT_LE(static_cast<double>(dev), (1.0 - ratio) * static_cast<double>(full) + 4096) << "ratio " << ratio;
+    EXPECT_LE(static_cast<double>(dev), (1.0 - ratio) * static_cast<double>(full) + 4096)
+        << "ratio " << ratio;
     EXPECT_GT(dev, last_device) << "ratio " << ratio;
     last_device = dev;
     // bf16: the device keeps fp32 masters and gradients for its modules too.
@@ -113,7 +114,8 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
 TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
   const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 2, 1.0);
   const Snapshot ref = train(c, OffloadSettings{}, 6);
-  for (const auto& [first, second] : {std::pair{partial(0.5), OffloadSettings{}}, std::pair{OffloadSettings{}, partial(0.5)}}) {
+  for (const auto& [first, second] :
+       {std::pair{partial(0.5), OffloadSettings{}}, std::pair{OffloadSettings{}, partial(0.5)}}) {
     TempDir ckpt("strata-partial-ckpt");
     Snapshot got;
     {
@@ -130,8 +132,9 @@ TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
     ASSERT_TRUE(m.ok()) << m.status().to_string();
     ASSERT_TRUE(run_steps(**engine, c, 3, 6, got));
     ASSERT_TRUE(capture_state(**engine, got));
-    expect_same(ref, got, first.optimizer_ratio < 1 ? "saved at ratio 0.5, resumed all-device"
-                                                    : "saved all-device, resumed at ratio 0.5");
+    expect_same(ref, got,
+                first.optimizer_ratio < 1 ? "saved at ratio 0.5, resumed all-device"
+                                          : "saved all-device, resumed at ratio 0.5");
   }
 }
 
@@ -141,7 +144,8 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   auto refused = [](OffloadSettings s, const std::string& want) {
     Status e = s.validate();
     EXPECT_FALSE(e.ok()) << want;
-    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos)
+        << e.message();
     EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
   };
   OffloadSettings nvme = partial(0.5);
@@ -161,8 +165,9 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   refused(partial(1.5), "(0, 1]");
   EXPECT_TRUE(partial(0.5).validate().ok());
   // The DeepSpeed key reaches the setting.
-  auto config = parse_config(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
-                             "partial.json");
+  auto config = parse_config(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
+      "partial.json");
   ASSERT_TRUE(config.ok()) << config.status().to_string();
   OffloadSettings s;
   ASSERT_TRUE(s.apply(*config).ok());
