@@ -109,6 +109,29 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
   }
 }
 
+// strata estimate and strata plan enumerate every placement from the run's settings: the split
+// and the delayed update apply where the engine takes them and are left out elsewhere.
+TEST(PartialOffloadPlan, EstimatesEveryPlacementWithTheSplitWhereItApplies) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  for (bool delayed : {false, true}) {
+    OffloadSettings base = partial(0.5);
+    base.delayed_update = delayed;
+    auto rows = estimate_placements(c, base, EstimateBudgets{});
+    ASSERT_TRUE(rows.ok()) << rows.status().to_string();
+    bool saw_split = false;
+    for (const PlacementEstimate& e : *rows) {
+      const std::uint64_t dev = plan_bytes(e.plan, "device region optim.exp_avg_sq");
+      if (e.params == Tier::kDevice && e.optimizer == Tier::kHost && !delayed) {
+        EXPECT_GT(dev, 0u);
+        saw_split = true;
+      } else if (e.optimizer != Tier::kDevice) {
+        EXPECT_EQ(dev, 0u) << to_string(e.params) << " / " << to_string(e.optimizer);
+      }
+    }
+    EXPECT_EQ(saw_split, !delayed);
+  }
+}
+
 // A checkpoint saved under a split resumes bit for bit under another placement (the all-device
 // run here) and the other way round.
 TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
