@@ -60,8 +60,8 @@ bool set_working(OffloadEngine& engine, const Params& values) {
 
 // The hand-driven reference of `steps` delayed steps (batches 0..steps-1) with `warmup` and
 // flushes after the steps in `flushes`; `at_step` > 0 also captures the state after that step.
-Snapshot reference(const TrainerConfig& c, OffloadSettings s, int steps, int warmup, const std::set<int>& flushes,
-                   int at_step = 0, Snapshot* at = nullptr) {
+Snapshot reference(const TrainerConfig& c, OffloadSettings s, int steps, int warmup,
+                   const std::set<int>& flushes, int at_step = 0, Snapshot* at = nullptr) {
   s.delayed_update = false;
   Snapshot out;
   auto device = make_device();
@@ -108,6 +108,13 @@ struct DpuCase {
   bool grads_on_nvme;
   int warmup;
 };
+
+// gtest prints the case with its name (not the struct's bytes, padding included).
+void PrintTo(const DpuCase& k, std::ostream* os) {
+  *os << (k.kind == ModelKind::kGpt2 ? "gpt2" : "llama") << " " << to_string(k.dtype) << " accum " << k.accum
+      << " clip " << k.clip << " optimizer " << to_string(k.optimizer)
+      << (k.grads_on_nvme ? " grads nvme" : "") << " warmup " << k.warmup;
+}
 
 class DelayedUpdate : public ::testing::TestWithParam<DpuCase> {};
 

@@ -38,6 +38,12 @@ std::uint64_t plan_bytes(const OffloadPlan& p, const std::string& prefix) {
   return b;
 }
 
+// gtest prints the case with its name (not the struct's bytes, padding included).
+void PrintTo(const PartialCase& k, std::ostream* os) {
+  *os << (k.kind == ModelKind::kGpt2 ? "gpt2" : "llama") << " " << to_string(k.dtype) << " accum " << k.accum
+      << " clip " << k.clip;
+}
+
 class PartialOffload : public ::testing::TestWithParam<PartialCase> {};
 
 TEST_P(PartialOffload, EverySplitMatchesTheAllDeviceAndAllHostRunsBitForBit) {
@@ -91,7 +97,8 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
     const std::uint64_t dev = plan_bytes(*p, "device region optim.exp_avg_sq");
     const std::uint64_t host = plan_bytes(*p, "Adam exp_avg_sq");
     EXPECT_EQ(dev + host, full) << "ratio " << ratio;
-    EXPECT_LE(static_cast<double>(dev), (1.0 - ratio) * static_cast<double>(full) + 4096) << "ratio " << ratio;
+    EXPECT_LE(static_cast<double>(dev), (1.0 - ratio) * static_cast<double>(full) + 4096)
+        << "ratio " << ratio;
     EXPECT_GT(dev, last_device) << "ratio " << ratio;
     last_device = dev;
     // bf16: the device keeps fp32 masters and gradients for its modules too.
@@ -102,12 +109,36 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
   }
 }
 
+// strata estimate and strata plan enumerate every placement from the run's settings: the split
+// and the delayed update apply where the engine takes them and are left out elsewhere.
+TEST(PartialOffloadPlan, EstimatesEveryPlacementWithTheSplitWhereItApplies) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  for (bool delayed : {false, true}) {
+    OffloadSettings base = partial(0.5);
+    base.delayed_update = delayed;
+    auto rows = estimate_placements(c, base, EstimateBudgets{});
+    ASSERT_TRUE(rows.ok()) << rows.status().to_string();
+    bool saw_split = false;
+    for (const PlacementEstimate& e : *rows) {
+      const std::uint64_t dev = plan_bytes(e.plan, "device region optim.exp_avg_sq");
+      if (e.params == Tier::kDevice && e.optimizer == Tier::kHost && !delayed) {
+        EXPECT_GT(dev, 0u);
+        saw_split = true;
+      } else if (e.optimizer != Tier::kDevice) {
+        EXPECT_EQ(dev, 0u) << to_string(e.params) << " / " << to_string(e.optimizer);
+      }
+    }
+    EXPECT_EQ(saw_split, !delayed);
+  }
+}
+
 // A checkpoint saved under a split resumes bit for bit under another placement (the all-device
 // run here) and the other way round.
 TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
   const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 2, 1.0);
   const Snapshot ref = train(c, OffloadSettings{}, 6);
-  for (const auto& [first, second] : {std::pair{partial(0.5), OffloadSettings{}}, std::pair{OffloadSettings{}, partial(0.5)}}) {
+  for (const auto& [first, second] :
+       {std::pair{partial(0.5), OffloadSettings{}}, std::pair{OffloadSettings{}, partial(0.5)}}) {
     TempDir ckpt("strata-partial-ckpt");
     Snapshot got;
     {
@@ -124,8 +155,9 @@ TEST(PartialOffloadCheckpoint, ResumesUnderAnyPlacement) {
     ASSERT_TRUE(m.ok()) << m.status().to_string();
     ASSERT_TRUE(run_steps(**engine, c, 3, 6, got));
     ASSERT_TRUE(capture_state(**engine, got));
-    expect_same(ref, got, first.optimizer_ratio < 1 ? "saved at ratio 0.5, resumed all-device"
-                                                    : "saved all-device, resumed at ratio 0.5");
+    expect_same(ref, got,
+                first.optimizer_ratio < 1 ? "saved at ratio 0.5, resumed all-device"
+                                          : "saved all-device, resumed at ratio 0.5");
   }
 }
 
@@ -135,7 +167,8 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   auto refused = [](OffloadSettings s, const std::string& want) {
     Status e = s.validate();
     EXPECT_FALSE(e.ok()) << want;
-    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos)
+        << e.message();
     EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
   };
   OffloadSettings nvme = partial(0.5);
@@ -155,8 +188,9 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   refused(partial(1.5), "(0, 1]");
   EXPECT_TRUE(partial(0.5).validate().ok());
   // The DeepSpeed key reaches the setting.
-  auto config = parse_config(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
-                             "partial.json");
+  auto config = parse_config(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
+      "partial.json");
   ASSERT_TRUE(config.ok()) << config.status().to_string();
   OffloadSettings s;
   ASSERT_TRUE(s.apply(*config).ok());

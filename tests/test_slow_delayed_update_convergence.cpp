@@ -36,8 +36,9 @@ struct Curve {
 
 Curve train(const std::string& flags, const TempDir& dir, const std::string& name) {
   const std::string metrics = (dir / (name + ".jsonl")).string();
-  auto t = run_cli("train --steps 200 --offload-param none --offload-optimizer cpu --quiet --val-every 0 --metrics " +
-                   metrics + " " + flags);
+  auto t = run_cli(
+      "train --steps 200 --offload-param none --offload-optimizer cpu --quiet --val-every 0 --metrics " +
+      metrics + " " + flags);
   EXPECT_EQ(t.exit_code, 0) << t.output;
   Curve c;
   for (const auto& m : read_jsonl(metrics)) {
@@ -62,10 +63,12 @@ TEST(DelayedUpdateConvergence, TrainsWithinFortyPercentOfTheOrdinaryStep) {
   ASSERT_GT(ordinary.val_loss, 0.0);
   ASSERT_GT(delayed.val_loss, 0.0);
   std::printf("step  ordinary  delayed\n");
-  for (std::size_t i = 0; i < 200; i += 20) std::printf("%4zu  %8.4f  %8.4f\n", i + 1, ordinary.loss[i], delayed.loss[i]);
+  for (std::size_t i = 0; i < 200; i += 20)
+    std::printf("%4zu  %8.4f  %8.4f\n", i + 1, ordinary.loss[i], delayed.loss[i]);
   std::printf("%4d  %8.4f  %8.4f\n", 200, ordinary.loss.back(), delayed.loss.back());
   const double a = tail_mean(ordinary.loss, 20), b = tail_mean(delayed.loss, 20);
-  std::printf("mean of the last 20 steps: ordinary %.4f, delayed %.4f (%+.2f%%)\n", a, b, 100.0 * (b - a) / a);
+  std::printf("mean of the last 20 steps: ordinary %.4f, delayed %.4f (%+.2f%%)\n", a, b,
+              100.0 * (b - a) / a);
   std::printf("validation loss: ordinary %.4f, delayed %.4f (%+.2f%%)\n", ordinary.val_loss, delayed.val_loss,
               100.0 * (delayed.val_loss - ordinary.val_loss) / ordinary.val_loss);
   // Both trained (far below the first step's loss and the unigram baseline), the delayed run

@@ -402,6 +402,14 @@ std::string_view to_string(StateKind kind) {
 Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
                                              const EstimateBudgets& budgets, bool cuda) {
   OffloadSettings s = settings;
+  // Settings only some placements take (strata estimate and strata plan enumerate placements
+  // from one base): the others are estimated without them. The delayed update changes no bytes;
+  // the partial optimizer split applies to the host optimizer with resident parameters in one
+  // process.
+  if (s.params != Tier::kDevice || s.optimizer == Tier::kDevice) s.delayed_update = false;
+  if (s.params != Tier::kDevice || s.optimizer != Tier::kHost || s.dp_size > 1 || s.delayed_update) {
+    s.optimizer_ratio = 1.0;
+  }
   if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
     s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
     s.io.nvme_path = s.nvme_path;
