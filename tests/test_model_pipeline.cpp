@@ -71,7 +71,8 @@ TEST(PipelineStages, BalancedByForwardFlopsAndContiguous) {
         ASSERT_EQ(b->size(), static_cast<std::size_t>(p + 1));
         EXPECT_EQ(b->front(), 0);
         EXPECT_EQ(b->back(), layers + 2);
-        for (int s = 0; s < p; ++s) EXPECT_LT((*b)[static_cast<std::size_t>(s)], (*b)[static_cast<std::size_t>(s) + 1]);
+        for (int s = 0; s < p; ++s)
+          EXPECT_LT((*b)[static_cast<std::size_t>(s)], (*b)[static_cast<std::size_t>(s) + 1]);
         EXPECT_EQ(worst(f, *b), best_split(f, p, {0}, 0)) << "layers " << layers << ", stages " << p;
       }
       auto too_many = pipeline_stages(c, layers + 3, 32);
@@ -137,8 +138,10 @@ Batches make_batches(const ModelConfig& c, int micro, std::int64_t n) {
   for (int a = 0; a < micro; ++a) {
     std::vector<std::int32_t> in(static_cast<std::size_t>(n)), tg(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i) {
-      in[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
-      tg[static_cast<std::size_t>(i)] = i % 5 == 2 ? -1 : static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
+      in[static_cast<std::size_t>(i)] =
+          static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
+      tg[static_cast<std::size_t>(i)] =
+          i % 5 == 2 ? -1 : static_cast<std::int32_t>(rng() % static_cast<unsigned>(c.vocab_size));
     }
     b.in.push_back(in);
     b.tg.push_back(tg);
@@ -146,8 +149,8 @@ Batches make_batches(const ModelConfig& c, int micro, std::int64_t n) {
   return b;
 }
 
-std::unique_ptr<Model> make_model(Device& device, Stream& stream, const ModelConfig& c, int slots, int first, int end,
-                                  bool plan) {
+std::unique_ptr<Model> make_model(Device& device, Stream& stream, const ModelConfig& c, int slots, int first,
+                                  int end, bool plan) {
   auto layout = describe_model(c);
   EXPECT_TRUE(layout.ok());
   Model::Options o;
@@ -182,7 +185,8 @@ constexpr int kMicro = 4;
 constexpr float kDloss = 1.0f / 100.0f;
 
 // The micro-batches one after another (the reference): gradients and losses.
-std::vector<std::vector<float>> sequential(const ModelConfig& c, const Batches& b, std::vector<double>& losses) {
+std::vector<std::vector<float>> sequential(const ModelConfig& c, const Batches& b,
+                                           std::vector<double>& losses) {
   auto device = testing::make_device();
   auto stream = device->create_stream("compute");
   auto model = make_model(*device, **stream, c, 1, 0, -1, true);
@@ -197,9 +201,14 @@ std::vector<std::vector<float>> sequential(const ModelConfig& c, const Batches& 
   return grads_of(*model, 0, model->num_modules());
 }
 
+// With activation checkpointing each slot keeps only its block inputs and recomputes a block
+// into its own shared set before the block's backward: the same bits too.
 TEST(ModelSlots, OneFOneBOrderGivesTheSequentialGradients) {
-  for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
-    const ModelConfig c = small(kind, 3);
+  for (const auto& [kind, checkpointing] :
+       {std::pair{ModelKind::kGpt2, false}, std::pair{ModelKind::kLlama, false},
+        std::pair{ModelKind::kGpt2, true}, std::pair{ModelKind::kLlama, true}}) {
+    ModelConfig c = small(kind, 3);
+    c.activation_checkpointing = checkpointing;
     const Batches b = make_batches(c, kMicro, 32);
     std::vector<double> ref_losses;
     const auto ref = sequential(c, b, ref_losses);
@@ -222,8 +231,10 @@ TEST(ModelSlots, OneFOneBOrderGivesTheSequentialGradients) {
     ASSERT_TRUE((*stream)->synchronize().ok());
     const auto got = grads_of(*model, 0, model->num_modules());
     ASSERT_EQ(got.size(), ref.size());
-    for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_TRUE(testing::bitwise_equal(ref[i], got[i])) << "param " << i;
-    for (int a = 0; a < kMicro; ++a) EXPECT_EQ(model->loss_sum(a).sum, ref_losses[static_cast<std::size_t>(a)]);
+    for (std::size_t i = 0; i < ref.size(); ++i)
+      EXPECT_TRUE(testing::bitwise_equal(ref[i], got[i])) << "param " << i;
+    for (int a = 0; a < kMicro; ++a)
+      EXPECT_EQ(model->loss_sum(a).sum, ref_losses[static_cast<std::size_t>(a)]);
     // A slot that does not exist, and a backward on a slot without a forward, are errors.
     EXPECT_FALSE(model->select_slot(slots).ok());
     ASSERT_TRUE(model->select_slot(0).ok());
@@ -275,12 +286,17 @@ TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
             ASSERT_TRUE(m0->forward(true).ok());
             auto& out = acts[op.micro];
             out.resize(m0->boundary_bytes());
-            ASSERT_TRUE((*s0)->copy_async(out.data(), m0->boundary_activation(cut), out.size(), CopyKind::kDeviceToHost).ok());
+            ASSERT_TRUE((*s0)
+                            ->copy_async(out.data(), m0->boundary_activation(cut), out.size(),
+                                         CopyKind::kDeviceToHost)
+                            .ok());
             ASSERT_TRUE((*s0)->synchronize().ok());
             have_act[op.micro] = 1;
           } else {
-            ASSERT_TRUE((*s0)->copy_async(m0->activation_grad(), dgrads[op.micro].data(), dgrads[op.micro].size(),
-                                          CopyKind::kHostToDevice).ok());
+            ASSERT_TRUE((*s0)
+                            ->copy_async(m0->activation_grad(), dgrads[op.micro].data(),
+                                         dgrads[op.micro].size(), CopyKind::kHostToDevice)
+                            .ok());
             ASSERT_TRUE(m0->backward(kDloss).ok());
           }
           ++i0;
@@ -293,15 +309,20 @@ TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
           ASSERT_TRUE(m1->select_slot(op.micro % k1).ok());
           if (op.forward) {
             ASSERT_TRUE(m1->set_batch(b.in[op.micro], b.tg[op.micro], 2, 16).ok());
-            ASSERT_TRUE((*s1b)->copy_async(m1->boundary_activation(cut), acts[op.micro].data(), acts[op.micro].size(),
-                                           CopyKind::kHostToDevice).ok());
+            ASSERT_TRUE((*s1b)
+                            ->copy_async(m1->boundary_activation(cut), acts[op.micro].data(),
+                                         acts[op.micro].size(), CopyKind::kHostToDevice)
+                            .ok());
             ASSERT_TRUE(m1->forward(true).ok());
             ASSERT_TRUE(m1->copy_losses(op.micro).ok());
           } else {
             ASSERT_TRUE(m1->backward(kDloss).ok());
             auto& out = dgrads[op.micro];
             out.resize(m1->boundary_bytes());
-            ASSERT_TRUE((*s1b)->copy_async(out.data(), m1->activation_grad(), out.size(), CopyKind::kDeviceToHost).ok());
+            ASSERT_TRUE(
+                (*s1b)
+                    ->copy_async(out.data(), m1->activation_grad(), out.size(), CopyKind::kDeviceToHost)
+                    .ok());
             ASSERT_TRUE((*s1b)->synchronize().ok());
             have_grad[op.micro] = 1;
           }
@@ -319,7 +340,8 @@ TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
     ASSERT_EQ(g0.size() + g1.size(), ref.size());
     const ModelLayout& L = m0->layout();
     const int wte = L.find(kind == ModelKind::kGpt2 ? "wte.weight" : "model.embed_tokens.weight");
-    const bool tied = L.find("lm_head.weight") >= 0 && !L.params[static_cast<std::size_t>(L.find("lm_head.weight"))].owns_storage();
+    const bool tied = L.find("lm_head.weight") >= 0 &&
+                      !L.params[static_cast<std::size_t>(L.find("lm_head.weight"))].owns_storage();
     std::size_t k = 0;
     for (std::size_t i = 0; i < L.params.size(); ++i) {
       if (!L.params[i].owns_storage()) continue;
@@ -330,7 +352,8 @@ TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
         ASSERT_TRUE(head_part.ok());
         double worst_diff = 0, scale = 0;
         for (std::size_t e = 0; e < got.size(); ++e) {
-          worst_diff = std::max(worst_diff, static_cast<double>(std::abs(got[e] + (*head_part)[e] - ref[k][e])));
+          worst_diff =
+              std::max(worst_diff, static_cast<double>(std::abs(got[e] + (*head_part)[e] - ref[k][e])));
           scale = std::max(scale, static_cast<double>(std::abs(ref[k][e])));
         }
         EXPECT_LE(worst_diff, 1e-6 * scale) << "tied wte";

@@ -9,6 +9,9 @@
 //     L sets, or one shared set with activation checkpointing (block l is recomputed into it just
 //     before its backward);
 //   head: final norm C, logits Vp (its gradient overwrites it in place), loss and lse.
+// Pipeline stages (Options::first_module / end_module) carve only the residuals and block sets
+// of their modules, and the head's buffers only with the head; Options::activation_slots sets of
+// all of it (plus tokens, targets and losses) let several micro-batches wait for their backward.
 // Activation gradients need one set shared by all blocks: the residual-stream gradient (updated
 // in place: every op that feeds the residual adds its input gradient into it), and scratch for
 // the norm, qkv, attention and MLP gradients.

@@ -30,7 +30,8 @@ Result<std::vector<int>> pipeline_stages(const ModelConfig& config, int stages, 
   if (stages < 1 || stages > M) {
     return invalid_argument("pipeline_parallel_size = " + std::to_string(stages) + ": the model has " +
                             std::to_string(M) + " modules (embedding, " + std::to_string(config.n_layer) +
-                            " blocks, head) and every stage needs at least one; use 1 to " + std::to_string(M));
+                            " blocks, head) and every stage needs at least one; use 1 to " +
+                            std::to_string(M));
   }
   // cost(i, j): the FLOPs of modules [i, j), always summed in the same order, so equal splits
   // compare equal below.
@@ -47,7 +48,8 @@ Result<std::vector<int>> pipeline_stages(const ModelConfig& config, int stages, 
   for (int k = stages - 1; k >= 0; --k) {
     for (int i = 0; i < M; ++i) {
       double b = inf;
-      for (int j = i + 1; j <= M; ++j) b = std::min(b, std::max(cost(i, j), best[k + 1][static_cast<std::size_t>(j)]));
+      for (int j = i + 1; j <= M; ++j)
+        b = std::min(b, std::max(cost(i, j), best[k + 1][static_cast<std::size_t>(j)]));
       best[static_cast<std::size_t>(k)][static_cast<std::size_t>(i)] = b;
     }
   }
@@ -56,7 +58,9 @@ Result<std::vector<int>> pipeline_stages(const ModelConfig& config, int stages, 
   int i = 0;
   for (int k = 0; k < stages; ++k) {
     int j = i + 1;
-    while (j <= M && std::max(cost(i, j), best[static_cast<std::size_t>(k) + 1][static_cast<std::size_t>(j)]) > target) ++j;
+    while (j <= M &&
+           std::max(cost(i, j), best[static_cast<std::size_t>(k) + 1][static_cast<std::size_t>(j)]) > target)
+      ++j;
     if (j > M) return internal_error("pipeline_stages: no split reaches the optimum");  // unreachable
     bounds.push_back(j);
     i = j;

@@ -48,6 +48,14 @@
 // the sharded parameters' squares on every rank and the replicated ones on rank 0 (norm_ranges),
 // merged over the group in rank order (tp.norm on the optimizer thread, tp.model in the device
 // update); the state getters, weights and checkpoints gather full parameters (tp.step, caller).
+//
+// Pipeline parallel (docs/parallel.md "Pipeline parallel"). A stage runs modules [stage_first,
+// stage_end) and holds only the units they read (Units::in_stage; the others have no bytes, no
+// plan lines, no NVMe keys, and count as updated every step). step() runs the schedule's
+// forwards and backwards (run_pipeline) with the same per-module fetches and gradient buckets as
+// one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
+// every stage's per-unit statistics in unit order (merge_stage_stats) and GPT-2's embedding unit,
+// held by the first and the last stage, has its gradient summed between them before the update.
 #include <time.h>
 
 #include <algorithm>
@@ -2681,7 +2689,7 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
 
 // What pipeline parallelism supports today (docs/parallel.md "Pipeline parallel"); the errors
 // say what to use instead.
-Status check_pipeline(const TrainerConfig& config, const OffloadSettings& s, Device& device, const Comm& pp) {
+Status check_pipeline(const OffloadSettings& s, Device& device, const Comm& pp) {
   const std::string stages = std::to_string(pp.size()) + " pipeline stages";
   if (device.info().kind != DeviceKind::kCpu) {
     return invalid_argument(stages + " on the " + std::string(device.info().name) +
@@ -2696,7 +2704,6 @@ Status check_pipeline(const TrainerConfig& config, const OffloadSettings& s, Dev
     return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + stages +
                             " are not built yet: leave the gradients on the host");
   }
-  (void)config;
   return ok_status();
 }
 
@@ -2729,7 +2736,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
   if (pp_size > 1) {
-    STRATA_RETURN_IF_ERROR(check_pipeline(config, settings, device, *pipeline));
+    STRATA_RETURN_IF_ERROR(check_pipeline(settings, device, *pipeline));
     STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds, pipeline_stages(config.model, pp_size, config.seq_len));
     settings.pp_stage = pipeline->rank();
     settings.update_during_backward = false;  // the norm needs every stage's gradients

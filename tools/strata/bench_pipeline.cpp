@@ -57,7 +57,8 @@ int run(const Args& args) {
   auto seq = args.get_int("seq-len", 64, 8, 8192);
   auto steps = args.get_int("steps", 3, 1, 1000);
   auto threads = args.get_int("threads", 1, 1, 256);
-  for (const Status* s : {&layers.status(), &width.status(), &seq.status(), &steps.status(), &threads.status()}) {
+  for (const Status* s :
+       {&layers.status(), &width.status(), &seq.status(), &steps.status(), &threads.status()}) {
     if (!s->ok()) return usage_error("bench pipeline", s->message(), usage());
   }
   std::vector<int> micros;
@@ -82,7 +83,8 @@ int run(const Args& args) {
   const int p = (*ctx)->world_size();
   const int me = (*ctx)->world_rank();
   if (p < 2) {
-    std::fprintf(stderr, "strata bench pipeline: needs at least 2 stages (mpirun -np 2 strata bench pipeline)\n");
+    std::fprintf(stderr,
+                 "strata bench pipeline: needs at least 2 stages (mpirun -np 2 strata bench pipeline)\n");
     return kExitUsage;
   }
   auto world = (*ctx)->world(CommBackend::kMpi);
@@ -149,7 +151,8 @@ int run(const Args& args) {
                              : 0.0;
         per_stage.push_back(f);
         mean += f / p;
-        step_seconds = std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(2 * r + 1)]) / *steps);
+        step_seconds =
+            std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(2 * r + 1)]) / *steps);
       }
       nlohmann::json slots = nlohmann::json::array();
       for (int r = 0; r < p; ++r) slots.push_back(pipeline_slots(sched, p, r, m));
@@ -183,7 +186,8 @@ int bench_pipeline(std::span<const std::string> argv) {
 
 }  // namespace
 
-STRATA_CLI_BENCH(pipeline, "bubble fraction of the gpipe and 1f1b pipeline schedules vs theory (under mpirun)",
+STRATA_CLI_BENCH(pipeline,
+                 "bubble fraction of the gpipe and 1f1b pipeline schedules vs theory (under mpirun)",
                  bench_pipeline);
 
 }  // namespace strata::cli
