@@ -468,6 +468,9 @@ struct OffloadEngine::Impl {
   // dev_stats (after backward), and their update once the step's norm is known.
   Status scan_device_units();
   Status update_device_units(double lr, std::int64_t step, float scale);
+  // The device optimizer's buffers of parameter o (master, gradient, moments in the device
+  // regions; the working copy in the resident block), for the cpu backend's update.
+  OptimizerBuffers device_buffers(const OwnedParam& o) const;
 
   // State access (not on the hot path).
   Status read_unit_params(int u, std::vector<char>& bytes);
@@ -2422,18 +2425,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
       job->unit_grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
                                    units.gbytes[static_cast<std::size_t>(u)] / 4);
     for (const OwnedParam& o : owned) {
-      OptimizerBuffers b;
-      char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
-      b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
-                      : reinterpret_cast<float*>(wp);
-      b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
-      b.grad_dtype = DType::kF32;
-      b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
-      b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
-      b.moment_dtype = DType::kF32;
-      b.param_out = half ? wp : nullptr;
-      b.out_dtype = wdtype;
-      b.n = o.n;
+      const OptimizerBuffers b = device_buffers(o);
       job->params.push_back(Job::P{b, o.decay});
     }
     double* norm_out = &grad_norm;
@@ -2549,6 +2541,22 @@ Status OffloadEngine::Impl::scan_device_units() {
   return ok_status();
 }
 
+OptimizerBuffers OffloadEngine::Impl::device_buffers(const OwnedParam& o) const {
+  OptimizerBuffers b;
+  char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+  b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
+                  : reinterpret_cast<float*>(wp);
+  b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
+  b.grad_dtype = DType::kF32;
+  b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
+  b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
+  b.moment_dtype = DType::kF32;
+  b.param_out = half ? wp : nullptr;
+  b.out_dtype = wdtype;
+  b.n = o.n;
+  return b;
+}
+
 Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, float scale) {
   if (launch->is_cpu()) {
     struct P {
@@ -2558,18 +2566,7 @@ Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, fl
     std::vector<P> params;
     for (const OwnedParam& o : owned) {
       if (o.unit >= kdev) continue;
-      OptimizerBuffers b;
-      char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
-      b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
-                      : reinterpret_cast<float*>(wp);
-      b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
-      b.grad_dtype = DType::kF32;
-      b.exp_avg = reinterpret_cast<char*>(dm) + o.grad_offset;
-      b.exp_avg_sq = reinterpret_cast<char*>(dv) + o.grad_offset;
-      b.moment_dtype = DType::kF32;
-      b.param_out = half ? wp : nullptr;
-      b.out_dtype = wdtype;
-      b.n = o.n;
+      const OptimizerBuffers b = device_buffers(o);
       params.push_back(P{b, o.decay});
     }
     const CpuOptimizer* opt = &*device_opt;
