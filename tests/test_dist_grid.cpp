@@ -54,7 +54,8 @@ bool capture_stage(OffloadEngine& engine, Snapshot& out, std::vector<int>& held)
     const int idx = static_cast<int>(i);
     auto p = engine.get_param(idx);
     if (!p.ok()) {
-      EXPECT_NE(p.status().message().find("held by pipeline stage"), std::string::npos) << p.status().to_string();
+      EXPECT_NE(p.status().message().find("held by pipeline stage"), std::string::npos)
+          << p.status().to_string();
       continue;
     }
     auto ma = engine.get_master(idx);
@@ -151,10 +152,13 @@ void expect_close(const Snapshot& ref, const Snapshot& got, const std::string& w
   for (std::size_t i = 0; i < ref.losses.size(); ++i) {
     worst_loss = std::max(worst_loss, std::fabs(got.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]));
     worst_norm = std::max(worst_norm, std::fabs(got.norms[i] - ref.norms[i]) / std::fabs(ref.norms[i]));
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i])) << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i])) << what << ": norm of step " << i + 1;
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i]))
+        << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i]))
+        << what << ": norm of step " << i + 1;
   }
-  if (world().rank() == 0) std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
+  if (world().rank() == 0)
+    std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
   const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
   const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
   const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
@@ -167,8 +171,8 @@ void expect_close(const Snapshot& ref, const Snapshot& got, const std::string& w
       scale = diff_of(*r[k], zero).max;
     }
     if (world().rank() == 0) {
-      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max, d.rms,
-                  scale);
+      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max,
+                  d.rms, scale);
     }
     EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
     EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
@@ -192,7 +196,8 @@ void expect_grid_consistent(const Snapshot& got, const std::vector<int>& held, c
   // Per rank: its stage, the hash of its state, and the hash of its wte (0 when not held).
   std::uint64_t row[3] = {static_cast<std::uint64_t>(coord.pp), fnv(got.param), 0};
   row[1] = fnv(got.v, fnv(got.m, fnv(got.master, row[1])));
-  if (tied && !held.empty() && held.front() == 0) row[2] = fnv({got.param[0], got.master[0], got.m[0], got.v[0]});
+  if (tied && !held.empty() && held.front() == 0)
+    row[2] = fnv({got.param[0], got.master[0], got.m[0], got.v[0]});
   std::vector<std::uint64_t> rows(3 * W);
   ASSERT_TRUE(world().all_gather(row, rows.data(), 6, DType::kF32).wait().ok());
   for (std::size_t r = 0; r < W; ++r) {
@@ -229,9 +234,10 @@ void check_case(const Case& c) {
   const std::string what = std::string(to_string(c.kind)) + " params=" + std::string(to_string(c.params)) +
                            " optimizer=" + std::string(to_string(c.optimizer)) +
                            (DP > 1 ? " zero " + std::to_string(c.zero_stage) : std::string()) + " " +
-                           std::string(to_string(c.schedule)) + " m=" + std::to_string(c.micro) + ", tp 2 x pp 2 x dp " +
-                           std::to_string(DP);
-  const TrainerConfig global = testing::tiny(c.kind, DType::kF32, c.micro * DP, c.kind == ModelKind::kGpt2 ? 1.0 : 0.0);
+                           std::string(to_string(c.schedule)) + " m=" + std::to_string(c.micro) +
+                           ", tp 2 x pp 2 x dp " + std::to_string(DP);
+  const TrainerConfig global =
+      testing::tiny(c.kind, DType::kF32, c.micro * DP, c.kind == ModelKind::kGpt2 ? 1.0 : 0.0);
   TrainerConfig local = global;
   local.grad_accum = c.micro;
   OffloadSettings s;
@@ -294,7 +300,8 @@ void check_case(const Case& c) {
     if (DP == 1) {
       EXPECT_EQ(tpdp.norms[i], got.norms[i]) << vs << ": norm of step " << i + 1;
     } else {
-      EXPECT_NEAR(tpdp.norms[i], got.norms[i], 1e-12 * std::fabs(tpdp.norms[i])) << vs << ": norm of step " << i + 1;
+      EXPECT_NEAR(tpdp.norms[i], got.norms[i], 1e-12 * std::fabs(tpdp.norms[i]))
+          << vs << ": norm of step " << i + 1;
     }
   }
 }
