@@ -306,7 +306,8 @@ TEST(DistCliTrain, TensorTimesPipelineTrainsLikeOneProcess) {
   auto odd = run_command(mpirun(2) + "train " + flags + "--config " + grid_config);
   EXPECT_NE(odd.exit_code, 0) << odd.output;
   EXPECT_NE(odd.output.find("strata.tensor_parallel_size = 2"), std::string::npos) << odd.output;
-  EXPECT_NE(odd.output.find("strata.pipeline_parallel_size = 2 must divide the number of ranks (2"), std::string::npos)
+  EXPECT_NE(odd.output.find("strata.pipeline_parallel_size = 2 must divide the number of ranks (2"),
+            std::string::npos)
       << odd.output;
 }
 

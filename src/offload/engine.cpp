@@ -2460,8 +2460,9 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
         std::vector<GradStats> per_unit;
         for (std::size_t u = 0; u < job->unit_grads.size(); ++u) {
           const auto& [g, n] = job->unit_grads[u];
-          STRATA_ASSIGN_OR_RETURN(GradStats s, job->engine->scan_norm(*job->opt, static_cast<int>(u),
-                                                                      reinterpret_cast<const char*>(g), 0, n, inv_scale));
+          STRATA_ASSIGN_OR_RETURN(GradStats s,
+                                  job->engine->scan_norm(*job->opt, static_cast<int>(u),
+                                                         reinterpret_cast<const char*>(g), 0, n, inv_scale));
           per_unit.push_back(s);
         }
         STRATA_ASSIGN_OR_RETURN(total, merge_stage_stats(per_unit));

@@ -315,8 +315,9 @@ int run_train(std::span<const std::string> argv) {
   if (tp_size < 1 || ranks % (tp_size * pp) != 0) {
     if (tp_size > 1 && pp > 1) {
       return usage(invalid_argument(
-          "strata.tensor_parallel_size = " + std::to_string(tp_size) + " times strata.pipeline_parallel_size = " +
-          std::to_string(pp) + " must divide the number of ranks (" + std::to_string(ranks) +
+          "strata.tensor_parallel_size = " + std::to_string(tp_size) +
+          " times strata.pipeline_parallel_size = " + std::to_string(pp) +
+          " must divide the number of ranks (" + std::to_string(ranks) +
           (launched_by_mpirun() ? ", mpirun -np" : ": one process; launch with mpirun -np N") +
           "): every pipeline stage is a group of that many tensor-parallel ranks; start `mpirun -np " +
           std::to_string(tp_size * pp) + " strata train ...` or a multiple"));
@@ -334,9 +335,10 @@ int run_train(std::span<const std::string> argv) {
   if (tp_size > 1 || pp > 1) {
     auto g = make_process_groups(*comm_context, CommBackend::kMpi, tp_size, static_cast<int>(pp));
     if (!g.ok()) {
-      return fail(g.status().with_context(tp_size > 1 && pp > 1 ? "tensor-, pipeline- and data-parallel groups"
-                                          : pp > 1              ? "pipeline groups"
-                                                                : "tensor- and data-parallel groups"));
+      return fail(g.status().with_context(tp_size > 1 && pp > 1
+                                              ? "tensor-, pipeline- and data-parallel groups"
+                                          : pp > 1 ? "pipeline groups"
+                                                   : "tensor- and data-parallel groups"));
     }
     groups = std::move(*g);
   }
@@ -588,9 +590,10 @@ int run_train(std::span<const std::string> argv) {
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str(),
               (*device)->cpu_budget().to_string().c_str());
   if (tp_size > 1) {
-    std::printf("parallel %d tensor-parallel ranks per %s (each holds 1/%d of the split parameters and "
-                "trains its group's batch); the plan below is per rank\n",
-                tp_size, pp > 1 ? "pipeline stage" : "model", tp_size);
+    std::printf(
+        "parallel %d tensor-parallel ranks per %s (each holds 1/%d of the split parameters and "
+        "trains its group's batch); the plan below is per rank\n",
+        tp_size, pp > 1 ? "pipeline stage" : "model", tp_size);
   }
   if (pp > 1) {
     std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
