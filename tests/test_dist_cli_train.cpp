@@ -284,9 +284,9 @@ TEST(DistCliTrain, TensorParallelFromTheConfigTrainsLikeOneProcess) {
 }
 
 // Tensor x pipeline parallel from the config: 4 ranks are 2 stages, each a tensor-parallel group
-// of 2 (rank = stage * 2 + tp), and train one process's batch; 8 ranks are 2 such pipelines. The losses match within the same
-// bound (fp32: the split matmuls and softmax, and the tied embedding's sum order, change rounding
-// only); rank 0 prints the last stage's loss.
+// of 2 (rank = stage * 2 + tp), and train one process's batch; 8 ranks are 2 such pipelines. The
+// losses match within the same bound (fp32: the split matmuls and softmax, and the tied
+// embedding's sum order, change rounding only); rank 0 prints the last stage's loss.
 TEST(DistCliTrain, TensorTimesPipelineTrainsLikeOneProcess) {
   TempDir dir("strata-dist-cli");
   const std::string grid_config = write_file(
