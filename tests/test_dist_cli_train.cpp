@@ -283,6 +283,43 @@ TEST(DistCliTrain, TensorParallelFromTheConfigTrainsLikeOneProcess) {
   expect_same_losses(losses_of(dir / "one4.jsonl"), losses_of(dir / "grid.jsonl"), "tp 2 x dp 2");
 }
 
+// Tensor x pipeline parallel from the config: 4 ranks are 2 stages, each a tensor-parallel group
+// of 2 (rank = stage * 2 + tp), and train one process's batch; 8 ranks are 2 such pipelines. The
+// losses match within the same bound (fp32: the split matmuls and softmax, and the tied
+// embedding's sum order, change rounding only); rank 0 prints the last stage's loss.
+TEST(DistCliTrain, TensorTimesPipelineTrainsLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string grid_config = write_file(
+      dir / "grid.json", R"({"strata": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})");
+  const std::string flags = kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto one = run_cli("train " + flags + "--metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto grid = run_command(mpirun(4) + "train " + flags + "--config " + grid_config + " --metrics " +
+                          (dir / "grid.jsonl").string());
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  EXPECT_NE(grid.output.find("2 tensor-parallel ranks per pipeline stage"), std::string::npos) << grid.output;
+  EXPECT_NE(grid.output.find("2 pipeline stages (1f1b schedule)"), std::string::npos) << grid.output;
+  EXPECT_NE(grid.output.find("1 pipeline(s) of data parallel"), std::string::npos) << grid.output;
+  EXPECT_EQ(grid.output.find("done:"), grid.output.rfind("done:")) << grid.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "grid.jsonl"), "tp 2 x pp 2");
+  // 8 ranks: tp 2 x pp 2 x dp 2, each pipeline half of a global batch of 4 micro-batches.
+  auto one4 = run_cli("train " + kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 4 --metrics " +
+                      (dir / "one4.jsonl").string());
+  ASSERT_EQ(one4.exit_code, 0) << one4.output;
+  auto grid8 = run_command(mpirun(8) + "train " + flags + "--config " + grid_config + " --metrics " +
+                           (dir / "grid8.jsonl").string());
+  ASSERT_EQ(grid8.exit_code, 0) << grid8.output;
+  EXPECT_NE(grid8.output.find("2 pipeline(s) of data parallel"), std::string::npos) << grid8.output;
+  expect_same_losses(losses_of(dir / "one4.jsonl"), losses_of(dir / "grid8.jsonl"), "tp 2 x pp 2 x dp 2");
+  // A launch the grid does not divide names both sizes.
+  auto odd = run_command(mpirun(2) + "train " + flags + "--config " + grid_config);
+  EXPECT_NE(odd.exit_code, 0) << odd.output;
+  EXPECT_NE(odd.output.find("strata.tensor_parallel_size = 2"), std::string::npos) << odd.output;
+  EXPECT_NE(odd.output.find("strata.pipeline_parallel_size = 2 must divide the number of ranks (2"),
+            std::string::npos)
+      << odd.output;
+}
+
 // A tensor-parallel size the launch or the model cannot split is refused before training,
 // naming the key and the numbers.
 TEST(DistCliTrain, TensorParallelSizeThatDoesNotSplitIsRefused) {

@@ -371,7 +371,10 @@ class OffloadEngine {
   // stage calls step() with the whole micro-batches: each uses the tokens or targets its modules
   // need); the Comm must outlive the engine. With a data-parallel group too (pp x dp of
   // make_process_groups), each pipeline trains its share of the batch and the data-parallel
-  // reductions run per stage over the stage's units.
+  // reductions run per stage over the stage's units. With a tensor-parallel group too (the
+  // TP x PP x DP grid of make_process_groups), every stage is a tensor-parallel group: each rank
+  // holds its shard of its stage's modules, and the state getters answer for the stage's
+  // parameters, gathered over the stage's tensor-parallel group.
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
                                                        Stream* compute = nullptr, Comm* data_parallel = nullptr,

@@ -56,6 +56,15 @@
 // one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
 // every stage's per-unit statistics in unit order (merge_stage_stats) and GPT-2's embedding unit,
 // held by the first and the last stage, has its gradient summed between them before the update.
+//
+// The TP x PP x DP grid (docs/parallel.md "Tensor x pipeline x data parallel"). Every stage is a
+// tensor-parallel group of shard engines: the shard layout restricted to the stage's units. The
+// groups of make_process_groups nest without extra code: the pp group holds the ranks of one tp
+// and dp coordinate, so boundary tensors (the residual stream, replicated over tp) go from each
+// tp rank to the same tp rank of the neighbouring stage, the tied unit's two ends hold the same
+// wte shard and slice, and the loss is broadcast from the last stage of one's own pipeline. The
+// norm merges per unit over dp, then over the stages in unit order (pp), then over tp in rank
+// order: the same bits on every rank.
 #include <time.h>
 
 #include <algorithm>
@@ -2438,9 +2447,14 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
       if (pp_size > 1) {
         // Every stage's units, merged in unit order (merge_stage_stats): the tied unit's gradient
         // was summed over the first and last stage before this step ran (step()).
+        // Tensor parallel too (the grid): each unit's scan counts replicated parameters on tp
+        // rank 0 only (scan_norm), the stages merge per tp rank, merge_over_tp below adds the ranks.
         std::vector<GradStats> per_unit;
-        for (const auto& [g, n] : job->unit_grads) {
-          STRATA_ASSIGN_OR_RETURN(GradStats s, job->opt->scan_gradients(g, DType::kF32, n, inv_scale, false));
+        for (std::size_t u = 0; u < job->unit_grads.size(); ++u) {
+          const auto& [g, n] = job->unit_grads[u];
+          STRATA_ASSIGN_OR_RETURN(GradStats s,
+                                  job->engine->scan_norm(*job->opt, static_cast<int>(u),
+                                                         reinterpret_cast<const char*>(g), 0, n, inv_scale));
           per_unit.push_back(s);
         }
         STRATA_ASSIGN_OR_RETURN(total, merge_stage_stats(per_unit));
@@ -2716,12 +2730,6 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   if (data_parallel != nullptr) settings.dp_size = data_parallel->size();
   if (tensor_parallel != nullptr) settings.tp_size = tensor_parallel->size();
   const int pp_size = pipeline != nullptr ? pipeline->size() : 1;
-  if (settings.tp_size > 1 && pp_size > 1) {
-    return invalid_argument("tensor parallel (" + std::to_string(settings.tp_size) + " ranks) with pipeline parallel (" +
-                            std::to_string(pp_size) +
-                            " stages) in one engine is not built yet; use one of them (each composes with data "
-                            "parallelism)");
-  }
   if (settings.tp_size > 1) {
     if (tensor_parallel == nullptr) {
       return invalid_argument("offload settings: tp_size = " + std::to_string(settings.tp_size) +

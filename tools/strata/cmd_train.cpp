@@ -313,24 +313,33 @@ int run_train(std::span<const std::string> argv) {
   }
   const bool leader = rank == 0;
   if (tp_size < 1 || ranks % (tp_size * pp) != 0) {
+    if (tp_size > 1 && pp > 1) {
+      return usage(invalid_argument(
+          "strata.tensor_parallel_size = " + std::to_string(tp_size) +
+          " times strata.pipeline_parallel_size = " + std::to_string(pp) +
+          " must divide the number of ranks (" + std::to_string(ranks) +
+          (launched_by_mpirun() ? ", mpirun -np" : ": one process; launch with mpirun -np N") +
+          "): every pipeline stage is a group of that many tensor-parallel ranks; start `mpirun -np " +
+          std::to_string(tp_size * pp) + " strata train ...` or a multiple"));
+    }
     return usage(invalid_argument("strata.tensor_parallel_size = " + std::to_string(tp_size) +
                                   " must be at least 1 and divide the number of ranks (" + std::to_string(ranks) +
                                   (launched_by_mpirun() ? ", mpirun -np" : ": one process; launch with mpirun -np N") +
                                   (pp > 1 ? " over pipeline_parallel_size = " + std::to_string(pp) : std::string()) +
                                   "): each model is split over that many ranks"));
   }
-  if (tp_size > 1 && pp > 1) {
-    return usage(invalid_argument("strata.tensor_parallel_size = " + std::to_string(tp_size) +
-                                  " with strata.pipeline_parallel_size = " + std::to_string(pp) +
-                                  ": tensor and pipeline parallelism in one run are not built yet; use one of them "
-                                  "(each composes with data parallelism)"));
-  }
-  // The rank grid (parallel.hpp: rank = (dp * PP + stage) * TP + tp): the data-parallel ranks
-  // (model replicas: pipelines, or tensor-parallel groups) and this process's index among them.
+  // The rank grid (parallel.hpp: rank = (dp * PP + stage) * TP + tp), DP = ranks / (TP * PP): the
+  // data-parallel ranks (model replicas: pipelines, each stage of which may be a tensor-parallel
+  // group) and this process's index among them.
   std::optional<ProcessGroups> groups;
   if (tp_size > 1 || pp > 1) {
     auto g = make_process_groups(*comm_context, CommBackend::kMpi, tp_size, static_cast<int>(pp));
-    if (!g.ok()) return fail(g.status().with_context(pp > 1 ? "pipeline groups" : "tensor- and data-parallel groups"));
+    if (!g.ok()) {
+      return fail(g.status().with_context(tp_size > 1 && pp > 1
+                                              ? "tensor-, pipeline- and data-parallel groups"
+                                          : pp > 1 ? "pipeline groups"
+                                                   : "tensor- and data-parallel groups"));
+    }
     groups = std::move(*g);
   }
   const int dp_size = groups ? groups->grid.dp() : ranks;
@@ -581,9 +590,10 @@ int run_train(std::span<const std::string> argv) {
               (*device)->info().compute_threads, format_bytes((*device)->info().memory_budget).c_str(),
               (*device)->cpu_budget().to_string().c_str());
   if (tp_size > 1) {
-    std::printf("parallel %d tensor-parallel ranks per model (each holds 1/%d of the split parameters and "
-                "trains its group's batch); the plan below is per rank\n",
-                tp_size, tp_size);
+    std::printf(
+        "parallel %d tensor-parallel ranks per %s (each holds 1/%d of the split parameters and "
+        "trains its group's batch); the plan below is per rank\n",
+        tp_size, pp > 1 ? "pipeline stage" : "model", tp_size);
   }
   if (pp > 1) {
     std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
