@@ -218,11 +218,15 @@ TEST(PipelineEngine, ComposedWithDataParallel) {
     ModelKind kind;
     Tier optimizer;
     int zero_stage;
+    Tier params = Tier::kDevice;
   };
+  // Stage 3 with the parameters on the host: each stage's modules are partitioned over its
+  // data-parallel group and every fetch all-gathers them (the tied embedding's copy on the last
+  // stage too).
   for (const Composed& c :
        {Composed{ModelKind::kGpt2, Tier::kDevice, 0}, Composed{ModelKind::kGpt2, Tier::kHost, 1},
-        Composed{ModelKind::kLlama, Tier::kHost, 2}}) {
-    const std::string what = std::string(to_string(c.kind)) +
+        Composed{ModelKind::kLlama, Tier::kHost, 2}, Composed{ModelKind::kGpt2, Tier::kHost, 3, Tier::kHost}}) {
+    const std::string what = std::string(to_string(c.kind)) + " params=" + std::string(to_string(c.params)) +
                              " optimizer=" + std::string(to_string(c.optimizer)) + " stage " +
                              std::to_string(c.zero_stage) + ", 2 stages x 2 data-parallel ranks";
     const TrainerConfig global = testing::tiny(c.kind, DType::kF32, 2 * DP, 1.0);
@@ -230,6 +234,7 @@ TEST(PipelineEngine, ComposedWithDataParallel) {
     local.grad_accum = 2;
     OffloadSettings s;
     s.optimizer = c.optimizer;
+    s.params = c.params;
     s.zero_stage = c.zero_stage;
     s.persistence_threshold = 0;
     constexpr int kSteps = 3;
