@@ -268,9 +268,19 @@ constexpr ConfigKey kKeys[] = {
     {"prescale_gradients", I, kNoComm},
     {"gradient_predivide_factor", I, kNoComm},
     {"sparse_gradients", I, "embedding gradients are dense; the result is the same"},
-    {"activation_checkpointing", I,
-     "configures deepspeed.checkpointing for models that call it; the built-in models use --checkpointing on",
-     true},
+    {"activation_checkpointing", H,
+     "the built-in models checkpoint with --checkpointing on; cpu_checkpointing is honoured, the other keys "
+     "configure deepspeed.checkpointing for models that call it"},
+    {"activation_checkpointing.cpu_checkpointing", H,
+     "activation offload: the checkpointed block inputs in pinned host memory, fetched back ahead of "
+     "backward (OffloadSettings::offload_activations, --offload-activations; needs --checkpointing on)"},
+    {"activation_checkpointing.partition_activations", I, "configures deepspeed.checkpointing for models that call it"},
+    {"activation_checkpointing.contiguous_memory_optimization", I,
+     "configures deepspeed.checkpointing for models that call it"},
+    {"activation_checkpointing.number_checkpoints", I, "configures deepspeed.checkpointing for models that call it"},
+    {"activation_checkpointing.synchronize_checkpoint_boundary", I,
+     "configures deepspeed.checkpointing for models that call it"},
+    {"activation_checkpointing.profile", I, "configures deepspeed.checkpointing for models that call it"},
     {"checkpoint", I, "checkpoint layout options of DeepSpeed's engine; Strata's own format is used", true},
     {"autotuning", I, "DeepSpeed's autotuner; use strata estimate to compare placements", true},
     // ---- features Strata does not have ----
