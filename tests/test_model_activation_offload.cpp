@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "harness/harness.hpp"
 #include "offload_fixture.hpp"
+#include "strata/config.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
 #include "strata/model.hpp"
@@ -302,6 +304,53 @@ TEST(ActivationOffload, EngineStepsGiveTheSameBitsOnTwoPlacements) {
       EXPECT_LE(st.bytes_activations_to_host, st.bytes_d2h);
     }
   }
+}
+
+// The DeepSpeed key and the CLI flag: activation_checkpointing.cpu_checkpointing turns it on (a
+// value of the wrong type is refused naming the key); strata train --plan shows the ring and the
+// pinned copies, refuses it without checkpointing naming the flags, and a short run trains the
+// same losses as checkpointing alone while its metrics count the activation traffic.
+TEST(ActivationOffload, ConfigKeyAndCli) {
+  {
+    auto c = parse_config(
+        R"({"activation_checkpointing": {"cpu_checkpointing": true, "partition_activations": true}})",
+        "ds.json");
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    OffloadSettings s;
+    ASSERT_TRUE(s.apply(*c).ok());
+    EXPECT_TRUE(s.offload_activations);
+    auto bad = parse_config(R"({"activation_checkpointing": {"cpu_checkpointing": "sometimes"}})", "ds.json");
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("activation_checkpointing.cpu_checkpointing"), std::string::npos)
+        << bad.status().to_string();
+  }
+  const std::string shape = " --layers 5 --width 32 --heads 2 --seq-len 32 --batch 2 --threads 1";
+  auto plan = run_cli("train --plan --checkpointing on --offload-activations" + shape);
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("activation offload: device ring"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("activation offload: checkpointed block inputs (pinned)"), std::string::npos)
+      << plan.output;
+  auto refused = run_cli("train --plan --offload-activations" + shape);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("--checkpointing on"), std::string::npos) << refused.output;
+
+  TempDir dir;
+  std::vector<std::vector<double>> losses(2);
+  for (int offload = 0; offload < 2; ++offload) {
+    const std::string metrics = (dir / ("m" + std::to_string(offload) + ".jsonl")).string();
+    auto r = run_cli("train --checkpointing on --steps 3 --metrics " + metrics +
+                     (offload == 1 ? " --offload-activations" : "") + shape);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const auto& j : read_jsonl(metrics)) {
+      losses[static_cast<std::size_t>(offload)].push_back(j["loss"].get<double>());
+      // Residuals 0..5, the last 3 in the ring: 3 block inputs out and back per micro-batch.
+      const std::uint64_t one = 2 * 32 * 32 * 4;
+      EXPECT_EQ(j["traffic"]["activations"].get<std::uint64_t>(), offload == 1 ? 2 * 3 * one : 0u)
+          << j.dump();
+    }
+  }
+  ASSERT_EQ(losses[0].size(), 3u);
+  EXPECT_EQ(losses[0], losses[1]);
 }
 
 }  // namespace

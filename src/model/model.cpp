@@ -369,7 +369,8 @@ Model::~Model() {
   if (impl_ && impl_->copy_stream != nullptr) {
     Status s = impl_->copy_stream->synchronize();
     if (!s.ok()) {
-      STRATA_LOG(kWarn, kModel) << "model: unreported activation copy error at destruction: " << s.to_string();
+      STRATA_LOG(kWarn, kModel) << "model: unreported activation copy error at destruction: "
+                                << s.to_string();
     }
   }
   if (impl_ && impl_->stream != nullptr) {
@@ -417,7 +418,8 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   }
   if (options.offload_activations && !cfg.activation_checkpointing) {
     return invalid_argument(
-        "model: activation offload (activation_checkpointing.cpu_checkpointing / --offload-activations) keeps "
+        "model: activation offload (activation_checkpointing.cpu_checkpointing / --offload-activations) "
+        "keeps "
         "the checkpointed block inputs on the host and needs activation checkpointing: set "
         "ModelConfig::activation_checkpointing (--checkpointing on)");
   }
@@ -492,9 +494,9 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     m.carve_activations(carve, options.with_grads);
     if (m.ring > 0) {
       if (options.with_grads) {
-        STRATA_ASSIGN_OR_RETURN(m.host_block, device.pinned().allocate(static_cast<std::uint64_t>(resid_count) *
-                                                                           m.host_stride,
-                                                                       "model.activations.host"));
+        STRATA_ASSIGN_OR_RETURN(
+            m.host_block, device.pinned().allocate(static_cast<std::uint64_t>(resid_count) * m.host_stride,
+                                                   "model.activations.host"));
       }
       m.ring_holds.assign(static_cast<std::size_t>(m.ring), -1);
       m.ring_pending.assign(static_cast<std::size_t>(m.ring), 0);
@@ -918,7 +920,8 @@ Status Model::Impl::offload_after_forward(int m, bool for_backward) {
     const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * C) * dtype_size(wdt);
     STRATA_RETURN_IF_ERROR(stream->record(*ring_read[ks]));
     STRATA_RETURN_IF_ERROR(copy_stream->wait(*ring_read[ks]));
-    char* host = static_cast<char*>(host_block.data()) + static_cast<std::uint64_t>(r - resid_lo()) * host_stride;
+    char* host =
+        static_cast<char*>(host_block.data()) + static_cast<std::uint64_t>(r - resid_lo()) * host_stride;
     STRATA_RETURN_IF_ERROR(copy_stream->copy_async(host, resid[static_cast<std::size_t>(r)].data, bytes,
                                                    CopyKind::kDeviceToHost));
     STRATA_RETURN_IF_ERROR(copy_stream->record(*ring_copied[ks]));
@@ -973,7 +976,8 @@ Status Model::Impl::offload_after_backward(int m) {
   if (r >= 0) {
     STRATA_RETURN_IF_ERROR(stream->record(*ring_read[static_cast<std::size_t>(ring_of(r))]));
     // Fetch ahead: the next R - 1 indices the backward reads (their buffers' indices are done).
-    for (std::int64_t i = r - 1; i >= r - ring + 1 && i >= resid_lo(); --i) STRATA_RETURN_IF_ERROR(fetch_resid(i));
+    for (std::int64_t i = r - 1; i >= r - ring + 1 && i >= resid_lo(); --i)
+      STRATA_RETURN_IF_ERROR(fetch_resid(i));
   }
   if (m == first) return await_all_copies();
   return ok_status();

@@ -204,8 +204,9 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
         "checkpointed block inputs on the host: it needs activation checkpointing (--checkpointing on, "
         "ModelConfig::activation_checkpointing)");
   }
-  const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
-                                 dtype_size(config.model.dtype);
+  const std::uint64_t boundary =
+      static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+      dtype_size(config.model.dtype);
   const int act_slots =
       settings.pipeline_bounds.size() > 2
           ? pipeline_slots(settings.pipeline_schedule, static_cast<int>(settings.pipeline_bounds.size()) - 1,
@@ -217,8 +218,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // docs/offload.md "Activation offload": per activation slot a ring of block inputs on the
     // device and every block input's copy in the pinned pool.
     const std::int64_t ring = std::min<std::int64_t>(Model::kActivationRing, config.model.n_layer + 1);
-    line("activation offload: device ring (" + std::to_string(ring) + " block inputs per micro-batch in flight)",
-         Tier::kDevice, StateKind::kActivations, static_cast<std::uint64_t>(act_slots * ring) * (boundary + 256));
+    line("activation offload: device ring (" + std::to_string(ring) +
+             " block inputs per micro-batch in flight)",
+         Tier::kDevice, StateKind::kActivations,
+         static_cast<std::uint64_t>(act_slots * ring) * (boundary + 256));
     line("activation offload: checkpointed block inputs (pinned)", Tier::kHost, StateKind::kActivations,
          static_cast<std::uint64_t>(act_slots * (config.model.n_layer + 1)) * boundary + 4096, true);
   }
@@ -227,7 +230,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // model's set each) and one send buffer per micro-batch and direction.
     const int slots = act_slots;
     line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
-         static_cast<std::uint64_t>(slots - 1) * offload_detail::activation_bytes_estimate(config, act_offload));
+         static_cast<std::uint64_t>(slots - 1) *
+             offload_detail::activation_bytes_estimate(config, act_offload));
     line("pipeline: send buffers", Tier::kDevice, StateKind::kActivations,
          2 * static_cast<std::uint64_t>(config.grad_accum) * boundary);
   }

@@ -347,12 +347,13 @@ int bench_offload(std::span<const std::string> argv) {
     const double accesses = static_cast<double>(after.param_accesses - before.param_accesses);
     row["prefetch_hit_rate"] =
         accesses > 0 ? static_cast<double>(after.prefetch_hits - before.prefetch_hits) / accesses : 1.0;
-    row["bytes_per_step"] = Json{{"h2d", h2d},
-                                 {"d2h", d2h},
-                                 {"nvme_read", nr},
-                                 {"nvme_write", nw},
-                                 {"activations", per(before.bytes_activations_to_host + before.bytes_activations_to_device,
-                                                     after.bytes_activations_to_host + after.bytes_activations_to_device)}};
+    row["bytes_per_step"] =
+        Json{{"h2d", h2d},
+             {"d2h", d2h},
+             {"nvme_read", nr},
+             {"nvme_write", nw},
+             {"activations", per(before.bytes_activations_to_host + before.bytes_activations_to_device,
+                                 after.bytes_activations_to_host + after.bytes_activations_to_device)}};
     row["allocations_after_warmup"] = after.allocations_after_warmup;
     {
       const double compute_cpu = (after.compute_cpu_seconds - before.compute_cpu_seconds) / n;

@@ -192,13 +192,14 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
                     {"host", plan.host_bytes},
                     {"pinned", plan.pinned_bytes},
                     {"nvme", plan.nvme_bytes}};
-  j["traffic"] = Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
-                      {"d2h", after.bytes_d2h - before.bytes_d2h},
-                      {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
-                      {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
-                      {"data_parallel", after.bytes_dp - before.bytes_dp},
-                      {"activations", (after.bytes_activations_to_host - before.bytes_activations_to_host) +
-                                          (after.bytes_activations_to_device - before.bytes_activations_to_device)}};
+  j["traffic"] =
+      Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
+           {"d2h", after.bytes_d2h - before.bytes_d2h},
+           {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
+           {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
+           {"data_parallel", after.bytes_dp - before.bytes_dp},
+           {"activations", (after.bytes_activations_to_host - before.bytes_activations_to_host) +
+                               (after.bytes_activations_to_device - before.bytes_activations_to_device)}};
   j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
   j["param_accesses"] = after.param_accesses - before.param_accesses;
   return j;
@@ -615,9 +616,10 @@ int run_train(std::span<const std::string> argv) {
                 offload.delayed_update_warmup);
   }
   if (offload.offload_activations) {
-    std::printf("offload  activations: the checkpointed block inputs in pinned host memory, a ring of %d on the "
-                "device per micro-batch in flight\n",
-                Model::kActivationRing);
+    std::printf(
+        "offload  activations: the checkpointed block inputs in pinned host memory, a ring of %d on the "
+        "device per micro-batch in flight\n",
+        Model::kActivationRing);
   }
   std::fflush(stdout);
 
@@ -867,7 +869,8 @@ int run_train(std::span<const std::string> argv) {
                 format_bytes(os.bytes_h2d).c_str(), format_bytes(os.bytes_d2h).c_str(),
                 format_bytes(os.bytes_nvme_read).c_str(), format_bytes(os.bytes_nvme_written).c_str());
     if (offload.offload_activations) {
-      std::printf("  activations      to host %s, back %s\n", format_bytes(os.bytes_activations_to_host).c_str(),
+      std::printf("  activations      to host %s, back %s\n",
+                  format_bytes(os.bytes_activations_to_host).c_str(),
                   format_bytes(os.bytes_activations_to_device).c_str());
     }
     std::printf("  prefetch         %.1f%% of %llu parameter fetches issued ahead; %llu allocations after the "

@@ -65,7 +65,8 @@ inline constexpr FlagSpec kSettingsFlags[] = {
      "--offload-param none and the optimizer on cpu or nvme"},
     {"offload-activations", "",
      "activation offload (activation_checkpointing.cpu_checkpointing): keep the checkpointed block inputs in "
-     "pinned host memory, fetched back ahead of backward; needs --checkpointing on; the same training, bit for "
+     "pinned host memory, fetched back ahead of backward; needs --checkpointing on; the same training, bit "
+     "for "
      "bit"},
 };
 
