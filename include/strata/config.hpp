@@ -110,6 +110,12 @@ struct AioConfig {
 
 // Defaults depend on the type and follow DeepSpeed's optimizers: Adam/AdamW lr 1e-3, betas
 // (0.9, 0.999), eps 1e-8; Lion lr 1e-3, betas (0.9, 0.999); Adagrad lr 1e-2, eps 1e-10.
+// DeepSpeed's activation_checkpointing section: only cpu_checkpointing acts here (the built-in
+// models checkpoint with ModelConfig::activation_checkpointing / --checkpointing on).
+struct ActivationCheckpointingConfig {
+  bool cpu_checkpointing = false;  // keep the checkpointed block inputs in pinned host memory
+};
+
 struct OptimizerConfig {
   OptimizerType type = OptimizerType::kAdam;
   double lr = 1e-3;
@@ -182,6 +188,7 @@ struct Config {
   Bf16Config bf16;
   ZeroConfig zero_optimization;
   AioConfig aio;
+  ActivationCheckpointingConfig activation_checkpointing;
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
   // The tunables after applying the file's `strata` section and the environment (see

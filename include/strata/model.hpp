@@ -274,7 +274,18 @@ class Model {
     // their activations are allocated; forward and backward passes start and end at the range.
     int first_module = 0;
     int end_module = -1;
+    // Activation offload (docs/offload.md "Activation offload"; DeepSpeed's
+    // activation_checkpointing.cpu_checkpointing). Requires ModelConfig::activation_checkpointing.
+    // The residual stream lives in a ring of kActivationRing device buffers per activation slot
+    // instead of L+1; each block input a later block would overwrite is copied to pinned host
+    // memory (from the device's pool, allocated at create()) on the model's own copy stream once
+    // the block that reads it has run, and comes back ahead of its backward, the compute stream
+    // waiting on an event. The arithmetic is that of checkpointing without offload, bit for bit.
+    bool offload_activations = false;
   };
+
+  // Device buffers of the residual-stream ring with Options::offload_activations (per slot).
+  static constexpr int kActivationRing = 3;
 
   // The persistent regions the model carves: "model.params" and, with grads, "model.grads".
   static std::vector<RegionSpec> regions(const ModelLayout& layout, const Options& options);
@@ -375,6 +386,15 @@ class Model {
 
   // Device bytes of activations + activation gradients + io buffers allocated at create().
   std::uint64_t activation_bytes() const;
+
+  // Activation offload: pinned host bytes of the residual copies (all slots; 0 without offload),
+  // and the bytes copied so far each way (cumulative since create(); read on the caller's thread).
+  struct ActivationTraffic {
+    std::uint64_t to_host = 0;
+    std::uint64_t to_device = 0;
+  };
+  std::uint64_t activation_host_bytes() const;
+  ActivationTraffic activation_traffic() const;
 
  private:
   struct Impl;

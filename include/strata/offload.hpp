@@ -115,6 +115,10 @@ struct OffloadSettings {
   // The first this many steps' updates are not delayed (the next step sees them).
   // strata.delayed_update_warmup.
   int delayed_update_warmup = 1;
+  // Activation offload (docs/offload.md "Activation offload"): with activation checkpointing, the
+  // checkpointed block inputs live in pinned host memory (Model::Options::offload_activations).
+  // activation_checkpointing.cpu_checkpointing, --offload-activations. Bitwise the same training.
+  bool offload_activations = false;
   // Threads of the host optimizer (0: the device's CpuBudget host_threads, one per host cpu).
   int host_threads = 0;
   // Host memory the plan may use (0: no limit beyond what the machine has available).
@@ -327,6 +331,10 @@ struct OffloadStats {
   double pipeline_seconds = 0.0;
   double pipeline_wait_seconds = 0.0;
   std::uint64_t bytes_pp = 0;
+  // Activation offload: checkpointed block inputs copied to the host and back (also in
+  // bytes_d2h / bytes_h2d, which count every copy of the device).
+  std::uint64_t bytes_activations_to_host = 0;
+  std::uint64_t bytes_activations_to_device = 0;
   double hit_rate() const {
     return param_accesses == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(param_accesses);
   }

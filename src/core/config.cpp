@@ -521,6 +521,11 @@ void read_sections(ReadContext* ctx, const Json& root, Config* config) {
   }
   read_zero(top.child("zero_optimization"), &c.zero_optimization);
   read_aio(top.child("aio"), &c.aio);
+  {
+    Section ac = top.child("activation_checkpointing");
+    ac.read_bool("cpu_checkpointing", &c.activation_checkpointing.cpu_checkpointing);
+    ac.finish();
+  }
   read_optimizer(top.child("optimizer"), &c.optimizer);
   read_scheduler(top.child("scheduler"), &c.scheduler);
   read_strata(top.child("strata"), &c.strata);

@@ -20,6 +20,17 @@
 // qkv, attention, MLP and logits buffers shrink by tp; the residual stream and norms stay full
 // width on every rank. The conjugate all-reduces (docs/parallel.md) run in stream order through
 // tp_all_reduce; the vocabulary-parallel cross-entropy adds (N) row maxima and (2, N) sums.
+//
+// Activation offload (Options::offload_activations, docs/offload.md "Activation offload"): the
+// residual stream x_lo .. x_hi of a slot is a ring of R = min(kActivationRing, hi - lo + 1)
+// device buffers, x_i in buffer i mod R (resid[i] aliases it, so the passes are unchanged), and
+// a pinned host copy per index. Forward: before a module writes buffer k it waits for the copy
+// stream's last work on k; after a block (or the head) has read x_i, x_i is copied out if a later
+// write will evict it (i + R <= hi). Backward: before a module reads x_i it is fetched unless the
+// ring still holds it, and x_{i-1} .. x_{i-R+1} are fetched ahead; a fetch waits for the compute
+// stream's last use of its buffer (ring_read), the compute stream for the fetch (ring_copied).
+// At the end of each pass the compute stream waits for every copy of the slot, so synchronizing
+// the compute stream also covers the copy stream's work on the ring.
 #include "strata/model.hpp"
 
 #include <algorithm>
@@ -112,6 +123,15 @@ struct ActState {
   int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
   int next_forward = 0;        // the module forward_module() expects next
   int next_backward = -1;      // the module backward_module() expects next (-1: none)
+  // Activation offload (empty without): the pinned host copies of residual indices [lo, hi]; per
+  // ring buffer the index it holds (-1: none), the compute stream's last use of it, the copy
+  // stream's last copy into or out of it and whether the compute stream has yet to wait for that;
+  // per residual index whether the host copy is this pass's.
+  ArenaBuffer host_block;
+  std::vector<std::int64_t> ring_holds;
+  std::vector<std::unique_ptr<Event>> ring_read, ring_copied;
+  std::vector<char> ring_pending;
+  std::vector<char> on_host;
 };
 
 }  // namespace
@@ -156,7 +176,11 @@ struct Model::Impl : ActState {
   std::unique_ptr<detail::HostStager> stager;
   std::unique_ptr<Event> tokens_copied;
   std::vector<std::int64_t> slot_rows, slot_counts;
-
+  // Activation offload: ring buffers per slot (0: off), the copy stream, bytes moved.
+  int ring = 0;
+  Stream* copy_stream = nullptr;
+  std::uint64_t host_stride = 0;  // bytes of one residual index in host_block (Bmax·Tmax·C)
+  Model::ActivationTraffic traffic;
 
   void select(int slot) {
     if (slot == current) return;
@@ -195,6 +219,19 @@ struct Model::Impl : ActState {
   void carve_activations(Carver& c, bool with_grads);
   Status block_forward(int l, const BlockActs& A, bool recompute);
   Status block_backward(int l, const BlockActs& A);
+  // Activation offload around one module (no-ops without it); see the file comment.
+  Status offload_before_forward(int m);
+  Status offload_after_forward(int m, bool for_backward);
+  Status offload_before_backward(int m);
+  Status offload_after_backward(int m);
+  int ring_of(std::int64_t i) const { return static_cast<int>(i % ring); }
+  // The residual index module m reads (block l: l, head: L) and writes (embedding 0, block l:
+  // l + 1); -1 where it has none.
+  std::int64_t reads_resid(int m) const;
+  std::int64_t writes_resid(int m) const;
+  Status fetch_resid(std::int64_t i);
+  Status await_ring(int k);
+  Status await_all_copies();
   // Tensor parallel: `buf` (n elements) summed (or max-reduced) over the group in place, in
   // stream order. No-op without a group.
   Status tp_all_reduce(const char* label, Tensor buf, std::int64_t n, ReduceOp op = ReduceOp::kSum);
@@ -272,8 +309,16 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
   const std::int64_t L = layout.config.n_layer;
   const std::int64_t ff1 = gpt2 ? F : 2 * F;
   resid.clear();
-  for (std::int64_t l = 0; l <= L; ++l)
-    resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(N * C, wdt) : Tensor{nullptr, wdt});
+  if (ring > 0) {
+    std::vector<Tensor> bufs;
+    for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(N * C, wdt));
+    for (std::int64_t l = 0; l <= L; ++l)
+      resid.push_back(l >= resid_lo() && l <= resid_hi() ? bufs[static_cast<std::size_t>(l % ring)]
+                                                         : Tensor{nullptr, wdt});
+  } else {
+    for (std::int64_t l = 0; l <= L; ++l)
+      resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(N * C, wdt) : Tensor{nullptr, wdt});
+  }
   const bool shared = layout.config.activation_checkpointing || !with_grads;
   sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
   for (std::size_t i = 0; i < sets.size(); ++i) {
@@ -321,6 +366,13 @@ std::vector<RegionSpec> Model::regions(const ModelLayout& layout, const Options&
 Model::Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Model::~Model() {
+  if (impl_ && impl_->copy_stream != nullptr) {
+    Status s = impl_->copy_stream->synchronize();
+    if (!s.ok()) {
+      STRATA_LOG(kWarn, kModel) << "model: unreported activation copy error at destruction: "
+                                << s.to_string();
+    }
+  }
   if (impl_ && impl_->stream != nullptr) {
     Status s = impl_->stream->synchronize();
     if (!s.ok()) {
@@ -363,6 +415,13 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     }
     m.first = options.first_module;
     m.end = e;
+  }
+  if (options.offload_activations && !cfg.activation_checkpointing) {
+    return invalid_argument(
+        "model: activation offload (activation_checkpointing.cpu_checkpointing / --offload-activations) "
+        "keeps "
+        "the checkpointed block inputs on the host and needs activation checkpointing: set "
+        "ModelConfig::activation_checkpointing (--checkpointing on)");
   }
   const TensorParallel tpl = layout.tp;
   if (tpl.size > 1) {
@@ -420,6 +479,12 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   }
 
   // Activations: measure, allocate once per slot, carve; slot 0 is selected.
+  const std::int64_t resid_count = m.resid_hi() - m.resid_lo() + 1;
+  if (options.offload_activations) {
+    m.ring = static_cast<int>(std::min<std::int64_t>(kActivationRing, resid_count));
+    m.host_stride = static_cast<std::uint64_t>(m.Bmax * m.Tmax * m.C) * dtype_size(m.wdt);
+    STRATA_ASSIGN_OR_RETURN(m.copy_stream, device.create_stream("model.activation_offload"));
+  }
   m.parked.resize(static_cast<std::size_t>(options.activation_slots));
   for (int k = options.activation_slots - 1; k >= 0; --k) {
     Carver measure(nullptr);
@@ -427,6 +492,24 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     STRATA_ASSIGN_OR_RETURN(m.act_block, device.allocate(measure.used(), "model.activations"));
     Carver carve(static_cast<char*>(m.act_block.data()));
     m.carve_activations(carve, options.with_grads);
+    if (m.ring > 0) {
+      if (options.with_grads) {
+        STRATA_ASSIGN_OR_RETURN(
+            m.host_block, device.pinned().allocate(static_cast<std::uint64_t>(resid_count) * m.host_stride,
+                                                   "model.activations.host"));
+      }
+      m.ring_holds.assign(static_cast<std::size_t>(m.ring), -1);
+      m.ring_pending.assign(static_cast<std::size_t>(m.ring), 0);
+      m.on_host.assign(static_cast<std::size_t>(cfg.n_layer + 1), 0);
+      m.ring_read.clear();
+      m.ring_copied.clear();
+      for (int r = 0; r < m.ring; ++r) {
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Event> read, device.create_event());
+        STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Event> copied, device.create_event());
+        m.ring_read.push_back(std::move(read));
+        m.ring_copied.push_back(std::move(copied));
+      }
+    }
     m.next_forward = m.first;
     // A stage without the head copies out losses it never computes: zeros (they add nothing).
     STRATA_RETURN_IF_ERROR(stream.memset_async(m.losses, 0, static_cast<std::uint64_t>(m.Bmax * m.Tmax) * 4));
@@ -515,6 +598,14 @@ std::uint64_t Model::activation_bytes() const {
   for (const ActState& a : impl_->parked) acts += a.act_block.size();  // the selected slot's entry is empty
   return acts + (impl_->grad_block ? impl_->grad_block.size() : 0) + impl_->io_block.size();
 }
+
+std::uint64_t Model::activation_host_bytes() const {
+  std::uint64_t bytes = impl_->host_block ? impl_->host_block.size() : 0;
+  for (const ActState& a : impl_->parked) bytes += a.host_block ? a.host_block.size() : 0;
+  return bytes;
+}
+
+Model::ActivationTraffic Model::activation_traffic() const { return impl_->traffic; }
 
 Status Model::select_slot(int slot) {
   if (slot < 0 || slot >= static_cast<int>(impl_->parked.size())) {
@@ -738,7 +829,9 @@ Status Model::forward_module(int module, bool for_backward) {
     return failed_precondition("forward(for_backward): the model was created without gradients");
   }
   STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
+  STRATA_RETURN_IF_ERROR(m.offload_before_forward(module));
   STRATA_RETURN_IF_ERROR(m.forward_module(module, for_backward));
+  STRATA_RETURN_IF_ERROR(m.offload_after_forward(module, for_backward));
   m.next_forward = module + 1 == m.end ? m.first : module + 1;
   if (module + 1 == m.end) {
     m.forward_saved = for_backward;
@@ -762,9 +855,131 @@ Status Model::backward_module(int module, float dloss) {
                                std::to_string(m.next_backward) + " next");
   }
   STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
+  STRATA_RETURN_IF_ERROR(m.offload_before_backward(module));
   STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
+  STRATA_RETURN_IF_ERROR(m.offload_after_backward(module));
   m.next_backward = module == m.first ? -1 : module - 1;
   if (module == m.first) m.forward_saved = false;  // backward consumed the saved activations
+  return ok_status();
+}
+
+// ---- activation offload --------------------------------------------------------------------------
+
+std::int64_t Model::Impl::reads_resid(int m) const {
+  const ModuleDesc& md = layout.modules[static_cast<std::size_t>(m)];
+  if (md.kind == ModuleKind::kBlock) return md.layer;
+  if (md.kind == ModuleKind::kHead) return layout.config.n_layer;
+  return -1;
+}
+
+std::int64_t Model::Impl::writes_resid(int m) const {
+  const ModuleDesc& md = layout.modules[static_cast<std::size_t>(m)];
+  if (md.kind == ModuleKind::kBlock) return md.layer + 1;
+  if (md.kind == ModuleKind::kEmbedding) return 0;
+  return -1;
+}
+
+Status Model::Impl::await_ring(int k) {
+  auto& pending = ring_pending[static_cast<std::size_t>(k)];
+  if (pending == 0) return ok_status();
+  pending = 0;
+  return stream->wait(*ring_copied[static_cast<std::size_t>(k)]);
+}
+
+Status Model::Impl::await_all_copies() {
+  for (int k = 0; k < ring; ++k) STRATA_RETURN_IF_ERROR(await_ring(k));
+  return ok_status();
+}
+
+Status Model::Impl::offload_before_forward(int m) {
+  if (ring == 0) return ok_status();
+  if (m == first && first > 0) {
+    // The stage's input: the caller has written it into boundary_activation(first).
+    const std::int64_t in = first - 1;
+    ring_holds[static_cast<std::size_t>(ring_of(in))] = in;
+    on_host[static_cast<std::size_t>(in)] = 0;
+  }
+  if (const std::int64_t r = reads_resid(m); r >= 0) STRATA_RETURN_IF_ERROR(await_ring(ring_of(r)));
+  const std::int64_t w = writes_resid(m);
+  if (w < 0) return ok_status();
+  // No overwrite before the copy out of the buffer's previous index has finished.
+  const int k = ring_of(w);
+  STRATA_RETURN_IF_ERROR(await_ring(k));
+  ring_holds[static_cast<std::size_t>(k)] = w;
+  on_host[static_cast<std::size_t>(w)] = 0;
+  return ok_status();
+}
+
+Status Model::Impl::offload_after_forward(int m, bool for_backward) {
+  if (ring == 0 || !for_backward) return ok_status();
+  const std::int64_t r = reads_resid(m);
+  // Only an index that a later write of this pass evicts leaves; the last R stay in the ring.
+  if (r >= 0 && r + ring <= resid_hi()) {
+    const int k = ring_of(r);
+    const auto ks = static_cast<std::size_t>(k);
+    const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * C) * dtype_size(wdt);
+    STRATA_RETURN_IF_ERROR(stream->record(*ring_read[ks]));
+    STRATA_RETURN_IF_ERROR(copy_stream->wait(*ring_read[ks]));
+    char* host =
+        static_cast<char*>(host_block.data()) + static_cast<std::uint64_t>(r - resid_lo()) * host_stride;
+    STRATA_RETURN_IF_ERROR(copy_stream->copy_async(host, resid[static_cast<std::size_t>(r)].data, bytes,
+                                                   CopyKind::kDeviceToHost));
+    STRATA_RETURN_IF_ERROR(copy_stream->record(*ring_copied[ks]));
+    ring_pending[ks] = 1;
+    on_host[static_cast<std::size_t>(r)] = 1;
+    traffic.to_host += bytes;
+  }
+  // The pass's last module: from here on, synchronizing the compute stream covers the copies.
+  if (m + 1 == end) return await_all_copies();
+  return ok_status();
+}
+
+Status Model::Impl::fetch_resid(std::int64_t i) {
+  const int k = ring_of(i);
+  const auto ks = static_cast<std::size_t>(k);
+  if (ring_holds[ks] == i) return ok_status();
+  if (on_host[static_cast<std::size_t>(i)] == 0) {
+    return internal_error("model: activation offload: residual " + std::to_string(i) +
+                          " is neither in the device ring nor on the host");
+  }
+  const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * C) * dtype_size(wdt);
+  // The buffer's previous index: every compute use of it has run (ring_read), and the copy out
+  // of it is earlier on this same stream.
+  STRATA_RETURN_IF_ERROR(copy_stream->wait(*ring_read[ks]));
+  const char* host =
+      static_cast<const char*>(host_block.data()) + static_cast<std::uint64_t>(i - resid_lo()) * host_stride;
+  STRATA_RETURN_IF_ERROR(
+      copy_stream->copy_async(resid[static_cast<std::size_t>(i)].data, host, bytes, CopyKind::kHostToDevice));
+  STRATA_RETURN_IF_ERROR(copy_stream->record(*ring_copied[ks]));
+  ring_pending[ks] = 1;
+  ring_holds[ks] = i;
+  traffic.to_device += bytes;
+  return ok_status();
+}
+
+Status Model::Impl::offload_before_backward(int m) {
+  if (ring == 0) return ok_status();
+  if (m + 1 == end) {
+    // The pass's first module: whatever used the ring since the forward (the caller's send of the
+    // stage output, on this stream) is ordered before any fetch.
+    for (const auto& e : ring_read) STRATA_RETURN_IF_ERROR(stream->record(*e));
+  }
+  const std::int64_t r = reads_resid(m);
+  if (r < 0) return ok_status();
+  STRATA_RETURN_IF_ERROR(fetch_resid(r));  // normally fetched ahead already
+  return await_ring(ring_of(r));
+}
+
+Status Model::Impl::offload_after_backward(int m) {
+  if (ring == 0) return ok_status();
+  const std::int64_t r = reads_resid(m);
+  if (r >= 0) {
+    STRATA_RETURN_IF_ERROR(stream->record(*ring_read[static_cast<std::size_t>(ring_of(r))]));
+    // Fetch ahead: the next R - 1 indices the backward reads (their buffers' indices are done).
+    for (std::int64_t i = r - 1; i >= r - ring + 1 && i >= resid_lo(); --i)
+      STRATA_RETURN_IF_ERROR(fetch_resid(i));
+  }
+  if (m == first) return await_all_copies();
   return ok_status();
 }
 

@@ -562,6 +562,7 @@ Status OffloadEngine::Impl::setup() {
   mo.own_storage = false;
   mo.loss_slots = static_cast<int>(config.grad_accum);
   mo.tensor_parallel = tp_model.get();
+  mo.offload_activations = settings.offload_activations;
   stage_first = 0;
   stage_end = M;
   if (pp_size > 1) {
@@ -3330,6 +3331,11 @@ OffloadStats OffloadEngine::stats() const {
   s.pipeline_seconds = t.pp_seconds;
   s.pipeline_wait_seconds = t.pp_wait_seconds;
   s.bytes_pp = t.pp_bytes;
+  if (t.model) {
+    const Model::ActivationTraffic a = t.model->activation_traffic();
+    s.bytes_activations_to_host = a.to_host;
+    s.bytes_activations_to_device = a.to_device;
+  }
   return s;
 }
 

@@ -295,18 +295,20 @@ inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.opt
 
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
 // carving, per token, with alignment slack). The cuda backend's kernel workspace comes on top
-// (kCudaWorkspaceBytes, added by OffloadPlan::check_fits).
-inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config) {
+// (kCudaWorkspaceBytes, added by OffloadPlan::check_fits). With activation offload the residual
+// stream is not counted here: the plan's activation-offload lines hold its ring.
+inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config,
+                                               bool offload_activations = false) {
   const ModelConfig& c = config.model;
   const std::int64_t N = config.micro_batch * config.seq_len;
   const std::int64_t C = c.n_embd, F = c.ffn(), Q = (c.n_head + 2 * c.kv_heads()) * c.head_dim();
   const std::int64_t per_set = 4 * C + Q + (c.kind == ModelKind::kGpt2 ? 2 * F : 3 * F);
   const std::int64_t sets = c.activation_checkpointing ? 1 : c.n_layer;
   const std::uint64_t w = dtype_size(c.dtype);
-  std::uint64_t acts =
-      static_cast<std::uint64_t>(N) *
-      (w * static_cast<std::uint64_t>((c.n_layer + 1) * C + sets * per_set + C + c.padded_vocab()) +
-       4 * static_cast<std::uint64_t>(sets * (4 + c.n_head) + 4));
+  std::uint64_t acts = static_cast<std::uint64_t>(N) *
+                       (w * static_cast<std::uint64_t>((offload_activations ? 0 : (c.n_layer + 1) * C) +
+                                                       sets * per_set + C + c.padded_vocab()) +
+                        4 * static_cast<std::uint64_t>(sets * (4 + c.n_head) + 4));
   acts += static_cast<std::uint64_t>(N) * w * static_cast<std::uint64_t>(3 * C + Q + 3 * F);
   acts += static_cast<std::uint64_t>(N) * 8 + static_cast<std::uint64_t>(c.n_positions * c.head_dim()) * 4;
   return acts + acts / 16 + (1u << 20);

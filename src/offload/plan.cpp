@@ -11,6 +11,7 @@
 #include "offload/internal.hpp"
 #include "strata/config.hpp"
 #include "strata/device.hpp"
+#include "strata/model.hpp"
 
 namespace strata {
 
@@ -151,6 +152,7 @@ Status OffloadSettings::apply(const Config& config) {
     }
   }
   io.nvme_path = nvme_path;
+  offload_activations = config.activation_checkpointing.cpu_checkpointing;
   // "auto" keeps this placement's value (Strata's default unless the caller set one).
   if (!config.is_auto("zero_optimization.stage3_prefetch_bucket_size")) prefetch_elements = z.stage3_prefetch_bucket_size;
   if (!config.is_auto("zero_optimization.stage3_param_persistence_threshold"))
@@ -195,17 +197,41 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   plan.param_slot_bytes = units.param_slot_bytes;
   plan.grad_slots = units.grad_slots;
   plan.grad_slot_bytes = units.grad_slot_bytes;
+  const bool act_offload = settings.offload_activations;
+  if (act_offload && !config.model.activation_checkpointing) {
+    return invalid_argument(
+        "activation offload (activation_checkpointing.cpu_checkpointing / --offload-activations) keeps the "
+        "checkpointed block inputs on the host: it needs activation checkpointing (--checkpointing on, "
+        "ModelConfig::activation_checkpointing)");
+  }
+  const std::uint64_t boundary =
+      static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+      dtype_size(config.model.dtype);
+  const int act_slots =
+      settings.pipeline_bounds.size() > 2
+          ? pipeline_slots(settings.pipeline_schedule, static_cast<int>(settings.pipeline_bounds.size()) - 1,
+                           settings.pp_stage, static_cast<int>(config.grad_accum))
+          : 1;
   line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
-       offload_detail::activation_bytes_estimate(config));
+       offload_detail::activation_bytes_estimate(config, act_offload));
+  if (act_offload) {
+    // docs/offload.md "Activation offload": per activation slot a ring of block inputs on the
+    // device and every block input's copy in the pinned pool.
+    const std::int64_t ring = std::min<std::int64_t>(Model::kActivationRing, config.model.n_layer + 1);
+    line("activation offload: device ring (" + std::to_string(ring) +
+             " block inputs per micro-batch in flight)",
+         Tier::kDevice, StateKind::kActivations,
+         static_cast<std::uint64_t>(act_slots * ring) * (boundary + 256));
+    line("activation offload: checkpointed block inputs (pinned)", Tier::kHost, StateKind::kActivations,
+         static_cast<std::uint64_t>(act_slots * (config.model.n_layer + 1)) * boundary + 4096, true);
+  }
   if (settings.pipeline_bounds.size() > 2) {
     // A stage keeps one activation set per micro-batch in flight (bounded above by the whole
     // model's set each) and one send buffer per micro-batch and direction.
-    const int p = static_cast<int>(settings.pipeline_bounds.size()) - 1;
-    const int slots = pipeline_slots(settings.pipeline_schedule, p, settings.pp_stage, static_cast<int>(config.grad_accum));
-    const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
-                                   dtype_size(config.model.dtype);
+    const int slots = act_slots;
     line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
-         static_cast<std::uint64_t>(slots - 1) * offload_detail::activation_bytes_estimate(config));
+         static_cast<std::uint64_t>(slots - 1) *
+             offload_detail::activation_bytes_estimate(config, act_offload));
     line("pipeline: send buffers", Tier::kDevice, StateKind::kActivations,
          2 * static_cast<std::uint64_t>(config.grad_accum) * boundary);
   }

@@ -19,6 +19,9 @@
 //   vs_ordinary     --delayed-update: one more row, the optimizer on the host with the one-step
 //                   delayed update (strata.delayed_update, warm-up 0), and the ordinary row's step
 //                   over its step, measured in the same run
+//                   --offload-activations: one more row, the optimizer on the host with activation
+//                   offload (docs/offload.md "Activation offload"); every row then runs with
+//                   activation checkpointing, so vs_ordinary is the offload's cost alone
 //
 // The cpus are split by the device's CpuBudget (cpu_budget.hpp): compute pinned to compute_cpus,
 // copies, I/O and the host optimizer to host_cpus; STRATA_CPU_AFFINITY=0 runs the same split's
@@ -67,6 +70,9 @@ constexpr FlagSpec kOffloadFlags[] = {
     {"nvme-path", "DIR", "swap directory (default: a fresh directory under $TMPDIR, removed at exit)"},
     {"delayed-update", "",
      "also time the optimizer on host with the one-step delayed update, and its ratio to the ordinary step"},
+    {"offload-activations", "",
+     "also time the optimizer on host with activation offload, and its ratio to the ordinary step (turns "
+     "activation checkpointing on for every row)"},
     {"help", "", "show this help"},
 };
 
@@ -95,6 +101,7 @@ struct Placement {
   const char* name;
   Tier params, optimizer, gradients;
   bool delayed = false;  // strata.delayed_update
+  bool activations = false;  // OffloadSettings::offload_activations
 };
 
 constexpr Placement kPlacements[] = {
@@ -159,6 +166,12 @@ int bench_offload(std::span<const std::string> argv) {
   constexpr const char* kOrdinaryHost = "optimizer on host";
   if (args.has("delayed-update")) {
     placements.push_back({"optimizer on host, delayed update", Tier::kDevice, Tier::kHost, Tier::kHost, true});
+  }
+  if (args.has("offload-activations")) {
+    tc.model.activation_checkpointing = true;
+    // Right after the ordinary row, so that the two steps of the ratio are measured back to back.
+    placements.insert(placements.begin() + 2,
+                      {"optimizer on host, activation offload", Tier::kDevice, Tier::kHost, Tier::kHost, false, true});
   }
   Options options;
   std::uint64_t device_need = 0;
@@ -255,6 +268,7 @@ int bench_offload(std::span<const std::string> argv) {
     os.persistence_threshold = 0;
     os.delayed_update = p.delayed;
     os.delayed_update_warmup = 0;
+    os.offload_activations = p.activations;
     auto compute = compute_alone();
     if (!compute.ok()) return fail(compute.status());
     const double compute_s = *compute;
@@ -326,7 +340,7 @@ int bench_offload(std::span<const std::string> argv) {
     row["lower_bound_s"] = lower;
     row["efficiency"] = lower / step_s;
     row["vs_all_device"] = all_device_step > 0 ? all_device_step / step_s : 1.0;
-    if (p.delayed) row["vs_ordinary"] = ordinary_host_step / step_s;
+    if (p.delayed || p.activations) row["vs_ordinary"] = ordinary_host_step / step_s;
     row["parts_s"] = parts;
     row["stall_s"] = (after.fetch_stall_seconds - before.fetch_stall_seconds + after.update_stall_seconds -
                       before.update_stall_seconds) /
@@ -334,7 +348,13 @@ int bench_offload(std::span<const std::string> argv) {
     const double accesses = static_cast<double>(after.param_accesses - before.param_accesses);
     row["prefetch_hit_rate"] =
         accesses > 0 ? static_cast<double>(after.prefetch_hits - before.prefetch_hits) / accesses : 1.0;
-    row["bytes_per_step"] = Json{{"h2d", h2d}, {"d2h", d2h}, {"nvme_read", nr}, {"nvme_write", nw}};
+    row["bytes_per_step"] =
+        Json{{"h2d", h2d},
+             {"d2h", d2h},
+             {"nvme_read", nr},
+             {"nvme_write", nw},
+             {"activations", per(before.bytes_activations_to_host + before.bytes_activations_to_device,
+                                 after.bytes_activations_to_host + after.bytes_activations_to_device)}};
     row["allocations_after_warmup"] = after.allocations_after_warmup;
     {
       const double compute_cpu = (after.compute_cpu_seconds - before.compute_cpu_seconds) / n;

@@ -41,6 +41,7 @@
 #include "strata/data.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
+#include "strata/model.hpp"
 #include "strata/nvme.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
@@ -191,11 +192,14 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
                     {"host", plan.host_bytes},
                     {"pinned", plan.pinned_bytes},
                     {"nvme", plan.nvme_bytes}};
-  j["traffic"] = Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
-                      {"d2h", after.bytes_d2h - before.bytes_d2h},
-                      {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
-                      {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
-                      {"data_parallel", after.bytes_dp - before.bytes_dp}};
+  j["traffic"] =
+      Json{{"h2d", after.bytes_h2d - before.bytes_h2d},
+           {"d2h", after.bytes_d2h - before.bytes_d2h},
+           {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
+           {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
+           {"data_parallel", after.bytes_dp - before.bytes_dp},
+           {"activations", (after.bytes_activations_to_host - before.bytes_activations_to_host) +
+                               (after.bytes_activations_to_device - before.bytes_activations_to_device)}};
   j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
   j["param_accesses"] = after.param_accesses - before.param_accesses;
   return j;
@@ -621,6 +625,12 @@ int run_train(std::span<const std::string> argv) {
                 "update (not equivalent to the ordinary step); the first %d step(s) not delayed\n",
                 offload.delayed_update_warmup);
   }
+  if (offload.offload_activations) {
+    std::printf(
+        "offload  activations: the checkpointed block inputs in pinned host memory, a ring of %d on the "
+        "device per micro-batch in flight\n",
+        Model::kActivationRing);
+  }
   std::fflush(stdout);
 
   // The run's configuration goes to DIR/run.json first, so a run that stops early can still be
@@ -648,7 +658,8 @@ int run_train(std::span<const std::string> argv) {
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))},
-                        {"delayed_update", offload.delayed_update}};
+                        {"delayed_update", offload.delayed_update},
+                        {"activations", offload.offload_activations}};
   run["plan"] = Json{{"device", tr.plan().device_bytes},
                      {"host", tr.plan().host_bytes},
                      {"pinned", tr.plan().pinned_bytes},
@@ -867,6 +878,11 @@ int run_train(std::span<const std::string> argv) {
     std::printf("  traffic          host->device %s, device->host %s, NVMe read %s, NVMe written %s\n",
                 format_bytes(os.bytes_h2d).c_str(), format_bytes(os.bytes_d2h).c_str(),
                 format_bytes(os.bytes_nvme_read).c_str(), format_bytes(os.bytes_nvme_written).c_str());
+    if (offload.offload_activations) {
+      std::printf("  activations      to host %s, back %s\n",
+                  format_bytes(os.bytes_activations_to_host).c_str(),
+                  format_bytes(os.bytes_activations_to_device).c_str());
+    }
     std::printf("  prefetch         %.1f%% of %llu parameter fetches issued ahead; %llu allocations after the "
                 "first step; host optimizer %.1f s CPU\n",
                 100.0 * os.hit_rate(), static_cast<unsigned long long>(os.param_accesses),

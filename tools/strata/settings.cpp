@@ -99,6 +99,11 @@ Status apply_settings_flags(const Args& args, RunSettings* rs) {
     rs->offload.delayed_update_warmup = static_cast<int>(rs->options.get_int(Option::kDelayedUpdateWarmup));
   }
   if (args.has("delayed-update")) rs->offload.delayed_update = true;
+  // activation_checkpointing.cpu_checkpointing of a config without a zero_optimization section,
+  // then the flag.
+  if (config != nullptr && config->activation_checkpointing.cpu_checkpointing)
+    rs->offload.offload_activations = true;
+  if (args.has("offload-activations")) rs->offload.offload_activations = true;
   if (auto dir = args.get("nvme-path")) {
     rs->offload.nvme_path = {*dir};
     rs->offload.io.nvme_path = rs->offload.nvme_path;
