@@ -231,6 +231,40 @@ std::string file_bytes(const std::string& path) {
 // Weights: before training the tensor-parallel save is the single-process save byte for byte
 // (initialisation and gathering); after training it loads into one process bit for bit, and a
 // single-process file loads into the shards bit for bit.
+// Activation offload under tensor parallelism: each rank offloads its own copy of the replicated
+// residual stream, so the run is the checkpointed tensor-parallel run bit for bit (only storage
+// moves; the collectives read and write the same buffers in the same order).
+TEST(TensorParallel, ActivationOffloadIsTheCheckpointedRunBitForBit) {
+  for (const ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    TrainerConfig config = config_for(kind, DType::kF32, 2, 1.0);
+    config.model.n_layer = 5;  // more block inputs than the device ring holds
+    config.model.activation_checkpointing = true;
+    OffloadSettings s;
+    s.optimizer = Tier::kHost;
+    const Snapshot kept = train_tp(config, s, 3);
+    s.offload_activations = true;
+    const Snapshot moved = train_tp(config, s, 3);
+    const std::string what = std::string(to_string(kind)) + ", tp " + std::to_string(world().size());
+    ASSERT_FALSE(kept.param.empty()) << what;
+    EXPECT_EQ(kept.losses, moved.losses) << what;
+    EXPECT_EQ(kept.norms, moved.norms) << what;
+    EXPECT_EQ(kept.param, moved.param) << what;
+    EXPECT_EQ(kept.master, moved.master) << what;
+    EXPECT_EQ(kept.m, moved.m) << what;
+    EXPECT_EQ(kept.v, moved.v) << what;
+    EXPECT_NE(kept.losses.front(), kept.losses.back()) << what << ": the run trained";
+    // And the block inputs did travel.
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    Snapshot one;
+    ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, one)) << what;
+    ASSERT_TRUE((*engine)->synchronize().ok());
+    EXPECT_GT((*engine)->stats().bytes_activations_to_host, 0u) << what;
+    EXPECT_GT((*engine)->stats().bytes_activations_to_device, 0u) << what;
+  }
+}
+
 TEST(TensorParallel, SaveAndLoadWeightsAreTheFullModel) {
   for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
     const TrainerConfig config = config_for(kind, DType::kF32, 1, 0.0);
