@@ -21,49 +21,17 @@
 #include <string>
 
 #include "comm_environment.hpp"
+#include "dist_compare.hpp"
 #include "offload_fixture.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
 namespace {
 
+using testing::capture_stage;
+using testing::fnv;
 using testing::Snapshot;
 using testing::world;
-
-std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::uint64_t h = 1469598103934665603ull) {
-  for (const auto& t : tensors) {
-    const auto* p = reinterpret_cast<const unsigned char*>(t.data());
-    for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  }
-  return h;
-}
-
-// The state of the parameters this stage holds (the engine refuses the others, which is
-// checked too), in layout order; `held` lists their indices.
-bool capture_stage(OffloadEngine& engine, Snapshot& out, std::vector<int>& held) {
-  const ModelLayout& L = engine.model().layout();
-  for (std::size_t i = 0; i < L.params.size(); ++i) {
-    if (!L.params[i].owns_storage()) continue;
-    const int idx = static_cast<int>(i);
-    auto p = engine.get_param(idx);
-    if (!p.ok()) {
-      EXPECT_NE(p.status().message().find("held by pipeline stage"), std::string::npos)
-          << p.status().to_string();
-      continue;
-    }
-    auto ma = engine.get_master(idx);
-    auto mm = engine.get_exp_avg(idx);
-    auto vv = engine.get_exp_avg_sq(idx);
-    EXPECT_TRUE(ma.ok() && mm.ok() && vv.ok()) << L.params[i].name;
-    if (!(ma.ok() && mm.ok() && vv.ok())) return false;
-    held.push_back(idx);
-    out.param.push_back(*p);
-    out.master.push_back(*ma);
-    out.m.push_back(*mm);
-    out.v.push_back(*vv);
-  }
-  return true;
-}
 
 // The tied wte's sum order moves GPT-2's state by rounding (largest difference relative to the
 // quantity's largest value; check_case prints the measured figures). Measured on 2 and 3 stages,

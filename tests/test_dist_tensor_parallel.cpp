@@ -22,13 +22,17 @@
 #include <iterator>
 
 #include "comm_environment.hpp"
+#include "dist_compare.hpp"
 #include "offload_fixture.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
 namespace {
 
+using testing::expect_close;
+using testing::fnv;
 using testing::Snapshot;
+using testing::Tolerance;
 using testing::world;
 
 // The tiny test models, split over the world. With 4 ranks LLaMA gets 8 query and 4 kv heads so
@@ -40,14 +44,6 @@ TrainerConfig config_for(ModelKind kind, DType dtype, std::int64_t accum, double
     c.model.n_kv_head = 4;
   }
   return c;
-}
-
-std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::uint64_t h = 1469598103934665603ull) {
-  for (const auto& t : tensors) {
-    const auto* p = reinterpret_cast<const unsigned char*>(t.data());
-    for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  }
-  return h;
 }
 
 void expect_ranks_identical(const Snapshot& s, const std::string& what) {
@@ -69,16 +65,9 @@ void expect_ranks_identical(const Snapshot& s, const std::string& what) {
   }
 }
 
-struct Tolerance {
-  double loss = 1e-5;  // relative
-  double norm = 1e-4;  // relative
-  double rms = 1e-5;   // parameters and master weights: absolute; moments: of their largest value
-  double max = 2e-3;
-};
-
-// fp32, measured on 2 ranks (lr 1e-2, 3 steps): loss 6.5e-7 relative, norm 7.6e-6, parameters
-// rms 1.6e-6 and max 4.2e-4, moments rms 1.2e-6 and max 9e-5 of their scale: the defaults above
-// hold at least 5x headroom. A wrong shard or a missing reduction moves the parameters by about the
+// fp32: Tolerance's defaults (dist_compare.hpp). Measured on 2 ranks (lr 1e-2, 3 steps): loss
+// 6.5e-7 relative, norm 7.6e-6, parameters rms 1.6e-6 and max 4.2e-4, moments rms 1.2e-6 and max
+// 9e-5 of their scale: the defaults hold at least 5x headroom. A wrong shard or a missing reduction moves the parameters by about the
 // learning rate.
 //
 // bf16: each rank's partial sum is rounded to 8 bits before the all-reduce rounds the sum again,
@@ -94,63 +83,6 @@ Tolerance bf16_tolerance() {
   t.rms = 6e-3;
   t.max = 0.3;
   return t;
-}
-
-struct Diff {
-  double max = 0.0, rms = 0.0;
-};
-
-Diff diff_of(const std::vector<std::vector<float>>& ref, const std::vector<std::vector<float>>& got) {
-  Diff d;
-  double sum = 0.0;
-  std::size_t n = 0;
-  for (std::size_t i = 0; i < ref.size() && i < got.size(); ++i) {
-    EXPECT_EQ(ref[i].size(), got[i].size()) << "tensor " << i;
-    for (std::size_t k = 0; k < ref[i].size() && k < got[i].size(); ++k) {
-      const double e = std::fabs(static_cast<double>(ref[i][k]) - got[i][k]);
-      d.max = std::max(d.max, e);
-      sum += e * e;
-      ++n;
-    }
-  }
-  d.rms = n == 0 ? 0.0 : std::sqrt(sum / static_cast<double>(n));
-  return d;
-}
-
-void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol, const std::string& what) {
-  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
-  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
-  ASSERT_FALSE(ref.param.empty()) << what;
-  double worst_loss = 0.0, worst_norm = 0.0;
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
-    worst_loss = std::max(worst_loss, std::fabs(got.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]));
-    worst_norm = std::max(worst_norm, std::fabs(got.norms[i] - ref.norms[i]) / std::fabs(ref.norms[i]));
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i]))
-        << what << ": loss of step " << i + 1;
-    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i]))
-        << what << ": norm of step " << i + 1;
-  }
-  if (world().rank() == 0)
-    std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
-  const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
-  const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
-  const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
-  for (int k = 0; k < 4; ++k) {
-    const Diff d = diff_of(*r[k], *g[k]);
-    double scale = 1.0;
-    if (k >= 2) {
-      std::vector<std::vector<float>> zero;
-      for (const auto& t : *r[k]) zero.emplace_back(t.size(), 0.0f);
-      scale = diff_of(*r[k], zero).max;
-    }
-    if (world().rank() == 0) {
-      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max,
-                  d.rms, scale);
-    }
-    EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
-    EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
-  }
-  EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
 }
 
 Snapshot train_tp(const TrainerConfig& c, const OffloadSettings& s, int steps) {

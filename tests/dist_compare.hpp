@@ -1,0 +1,164 @@
+// What the multi-process engine tests (label `dist`) share: hashing a state to compare ranks,
+// reading the state a pipeline stage holds, running a data-parallel rank's share of a global
+// batch, and comparing a run's losses, norms and state with a reference within tolerances.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "comm_environment.hpp"
+#include "offload_fixture.hpp"
+
+namespace strata::testing {
+
+// FNV-1a over the bytes of `tensors`, continuing from `h`.
+inline std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::uint64_t h = 1469598103934665603ull) {
+  for (const auto& t : tensors) {
+    const auto* p = reinterpret_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+// The full state (gathered over the stage's tensor-parallel group) of the parameters this stage
+// holds, in layout order; `held` lists their indices. The others are refused, naming the stage.
+inline bool capture_stage(OffloadEngine& engine, Snapshot& out, std::vector<int>& held) {
+  const ModelLayout& L = engine.model().layout();
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    if (!L.params[i].owns_storage()) continue;
+    const int idx = static_cast<int>(i);
+    auto p = engine.get_param(idx);
+    if (!p.ok()) {
+      EXPECT_NE(p.status().message().find("held by pipeline stage"), std::string::npos)
+          << p.status().to_string();
+      continue;
+    }
+    auto ma = engine.get_master(idx);
+    auto mm = engine.get_exp_avg(idx);
+    auto vv = engine.get_exp_avg_sq(idx);
+    EXPECT_TRUE(ma.ok() && mm.ok() && vv.ok()) << L.params[i].name;
+    if (!(ma.ok() && mm.ok() && vv.ok())) return false;
+    held.push_back(idx);
+    out.param.push_back(*p);
+    out.master.push_back(*ma);
+    out.m.push_back(*mm);
+    out.v.push_back(*vv);
+  }
+  return true;
+}
+
+// The state of `held` from an engine that holds every parameter (collective over its groups).
+inline bool capture_held(OffloadEngine& engine, const std::vector<int>& held, Snapshot& out) {
+  for (int idx : held) {
+    auto p = engine.get_param(idx);
+    auto ma = engine.get_master(idx);
+    auto mm = engine.get_exp_avg(idx);
+    auto vv = engine.get_exp_avg_sq(idx);
+    EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << "parameter " << idx;
+    if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return false;
+    out.param.push_back(*p);
+    out.master.push_back(*ma);
+    out.m.push_back(*mm);
+    out.v.push_back(*vv);
+  }
+  return true;
+}
+
+// Steps of the global batch: this data-parallel rank's share (global micro-batches d, d + DP, ...).
+inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps, Snapshot& out) {
+  const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::int32_t> gin, gtg, in, tg;
+    testing::batch(global, step, gin, gtg);
+    for (std::size_t i = static_cast<std::size_t>(dp); i < static_cast<std::size_t>(global.grad_accum);
+         i += static_cast<std::size_t>(DP)) {
+      in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
+                gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+      tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
+                gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+    }
+    auto m = engine.step(in, tg);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    if (!m.ok()) return false;
+    out.losses.push_back(m->loss);
+    out.norms.push_back(m->grad_norm);
+  }
+  return true;
+}
+
+// Bounds of a comparison with a reference run. The defaults are the fp32 tensor-parallel bounds
+// (test_dist_tensor_parallel.cpp states the measured differences they hold with headroom).
+struct Tolerance {
+  double loss = 1e-5;  // relative
+  double norm = 1e-4;  // relative
+  double rms = 1e-5;   // parameters and master weights: absolute; moments: of their largest value
+  double max = 2e-3;
+};
+
+struct Diff {
+  double max = 0.0, rms = 0.0;
+};
+
+inline Diff diff_of(const std::vector<std::vector<float>>& ref, const std::vector<std::vector<float>>& got) {
+  Diff d;
+  double sum = 0.0;
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+    EXPECT_EQ(ref[i].size(), got[i].size()) << "tensor " << i;
+    for (std::size_t k = 0; k < ref[i].size() && k < got[i].size(); ++k) {
+      const double e = std::fabs(static_cast<double>(ref[i][k]) - got[i][k]);
+      d.max = std::max(d.max, e);
+      sum += e * e;
+      ++n;
+    }
+  }
+  d.rms = n == 0 ? 0.0 : std::sqrt(sum / static_cast<double>(n));
+  return d;
+}
+
+// Losses and norms within their relative bounds; working parameters and master weights within
+// absolute rms / max bounds; moments relative to their largest value. Prints the measured figures
+// on rank 0; the reference must have trained (its loss changed).
+inline void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol, const std::string& what) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
+  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
+  ASSERT_FALSE(ref.param.empty()) << what;
+  double worst_loss = 0.0, worst_norm = 0.0;
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+    worst_loss = std::max(worst_loss, std::fabs(got.losses[i] - ref.losses[i]) / std::fabs(ref.losses[i]));
+    worst_norm = std::max(worst_norm, std::fabs(got.norms[i] - ref.norms[i]) / std::fabs(ref.norms[i]));
+    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i]))
+        << what << ": loss of step " << i + 1;
+    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i]))
+        << what << ": norm of step " << i + 1;
+  }
+  if (world().rank() == 0)
+    std::printf("%s: loss rel %.3g, norm rel %.3g\n", what.c_str(), worst_loss, worst_norm);
+  const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
+  const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
+  const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
+  for (int k = 0; k < 4; ++k) {
+    const Diff d = diff_of(*r[k], *g[k]);
+    double scale = 1.0;
+    if (k >= 2) {
+      std::vector<std::vector<float>> zero;
+      for (const auto& t : *r[k]) zero.emplace_back(t.size(), 0.0f);
+      scale = diff_of(*r[k], zero).max;
+    }
+    if (world().rank() == 0) {
+      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max,
+                  d.rms, scale);
+    }
+    EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
+    EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
+  }
+  EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
+}
+
+}  // namespace strata::testing
