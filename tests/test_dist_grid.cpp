@@ -178,21 +178,21 @@ void check_case(const Case& c) {
 // GPT-2 (the tied embedding: wte's shard on the first and the last stage of each pipeline),
 // everything on the device (ZeRO 0: the gradients all-reduced over dp per stage), 1F1B, clipping.
 TEST(Grid, Gpt2AllDevice) {
-  if (world().size() % 4 != 0) GTEST_SKIP() << "needs a multiple of 4 ranks (tp 2 x pp 2)";
+  ASSERT_EQ(world().size() % 4, 0) << "runs on a multiple of 4 ranks (tp 2 x pp 2)";
   check_case({ModelKind::kGpt2, Tier::kDevice, Tier::kDevice, 0, PipelineSchedule::kOneFOneB, 2});
 }
 
 // LLaMA with grouped kv heads (4 query heads, 2 kv heads: 1 per tp rank), parameters and the
 // optimizer on the host (ZeRO 1 over dp: each tp shard's state sliced over the pipelines), GPipe.
 TEST(Grid, LlamaGroupedKvHostOptimizer) {
-  if (world().size() % 4 != 0) GTEST_SKIP() << "needs a multiple of 4 ranks (tp 2 x pp 2)";
+  ASSERT_EQ(world().size() % 4, 0) << "runs on a multiple of 4 ranks (tp 2 x pp 2)";
   check_case({ModelKind::kLlama, Tier::kHost, Tier::kHost, 1, PipelineSchedule::kGpipe, 2});
 }
 
 // GPT-2 with the host optimizer (ZeRO 2: gradients reduce-scattered per micro-batch, the tied
 // unit's slice summed between the first and the last stage).
 TEST(Grid, Gpt2HostOptimizerZero2) {
-  if (world().size() % 4 != 0) GTEST_SKIP() << "needs a multiple of 4 ranks (tp 2 x pp 2)";
+  ASSERT_EQ(world().size() % 4, 0) << "runs on a multiple of 4 ranks (tp 2 x pp 2)";
   check_case({ModelKind::kGpt2, Tier::kDevice, Tier::kHost, 2, PipelineSchedule::kOneFOneB, 2});
 }
 
