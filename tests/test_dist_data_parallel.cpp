@@ -25,12 +25,15 @@
 
 #include "offload_fixture.hpp"
 #include "comm_environment.hpp"
+#include "dist_compare.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
 namespace {
 
+using testing::expect_close;
 using testing::Snapshot;
+using testing::Tolerance;
 
 using testing::world;
 
@@ -96,64 +99,7 @@ void expect_ranks_identical(const Snapshot& s) {
 // the root mean square of the differences (the bulk) and a looser one on the largest.
 // fp32, measured on 2 and 3 ranks (lr 1e-2, 4 steps): parameters rms 1.1e-6 and max 1.2e-4,
 // moments rms below 1e-7 of their scale; loss and norm within the bounds below.
-struct Tolerance {
-  double loss = 1e-5;  // relative
-  double norm = 1e-4;  // relative
-  double rms = 1e-5;   // parameters and master weights: absolute; moments: of their largest value
-  double max = 2e-3;
-};
-
-struct Diff {
-  double max = 0.0, rms = 0.0;
-};
-
-Diff diff_of(const std::vector<std::vector<float>>& ref, const std::vector<std::vector<float>>& got) {
-  Diff d;
-  double sum = 0.0;
-  std::size_t n = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    for (std::size_t k = 0; k < ref[i].size(); ++k) {
-      const double e = std::fabs(static_cast<double>(ref[i][k]) - got[i][k]);
-      d.max = std::max(d.max, e);
-      sum += e * e;
-      ++n;
-    }
-  }
-  d.rms = n == 0 ? 0.0 : std::sqrt(sum / static_cast<double>(n));
-  return d;
-}
-
-void expect_close(const Snapshot& ref, const Snapshot& got, const Tolerance& tol, const std::string& what) {
-  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
-  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
-  ASSERT_FALSE(ref.param.empty()) << what;
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
-    EXPECT_NEAR(got.losses[i], ref.losses[i], tol.loss * std::fabs(ref.losses[i])) << what << ": loss of step " << i + 1;
-    if (!std::isfinite(ref.norms[i]) && !std::isfinite(got.norms[i])) continue;  // both overflowed (fp16)
-    EXPECT_NEAR(got.norms[i], ref.norms[i], tol.norm * std::fabs(ref.norms[i])) << what << ": norm of step " << i + 1;
-  }
-  // Moments scale with the gradient (exp_avg) and its square (exp_avg_sq): relative to their own
-  // magnitude.
-  const char* names[] = {"working parameters", "master weights", "exp_avg", "exp_avg_sq"};
-  const std::vector<std::vector<float>>* r[] = {&ref.param, &ref.master, &ref.m, &ref.v};
-  const std::vector<std::vector<float>>* g[] = {&got.param, &got.master, &got.m, &got.v};
-  for (int k = 0; k < 4; ++k) {
-    const Diff d = diff_of(*r[k], *g[k]);
-    double scale = 1.0;
-    if (k >= 2) {
-      std::vector<std::vector<float>> zero;
-      for (const auto& t : *r[k]) zero.emplace_back(t.size(), 0.0f);
-      scale = diff_of(*r[k], zero).max;
-    }
-    if (world().rank() == 0) {
-      std::printf("%s: %s |difference| max %.3g rms %.3g (scale %.3g)\n", what.c_str(), names[k], d.max, d.rms, scale);
-    }
-    EXPECT_LE(d.rms, tol.rms * scale) << what << ": " << names[k] << " (rms of the differences)";
-    EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
-  }
-  // The run trained: the loss moved.
-  EXPECT_NE(ref.losses.front(), ref.losses.back()) << what;
-}
+// The defaults of dist_compare.hpp's Tolerance are these fp32 bounds.
 
 // bf16 working weights round the master to 8 bits: a master that differs by rounding rounds to
 // a neighbouring bf16 value now and then, and the run drifts further than in fp32.
