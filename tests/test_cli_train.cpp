@@ -198,6 +198,25 @@ TEST(CliTrain, DelayedUpdateFlagTrainsAndIsReported) {
   EXPECT_TRUE(run["offload"]["delayed_update"].get<bool>());
 }
 
+// The strata section's offload tunables count in a config that has no zero_optimization section
+// (they used to be read only beside one), and the flags still win over them.
+TEST(CliTrain, StrataOffloadKeysCountWithoutAZeroSection) {
+  TempDir dir("strata-cli-strata-keys");
+  const std::string config = write_file(
+      dir / "strata.json", R"({"strata": {"offload_gradients": "nvme", "offload_prefetch_modules": 3}})");
+  auto r = run_cli("train " + kTiny + "--steps 1 --val-windows 1 --offload-optimizer nvme --config " + config +
+                   " --nvme-path " + (dir / "a").string() + " --out " + (dir / "a").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto run = nlohmann::json::parse(read_file((dir / "a" / "run.json").string()));
+  EXPECT_EQ(run["offload"]["gradients"], "nvme") << run.dump();
+  EXPECT_EQ(run["offload"]["prefetch_modules"], 3) << run.dump();
+  auto f = run_cli("train " + kTiny + "--steps 1 --val-windows 1 --offload-optimizer nvme --config " + config +
+                   " --offload-gradients cpu --nvme-path " + (dir / "b").string() + " --out " + (dir / "b").string());
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  const auto flagged = nlohmann::json::parse(read_file((dir / "b" / "run.json").string()));
+  EXPECT_EQ(flagged["offload"]["gradients"], "host") << flagged.dump();
+}
+
 TEST(CliTrain, BadFilesExitOneNamingThePath) {
   TempDir dir;
   const std::string bad_config = write_file(dir / "bad.json", "{\"gradient_clipping\": \"lots\"}");

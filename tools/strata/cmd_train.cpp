@@ -658,6 +658,8 @@ int run_train(std::span<const std::string> argv) {
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))},
+                        {"gradients", std::string(to_string(offload.gradients))},
+                        {"prefetch_modules", offload.prefetch_modules},
                         {"delayed_update", offload.delayed_update},
                         {"activations", offload.offload_activations}};
   run["plan"] = Json{{"device", tr.plan().device_bytes},

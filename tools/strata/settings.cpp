@@ -81,6 +81,20 @@ Status apply_settings_flags(const Args& args, RunSettings* rs) {
   STRATA_RETURN_IF_ERROR(int_flag(args, "warmup", 0, 1ll << 40, &tc.schedule.warmup_steps));
   STRATA_RETURN_IF_ERROR(apply_model_flags(args, tc.seq_len, &tc.model));
   tc.seed = static_cast<std::uint64_t>(seed);
+  // The strata section's offload tunables (or their STRATA_* variables) count whether or not the
+  // config has a zero_optimization or aio section (OffloadSettings::apply reads them only with
+  // one); the flags below win.
+  const Options& o = rs->options;
+  if (o.source(Option::kOffloadPrefetchModules) != "default") {
+    rs->offload.prefetch_modules = static_cast<int>(o.get_int(Option::kOffloadPrefetchModules));
+  }
+  if (o.source(Option::kOffloadGradients) != "default") {
+    rs->offload.gradients = o.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
+  }
+  if (o.source(Option::kDelayedUpdate) != "default") rs->offload.delayed_update = o.get_bool(Option::kDelayedUpdate);
+  if (o.source(Option::kDelayedUpdateWarmup) != "default") {
+    rs->offload.delayed_update_warmup = static_cast<int>(o.get_int(Option::kDelayedUpdateWarmup));
+  }
   for (const auto& [flag, tier] : {std::pair{"offload-param", &rs->offload.params},
                                    std::pair{"offload-optimizer", &rs->offload.optimizer},
                                    std::pair{"offload-gradients", &rs->offload.gradients}}) {
@@ -89,14 +103,6 @@ Status apply_settings_flags(const Args& args, RunSettings* rs) {
       if (!t.ok()) return invalid_argument("flag '--" + std::string(flag) + "': " + t.status().message());
       *tier = *t;
     }
-  }
-  // strata.delayed_update(_warmup) of a config without a zero_optimization section (apply() reads
-  // them otherwise), then the flag.
-  if (rs->options.source(Option::kDelayedUpdate) != "default") {
-    rs->offload.delayed_update = rs->options.get_bool(Option::kDelayedUpdate);
-  }
-  if (rs->options.source(Option::kDelayedUpdateWarmup) != "default") {
-    rs->offload.delayed_update_warmup = static_cast<int>(rs->options.get_int(Option::kDelayedUpdateWarmup));
   }
   if (args.has("delayed-update")) rs->offload.delayed_update = true;
   // activation_checkpointing.cpu_checkpointing of a config without a zero_optimization section,
