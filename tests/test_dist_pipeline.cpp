@@ -31,7 +31,10 @@
 
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
+#include "nvme/faults.hpp"
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
+#include "strata/checkpoint.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
@@ -337,6 +340,56 @@ TEST(PipelineEngine, CheckpointsAndWeights) {
   check_state_files({ModelKind::kGpt2, PipelineSchedule::kOneFOneB, 1, Tier::kDevice, Tier::kDevice});
   check_state_files({ModelKind::kLlama, PipelineSchedule::kGpipe, 2, Tier::kHost, Tier::kHost, DType::kBF16});
   check_state_files({ModelKind::kGpt2, PipelineSchedule::kOneFOneB, 2, Tier::kDevice, Tier::kNvme});
+}
+
+// A stage that cannot read its state while checkpointing (the disk under its NVMe optimizer
+// fails): the save fails on every rank (the writer's error names the stage), `latest` keeps
+// naming the previous checkpoint and no partial directory is left; no rank waits for another,
+// so once the disk recovers the same engines save again.
+TEST(PipelineEngine, CheckpointFailsCleanlyWhenAStageCannotReadItsState) {
+  const TrainerConfig config = testing::tiny(ModelKind::kLlama, DType::kF32, 2, 1.0);
+  testing::TempDir swap("strata-pp-fault");  // each rank its own
+  OffloadSettings s;
+  s.optimizer = Tier::kNvme;
+  s.nvme_path = {swap.path().string()};
+  s.persistence_threshold = 0;
+  const std::string root = testing::shared_temp_dir("pp-fault");
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = offload_detail::EngineFaults::create(config, s, *device, &faults, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot got;
+  ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, got));
+  auto first = (*engine)->save_checkpoint(root, "{}", 2);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  ASSERT_TRUE(testing::run_steps(**engine, config, 1, 2, got));
+  ASSERT_TRUE((*engine)->synchronize().ok());  // the step's update is on disk before the disk fails
+  const int failing = world().size() - 1;
+  if (world().rank() == failing) {
+    for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
+      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+  }
+  auto failed = (*engine)->save_checkpoint(root, "{}", 2);
+  ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().to_string();
+  if (world().rank() == 0) {
+    EXPECT_NE(failed.status().message().find("pipeline stage " + std::to_string(failing) + " could not read"),
+              std::string::npos)
+        << failed.status().to_string();
+  }
+  auto latest = resolve_checkpoint(root);
+  ASSERT_TRUE(latest.ok()) << latest.status().to_string();
+  EXPECT_EQ(*latest, *first) << "latest moved after a failed save";
+  for (const auto& e : std::filesystem::directory_iterator(root)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+    EXPECT_NE(e.path().filename().string(), "step-00000002") << "a failed save was published";
+  }
+  faults.errors.clear();
+  auto again = (*engine)->save_checkpoint(root, "{}", 2);
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(*again, root + "/step-00000002");
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
 TEST(PipelineEngine, AllDeviceEverySchedule) {

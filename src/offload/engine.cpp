@@ -2749,8 +2749,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
-                                                                            const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, nullptr, faults);
+                                                                            const nvme_detail::IoFaults* faults,
+                                                                            Comm* pipeline) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline, faults);
 }
 
 namespace {
