@@ -1,14 +1,20 @@
-// What the multi-process engine tests (label `dist`) share: hashing a state to compare ranks,
-// reading the state a pipeline stage holds, running a data-parallel rank's share of a global
-// batch, and comparing a run's losses, norms and state with a reference within tolerances.
+// What the multi-process engine tests (label `dist`) share: hashing a state to compare ranks, a
+// directory every rank sees, reading the state a pipeline stage holds, running a data-parallel
+// rank's share of a global batch, and comparing a run's losses, norms and state with a reference
+// within tolerances.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -24,6 +30,21 @@ inline std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::ui
     for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
   }
   return h;
+}
+
+// A fresh directory every rank sees: rank 0 names and creates it, every rank gets the name (the
+// ranks share this machine's disk). The caller removes it.
+inline std::string shared_temp_dir(const std::string& tag) {
+  std::array<std::uint32_t, 64> word{};
+  std::string path;
+  if (world().rank() == 0) {
+    path = (std::filesystem::temp_directory_path() / ("strata-dist-" + tag + "-" + std::to_string(::getpid()))).string();
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+    std::memcpy(word.data(), path.data(), std::min<std::size_t>(path.size(), 4 * word.size() - 1));
+  }
+  EXPECT_TRUE(world().broadcast(word.data(), word.size(), DType::kF32, 0).wait().ok());
+  return std::string(reinterpret_cast<const char*>(word.data()));
 }
 
 // The full state (gathered over the stage's tensor-parallel group) of the parameters this stage
@@ -70,10 +91,12 @@ inline bool capture_held(OffloadEngine& engine, const std::vector<int>& held, Sn
   return true;
 }
 
-// Steps of the global batch: this data-parallel rank's share (global micro-batches d, d + DP, ...).
-inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps, Snapshot& out) {
+// Steps [from, steps) of the global batch: this data-parallel rank's share (global micro-batches
+// d, d + DP, ...).
+inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps, Snapshot& out,
+                      int from = 0) {
   const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
-  for (int step = 0; step < steps; ++step) {
+  for (int step = from; step < steps; ++step) {
     std::vector<std::int32_t> gin, gtg, in, tg;
     testing::batch(global, step, gin, gtg);
     for (std::size_t i = static_cast<std::size_t>(dp); i < static_cast<std::size_t>(global.grad_accum);

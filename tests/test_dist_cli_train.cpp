@@ -167,6 +167,55 @@ TEST(DistCliTrain, PipelineStagesTrainLikeOneProcess) {
       << mismatch.output;
 }
 
+// A pipeline's run is as usable as one process's: with one micro-batch per step (the tied
+// embedding's two gradients add once, so the stages' sums are the single process's) 2 stages
+// train, validate and write their --out weights bit for bit as one process does; a checkpoint
+// of the pipeline resumes under mpirun bit for bit and writes the same weights; --plan prints
+// every stage's plan.
+TEST(DistCliTrain, PipelineCheckpointsWeightsValidationAndPlan) {
+  TempDir dir("strata-dist-cli");
+  const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 1 ";
+  const std::string cfg = write_file(dir / "pp2.json", R"({"strata": {"pipeline_parallel_size": 2}})");
+  auto one = run_cli("train " + flags + "--out " + (dir / "one").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string ck = (dir / "ck").string();
+  auto straight = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --checkpoint-dir " + ck +
+                              " --checkpoint-every 2 --out " + (dir / "pp").string());
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  ASSERT_TRUE(std::filesystem::exists(dir / "ck" / "step-00000002" / "manifest.json")) << straight.output;
+  auto resumed = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --resume " + ck +
+                             "/step-00000002 --out " + (dir / "resumed").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const std::vector<double> a = losses_of(dir / "one" / "metrics.jsonl"), b = losses_of(dir / "pp" / "metrics.jsonl"),
+                            c = losses_of(dir / "resumed" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  ASSERT_EQ(c.size(), 2u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1 << ": 2 stages against one process";
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(b[2 + i], c[i]) << "step " << i + 3 << " resumed under mpirun";
+  const std::string weights = read_file(dir / "one" / "weights.safetensors");
+  EXPECT_FALSE(weights.empty());
+  EXPECT_TRUE(weights == read_file(dir / "pp" / "weights.safetensors")) << "the pipeline's --out weights";
+  EXPECT_TRUE(weights == read_file(dir / "resumed" / "weights.safetensors")) << "the resumed pipeline's weights";
+  // Validation at the end: the last stage's loss, the single process's.
+  const auto one_run = nlohmann::json::parse(read_file(dir / "one" / "run.json"));
+  const auto pp_run = nlohmann::json::parse(read_file(dir / "pp" / "run.json"));
+  ASSERT_TRUE(one_run.at("summary").contains("val_loss")) << one.output;
+  ASSERT_TRUE(pp_run.at("summary").contains("val_loss")) << straight.output;
+  EXPECT_EQ(one_run["summary"]["val_loss"].get<double>(), pp_run["summary"]["val_loss"].get<double>());
+  EXPECT_NE(straight.output.find("validation loss"), std::string::npos) << straight.output;
+
+  auto plan = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --plan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("pipeline stage 0 of 2 (modules 0-"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("pipeline stage 1 of 2 (modules "), std::string::npos) << plan.output;
+  // One plan per stage, printed once (by rank 0).
+  std::size_t plans = 0;
+  for (auto at = plan.output.find("memory plan:"); at != std::string::npos; at = plan.output.find("memory plan:", at + 1))
+    ++plans;
+  EXPECT_EQ(plans, 2u) << plan.output;
+}
+
 // ZeRO-Infinity's placement: parameters partitioned over the ranks and kept on NVMe, each rank
 // in its own directory under --nvme-path, the optimizer sharded on the host.
 TEST(DistCliTrain, StageThreeWithParametersOnNvme) {

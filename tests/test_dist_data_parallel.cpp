@@ -32,6 +32,7 @@ namespace strata {
 namespace {
 
 using testing::expect_close;
+using testing::shared_temp_dir;
 using testing::Snapshot;
 using testing::Tolerance;
 
@@ -316,20 +317,6 @@ TEST(DataParallel, ShardedPlanHoldsOneShardPerRank) {
   const OffloadStats st = (*engine)->stats();
   EXPECT_GT(st.bytes_dp, 0u);
   EXPECT_LT(out.losses.back(), out.losses.front() + 1.0);
-}
-
-std::string shared_temp_dir(const std::string& tag) {
-  // Rank 0 names the directory; every rank gets the name (the ranks share this machine's disk).
-  std::array<std::uint32_t, 64> word{};
-  std::string path;
-  if (world().rank() == 0) {
-    path = (std::filesystem::temp_directory_path() / ("strata-dp-" + tag + "-" + std::to_string(::getpid()))).string();
-    std::filesystem::remove_all(path);
-    std::filesystem::create_directories(path);
-    std::memcpy(word.data(), path.data(), std::min<std::size_t>(path.size(), 4 * word.size() - 1));
-  }
-  EXPECT_TRUE(world().broadcast(word.data(), word.size(), DType::kF32, 0).wait().ok());
-  return std::string(reinterpret_cast<const char*>(word.data()));
 }
 
 // Saved by a data-parallel run, a checkpoint resumes bit for bit in the data-parallel run and

@@ -21,10 +21,18 @@
 //   the stages, one process of the tp x dp run merges unit by unit and rank by rank: the same
 //   double-precision sums associated differently, within 1e-12 relative; clipping is off so that
 //   the norm does not enter the update).
+// - loss() and evaluate() through the grid: the same bits on every rank, within the tensor-parallel
+//   loss tolerance of one process.
+// - A checkpoint of the grid (the first rank writes the single process's files): loaded into one
+//   process, and into a fresh grid, every parameter's state is the bits the grid held; the grid's
+//   weights file is the file one process writes from that checkpoint, byte for byte.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "comm_environment.hpp"
@@ -91,7 +99,20 @@ struct Case {
   int zero_stage;
   PipelineSchedule schedule;
   std::int64_t micro;  // per pipeline
+  bool checkpoint = false;  // also save and load a checkpoint and the weights
 };
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Five windows of seq_len + 1 tokens (batches of 2, 2 and 1 window).
+std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
+  return t;
+}
 
 // One run on the tp 2 x pp 2 grid of the world (DP = world / 4).
 void check_case(const Case& c) {
@@ -117,21 +138,85 @@ void check_case(const Case& c) {
   s.pipeline_schedule = c.schedule;
   Snapshot got;
   std::vector<int> held;
+  std::vector<std::int32_t> in, tg;
+  testing::batch(global, 7, in, tg);
+  in.resize(static_cast<std::size_t>(global.micro_batch * global.seq_len));
+  tg.resize(in.size());
+  double got_loss = 0, ref_loss = 0;
+  EvalResult got_eval, ref_eval;
+  const std::string root = c.checkpoint ? testing::shared_temp_dir("grid-state") : std::string();
+  const std::string grid_weights = root + "/grid.safetensors";
+  std::string dir;
+  auto create_grid = [&](std::unique_ptr<Device>& device) {
+    device = testing::make_device();
+    return OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? groups->dp.get() : nullptr, groups->tp.get(),
+                                 groups->pp.get());
+  };
   {
-    auto device = testing::make_device();
-    auto engine = OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? groups->dp.get() : nullptr,
-                                        groups->tp.get(), groups->pp.get());
+    std::unique_ptr<Device> device;
+    auto engine = create_grid(device);
     ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
     ASSERT_TRUE(run_share(**engine, global, coord.dp, DP, kSteps, got)) << what;
     ASSERT_TRUE(capture_stage(**engine, got, held)) << what;
     EXPECT_FALSE(held.empty()) << what;
-    // Whole-model operations of a pipeline stay refused, naming it.
-    auto loss = (*engine)->loss(std::vector<std::int32_t>(32, 1), std::vector<std::int32_t>(32, 1));
-    ASSERT_FALSE(loss.ok()) << what;
-    EXPECT_NE(loss.status().message().find("pipeline stages is not built yet"), std::string::npos)
-        << loss.status().to_string();
+    // Forward only through the grid (collective): the same batch on every pipeline.
+    auto loss = (*engine)->loss(in, tg);
+    ASSERT_TRUE(loss.ok()) << what << ": " << loss.status().to_string();
+    got_loss = *loss;
+    auto ev = (*engine)->evaluate(eval_tokens(global), 0);
+    ASSERT_TRUE(ev.ok()) << what << ": " << ev.status().to_string();
+    got_eval = *ev;
+    if (c.checkpoint) {
+      auto saved = (*engine)->save_checkpoint(root + "/ck", "{}", 1);
+      ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
+      dir = *saved;
+      Status w = (*engine)->save_weights(grid_weights);
+      ASSERT_TRUE(w.ok()) << what << ": " << w.to_string();
+    }
   }
   expect_grid_consistent(got, held, coord, PP, c.kind == ModelKind::kGpt2, what);
+  {
+    double mine[2] = {got_loss, got_eval.loss};
+    std::vector<double> every(2 * static_cast<std::size_t>(world().size()));
+    ASSERT_TRUE(world().all_gather(mine, every.data(), 4, DType::kF32).wait().ok());
+    for (std::size_t r = 0; r < every.size(); r += 2) {
+      EXPECT_EQ(every[r], mine[0]) << what << ": loss() of rank " << r / 2;
+      EXPECT_EQ(every[r + 1], mine[1]) << what << ": evaluate() of rank " << r / 2;
+    }
+  }
+  if (c.checkpoint) {
+    // A fresh grid and one process, loading the grid's checkpoint: the state it held, bit for bit.
+    Snapshot again, single;
+    again.losses = single.losses = got.losses;
+    again.norms = single.norms = got.norms;
+    got.scales = again.scales = single.scales = std::vector<double>(got.losses.size(), 1.0);
+    got.skipped = again.skipped = single.skipped = std::vector<int>(got.losses.size(), 0);
+    {
+      std::unique_ptr<Device> device;
+      auto engine = create_grid(device);
+      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+      auto m = (*engine)->load_checkpoint(dir);
+      ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+      std::vector<int> held_again;
+      ASSERT_TRUE(capture_stage(**engine, again, held_again)) << what;
+    }
+    testing::expect_same(got, again, what + ": a fresh grid from the grid's checkpoint");
+    {
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(global, OffloadSettings{}, *device);
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      ASSERT_TRUE((*engine)->load_checkpoint(dir).ok()) << what;
+      ASSERT_TRUE(capture_held(**engine, held, single)) << what;
+      if (world().rank() == 0) {
+        ASSERT_TRUE((*engine)->save_weights(root + "/one.safetensors").ok()) << what;
+        EXPECT_FALSE(file_bytes(grid_weights).empty()) << what;
+        EXPECT_TRUE(file_bytes(grid_weights) == file_bytes(root + "/one.safetensors")) << what << ": weights file";
+      }
+    }
+    testing::expect_same(got, single, what + ": one process from the grid's checkpoint");
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) std::filesystem::remove_all(root);
+  }
 
   Snapshot ref;
   {
@@ -142,8 +227,17 @@ void check_case(const Case& c) {
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
     ASSERT_TRUE(testing::run_steps(**engine, global, 0, kSteps, ref)) << what;
     ASSERT_TRUE(capture_held(**engine, held, ref)) << what;
+    auto loss = (*engine)->loss(in, tg);
+    ASSERT_TRUE(loss.ok()) << loss.status().to_string();
+    ref_loss = *loss;
+    auto ev = (*engine)->evaluate(eval_tokens(global), 0);
+    ASSERT_TRUE(ev.ok()) << ev.status().to_string();
+    ref_eval = *ev;
   }
   expect_close(ref, got, Tolerance{}, what + " against one process");
+  EXPECT_NEAR(got_loss, ref_loss, Tolerance{}.loss * std::fabs(ref_loss)) << what << ": loss()";
+  EXPECT_NEAR(got_eval.loss, ref_eval.loss, Tolerance{}.loss * std::fabs(ref_eval.loss)) << what << ": evaluate()";
+  EXPECT_EQ(got_eval.tokens, ref_eval.tokens) << what << ": evaluate() tokens";
 
   if (c.kind != ModelKind::kLlama) return;
   // The same tp and dp groups without a pipeline: every stage's ranks run the whole model.
@@ -183,10 +277,11 @@ TEST(Grid, Gpt2AllDevice) {
 }
 
 // LLaMA with grouped kv heads (4 query heads, 2 kv heads: 1 per tp rank), parameters and the
-// optimizer on the host (ZeRO 1 over dp: each tp shard's state sliced over the pipelines), GPipe.
+// optimizer on the host (ZeRO 1 over dp: each tp shard's state sliced over the pipelines), GPipe;
+// and its checkpoint and weights.
 TEST(Grid, LlamaGroupedKvHostOptimizer) {
   ASSERT_EQ(world().size() % 4, 0) << "runs on a multiple of 4 ranks (tp 2 x pp 2)";
-  check_case({ModelKind::kLlama, Tier::kHost, Tier::kHost, 1, PipelineSchedule::kGpipe, 2});
+  check_case({ModelKind::kLlama, Tier::kHost, Tier::kHost, 1, PipelineSchedule::kGpipe, 2, true});
 }
 
 // GPT-2 with the host optimizer (ZeRO 2: gradients reduce-scattered per micro-batch, the tied

@@ -56,6 +56,11 @@
 // one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
 // every stage's per-unit statistics in unit order (merge_stage_stats) and GPT-2's embedding unit,
 // held by the first and the last stage, has its gradient summed between them before the update.
+// loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
+// the last stage's result. Weights and checkpoints are the single process's files: each stage
+// reads the full state of the units it holds (the tied unit: the first stage's copy) and sends it
+// to the first stage's first rank, which writes them (save_weights_pp, save_checkpoint_pp);
+// loading reads the files on every rank and keeps the stage's units.
 //
 // The TP x PP x DP grid (docs/parallel.md "Tensor x pipeline x data parallel"). Every stage is a
 // tensor-parallel group of shard engines: the shard layout restricted to the stage's units. The
@@ -472,6 +477,21 @@ struct OffloadEngine::Impl {
   // (collective).
   Status reduce_tied_grads(float* grads, std::size_t n);
   DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
+  // The stage whose copy of unit u counts (the lowest stage holding it: GPT-2's tied embedding
+  // is the first stage's); 0 without a pipeline.
+  int holder(int u) const { return pp_size > 1 ? unit_stage[static_cast<std::size_t>(u)] : 0; }
+  // `bytes` (even) of host memory to / from stage `peer` over pp_caller, as raw 16-bit words in
+  // pieces within a Comm call's element limit. Caller thread; waits.
+  Status pp_send_bytes(const void* data, std::uint64_t bytes, int peer, const std::string& what);
+  Status pp_recv_bytes(void* data, std::uint64_t bytes, int peer, const std::string& what);
+  // Forward only of the batch set on the model through this stage: receive the input from the
+  // previous stage, run the stage's modules, send the output to the next (loss, evaluate).
+  Status forward_stage();
+  // Pipeline: every stage's parameters gathered (tp, dp: collective) and sent to the first
+  // stage's writer, which writes the single process's files (docs/parallel.md "Saving and
+  // loading a pipeline").
+  Status save_weights_pp(const std::string& path, WeightFormat format);
+  Result<std::string> save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest, int keep);
   Status device_update(double lr, std::int64_t step);
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
@@ -1288,6 +1308,94 @@ Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
   return pp_tied->all_reduce(grads, grads, n, DType::kF32, ReduceOp::kSum)
       .wait()
       .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
+}
+
+Status OffloadEngine::Impl::pp_send_bytes(const void* data, std::uint64_t bytes, int peer, const std::string& what) {
+  if (bytes % 2 != 0) return internal_error("pipeline: sending " + what + ": an odd byte count");
+  constexpr std::uint64_t kPiece = 1ull << 30;  // 16-bit words per call, within the Comm's 2^31 - 1
+  const auto* words = static_cast<const std::uint16_t*>(data);
+  for (std::uint64_t w = 0; w < bytes / 2; w += kPiece) {
+    const auto n = static_cast<std::size_t>(std::min(kPiece, bytes / 2 - w));
+    STRATA_RETURN_IF_ERROR(pp_caller->send(words + w, n, DType::kBF16, peer)
+                               .wait()
+                               .with_context("pipeline: sending " + what + " to stage " + std::to_string(peer)));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::pp_recv_bytes(void* data, std::uint64_t bytes, int peer, const std::string& what) {
+  if (bytes % 2 != 0) return internal_error("pipeline: receiving " + what + ": an odd byte count");
+  constexpr std::uint64_t kPiece = 1ull << 30;
+  auto* words = static_cast<std::uint16_t*>(data);
+  for (std::uint64_t w = 0; w < bytes / 2; w += kPiece) {
+    const auto n = static_cast<std::size_t>(std::min(kPiece, bytes / 2 - w));
+    STRATA_RETURN_IF_ERROR(pp_caller->recv(words + w, n, DType::kBF16, peer)
+                               .wait()
+                               .with_context("pipeline: receiving " + what + " from stage " + std::to_string(peer)));
+  }
+  return ok_status();
+}
+
+// Forward only (loss, evaluate) of the batch set on the model, in slot 0. Every stage runs it
+// for every batch, in the same order; the last stage's losses are the single process's (each
+// module computes what it computes there, on the same bits of its input).
+Status OffloadEngine::Impl::forward_stage() {
+  const DType wire = wire_dtype();
+  const std::uint64_t bytes = model->boundary_bytes();
+  const std::size_t count = bytes / dtype_size(wire);
+  if (pp_rank > 0) {
+    STRATA_RETURN_IF_ERROR(compute->synchronize());  // the input buffer's previous reader is done
+    STRATA_RETURN_IF_ERROR(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
+                               .wait()
+                               .with_context("pipeline (forward only): receive of the activations from stage " +
+                                             std::to_string(pp_rank - 1)));
+  }
+  begin_pass();
+  STRATA_RETURN_IF_ERROR(run_forward(false));
+  STRATA_RETURN_IF_ERROR(end_pass());
+  if (pp_rank + 1 < pp_size) {
+    STRATA_RETURN_IF_ERROR(compute->synchronize());
+    STRATA_RETURN_IF_ERROR(pp_caller->send(model->boundary_activation(stage_end), count, wire, pp_rank + 1)
+                               .wait()
+                               .with_context("pipeline (forward only): send of the activations to stage " +
+                                             std::to_string(pp_rank + 1)));
+  }
+  return ok_status();
+}
+
+// Weights of a pipeline: every stage's ranks read the full parameters their stage holds (the
+// tied embedding from the first stage only), in table order; each stage's first rank sends them
+// to the first stage's, which writes the file one process writes (write_weights on the full
+// layout, the same values: the same bytes).
+Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightFormat format) {
+  STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
+  const bool stage_writer = tp_rank == 0 && dp_rank == 0;
+  auto held_by = [&](std::size_t i) { return full.params[i].owns_storage() ? holder(full.params[i].module) : -1; };
+  std::vector<std::vector<float>> values(full.params.size());
+  // Collective over the stage's tensor-parallel group (and, stage 3, its data-parallel group).
+  for (std::size_t i = 0; i < full.params.size(); ++i) {
+    if (held_by(i) != pp_rank) continue;
+    STRATA_ASSIGN_OR_RETURN(values[i], read_full(static_cast<int>(i), 0));
+  }
+  if (!stage_writer) return ok_status();
+  if (pp_rank > 0) {
+    for (std::size_t i = 0; i < full.params.size(); ++i) {
+      if (held_by(i) != pp_rank) continue;
+      STRATA_RETURN_IF_ERROR(pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'"));
+    }
+    return ok_status();
+  }
+  for (int st = 1; st < pp_size; ++st) {
+    for (std::size_t i = 0; i < full.params.size(); ++i) {
+      if (held_by(i) != st) continue;
+      values[i].resize(static_cast<std::size_t>(full.params[i].numel()));
+      STRATA_RETURN_IF_ERROR(pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'"));
+    }
+  }
+  return write_weights(full, path, format, config.model.dtype, [&](int index, std::vector<float>& out) {
+    out = std::move(values[static_cast<std::size_t>(index)]);
+    return ok_status();
+  });
 }
 
 // One step's micro-batches through this stage in the schedule's order. Forwards and backwards
@@ -2641,8 +2749,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
                                                                             const OffloadSettings& settings,
                                                                             Device& device,
-                                                                            const nvme_detail::IoFaults* faults) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, nullptr, faults);
+                                                                            const nvme_detail::IoFaults* faults,
+                                                                            Comm* pipeline) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline, faults);
 }
 
 namespace {
@@ -2935,35 +3044,55 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("loss"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
+  if (t.pp_size > 1) STRATA_RETURN_IF_ERROR(t.model->select_slot(0));
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
-  t.begin_pass();
-  Status s = t.run_forward(false);
-  if (s.ok()) s = t.end_pass();
+  Status s;
+  if (t.pp_size > 1) {
+    s = t.forward_stage();  // collective over the pipeline: every stage, the same batch
+  } else {
+    t.begin_pass();
+    s = t.run_forward(false);
+    if (s.ok()) s = t.end_pass();
+  }
   if (s.ok()) s = t.model->copy_losses(0);
   if (s.ok()) s = t.compute->synchronize();
   if (s.ok()) s = t.h2d->synchronize();
   if (!s.ok()) return t.abandon_pass(s);
   const LossSum sum = t.model->loss_sum(0);
-  return sum.sum / static_cast<double>(sum.count);
+  double mean = sum.sum / static_cast<double>(sum.count);  // not the last stage: no losses here (nan)
+  if (t.pp_size > 1) {  // the last stage's value, its bits moved as words
+    STRATA_RETURN_IF_ERROR(t.pp_caller->broadcast(&mean, 2, DType::kF32, t.pp_size - 1)
+                               .wait()
+                               .with_context("pipeline: broadcast of the loss from the last stage"));
+  }
+  return mean;
 }
 
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("evaluate"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   auto forward = [&t]() -> Status {
+    if (t.pp_size > 1) return t.forward_stage();  // every stage, every window batch, in order
     t.begin_pass();
     STRATA_RETURN_IF_ERROR(t.run_forward(false));
     return t.end_pass();
   };
+  if (t.pp_size > 1) STRATA_RETURN_IF_ERROR(t.model->select_slot(0));
   detail::HostSpan span(t.tracer, t.track.caller, TraceCounter::kNone, "evaluate");
   auto r = detail::evaluate_windows_with(*t.model, tokens, t.config.seq_len, t.config.micro_batch, max_windows, forward);
   Status s = r.ok() ? t.h2d->synchronize() : r.status();
   if (!s.ok()) return t.abandon_pass(s);
+  if (t.pp_size > 1) {
+    // The last stage summed the losses (the others hold none): its result, moved as words.
+    double v[2] = {r->loss, static_cast<double>(r->tokens)};
+    STRATA_RETURN_IF_ERROR(t.pp_caller->broadcast(v, 4, DType::kF32, t.pp_size - 1)
+                               .wait()
+                               .with_context("pipeline: broadcast of the evaluation from the last stage"));
+    return EvalResult{v[0], static_cast<std::int64_t>(v[1])};
+  }
   return r;
 }
 
@@ -2980,8 +3109,8 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("save_weights"));
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
+  if (t.pp_size > 1) return t.save_weights_pp(path, format);
   if (t.tp_size > 1) {
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
     // stage 3, the data-parallel group), then the first rank of both writes the full model, the
@@ -3036,14 +3165,18 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
 
 Status OffloadEngine::load_weights(const std::string& path) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("load_weights"));
+  // A pipeline stage keeps the parameters it holds (both ends of the tied embedding read it).
+  auto here = [&t](int index) { return t.pp_size == 1 || t.owned_index(index) >= 0; };
   if (t.tp_size > 1) {
     // Every rank reads the full file and keeps its shard of each parameter.
     STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
-    return read_weights(full, path, [&](int index, std::span<const float> values) { return t.write_full(index, values); });
+    return read_weights(full, path, [&](int index, std::span<const float> values) {
+      return here(index) ? t.write_full(index, values) : ok_status();
+    });
   }
-  return read_weights(t.layout(), path,
-                      [&](int index, std::span<const float> values) { return t.write_values(index, values, true); });
+  return read_weights(t.layout(), path, [&](int index, std::span<const float> values) {
+    return here(index) ? t.write_values(index, values, true) : ok_status();
+  });
 }
 
 namespace {
@@ -3095,9 +3228,161 @@ std::string config_difference(const std::string& saved, const std::string& curre
 
 }  // namespace
 
+// A checkpoint of a pipeline (docs/parallel.md "Saving and loading a pipeline"): the first
+// stage's first rank (the writer) publishes the single process's files. Unit by unit in module
+// order, the stage holding the unit reads the full state of its parameters (collective over the
+// stage's tensor- and data-parallel groups), its first rank sends it to the writer, and the
+// writer writes the unit's file into the checkpoint's temporary directory; `latest` moves only
+// after every file and the manifest are durable (publish_checkpoint), so a rank that dies
+// mid-save leaves the previous checkpoint current. Every rank takes part in every unit even
+// after a failure (no peer waits forever); the outcome is then broadcast to every rank.
+Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest,
+                                                            int keep) {
+  STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
+  const bool stage_writer = tp_rank == 0 && dp_rank == 0;
+  const bool writer = stage_writer && pp_rank == 0;
+  const std::uint64_t wsize = dtype_size(wdtype);
+  const std::string working = working_tensor_dtype(wdtype);
+  // Per unit, its owning parameters in table order: the order one process writes them in.
+  std::vector<std::vector<int>> params_of(static_cast<std::size_t>(M));
+  for (std::size_t i = 0; i < full.params.size(); ++i) {
+    if (full.params[i].owns_storage()) params_of[static_cast<std::size_t>(full.params[i].module)].push_back(static_cast<int>(i));
+  }
+  // A unit travels as, per parameter, [working copy | master | exp_avg | exp_avg_sq] of the full
+  // parameter, then one 16-bit flag: 1 when its stage read it (0: the writer fails the save).
+  auto unit_bytes = [&](int u) {
+    std::uint64_t b = 0;
+    for (int i : params_of[static_cast<std::size_t>(u)])
+      b += static_cast<std::uint64_t>(full.params[static_cast<std::size_t>(i)].numel()) * (wsize + 12);
+    return b + 2;
+  };
+  std::vector<char> buf, pbytes;
+  std::vector<float> blob;
+  auto gather = [&](int u) -> Status {
+    buf.assign(unit_bytes(u), 0);
+    char* out = buf.data();
+    if (tp_size == 1) {  // this rank's layout is the full one: owned_of_unit is params_of's order
+      STRATA_RETURN_IF_ERROR(read_unit_state(u, pbytes, blob));
+      const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+      for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+        const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+        std::memcpy(out, pbytes.data() + o.param_in_unit, o.n * wsize);
+        out += o.n * wsize;
+        for (std::size_t kind = 0; kind < 3; ++kind) {
+          std::memcpy(out, blob.data() + kind * n + o.grad_in_unit / 4, o.n * 4);
+          out += o.n * 4;
+        }
+      }
+    } else {
+      for (int i : params_of[static_cast<std::size_t>(u)]) {
+        STRATA_ASSIGN_OR_RETURN(std::vector<float> v, read_full(i, 0));
+        STRATA_RETURN_IF_ERROR(convert(v.data(), DType::kF32, out, wdtype, v.size()));
+        out += v.size() * wsize;
+        for (int which = 1; which <= 3; ++which) {
+          STRATA_ASSIGN_OR_RETURN(v, read_full(i, which));
+          std::memcpy(out, v.data(), v.size() * 4);
+          out += v.size() * 4;
+        }
+      }
+    }
+    if (out + 2 != buf.data() + buf.size()) return internal_error("pipeline checkpoint: unit size");
+    const std::uint16_t one = 1;
+    std::memcpy(out, &one, 2);
+    return ok_status();
+  };
+  // This rank's part in unit u: its stage gathers and sends it, or (the writer) receives it in buf.
+  auto take_part = [&](int u) -> Status {
+    if (params_of[static_cast<std::size_t>(u)].empty()) return ok_status();
+    const int h = holder(u);
+    const std::string what = "module " + std::to_string(u) + "'s state";
+    if (h == pp_rank) {
+      Status g = gather(u);
+      if (!g.ok()) buf.assign(unit_bytes(u), 0);  // flag 0
+      if (stage_writer && pp_rank != 0) {
+        Status sent = pp_send_bytes(buf.data(), buf.size(), 0, what);
+        if (g.ok()) g = sent;
+      }
+      return g;
+    }
+    if (!writer) return ok_status();
+    buf.assign(unit_bytes(u), 0);
+    STRATA_RETURN_IF_ERROR(pp_recv_bytes(buf.data(), buf.size(), h, what));
+    std::uint16_t flag = 0;
+    std::memcpy(&flag, buf.data() + buf.size() - 2, 2);
+    if (flag != 1) {
+      return io_error("checkpoint: pipeline stage " + std::to_string(h) + " could not read " + what +
+                      " (its log says why)");
+    }
+    return ok_status();
+  };
+  int next = 0;  // the next unit this rank takes part in
+  Result<std::string> published = std::string();
+  if (writer) {
+    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+      while (next < M) {
+        const int u = next++;
+        STRATA_RETURN_IF_ERROR(take_part(u));
+        const auto& mine = params_of[static_cast<std::size_t>(u)];
+        if (mine.empty()) continue;
+        SafetensorsWriter w;  // points into buf until written
+        const char* in = buf.data();
+        for (int i : mine) {
+          const ParamDesc& p = full.params[static_cast<std::size_t>(i)];
+          const auto n = static_cast<std::uint64_t>(p.numel());
+          STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, in, n * wsize));
+          in += n * wsize;
+          for (const char* kind : {"master/", "exp_avg/", "exp_avg_sq/"}) {
+            STRATA_RETURN_IF_ERROR(w.add(kind + p.name, "F32", p.shape, in, n * 4));
+            in += n * 4;
+          }
+        }
+        w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
+        const std::string name = module_file(u);
+        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+        names->push_back(name);
+      }
+      if (scaler) {  // the same state on every stage (the overflow decision is the global norm's)
+        const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
+        SafetensorsWriter w;
+        STRATA_RETURN_IF_ERROR(w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
+        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
+        names->push_back(kScalerFile);
+      }
+      return ok_status();
+    });
+  }
+  Status local;  // this rank's first failure in its part
+  while (next < M) {
+    Status st = take_part(next++);
+    if (local.ok() && !st.ok()) local = st;
+  }
+  // The outcome, as 4-byte words: from the writer over its tensor-parallel group, then over the
+  // first stage's data-parallel groups, then from the first stage over every pipeline group.
+  constexpr std::size_t kWords = 1 + 256;
+  std::array<std::uint32_t, kWords> word{};
+  if (writer && published.ok() && published->size() < 4 * (kWords - 1)) {
+    word[0] = 1;
+    std::memcpy(word.data() + 1, published->data(), published->size());
+  }
+  Status b;
+  if (tp_size > 1) b = tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait();
+  if (b.ok() && dp_size > 1) {
+    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1,
+                4 * kWords);
+  }
+  if (b.ok()) b = pp_caller->broadcast(word.data(), kWords, DType::kF32, 0).wait();
+  if (writer) return published;
+  STRATA_RETURN_IF_ERROR(b.with_context("checkpoint: broadcast of the outcome"));
+  STRATA_RETURN_IF_ERROR(local);
+  if (word[0] != 1) {
+    return io_error("checkpoint under '" + root +
+                    "': the first rank of the first pipeline stage, which writes it, failed (its log says why)");
+  }
+  return std::string(reinterpret_cast<const char*>(word.data() + 1));
+}
+
 Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("save_checkpoint"));
   STRATA_RETURN_IF_ERROR(t.check_worker());
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   CheckpointManifest manifest;
@@ -3109,6 +3394,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   const ModelLayout& L = t.layout();
   const std::string working = working_tensor_dtype(t.wdtype);
   const std::uint64_t wsize = dtype_size(t.wdtype);
+  if (t.pp_size > 1) return t.save_checkpoint_pp(root, manifest, keep);
   if (t.tp_size > 1) return t.save_checkpoint_tp(root, manifest, keep);
   // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
   // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
@@ -3179,7 +3465,6 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
 
 Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& path) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.single_stage("load_checkpoint"));
   // Allowed after a failed step (the way to recover from one): the error stays until the
   // checkpoint is verified and loaded.
   STRATA_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(path));
@@ -3233,6 +3518,13 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     Status rs = scaler->restore(scaler_state(fields));
     if (!rs.ok()) return data_loss("checkpoint file '" + files[it->second].path() + "': " + rs.message());
     ++expected;
+  }
+  if (t.pp_size > 1) {
+    // A pipeline stage checked the tensors of its own parameters; the checkpoint holds the whole
+    // model's (any pipeline shape, or one process, wrote the same files).
+    STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
+    expected = scaler ? 1 : 0;
+    for (const ParamDesc& p : full.params) expected += p.owns_storage() ? 4 : 0;
   }
   if (where.size() != expected) {
     return data_loss("checkpoint '" + dir + "' holds " + std::to_string(where.size()) + " tensors; this model has " +

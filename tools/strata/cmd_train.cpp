@@ -14,7 +14,8 @@
 // step's batch (global micro-batch i of a step goes to rank i mod N, so N ranks with --grad-accum
 // A see the batches of one process with A x N) through the engine's data-parallel group
 // (docs/parallel.md). Rank 0 prints, validates and writes the run's files; every rank takes part
-// in checkpoints; errors name the rank.
+// in checkpoints, weights and validation (a pipeline's stages send their state to rank 0, which
+// writes the single process's files); errors name the rank.
 #include <unistd.h>
 
 #include <csignal>
@@ -104,7 +105,7 @@ constexpr FlagSpec kTrainFlags[] = {
     {"resume", "PATH",
      "continue from a checkpoint (a checkpoint directory, or a --checkpoint-dir: its latest) up to --steps; "
      "the same model, data, batch shape and seed are required, the placement may differ"},
-    {"plan", "", "print the memory plan (bytes per tier) and exit"},
+    {"plan", "", "print the memory plan (bytes per tier) and exit; with a pipeline, every stage's"},
     {"quiet", "", "no progress line (the summary is still printed)"},
     {"help", "", "show this help"},
 };
@@ -306,14 +307,6 @@ int run_train(std::span<const std::string> argv) {
       return usage(invalid_argument(pp_options.source(Option::kPipelineSchedule) + ": " + schedule.status().message()));
     }
     offload.pipeline_schedule = *schedule;
-    for (const char* flag : {"out", "save-weights", "checkpoint-dir", "resume"}) {
-      if (pp > 1 && args.has(flag)) {
-        return usage(invalid_argument(std::string("--") + flag + " with pipeline_parallel_size = " +
-                                      std::to_string(pp) +
-                                      ": weights and checkpoints of a pipeline (each stage holds its modules) are not "
-                                      "built yet"));
-      }
-    }
   }
   const bool leader = rank == 0;
   if (tp_size < 1 || ranks % (tp_size * pp) != 0) {
@@ -432,8 +425,7 @@ int run_train(std::span<const std::string> argv) {
   const double unigram = unigram_entropy(data.train, data.tokenizer->vocab_size());
   auto batcher = Batcher::create(data.train, tc.micro_batch, tc.seq_len, tc.seed);
   if (!batcher.ok()) return fail(batcher.status().with_context("training data (" + data.name + ")"));
-  // A pipeline does not validate yet (evaluate() needs every module in one process).
-  const bool can_validate = pp == 1 && static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
+  const bool can_validate = static_cast<std::int64_t>(data.validation.size()) > tc.seq_len;
   s = tc.validate();
   if (!s.ok()) return usage(s);
   if (tp_size > 1) {
@@ -463,12 +455,34 @@ int run_train(std::span<const std::string> argv) {
     offload.nvme_path = {temp_swap->path()};
     offload.io.nvme_path = offload.nvme_path;
   }
+  if (pp > 1) {
+    // A stage places only its modules' state: the plan, the device budget and the fit check are
+    // this rank's stage's (create() picks the same stages).
+    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
+    if (!bounds.ok()) return usage(bounds.status());
+    offload.pipeline_bounds = std::move(*bounds);
+    offload.pp_stage = groups->coord.pp;
+  }
   s = offload.validate();
   if (!s.ok()) return usage(s);
   auto plan = OffloadPlan::make(tc, offload);
   if (!plan.ok()) return usage(plan.status());
   if (args.has("plan")) {
-    std::printf("%s", plan->to_string().c_str());
+    if (pp == 1) {
+      std::printf("%s", plan->to_string().c_str());
+      return kExitOk;
+    }
+    // Every stage's plan (a function of the config alone), printed by rank 0.
+    for (int st = 0; st < static_cast<int>(pp); ++st) {
+      OffloadSettings stage_settings = offload;
+      stage_settings.pp_stage = st;
+      auto sp = OffloadPlan::make(tc, stage_settings);
+      if (!sp.ok()) return usage(sp.status().with_context("pipeline stage " + std::to_string(st)));
+      const std::vector<int>& b = offload.pipeline_bounds;
+      std::printf("pipeline stage %d of %lld (modules %d-%d, %s schedule, every rank of the stage):\n%s", st,
+                  static_cast<long long>(pp), b[static_cast<std::size_t>(st)], b[static_cast<std::size_t>(st) + 1] - 1,
+                  std::string(to_string(offload.pipeline_schedule)).c_str(), sp->to_string().c_str());
+    }
     return kExitOk;
   }
   DeviceConfig dc;
@@ -605,8 +619,7 @@ int run_train(std::span<const std::string> argv) {
     auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
     for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
       std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
-    std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's; no "
-                "validation\n",
+    std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's\n",
                 dp_size);
   } else if (dp_size > 1) {
     std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
@@ -743,7 +756,8 @@ int run_train(std::span<const std::string> argv) {
     }
     recent_losses.push_back(m->loss);
     const bool last = step + 1 == steps;
-    // Every rank validates: under stage 3 the forward gathers parameters from all of them.
+    // Every rank validates: under stage 3 the forward gathers parameters from all of them, and a
+    // pipeline's stages pass the activations along (the last stage's loss is every rank's).
     const bool do_val = can_validate && (last || (val_every > 0 && (step + 1) % val_every == 0));
     if (do_val) {
       Status v = validate();
