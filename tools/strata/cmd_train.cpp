@@ -613,8 +613,10 @@ int run_train(std::span<const std::string> argv) {
                 "micro-batches of a step; the plan below is per rank\n",
                 dp_size, std::string(to_string(dp_group->backend())).c_str(),
                 offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
-                offload.optimizer == Tier::kHost ? "optimizer state and gradients sharded over the ranks"
-                                                 : "gradients all-reduced, optimizer state replicated",
+                offload.optimizer != Tier::kDevice ? "optimizer state and gradients sharded over the ranks"
+                : offload.zero_stage >= 1
+                    ? "optimizer state sharded over the ranks in device memory, gradients reduce-scattered"
+                    : "gradients all-reduced, optimizer state replicated",
                 static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * dp_size));
   }
   std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
