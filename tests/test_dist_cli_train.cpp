@@ -79,11 +79,14 @@ TEST(DistCliTrain, TwoRanksStageTwoWithTheOptimizerOnTheDevice) {
   const std::string flags = kTiny + "--steps 6 --val-every 0 --val-windows 4 --config " + config + " ";
   auto one = run_cli("train " + flags + "--grad-accum 2 --metrics " + (dir / "one.jsonl").string());
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  auto two = run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --metrics " + (dir / "two.jsonl").string());
+  auto two =
+      run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --metrics " + (dir / "two.jsonl").string());
   ASSERT_EQ(two.exit_code, 0) << two.output;
-  EXPECT_NE(two.output.find("optimizer state sharded over the ranks in device memory"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("optimizer state sharded over the ranks in device memory"), std::string::npos)
+      << two.output;
   EXPECT_NE(two.output.find("optim.exp_avg (this rank's 1/2)"), std::string::npos) << two.output;
-  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 ranks, stage 2 on the device");
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"),
+                     "2 ranks, stage 2 on the device");
 }
 
 // Checkpoints are collective: a run resumed under mpirun continues the uninterrupted one bit

@@ -261,22 +261,23 @@ TEST(DataParallel, Stage0OptimizerOnDevice) {
 // sum runs in another order (each rank's micro-batches, then the reduce-scatter), so within the
 // rounding tolerances of the host tier's cases above.
 TEST(DataParallel, Stage1DeviceOptimizerFp32) {
-  check_case({"stage 1, optimizer sharded on the device, fp32", DType::kF32, 1, 0.0, 1, Tier::kDevice, Tier::kDevice});
+  check_case({"stage 1, optimizer sharded on the device, fp32", DType::kF32, 1, 0.0, 1, Tier::kDevice,
+              Tier::kDevice});
 }
 
 TEST(DataParallel, Stage1DeviceOptimizerAccumulationAndClippingLlama) {
-  check_case({"stage 1, optimizer sharded on the device, LLaMA, accumulation 2, clip 0.5", DType::kF32, 2, 0.5, 1,
-              Tier::kDevice, Tier::kDevice, false, ModelKind::kLlama});
+  check_case({"stage 1, optimizer sharded on the device, LLaMA, accumulation 2, clip 0.5", DType::kF32, 2,
+              0.5, 1, Tier::kDevice, Tier::kDevice, false, ModelKind::kLlama});
 }
 
 TEST(DataParallel, Stage2DeviceOptimizerBf16AccumulationClipping) {
-  check_case({"stage 2, optimizer sharded on the device, bf16, accumulation 2, clip 1", DType::kBF16, 2, 1.0, 2,
-              Tier::kDevice, Tier::kDevice});
+  check_case({"stage 2, optimizer sharded on the device, bf16, accumulation 2, clip 1", DType::kBF16, 2, 1.0,
+              2, Tier::kDevice, Tier::kDevice});
 }
 
 TEST(DataParallel, Stage3DeviceOptimizerBf16Llama) {
-  check_case({"stage 3, optimizer sharded on the device, LLaMA, bf16, clip 1", DType::kBF16, 1, 1.0, 3, Tier::kDevice,
-              Tier::kDevice, false, ModelKind::kLlama});
+  check_case({"stage 3, optimizer sharded on the device, LLaMA, bf16, clip 1", DType::kBF16, 1, 1.0, 3,
+              Tier::kDevice, Tier::kDevice, false, ModelKind::kLlama});
 }
 
 // The sharded device optimizer reduces, scans, merges and updates exactly as the sharded host
@@ -295,7 +296,8 @@ TEST(DataParallel, DeviceShardedEqualsHostShardedBitwise) {
     const Snapshot host = train_dp(global, s, 3);
     s.optimizer = Tier::kDevice;
     const Snapshot dev = train_dp(global, s, 3);
-    testing::expect_same(host, dev, std::string("device-sharded vs host-sharded, ") + std::string(to_string(dtype)));
+    testing::expect_same(host, dev,
+                         std::string("device-sharded vs host-sharded, ") + std::string(to_string(dtype)));
   }
 }
 
@@ -402,8 +404,10 @@ TEST(DataParallel, DeviceShardedPlanHoldsOneShardPerRank) {
     for (const char* region : {"optim.master", "optim.exp_avg", "optim.exp_avg_sq"}) {
       const std::string line = std::string("device region ") + region;
       // "optim.exp_avg" is a prefix of "optim.exp_avg_sq": match up to the space after the name.
-      const std::uint64_t full = bytes_of(*single, line), mine = bytes_of((*engine)->plan(), line + " (this rank's 1/");
-      const std::uint64_t full_exact = region == std::string("optim.exp_avg") ? full - bytes_of(*single, line + "_sq") : full;
+      const std::uint64_t full = bytes_of(*single, line),
+                          mine = bytes_of((*engine)->plan(), line + " (this rank's 1/");
+      const std::uint64_t full_exact =
+          region == std::string("optim.exp_avg") ? full - bytes_of(*single, line + "_sq") : full;
       EXPECT_GT(full_exact, 0u) << region;
       EXPECT_LE(mine, full_exact / Pu + 64u * 4u * 32u) << region << ": one shard plus rounding per module";
       EXPECT_GE(mine, full_exact / Pu / 2) << region;
@@ -415,7 +419,8 @@ TEST(DataParallel, DeviceShardedPlanHoldsOneShardPerRank) {
     // (Each carved block is rounded up to the arena's 256-byte alignment: 4 blocks differ.)
     const auto got = static_cast<double>(device->memory().stats().live_bytes + saved);
     EXPECT_NEAR(got, static_cast<double>(live0 + staging), 4 * 256.0) << "stage " << stage;
-    EXPECT_EQ(bytes_of((*engine)->plan(), "device region offload.grads"), bytes_of(*single, "device region offload.grads"))
+    EXPECT_EQ(bytes_of((*engine)->plan(), "device region offload.grads"),
+              bytes_of(*single, "device region offload.grads"))
         << "the gradients stay whole";
     EXPECT_LT((*engine)->plan().device_bytes, single->device_bytes);
     Snapshot out;

@@ -496,9 +496,12 @@ struct OffloadEngine::Impl {
     const std::uint64_t off = dev_sharded ? 4 * slices.offset[static_cast<std::size_t>(u)] : grad_begin(u);
     return const_cast<char*>(reinterpret_cast<const char*>(base)) + off;
   }
-  std::uint64_t dev_state_first(int u) const { return dev_sharded ? slices.begin[static_cast<std::size_t>(u)] : 0; }
+  std::uint64_t dev_state_first(int u) const {
+    return dev_sharded ? slices.begin[static_cast<std::size_t>(u)] : 0;
+  }
   std::uint64_t dev_state_len(int u) const {
-    return dev_sharded ? slices.len[static_cast<std::size_t>(u)] : units.gbytes[static_cast<std::size_t>(u)] / 4;
+    return dev_sharded ? slices.len[static_cast<std::size_t>(u)]
+                       : units.gbytes[static_cast<std::size_t>(u)] / 4;
   }
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
@@ -625,7 +628,8 @@ Status OffloadEngine::Impl::setup() {
     const std::uint64_t sbytes =
         opt_on_device ? offload_detail::device_state_bytes(units, settings) : units.device_opt_bytes;
     auto carve = [&](const char* name, std::uint64_t bytes) -> Result<float*> {
-      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(bytes, 1)));
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off,
+                              arena.allocate_persistent(name, std::max<std::uint64_t>(bytes, 1)));
       STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, bytes));
       return reinterpret_cast<float*>(base + off);
     };
@@ -637,8 +641,8 @@ Status OffloadEngine::Impl::setup() {
     STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq", sbytes));
     if (dev_sharded) {
       float* staging = nullptr;
-      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging",
-                                             offload_detail::device_dp_staging_bytes(units, settings, half ? 2 : 4)));
+      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::device_dp_staging_bytes(
+                                                                       units, settings, half ? 2 : 4)));
       dev_staging = reinterpret_cast<char*>(staging);
     }
     for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
@@ -1037,7 +1041,8 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
     std::vector<float> blob;
     STRATA_RETURN_IF_ERROR(read_unit_state(o.unit, pbytes, blob));
     const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
-    std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4, o.n * 4);
+    std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4,
+                o.n * 4);
     return out;
   }
   if (dev_unit(o.unit)) {
@@ -1077,7 +1082,8 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   const std::uint64_t c = slices.chunk[uu];
   std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
   for (int k = 0; k < 3; ++k) std::memcpy(mine.data() + k * c, blob.data() + k * n + first, len * 4);
-  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0],
+                                 dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
                                  "gather optimizer state", u, all.size() * 4));
   for (int r = 0; r < dp_size; ++r) {
     const offload_detail::DpSlice theirs = offload_detail::dp_slice_of(n, dp_size, r);
@@ -1106,7 +1112,8 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
 Status OffloadEngine::Impl::upload_dev_master(const OwnedParam& o, const float* values) {
   // The parameter's elements [a, a + n) of its unit, cut to this rank's [first, first + len).
   const std::uint64_t a = o.grad_in_unit / 4, first = dev_state_first(o.unit), len = dev_state_len(o.unit);
-  const std::uint64_t lo = std::max<std::uint64_t>(a, first), hi = std::min<std::uint64_t>(a + o.n, first + len);
+  const std::uint64_t lo = std::max<std::uint64_t>(a, first),
+                      hi = std::min<std::uint64_t>(a + o.n, first + len);
   if (lo >= hi) return ok_status();
   return stager->upload(dev_state(o.unit, 1) + 4 * (lo - first), values + (lo - a), (hi - lo) * 4);
 }
@@ -2614,88 +2621,99 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
 // update_unit_host), so the two placements give the same bits.
 Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) {
   if (!launch->is_cpu()) {
-    return failed_precondition("the sharded device optimizer (zero_optimization.stage >= 1 with the optimizer on the "
-                               "device) runs on the cpu backend only");
+    return failed_precondition(
+        "the sharded device optimizer (zero_optimization.stage >= 1 with the optimizer on the "
+        "device) runs on the cpu backend only");
   }
   const double loss_scale = loss_scale_now;
-  return launch->run("optimizer step (sharded)", [this, lr, step, loss_scale](const kernels::KernelContext&) -> Status {
-    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
-    const std::uint64_t cmax = slices.max_chunk;
-    float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
-    float* rs_out = rs_in + P * cmax;                       // chunk
-    char* ag_in = reinterpret_cast<char*>(rs_out + cmax);   // chunk, working dtype
-    char* ag_out = ag_in + w * cmax;                        // P x chunk
-    const auto inv_scale = static_cast<float>(1.0 / loss_scale);
-    // 1. Each unit's gradients reduce-scattered; this rank's slice is written back in place (the
-    //    rest of the unit's gradient buffer is not read again this step).
-    std::vector<GradStats>& stats = shard_stats;
-    for (int u = 0; u < M; ++u) {
-      stats[static_cast<std::size_t>(u)] = GradStats{};
-      const std::size_t uu = static_cast<std::size_t>(u);
-      const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu];
-      if (n == 0) continue;  // the same on every rank
-      float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
-      std::memcpy(rs_in, g, n * 4);
-      std::fill(rs_in + n, rs_in + P * c, 0.0f);
-      STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
-                                     "reduce-scatter gradients", u, 4 * P * c));
-      std::memcpy(g + b, rs_out, len * 4);
-      STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(g + b), b, len, inv_scale));
-    }
-    // 2. Every rank's per-unit statistics, merged unit by unit in rank order: the same bits on
-    //    every rank, and the host tier's merge.
-    static_assert(sizeof(GradStats) % 4 == 0);
-    std::vector<GradStats>& all = gathered_stats;
-    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
-                                   dp_params->all_gather(stats.data(), all.data(), stats.size() * sizeof(GradStats) / 4,
-                                                         DType::kF32),
-                                   "gather gradient statistics", -1, all.size() * sizeof(GradStats)));
-    GradStats total;
-    for (int u = 0; u < M; ++u) {
-      for (int r = 0; r < dp_size; ++r) total.merge(all[static_cast<std::size_t>(r * M + u)]);
-    }
-    const double norm = total.norm();
-    grad_norm = norm;
-    if (!total.finite() && fp16) return ok_status();  // fp16 overflow: every rank skips the step
-    if (!total.finite()) {
-      return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
-                              std::to_string(norm) + "); lower the learning rate or enable clipping");
-    }
-    const float scale = update_scale(norm, loss_scale);
-    // 3. Per unit in forward order: this rank's slice updated in place (master, moments, and the
-    //    working copy's elements), its working elements all-gathered into every rank's copy.
-    for (int u = 0; u < M; ++u) {
-      const std::size_t uu = static_cast<std::size_t>(u);
-      const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
-      if (units.gbytes[uu] == 0) continue;
-      char* unit_params = resident + units.resident_offset[uu];
-      std::memset(ag_in, 0, c * w);
-      for (int k : owned_of_unit[uu]) {
-        const OwnedParam& o = owned[static_cast<std::size_t>(k)];
-        const std::uint64_t a = o.grad_in_unit / 4;
-        const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
-        if (lo >= hi) continue;
-        char* wp = unit_params + o.param_in_unit + (lo - a) * w;
-        OptimizerBuffers ob;
-        ob.master = half ? dmaster + off + (lo - b) : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
-        ob.grad = reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
-        ob.grad_dtype = DType::kF32;
-        ob.exp_avg = dm + off + (lo - b);
-        ob.exp_avg_sq = dv + off + (lo - b);
-        ob.moment_dtype = DType::kF32;
-        ob.param_out = half ? wp : nullptr;
-        ob.out_dtype = wdtype;
-        ob.n = hi - lo;
-        STRATA_RETURN_IF_ERROR(device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
-        std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
-      }
-      // Moves bits: fp16 travels as 16-bit words.
-      STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
-                                     "gather parameters", u, P * c * w));
-      from_elements(u, ag_out, unit_params);
-    }
-    return ok_status();
-  });
+  return launch->run(
+      "optimizer step (sharded)", [this, lr, step, loss_scale](const kernels::KernelContext&) -> Status {
+        const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
+        const std::uint64_t cmax = slices.max_chunk;
+        float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
+        float* rs_out = rs_in + P * cmax;                      // chunk
+        char* ag_in = reinterpret_cast<char*>(rs_out + cmax);  // chunk, working dtype
+        char* ag_out = ag_in + w * cmax;                       // P x chunk
+        const auto inv_scale = static_cast<float>(1.0 / loss_scale);
+        // 1. Each unit's gradients reduce-scattered; this rank's slice is written back in place (the
+        //    rest of the unit's gradient buffer is not read again this step).
+        std::vector<GradStats>& stats = shard_stats;
+        for (int u = 0; u < M; ++u) {
+          stats[static_cast<std::size_t>(u)] = GradStats{};
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], b = slices.begin[uu],
+                              len = slices.len[uu];
+          if (n == 0) continue;  // the same on every rank
+          float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+          std::memcpy(rs_in, g, n * 4);
+          std::fill(rs_in + n, rs_in + P * c, 0.0f);
+          STRATA_RETURN_IF_ERROR(
+              dp_wait(dp_tracks[2], dp_params->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
+                      "reduce-scatter gradients", u, 4 * P * c));
+          std::memcpy(g + b, rs_out, len * 4);
+          STRATA_ASSIGN_OR_RETURN(
+              stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(g + b), b, len, inv_scale));
+        }
+        // 2. Every rank's per-unit statistics, merged unit by unit in rank order: the same bits on
+        //    every rank, and the host tier's merge.
+        static_assert(sizeof(GradStats) % 4 == 0);
+        std::vector<GradStats>& all = gathered_stats;
+        STRATA_RETURN_IF_ERROR(
+            dp_wait(dp_tracks[2],
+                    dp_params->all_gather(stats.data(), all.data(), stats.size() * sizeof(GradStats) / 4,
+                                          DType::kF32),
+                    "gather gradient statistics", -1, all.size() * sizeof(GradStats)));
+        GradStats total;
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r) total.merge(all[static_cast<std::size_t>(r * M + u)]);
+        }
+        const double norm = total.norm();
+        grad_norm = norm;
+        if (!total.finite() && fp16) return ok_status();  // fp16 overflow: every rank skips the step
+        if (!total.finite()) {
+          return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
+                                  std::to_string(norm) + "); lower the learning rate or enable clipping");
+        }
+        const float scale = update_scale(norm, loss_scale);
+        // 3. Per unit in forward order: this rank's slice updated in place (master, moments, and the
+        //    working copy's elements), its working elements all-gathered into every rank's copy.
+        for (int u = 0; u < M; ++u) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
+                              off = slices.offset[uu];
+          if (units.gbytes[uu] == 0) continue;
+          char* unit_params = resident + units.resident_offset[uu];
+          std::memset(ag_in, 0, c * w);
+          for (int k : owned_of_unit[uu]) {
+            const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+            const std::uint64_t a = o.grad_in_unit / 4;
+            const std::uint64_t lo = std::max<std::uint64_t>(a, b),
+                                hi = std::min<std::uint64_t>(a + o.n, b + len);
+            if (lo >= hi) continue;
+            char* wp = unit_params + o.param_in_unit + (lo - a) * w;
+            OptimizerBuffers ob;
+            ob.master = half ? dmaster + off + (lo - b)
+                             : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
+            ob.grad = reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
+            ob.grad_dtype = DType::kF32;
+            ob.exp_avg = dm + off + (lo - b);
+            ob.exp_avg_sq = dv + off + (lo - b);
+            ob.moment_dtype = DType::kF32;
+            ob.param_out = half ? wp : nullptr;
+            ob.out_dtype = wdtype;
+            ob.n = hi - lo;
+            STRATA_RETURN_IF_ERROR(
+                device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
+            std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
+          }
+          // Moves bits: fp16 travels as 16-bit words.
+          STRATA_RETURN_IF_ERROR(dp_wait(
+              dp_tracks[2], dp_params->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
+              "gather parameters", u, P * c * w));
+          from_elements(u, ag_out, unit_params);
+        }
+        return ok_status();
+      });
 }
 
 Status OffloadEngine::Impl::scan_device_units() {
@@ -2861,12 +2879,15 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
     // Sharded device optimizer state (docs/parallel.md "ZeRO stages 1-3 in device memory").
     const std::string what = "zero_optimization.stage " + std::to_string(s.zero_stage) +
                              " with the optimizer on the device and " + ranks;
-    const std::string instead = "use stage 0 (gradients all-reduced, state replicated) or offload_optimizer.device "
-                                "cpu (state sharded over the ranks' host memory)";
+    const std::string instead =
+        "use stage 0 (gradients all-reduced, state replicated) or offload_optimizer.device "
+        "cpu (state sharded over the ranks' host memory)";
     if (device.info().kind != DeviceKind::kCpu) {
-      return invalid_argument(what + " on the " + std::string(device.info().name) +
-                              " device is not built yet (its collectives would run on device buffers over nccl, "
-                              "untested); " + instead);
+      return invalid_argument(
+          what + " on the " + std::string(device.info().name) +
+          " device is not built yet (its collectives would run on device buffers over nccl, "
+          "untested); " +
+          instead);
     }
     if (s.tp_size > 1 || s.pipeline_bounds.size() > 2) {
       return invalid_argument(what + " with tensor or pipeline parallelism is not built yet; " + instead);
@@ -3303,7 +3324,8 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   std::vector<float> blob;
   auto gather_rest = [&]() {  // the collective part of read_unit_state, for the units not yet read
     for (; gathered_through < t.M; ++gathered_through) {
-      if ((t.sharded || t.dev_sharded) && !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
+      if ((t.sharded || t.dev_sharded) &&
+          !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
         (void)t.read_unit_state(gathered_through, pbytes, blob);
       }
     }

@@ -247,7 +247,8 @@ inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& s
 // The data-parallel staging of the sharded device optimizer, in device memory: the reduce-scatter's
 // input (size x chunk fp32) and output (chunk), the parameter all-gather's input (chunk) and output
 // (size x chunk) in the working dtype (`w` bytes), for the largest chunk.
-inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings, std::uint64_t w);
+inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
+                                             std::uint64_t w);
 
 inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const Units& u,
                                               const OffloadSettings& settings) {
@@ -317,12 +318,13 @@ inline DpSlices dp_slices(const Units& u, int size, int rank) {
 inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.optimizer != Tier::kDevice; }
 
 inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& settings) {
-  const std::uint64_t bytes = dp_device_sharded(settings) ? 4 * dp_slices(u, settings.dp_size, 0).shard_elements
-                                                          : u.grad_bytes;
+  const std::uint64_t bytes =
+      dp_device_sharded(settings) ? 4 * dp_slices(u, settings.dp_size, 0).shard_elements : u.grad_bytes;
   return std::max<std::uint64_t>(bytes, kParamAlignment);
 }
 
-inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings, std::uint64_t w) {
+inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
+                                             std::uint64_t w) {
   const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
   const std::uint64_t c = dp_slices(u, settings.dp_size, 0).max_chunk;
   return std::max<std::uint64_t>((4 + w) * (P + 1) * c, kParamAlignment);

@@ -195,7 +195,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     const std::string of = offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer
                                ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
                                : std::string();
-    line("device region " + r.name + of, Tier::kDevice, kind, r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
+    line("device region " + r.name + of, Tier::kDevice, kind,
+         r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
   plan.param_slots = units.param_slots;
   plan.param_slot_bytes = units.param_slot_bytes;
