@@ -70,13 +70,21 @@ TEST(CliEstimate, JsonMatchesTheLibraryPlanByteForByte) {
 }
 
 // --ranks N: per-rank bytes from the engine's data-parallel plan; the optimizer state shrinks to
-// 1/N, stage 3 shards the offloaded parameters too, and sharding device state is left out.
+// 1/N (on the host tiers, and in device memory for stages 1-3 with the optimizer on the device),
+// stage 3 shards the offloaded parameters too; on cuda, sharding device state is left out.
 TEST(CliEstimate, RanksGivePerRankBytesOfEachStage) {
   auto r = run_cli(std::string("estimate --json --ranks 4 ") + kShape);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["world_size"], 4);
-  for (const auto& r2 : j["placements"]) {
+  const auto dev0 = row(j, 0, "device", "device")["bytes"]["optimizer"]["device"].get<std::uint64_t>();
+  for (int stage : {1, 2, 3}) {
+    const auto dev = row(j, stage, "device", "device")["bytes"]["optimizer"]["device"].get<std::uint64_t>();
+    EXPECT_LT(dev, dev0 / 3) << "device optimizer state per rank of 4, stage " << stage;
+  }
+  auto rc = run_cli(std::string("estimate --json --ranks 4 --device cuda ") + kShape);
+  ASSERT_EQ(rc.exit_code, 0) << rc.output;  // estimate only plans: no cuda device is needed
+  for (const auto& r2 : nlohmann::json::parse(rc.output)["placements"]) {
     EXPECT_FALSE(r2["offload_optimizer"] == "device" && r2["zero_stage"] != 0) << r2.dump();
   }
   OffloadSettings s;

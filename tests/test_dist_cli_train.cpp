@@ -68,6 +68,27 @@ TEST(DistCliTrain, ThreeRanksStageZeroFromAConfigFile) {
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "three.jsonl"), "3 ranks, stage 0");
 }
 
+// Stage 2 with the optimizer on the device (its state sharded in device memory) on 2 ranks.
+TEST(DistCliTrain, TwoRanksStageTwoWithTheOptimizerOnTheDevice) {
+  TempDir dir("strata-dist-cli");
+  const std::string config = write_file(dir / "ds.json", R"({
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}
+  })");
+  const std::string flags = kTiny + "--steps 6 --val-every 0 --val-windows 4 --config " + config + " ";
+  auto one = run_cli("train " + flags + "--grad-accum 2 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two =
+      run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --metrics " + (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("optimizer state sharded over the ranks in device memory"), std::string::npos)
+      << two.output;
+  EXPECT_NE(two.output.find("optim.exp_avg (this rank's 1/2)"), std::string::npos) << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"),
+                     "2 ranks, stage 2 on the device");
+}
+
 // Checkpoints are collective: a run resumed under mpirun continues the uninterrupted one bit
 // for bit (the same ranks, the same order of every sum); resumed in one process with the same
 // global batch it continues it within rounding.

@@ -126,7 +126,8 @@ struct OffloadSettings {
   IoEngineConfig io;  // the `aio` section
   // Data parallel (docs/parallel.md). zero_optimization.stage: with more than one rank, stage 0
   // all-reduces gradients (optimizer on the device), stages 1 and 2 shard the host optimizer's
-  // state (and in stage 2 its gradients) over the ranks. dp_size is the number of data-parallel
+  // state (and in stage 2 its gradients) over the ranks; with the optimizer on the device,
+  // stages 1-3 shard its master and moments in device memory (cpu backend). dp_size is the number of data-parallel
   // ranks the plan is for: create() sets it from its Comm; strata estimate sets it to ask
   // "what would each rank need".
   int zero_stage = 0;

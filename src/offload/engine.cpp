@@ -33,7 +33,10 @@
 // previous copy out finished (bucket.free).
 //
 // Data parallel (docs/parallel.md). With the optimizer on the device, the step all-reduces the
-// whole gradient after backward (ZeRO stage 0). With the host optimizer, the state is sharded
+// whole gradient after backward (ZeRO stage 0), or, stages 1-3 (dev_sharded), the device update
+// reduce-scatters each unit's gradients, merges the per-unit statistics over the ranks and updates
+// this rank's slice of master and moments (held sharded in the device regions optim.*), then
+// all-gathers the unit's parameters (device_update_sharded). With the host optimizer, the state is sharded
 // (internal.hpp's DpSlices): the gradient stream reduce-scatters each unit's final gradients into
 // this rank's slice as the unit lands (overlapped with the rest of backward; stage 2 does it for
 // every micro-batch and keeps no unsharded gradients), the optimizer thread all-gathers the
@@ -284,6 +287,13 @@ struct OffloadEngine::Impl {
   Comm* dp = nullptr;
   int dp_size = 1, dp_rank = 0;
   bool sharded = false;  // host optimizer state sharded over the ranks (offload_detail::dp_sharded)
+  // Stages 1-3 with the optimizer on the device (offload_detail::dp_device_sharded): dmaster, dm
+  // and dv hold this rank's slices (`slices`, packed), the device update reduce-scatters the
+  // gradients, merges the statistics and all-gathers the updated parameters on the compute
+  // stream (device_update_sharded) through the device region offload.dp_staging.
+  bool dev_sharded = false;
+  char* dev_staging = nullptr;
+  std::vector<GradStats> shard_stats;  // per unit: this rank's slice's scan (compute stream)
   // Stage 3: every unit that is not resident keeps only this rank's slice of its working
   // parameters at its home (host or NVMe); a fetch all-gathers the slices on the h2d stream.
   std::vector<char> psharded;  // per unit
@@ -493,6 +503,26 @@ struct OffloadEngine::Impl {
   Status save_weights_pp(const std::string& path, WeightFormat format);
   Result<std::string> save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest, int keep);
   Status device_update(double lr, std::int64_t step);
+  // The sharded device optimizer's step (dev_sharded; cpu backend), one host function on the
+  // compute stream after backward: per unit the reduce-scatter of its gradients into this
+  // rank's slice, the scan of the slice; the statistics all-gathered and merged unit by unit in
+  // rank order; then per unit the update of the slice and the all-gather of its parameters.
+  Status device_update_sharded(double lr, std::int64_t step);
+  // Optimizer state of a device unit (which: 1 master, 2 exp_avg, 3 exp_avg_sq): where its part
+  // starts in the device region, and which elements [first, first + len) of the unit it holds
+  // (the whole unit, or this rank's slice when dev_sharded).
+  char* dev_state(int u, int which) const {
+    const float* base = which == 1 ? dmaster : which == 2 ? dm : dv;
+    const std::uint64_t off = dev_sharded ? 4 * slices.offset[static_cast<std::size_t>(u)] : grad_begin(u);
+    return const_cast<char*>(reinterpret_cast<const char*>(base)) + off;
+  }
+  std::uint64_t dev_state_first(int u) const {
+    return dev_sharded ? slices.begin[static_cast<std::size_t>(u)] : 0;
+  }
+  std::uint64_t dev_state_len(int u) const {
+    return dev_sharded ? slices.len[static_cast<std::size_t>(u)]
+                       : units.gbytes[static_cast<std::size_t>(u)] / 4;
+  }
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
   Status scan_device_units();
@@ -515,6 +545,9 @@ struct OffloadEngine::Impl {
   // A unit's working parameters and [master | m | v] (fp32 layout) for every placement.
   Status read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob);
   Status write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob);
+  // Parameter o's fp32 master (16-bit working weights, optimizer on the device) from its `values`:
+  // the part in this rank's elements of the device state.
+  Status upload_dev_master(const OwnedParam& o, const float* values);
   Status initialize();
 
   // Tensor parallel.
@@ -549,6 +582,8 @@ Status OffloadEngine::Impl::setup() {
   STRATA_RETURN_IF_ERROR(setup_tensor_parallel());
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model, TensorParallel{tp_size, tp_rank}));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
+  dev_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_sharded(settings);
+  if (dev_sharded) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
   kdev = static_cast<int>(units.device_opt_units);
   partial = !opt_on_device && kdev > 0;
   hshift = partial ? units.device_opt_bytes : 0;
@@ -609,17 +644,27 @@ Status OffloadEngine::Impl::setup() {
   }
   if (opt_on_device || partial) {
     const std::uint64_t dbytes = opt_on_device ? units.grad_bytes : units.device_opt_bytes;
-    auto carve = [&](const char* name) -> Result<float*> {
-      STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.allocate_persistent(name, std::max<std::uint64_t>(dbytes, 1)));
-      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, dbytes));
+    // Sharded (dev_sharded): the state regions hold this rank's slices only.
+    const std::uint64_t sbytes =
+        opt_on_device ? offload_detail::device_state_bytes(units, settings) : units.device_opt_bytes;
+    auto carve = [&](const char* name, std::uint64_t bytes) -> Result<float*> {
+      STRATA_ASSIGN_OR_RETURN(std::uint64_t off,
+                              arena.allocate_persistent(name, std::max<std::uint64_t>(bytes, 1)));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(base + off, 0, bytes));
       return reinterpret_cast<float*>(base + off);
     };
-    STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads"));
+    STRATA_ASSIGN_OR_RETURN(dgrads, carve("offload.grads", dbytes));
     if (half) {
-      STRATA_ASSIGN_OR_RETURN(dmaster, carve("optim.master"));
+      STRATA_ASSIGN_OR_RETURN(dmaster, carve("optim.master", sbytes));
     }
-    STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg"));
-    STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq"));
+    STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg", sbytes));
+    STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq", sbytes));
+    if (dev_sharded) {
+      float* staging = nullptr;
+      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::device_dp_staging_bytes(
+                                                                       units, settings, half ? 2 : 4)));
+      dev_staging = reinterpret_cast<char*>(staging);
+    }
     for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
       bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
   }
@@ -816,9 +861,7 @@ Status OffloadEngine::Impl::initialize() {
         std::memcpy(host_at(host_master, o.grad_offset), values.data(), o.n * 4);
       }
       if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
-      if (dev_unit(u) && half) {
-        STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
-      }
+      if (dev_unit(u) && half) STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
     }
     STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
     if (via_blob) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
@@ -986,7 +1029,7 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
   if (!master_too) return ok_status();
   if (dev_unit(o.unit)) {
     if (!half) return ok_status();  // the resident params are the master
-    STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + o.grad_offset, values.data(), o.n * 4));
+    STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
     return compute->synchronize();
   }
   std::vector<float> blob;
@@ -1013,6 +1056,15 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
     STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
+  if (dev_unit(o.unit) && dev_sharded) {  // collective: the unit's slices gathered from every rank
+    std::vector<char> pbytes;
+    std::vector<float> blob;
+    STRATA_RETURN_IF_ERROR(read_unit_state(o.unit, pbytes, blob));
+    const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
+    std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4,
+                o.n * 4);
+    return out;
+  }
   if (dev_unit(o.unit)) {
     const float* src = which == 1 ? dmaster : which == 2 ? dm : dv;
     STRATA_RETURN_IF_ERROR(stager->download(out.data(), reinterpret_cast<const char*>(src) + o.grad_offset, o.n * 4));
@@ -1028,20 +1080,40 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
 Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(read_unit_params(u, pbytes));
   if (!dev_unit(u)) return read_unit_optim(u, blob);
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::size_t n = units.gbytes[uu] / 4;
   blob.assign(3 * n, 0.0f);
   if (n == 0) return ok_status();
-  const std::uint64_t g = grad_begin(u);
+  // This rank's elements [first, first + len) of the state (the whole unit unless sharded).
+  const std::uint64_t first = dev_state_first(u), len = dev_state_len(u);
   if (half) {
-    STRATA_RETURN_IF_ERROR(stager->download(blob.data(), reinterpret_cast<const char*>(dmaster) + g, n * 4));
-  } else {  // fp32 on the device: the resident parameters are the master
-    for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+    STRATA_RETURN_IF_ERROR(stager->download(blob.data() + first, dev_state(u, 1), len * 4));
+  } else {  // fp32 on the device: the resident parameters are the master (whole on every rank)
+    for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       std::memcpy(blob.data() + o.grad_in_unit / 4, pbytes.data() + o.param_in_unit, o.n * 4);
     }
   }
-  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + n, reinterpret_cast<const char*>(dm) + g, n * 4));
-  return stager->download(blob.data() + 2 * n, reinterpret_cast<const char*>(dv) + g, n * 4);
+  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + n + first, dev_state(u, 2), len * 4));
+  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + 2 * n + first, dev_state(u, 3), len * 4));
+  if (!dev_sharded) return ok_status();
+  // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm (as
+  // read_unit_optim does for the host tier's shards).
+  const std::uint64_t c = slices.chunk[uu];
+  std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
+  for (int k = 0; k < 3; ++k) std::memcpy(mine.data() + k * c, blob.data() + k * n + first, len * 4);
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0],
+                                 dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
+                                 "gather optimizer state", u, all.size() * 4));
+  for (int r = 0; r < dp_size; ++r) {
+    const offload_detail::DpSlice theirs = offload_detail::dp_slice_of(n, dp_size, r);
+    for (int k = 0; k < 3; ++k) {
+      if (k == 0 && !half) continue;  // the master is the (replicated) working copy
+      std::memcpy(blob.data() + k * n + theirs.begin, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c,
+                  theirs.len * 4);
+    }
+  }
+  return ok_status();
 }
 
 Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob) {
@@ -1049,11 +1121,21 @@ Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pby
   if (!dev_unit(u)) return write_unit_optim(u, blob);
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   if (n == 0) return ok_status();
-  const std::uint64_t g = grad_begin(u);
-  if (half) STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dmaster) + g, blob.data(), n * 4));
-  STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dm) + g, blob.data() + n, n * 4));
-  STRATA_RETURN_IF_ERROR(stager->upload(reinterpret_cast<char*>(dv) + g, blob.data() + 2 * n, n * 4));
+  // Every rank is given the whole unit and keeps its elements (its slice when sharded).
+  const std::uint64_t first = dev_state_first(u), len = dev_state_len(u);
+  if (half) STRATA_RETURN_IF_ERROR(stager->upload(dev_state(u, 1), blob.data() + first, len * 4));
+  STRATA_RETURN_IF_ERROR(stager->upload(dev_state(u, 2), blob.data() + n + first, len * 4));
+  STRATA_RETURN_IF_ERROR(stager->upload(dev_state(u, 3), blob.data() + 2 * n + first, len * 4));
   return compute->synchronize();
+}
+
+Status OffloadEngine::Impl::upload_dev_master(const OwnedParam& o, const float* values) {
+  // The parameter's elements [a, a + n) of its unit, cut to this rank's [first, first + len).
+  const std::uint64_t a = o.grad_in_unit / 4, first = dev_state_first(o.unit), len = dev_state_len(o.unit);
+  const std::uint64_t lo = std::max<std::uint64_t>(a, first),
+                      hi = std::min<std::uint64_t>(a + o.n, first + len);
+  if (lo >= hi) return ok_status();
+  return stager->upload(dev_state(o.unit, 1) + 4 * (lo - first), values + (lo - a), (hi - lo) * 4);
 }
 
 // ---- data parallel ---------------------------------------------------------------------------
@@ -1231,6 +1313,14 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     slices = offload_detail::dp_slices(units, dp_size, dp_rank);
     dp_tracks[1] = tracer.add_track("data parallel: gradient reduce-scatter");
     dp_tracks[2] = tracer.add_track("data parallel: statistics and parameter all-gather");
+  }
+  if (dev_sharded) {
+    // The compute stream's: the reduce-scatter, the statistics and the parameter all-gathers of
+    // the device update (device_update_sharded), in unit order on every rank.
+    STRATA_ASSIGN_OR_RETURN(dp_params, dp->split(0, dp_rank, "dp.device_update"));
+    dp_tracks[2] = tracer.add_track("data parallel: device update (reduce-scatter, statistics, all-gather)");
+    shard_stats.assign(static_cast<std::size_t>(M), GradStats{});
+    gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
   }
   if (sharded && settings.zero_stage == 3) {
     for (int u = 0; u < M; ++u) {
@@ -2521,6 +2611,7 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
 
 // The update with the optimizer on the device, in stream order after backward.
 Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
+  if (dev_sharded) return device_update_sharded(lr, step);
   if (launch->is_cpu()) {
     // One host function: the gradient scan per unit (merged in unit order, as the host tiers
     // merge theirs), then every update with the clip applied.
@@ -2628,6 +2719,109 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
                                            hyper_of(config.optimizer, lr, decay == 1), step, scale, cs));
   }
   return ok_status();
+}
+
+// Host-synchronous collectives inside one host function of the compute stream (the tensor-parallel
+// merge's way): the stream's order puts them after every rank's backward, and the caller, which
+// synchronizes the stream after the step, is the only other thread that uses the group (through
+// dp_caller, never while this runs). The gradient reduction, the scan, the merge and the update
+// are the host tier's sharded ones (reduce_unit_grads, scan_norm, the worker's merge,
+// update_unit_host), so the two placements give the same bits.
+Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) {
+  if (!launch->is_cpu()) {
+    return failed_precondition(
+        "the sharded device optimizer (zero_optimization.stage >= 1 with the optimizer on the "
+        "device) runs on the cpu backend only");
+  }
+  const double loss_scale = loss_scale_now;
+  return launch->run(
+      "optimizer step (sharded)", [this, lr, step, loss_scale](const kernels::KernelContext&) -> Status {
+        const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
+        const std::uint64_t cmax = slices.max_chunk;
+        float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
+        float* rs_out = rs_in + P * cmax;                      // chunk
+        char* ag_in = reinterpret_cast<char*>(rs_out + cmax);  // chunk, working dtype
+        char* ag_out = ag_in + w * cmax;                       // P x chunk
+        const auto inv_scale = static_cast<float>(1.0 / loss_scale);
+        // 1. Each unit's gradients reduce-scattered; this rank's slice is written back in place (the
+        //    rest of the unit's gradient buffer is not read again this step).
+        std::vector<GradStats>& stats = shard_stats;
+        for (int u = 0; u < M; ++u) {
+          stats[static_cast<std::size_t>(u)] = GradStats{};
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], b = slices.begin[uu],
+                              len = slices.len[uu];
+          if (n == 0) continue;  // the same on every rank
+          float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+          std::memcpy(rs_in, g, n * 4);
+          std::fill(rs_in + n, rs_in + P * c, 0.0f);
+          STRATA_RETURN_IF_ERROR(
+              dp_wait(dp_tracks[2], dp_params->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
+                      "reduce-scatter gradients", u, 4 * P * c));
+          std::memcpy(g + b, rs_out, len * 4);
+          STRATA_ASSIGN_OR_RETURN(
+              stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(g + b), b, len, inv_scale));
+        }
+        // 2. Every rank's per-unit statistics, merged unit by unit in rank order: the same bits on
+        //    every rank, and the host tier's merge.
+        static_assert(sizeof(GradStats) % 4 == 0);
+        std::vector<GradStats>& all = gathered_stats;
+        STRATA_RETURN_IF_ERROR(
+            dp_wait(dp_tracks[2],
+                    dp_params->all_gather(stats.data(), all.data(), stats.size() * sizeof(GradStats) / 4,
+                                          DType::kF32),
+                    "gather gradient statistics", -1, all.size() * sizeof(GradStats)));
+        GradStats total;
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r) total.merge(all[static_cast<std::size_t>(r * M + u)]);
+        }
+        const double norm = total.norm();
+        grad_norm = norm;
+        if (!total.finite() && fp16) return ok_status();  // fp16 overflow: every rank skips the step
+        if (!total.finite()) {
+          return invalid_argument("step " + std::to_string(step) + ": the gradient norm is not finite (" +
+                                  std::to_string(norm) + "); lower the learning rate or enable clipping");
+        }
+        const float scale = update_scale(norm, loss_scale);
+        // 3. Per unit in forward order: this rank's slice updated in place (master, moments, and the
+        //    working copy's elements), its working elements all-gathered into every rank's copy.
+        for (int u = 0; u < M; ++u) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
+                              off = slices.offset[uu];
+          if (units.gbytes[uu] == 0) continue;
+          char* unit_params = resident + units.resident_offset[uu];
+          std::memset(ag_in, 0, c * w);
+          for (int k : owned_of_unit[uu]) {
+            const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+            const std::uint64_t a = o.grad_in_unit / 4;
+            const std::uint64_t lo = std::max<std::uint64_t>(a, b),
+                                hi = std::min<std::uint64_t>(a + o.n, b + len);
+            if (lo >= hi) continue;
+            char* wp = unit_params + o.param_in_unit + (lo - a) * w;
+            OptimizerBuffers ob;
+            ob.master = half ? dmaster + off + (lo - b)
+                             : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
+            ob.grad = reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
+            ob.grad_dtype = DType::kF32;
+            ob.exp_avg = dm + off + (lo - b);
+            ob.exp_avg_sq = dv + off + (lo - b);
+            ob.moment_dtype = DType::kF32;
+            ob.param_out = half ? wp : nullptr;
+            ob.out_dtype = wdtype;
+            ob.n = hi - lo;
+            STRATA_RETURN_IF_ERROR(
+                device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
+            std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
+          }
+          // Moves bits: fp16 travels as 16-bit words.
+          STRATA_RETURN_IF_ERROR(dp_wait(
+              dp_tracks[2], dp_params->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
+              "gather parameters", u, P * c * w));
+          from_elements(u, ag_out, unit_params);
+        }
+        return ok_status();
+      });
 }
 
 Status OffloadEngine::Impl::scan_device_units() {
@@ -2791,11 +2985,22 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
                             "memory; leave the gradients on the host");
   }
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 1) {
-    return invalid_argument("zero_optimization.stage " + std::to_string(s.zero_stage) +
-                         " with the optimizer on the device and " + ranks +
-                         ": sharding optimizer state in device memory is not built yet; use offload_optimizer.device "
-                         "cpu (state sharded over the ranks' host memory) or stage 0 (gradients all-reduced, state "
-                         "replicated)");
+    // Sharded device optimizer state (docs/parallel.md "ZeRO stages 1-3 in device memory").
+    const std::string what = "zero_optimization.stage " + std::to_string(s.zero_stage) +
+                             " with the optimizer on the device and " + ranks;
+    const std::string instead =
+        "use stage 0 (gradients all-reduced, state replicated) or offload_optimizer.device "
+        "cpu (state sharded over the ranks' host memory)";
+    if (device.info().kind != DeviceKind::kCpu) {
+      return invalid_argument(
+          what + " on the " + std::string(device.info().name) +
+          " device is not built yet (its collectives would run on device buffers over nccl, "
+          "untested); " +
+          instead);
+    }
+    if (s.tp_size > 1 || s.pipeline_bounds.size() > 2) {
+      return invalid_argument(what + " with tensor or pipeline parallelism is not built yet; " + instead);
+    }
   }
   // The optimizer on the device reduces device buffers; the host optimizer reduces host buffers.
   const bool device_buffers = s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda;
@@ -2927,7 +3132,8 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
-    if (s.ok() && t.dp_size > 1) s = t.all_reduce_device_grads();
+    // Sharded (stages 1-3): the device update reduce-scatters the gradients itself.
+    if (s.ok() && t.dp_size > 1 && !t.dev_sharded) s = t.all_reduce_device_grads();
     if (s.ok() && t.pp_tied) {  // pipeline: the tied embedding's gradient of the first and last stage
       s = t.compute->synchronize();
       if (s.ok())
@@ -3404,7 +3610,8 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   std::vector<float> blob;
   auto gather_rest = [&]() {  // the collective part of read_unit_state, for the units not yet read
     for (; gathered_through < t.M; ++gathered_through) {
-      if (t.sharded && !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
+      if ((t.sharded || t.dev_sharded) &&
+          !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
         (void)t.read_unit_state(gathered_through, pbytes, blob);
       }
     }

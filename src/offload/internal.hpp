@@ -232,6 +232,24 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   return u;
 }
 
+// Stages 1-3 with the optimizer on the device and more than one data-parallel rank
+// (docs/parallel.md "ZeRO stages 1-3 in device memory"): the fp32 master (16-bit working
+// weights) and the Adam moments hold only this rank's slices (DpSlices) in device memory.
+inline bool dp_device_sharded(const OffloadSettings& s) {
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.zero_stage >= 1;
+}
+
+// Device bytes of each optimizer-state region (optim.master, optim.exp_avg, optim.exp_avg_sq)
+// with the optimizer on the device: the fp32 layout of every unit, or, sharded, rank 0's slices
+// (the largest: every rank carves this size, so the plan is every rank's).
+inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& settings);
+
+// The data-parallel staging of the sharded device optimizer, in device memory: the reduce-scatter's
+// input (size x chunk fp32) and output (chunk), the parameter all-gather's input (chunk) and output
+// (size x chunk) in the working dtype (`w` bytes), for the largest chunk.
+inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
+                                             std::uint64_t w);
+
 inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const Units& u,
                                               const OffloadSettings& settings) {
   std::vector<RegionSpec> r;
@@ -239,10 +257,15 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   if (u.param_slots > 0) r.push_back(RegionSpec{"offload.param_slots", 0, u.param_slot_bytes, u.param_slots});
   const std::uint64_t gb = std::max<std::uint64_t>(u.grad_bytes, kParamAlignment);
   if (settings.optimizer == Tier::kDevice) {
+    const std::uint64_t sb = device_state_bytes(u, settings);
     r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
-    if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", gb, 0, 0});
-    r.push_back(RegionSpec{"optim.exp_avg", gb, 0, 0});
-    r.push_back(RegionSpec{"optim.exp_avg_sq", gb, 0, 0});
+    if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", sb, 0, 0});
+    r.push_back(RegionSpec{"optim.exp_avg", sb, 0, 0});
+    r.push_back(RegionSpec{"optim.exp_avg_sq", sb, 0, 0});
+    if (dp_device_sharded(settings)) {
+      r.push_back(RegionSpec{"offload.dp_staging",
+                             device_dp_staging_bytes(u, settings, dtype_size(layout.config.dtype)), 0, 0});
+    }
   } else {
     r.push_back(RegionSpec{"offload.grad_slots", 0, u.grad_slot_bytes, u.grad_slots});
     if (u.device_opt_units > 0) {
@@ -289,9 +312,23 @@ inline DpSlices dp_slices(const Units& u, int size, int rank) {
   return d;
 }
 
-// Whether the engine shards optimizer state over data-parallel ranks (stages 1-3 with the
-// optimizer on the host or NVMe; with the optimizer on the device it replicates, stage 0).
+// Whether the engine shards the host tiers' optimizer state over data-parallel ranks (stages 1-3
+// with the optimizer on the host or NVMe). With the optimizer on the device, stage 0 replicates
+// and stages 1-3 shard it in device memory (dp_device_sharded).
 inline bool dp_sharded(const OffloadSettings& s) { return s.dp_size > 1 && s.optimizer != Tier::kDevice; }
+
+inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& settings) {
+  const std::uint64_t bytes =
+      dp_device_sharded(settings) ? 4 * dp_slices(u, settings.dp_size, 0).shard_elements : u.grad_bytes;
+  return std::max<std::uint64_t>(bytes, kParamAlignment);
+}
+
+inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
+                                             std::uint64_t w) {
+  const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
+  const std::uint64_t c = dp_slices(u, settings.dp_size, 0).max_chunk;
+  return std::max<std::uint64_t>((4 + w) * (P + 1) * c, kParamAlignment);
+}
 
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's
 // carving, per token, with alignment slack). The cuda backend's kernel workspace comes on top

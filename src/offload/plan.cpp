@@ -191,7 +191,12 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     const StateKind kind = r.name.rfind("optim.", 0) == 0 ? StateKind::kOptimizer
                            : r.name.rfind("offload.grad", 0) == 0 ? StateKind::kGradients
                                                                    : StateKind::kParameters;
-    line("device region " + r.name, Tier::kDevice, kind, r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
+    // Sharded device optimizer: the state regions hold this rank's slices (rank 0's, the largest).
+    const std::string of = offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer
+                               ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
+                               : std::string();
+    line("device region " + r.name + of, Tier::kDevice, kind,
+         r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
   plan.param_slots = units.param_slots;
   plan.param_slot_bytes = units.param_slot_bytes;
@@ -479,8 +484,9 @@ Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& 
           out.push_back(e);
           continue;
         }
-        // Data parallel: what each stage shards (the engine refuses sharding device optimizer state).
-        if (optimizer == Tier::kDevice && stage >= 1) continue;
+        // Data parallel: what each stage shards (the engine shards device optimizer state on the
+        // cpu backend only; cuda refuses it).
+        if (cuda && optimizer == Tier::kDevice && stage >= 1) continue;
         OffloadSettings st = s;
         st.zero_stage = stage;
         STRATA_ASSIGN_OR_RETURN(PlacementEstimate es, estimate_placement(config, st, budgets, cuda));

@@ -622,13 +622,16 @@ int run_train(std::span<const std::string> argv) {
     std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's\n",
                 dp_size);
   } else if (dp_size > 1) {
-    std::printf("parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
-                "micro-batches of a step; the plan below is per rank\n",
-                dp_size, std::string(to_string(dp_group->backend())).c_str(),
-                offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
-                offload.optimizer == Tier::kHost ? "optimizer state and gradients sharded over the ranks"
-                                                 : "gradients all-reduced, optimizer state replicated",
-                static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * dp_size));
+    std::printf(
+        "parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
+        "micro-batches of a step; the plan below is per rank\n",
+        dp_size, std::string(to_string(dp_group->backend())).c_str(),
+        offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
+        offload.optimizer != Tier::kDevice ? "optimizer state and gradients sharded over the ranks"
+        : offload.zero_stage >= 1
+            ? "optimizer state sharded over the ranks in device memory, gradients reduce-scattered"
+            : "gradients all-reduced, optimizer state replicated",
+        static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * dp_size));
   }
   std::printf("offload  parameters on %s, optimizer state on %s%s%s\n%s", std::string(to_string(offload.params)).c_str(),
               std::string(to_string(offload.optimizer)).c_str(), uses_nvme ? ", swap in " : "",
