@@ -399,6 +399,9 @@ TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
 // products as the all-reduces, but the residual is added after the sum (not by rank 0 before
 // it) and the norm parameters' gradients are summed from t partial sums, so only rounding
 // differs. Every rank must still hold the same bits (the norm gradients are summed in the model).
+// Measured (fp32, 2 and 4 ranks) against one process: loss 9.1e-7 relative, norm 1.3e-5,
+// parameters rms 1.9e-6 and max 2.7e-4; against TP of the same size. Without the norm gradients'
+// sum the parameters move by 3e-2 (checked by breaking it on purpose).
 
 struct SpCase {
   const char* name;

@@ -48,6 +48,9 @@
 // the sharded parameters' squares on every rank and the replicated ones on rank 0 (norm_ranges),
 // merged over the group in rank order (tp.norm on the optimizer thread, tp.model in the device
 // update); the state getters, weights and checkpoints gather full parameters (tp.step, caller).
+// Sequence parallelism (settings.sequence_parallel) changes only the model: it sums the norms'
+// parameter gradients over the group inside backward, so the replicated gradients the engine
+// buckets, reduces, scans and updates are identical on every rank, as without it.
 //
 // Pipeline parallel (docs/parallel.md "Pipeline parallel"). A stage runs modules [stage_first,
 // stage_end) and holds only the units they read (Units::in_stage; the others have no bytes, no
