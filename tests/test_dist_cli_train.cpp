@@ -390,6 +390,30 @@ TEST(DistCliTrain, TensorTimesPipelineTrainsLikeOneProcess) {
       << odd.output;
 }
 
+// Sequence parallel from the config (strata.sequence_parallel) on 2 tensor-parallel ranks: the
+// same losses as one process within the same bound (rounding only: docs/parallel.md "Sequence
+// parallel"); without tensor parallelism it is refused naming both keys.
+TEST(DistCliTrain, SequenceParallelFromTheConfigTrainsLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string sp_config =
+      write_file(dir / "sp.json", R"({"strata": {"tensor_parallel_size": 2, "sequence_parallel": true}})");
+  const std::string flags = kTiny + "--steps 5 --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto one = run_cli("train " + flags + "--metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto sp = run_command(mpirun(2) + "train " + flags + "--config " + sp_config + " --metrics " +
+                        (dir / "sp.jsonl").string());
+  ASSERT_EQ(sp.exit_code, 0) << sp.output;
+  EXPECT_NE(sp.output.find("sequence parallel: each tensor-parallel rank keeps 1/2"), std::string::npos)
+      << sp.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "sp.jsonl"), "tp 2, sequence parallel");
+  const std::string alone_config =
+      write_file(dir / "alone.json", R"({"strata": {"sequence_parallel": true}})");
+  auto alone = run_cli("train " + kTiny + "--steps 1 --config " + alone_config);
+  EXPECT_EQ(alone.exit_code, 2) << alone.output;
+  EXPECT_NE(alone.output.find("sequence_parallel"), std::string::npos) << alone.output;
+  EXPECT_NE(alone.output.find("strata.tensor_parallel_size = 1"), std::string::npos) << alone.output;
+}
+
 // A tensor-parallel size the launch or the model cannot split is refused before training,
 // naming the key and the numbers.
 TEST(DistCliTrain, TensorParallelSizeThatDoesNotSplitIsRefused) {

@@ -264,6 +264,15 @@ class Model {
     // used by nothing else; every rank enqueues the same modules in the same order. Not owned:
     // it must outlive the model.
     Comm* tensor_parallel = nullptr;
+    // Sequence parallel (docs/parallel.md "Sequence parallel"), with tensor_parallel only: the
+    // residual stream, the norms and the residual adds hold this rank's B·T/t token rows (rows
+    // [r·B·T/t, (r+1)·B·T/t) of the row-major (B, T) batch); the column-parallel entries
+    // all-gather the normed rows, the row-parallel exits and the vocabulary-parallel embedding
+    // reduce-scatter them. max_seq_len (and every batch's T) must be a multiple of t. The norms'
+    // gradients are summed over the group inside backward (each rank sees only its tokens), so
+    // they stay identical on every rank. Not with activation offload or a module range (a
+    // pipeline stage's boundary tensors are the full residual stream).
+    bool sequence_parallel = false;
     // Pipeline parallel (docs/parallel.md "Pipeline parallel"). activation_slots sets of
     // tokens, targets, residual stream, block activations, head buffers and per-token losses, so
     // several micro-batches can be in flight between their forward and their backward;
@@ -386,6 +395,9 @@ class Model {
 
   // Device bytes of activations + activation gradients + io buffers allocated at create().
   std::uint64_t activation_bytes() const;
+  // Token rows of the residual stream this rank holds for the selected slot's batch: B·T, or
+  // B·T/t with sequence parallelism.
+  std::int64_t local_rows() const;
 
   // Activation offload: pinned host bytes of the residual copies (all slots; 0 without offload),
   // and the bytes copied so far each way (cumulative since create(); read on the caller's thread).

@@ -136,6 +136,11 @@ struct OffloadSettings {
   // over. The engine of each rank places, offloads and updates only its shard; the plan is for
   // the largest shard. create() sets it from its tensor-parallel Comm.
   int tp_size = 1;
+  // Sequence parallel (docs/parallel.md "Sequence parallel", strata.sequence_parallel): with
+  // tp_size > 1, each tensor-parallel rank keeps 1/tp_size of the token rows of the residual
+  // stream and the norms (Model::Options::sequence_parallel). seq_len must be a multiple of
+  // tp_size; not with a pipeline or activation offload.
+  bool sequence_parallel = false;
   // Pipeline parallel (docs/parallel.md "Pipeline parallel"): the stages' module bounds
   // (pipeline_stages; empty: one process runs every module) and this process's stage. create()
   // sets both from its pipeline group; strata estimate may set them to ask "what would stage s

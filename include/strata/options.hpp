@@ -40,6 +40,7 @@ enum class Option : std::uint16_t {
   kDelayedUpdateWarmup,     // offload: steps whose update is not delayed before DPU starts
   kPipelineParallelSize,    // pipeline stages (processes) per pipeline under mpirun
   kPipelineSchedule,        // pipeline schedule: gpipe | 1f1b
+  kSequenceParallel,        // tensor parallel: split the residual stream's tokens over the group
   kCount
 };
 

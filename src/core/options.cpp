@@ -65,6 +65,10 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kPipelineSchedule, "pipeline_schedule", OptionKind::kString, "1f1b",
      "pipeline parallel: the order of a stage's micro-batches: gpipe (all forwards, then all backwards) "
      "or 1f1b (one forward, one backward)"},
+    {Option::kSequenceParallel, "sequence_parallel", OptionKind::kBool, "false",
+     "tensor parallel: each of the tensor_parallel_size ranks keeps 1/tensor_parallel_size of the tokens of "
+     "the residual stream and the norms (Megatron-style sequence parallelism); needs tensor_parallel_size > 1 "
+     "and seq_len a multiple of it"},
 }};
 
 constexpr std::int64_t kMaxIntOption = 4096;

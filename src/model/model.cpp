@@ -20,6 +20,12 @@
 // qkv, attention, MLP and logits buffers shrink by tp; the residual stream and norms stay full
 // width on every rank. The conjugate all-reduces (docs/parallel.md) run in stream order through
 // tp_all_reduce; the vocabulary-parallel cross-entropy adds (N) row maxima and (2, N) sums.
+// With sequence parallelism (Options::sequence_parallel, docs/parallel.md "Sequence parallel")
+// the residual stream, the norm outputs and statistics, res2, the final norm and the residual
+// gradient hold N/t rows (this rank's), and sp_full (N, C), dln_local (N/t, C) and 4C floats of
+// norm gradients are added; the column-parallel entries all-gather, the row-parallel exits and the
+// embedding reduce-scatter (tp_all_gather / tp_reduce_scatter), and the norms' parameter
+// gradients are summed over the group in backward (sp_add_norm_grads).
 //
 // Activation offload (Options::offload_activations, docs/offload.md "Activation offload"): the
 // residual stream x_lo .. x_hi of a slot is a ring of R = min(kActivationRing, hi - lo + 1)
@@ -151,6 +157,15 @@ struct Model::Impl : ActState {
   bool gpt2 = true;
   Comm* tp = nullptr;  // the tensor-parallel group; null for the whole model
   int tp_rank = 0;
+  // Sequence parallel: t (the token rows of the residual stream, norms and residual adds are
+  // split t ways), else 1. sp_full (Bmax·Tmax, C) is the one full-rows buffer the split regions'
+  // collectives gather into and reduce-scatter from (used in stream order within one module's
+  // work, so one serves every block and slot); dln_local (Bmax·Tmax/t, C) the reduce-scattered
+  // norm input gradient; norm_grads (4C fp32) a block's (or the head's) norm parameter gradients
+  // over this rank's tokens, summed over the group before they are added to the gradients.
+  std::int64_t sp = 1;
+  Tensor sp_full, dln_local;
+  float* norm_grads = nullptr;
 
   char* params = nullptr;  // the model.params region when the model owns its storage, else null
   float* grads = nullptr;  // the model.grads region likewise
@@ -168,7 +183,7 @@ struct Model::Impl : ActState {
   EmbedHeadParams eh;
   std::vector<BlockParams> blocks;
 
-  ArenaBuffer grad_block, io_block;
+  ArenaBuffer grad_block, io_block, sp_block;  // sp_block: sp_full's storage (sequence parallel)
   float* rope = nullptr;
   Tensor dres, dln, dqkv, datty, dff1, dff2;
 
@@ -235,24 +250,73 @@ struct Model::Impl : ActState {
   // Tensor parallel: `buf` (n elements) summed (or max-reduced) over the group in place, in
   // stream order. No-op without a group.
   Status tp_all_reduce(const char* label, Tensor buf, std::int64_t n, ReduceOp op = ReduceOp::kSum);
+  // Sequence parallel, in stream order: `full` (t·n elements, block r being rank r's rows)
+  // summed over the group into this rank's `local` (n elements); and the conjugate, every rank's
+  // `local` (n) gathered into `full` in rank order.
+  Status tp_reduce_scatter(const char* label, Tensor full, Tensor local, std::int64_t n);
+  Status tp_all_gather(const char* label, Tensor local, Tensor full, std::int64_t n);
+  // Runs `op` (a collective on the group) in the stream's order and waits for it.
+  template <class Op>
+  Status tp_collective(const char* label, Op op);
+  // Sequence parallel: the norm parameter gradients in norm_grads (slots of C floats, `grads[i]`
+  // receiving slot i; a null gradient skips its slot) summed over the group, then added to the
+  // gradients. One all-reduce of slots·C floats.
+  Status sp_add_norm_grads(const char* label, std::vector<Tensor> grads);
   bool tp_rank0() const { return tp_rank == 0; }
+  // Rows of the residual stream this rank computes on for the current batch.
+  std::int64_t local_rows() const { return B * T / sp; }
 };
+
+template <class Op>
+Status Model::Impl::tp_collective(const char* label, Op op) {
+  if (launch->is_cpu()) {
+    // The stream's worker runs the collective and waits for it: later kernels of the stream see
+    // the result, and the ranks' streams meet here in the same order (they enqueue the same
+    // modules).
+    return launch->run(label,
+                       [=](const KernelContext&) -> Status { return op().wait().with_context(label); });
+  }
+  // cuda: the Comm's own stream is not ordered with this one, so the host waits for the compute
+  // stream, runs the collective and waits for it before enqueueing more work (no overlap yet).
+  STRATA_RETURN_IF_ERROR(stream->synchronize());
+  return op().wait().with_context(label);
+}
 
 Status Model::Impl::tp_all_reduce(const char* label, Tensor buf, std::int64_t n, ReduceOp op) {
   if (tp == nullptr) return ok_status();
   Comm* comm = tp;
   const auto count = static_cast<std::size_t>(n);
-  if (launch->is_cpu()) {
-    // The stream's worker runs the collective and waits for it: later kernels of the stream see
-    // the sum, and the ranks' streams meet here in the same order (they enqueue the same modules).
-    return launch->run(label, [=](const KernelContext&) -> Status {
-      return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op).wait().with_context(label);
-    });
-  }
-  // cuda: the Comm's own stream is not ordered with this one, so the host waits for the compute
-  // stream, runs the collective and waits for it before enqueueing more work (no overlap yet).
-  STRATA_RETURN_IF_ERROR(stream->synchronize());
-  return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op).wait().with_context(label);
+  return tp_collective(label, [=] { return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op); });
+}
+
+Status Model::Impl::tp_reduce_scatter(const char* label, Tensor full, Tensor local, std::int64_t n) {
+  Comm* comm = tp;
+  const auto count = static_cast<std::size_t>(n);
+  return tp_collective(
+      label, [=] { return comm->reduce_scatter(full.data, local.data, count, full.dtype, ReduceOp::kSum); });
+}
+
+Status Model::Impl::tp_all_gather(const char* label, Tensor local, Tensor full, std::int64_t n) {
+  Comm* comm = tp;
+  const auto count = static_cast<std::size_t>(n);
+  return tp_collective(label, [=] { return comm->all_gather(local.data, full.data, count, local.dtype); });
+}
+
+Status Model::Impl::sp_add_norm_grads(const char* label, std::vector<Tensor> grads) {
+  const std::int64_t C_ = C;
+  const auto slots = static_cast<std::int64_t>(grads.size());
+  float* scratch = norm_grads;
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(label, Tensor{scratch, DType::kF32}, slots * C_));
+  return launch->run("sequence parallel: add norm gradients", [=](const KernelContext& ctx) -> Status {
+    for (std::int64_t i = 0; i < slots; ++i) {
+      const Tensor g = grads[static_cast<std::size_t>(i)];
+      if (g.data == nullptr) continue;
+      STRATA_RETURN_IF_ERROR(kernels::residual_backward(ctx, g.arg(), kernels::kNoOutput,
+                                                        ConstTensorArg{scratch + i * C_, DType::kF32}, C_,
+                                                        Accumulate::kAdd));
+    }
+    return ok_status();
+  });
 }
 
 // ---- construction ----------------------------------------------------------------------------
@@ -306,6 +370,7 @@ Status Model::Impl::bind_params() {
 
 void Model::Impl::carve_activations(Carver& c, bool with_grads) {
   const std::int64_t N = Bmax * Tmax;
+  const std::int64_t Nl = N / sp;  // rows of the residual stream and norms (all of them without SP)
   const std::int64_t L = layout.config.n_layer;
   const std::int64_t ff1 = gpt2 ? F : 2 * F;
   resid.clear();
@@ -317,7 +382,7 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
                                                          : Tensor{nullptr, wdt});
   } else {
     for (std::int64_t l = 0; l <= L; ++l)
-      resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(N * C, wdt) : Tensor{nullptr, wdt});
+      resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(Nl * C, wdt) : Tensor{nullptr, wdt});
   }
   const bool shared = layout.config.activation_checkpointing || !with_grads;
   sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
@@ -325,26 +390,26 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
     BlockActs& a = sets[i];
     const int module = static_cast<int>(i) + 1;  // block l is module l + 1
     if (!shared && (module < first || module >= end)) continue;
-    a.norm1 = c.tensor(N * C, wdt);
+    a.norm1 = c.tensor(Nl * C, wdt);
     a.qkv = c.tensor(N * Q, wdt);
     a.atty = c.tensor(N * H * D, wdt);
-    a.res2 = c.tensor(N * C, wdt);
-    a.norm2 = c.tensor(N * C, wdt);
+    a.res2 = c.tensor(Nl * C, wdt);
+    a.norm2 = c.tensor(Nl * C, wdt);
     a.ff1 = c.tensor(N * ff1, wdt);
     a.ff2 = c.tensor(N * F, wdt);
-    a.mean1 = gpt2 ? c.floats(N) : nullptr;
-    a.rstd1 = c.floats(N);
-    a.mean2 = gpt2 ? c.floats(N) : nullptr;
-    a.rstd2 = c.floats(N);
+    a.mean1 = gpt2 ? c.floats(Nl) : nullptr;
+    a.rstd1 = c.floats(Nl);
+    a.mean2 = gpt2 ? c.floats(Nl) : nullptr;
+    a.rstd2 = c.floats(Nl);
     a.lse = c.floats(N * H);
   }
   tokens = c.ints(N);
   targets = c.ints(N);
   losses = c.floats(N);  // zero rows of a stage without the head: its losses sum to 0
   if (end < static_cast<int>(layout.modules.size())) return;  // the head runs elsewhere
-  final_norm = c.tensor(N * C, wdt);
-  final_mean = gpt2 ? c.floats(N) : nullptr;
-  final_rstd = c.floats(N);
+  final_norm = c.tensor(Nl * C, wdt);
+  final_mean = gpt2 ? c.floats(Nl) : nullptr;
+  final_rstd = c.floats(Nl);
   logits = c.tensor(N * Vp, wdt);
   ce_lse = c.floats(N);
   if (tp != nullptr) {
@@ -438,6 +503,30 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     m.tp = options.tensor_parallel;
     m.tp_rank = tpl.rank;
   }
+  if (options.sequence_parallel) {
+    const std::string sp_key = "model: sequence parallel (strata.sequence_parallel)";
+    if (tpl.size < 2) {
+      return invalid_argument(
+          sp_key +
+          " splits the tokens over the tensor-parallel group and needs a "
+          "tensor-parallel layout (strata.tensor_parallel_size > 1); this layout is the whole model");
+    }
+    if (m.Tmax % tpl.size != 0) {
+      return invalid_argument(sp_key + ": max_seq_len (seq_len) = " + std::to_string(m.Tmax) +
+                              " is not a multiple of tensor_parallel_size = " + std::to_string(tpl.size));
+    }
+    if (options.offload_activations) {
+      return invalid_argument(sp_key +
+                              " with activation offload (activation_checkpointing.cpu_checkpointing) "
+                              "is not built yet: turn one of them off");
+    }
+    if (m.first != 0 || m.end != static_cast<int>(layout.modules.size())) {
+      return invalid_argument(sp_key +
+                              " on a pipeline stage (strata.pipeline_parallel_size > 1) is not built "
+                              "yet: the stage boundary carries the full residual stream");
+    }
+    m.sp = tpl.size;
+  }
   const std::int64_t t = tpl.size;
   m.C = cfg.n_embd;
   m.H = cfg.n_head / t;
@@ -519,8 +608,15 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   const std::int64_t N = m.Bmax * m.Tmax;
   if (options.with_grads) {
     auto carve_grads = [&](Carver& c) {
-      m.dres = c.tensor(N * m.C, m.wdt);
+      // With sequence parallelism the residual gradient holds this rank's rows; dln stays full
+      // (a column-parallel layer's input gradient is a partial sum over all rows before the
+      // reduce-scatter into dln_local).
+      m.dres = c.tensor(N / m.sp * m.C, m.wdt);
       m.dln = c.tensor(N * m.C, m.wdt);
+      if (m.sp > 1) {
+        m.dln_local = c.tensor(N / m.sp * m.C, m.wdt);
+        m.norm_grads = c.floats(4 * m.C);
+      }
       m.dqkv = c.tensor(N * m.Q, m.wdt);
       m.datty = c.tensor(N * m.H * m.D, m.wdt);
       m.dff1 = c.tensor(N * (m.gpt2 ? m.F : 2 * m.F), m.wdt);
@@ -542,6 +638,12 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     STRATA_ASSIGN_OR_RETURN(m.io_block, device.allocate(measure.used(), "model.io"));
     Carver carve(static_cast<char*>(m.io_block.data()));
     carve_io(carve);
+  }
+  if (m.sp > 1) {
+    // Also needed without gradients (the forward's gathers), shared by the slots.
+    const std::uint64_t bytes = static_cast<std::uint64_t>(N * m.C) * dtype_size(m.wdt);
+    STRATA_ASSIGN_OR_RETURN(m.sp_block, device.allocate(bytes, "model.sequence_parallel"));
+    m.sp_full = Tensor{m.sp_block.data(), m.wdt};
   }
 
   // Pinned staging: token batches, per-slot losses, and a parameter staging buffer.
@@ -596,8 +698,11 @@ float* Model::grads_base() const { return impl_->grads; }
 std::uint64_t Model::activation_bytes() const {
   std::uint64_t acts = impl_->act_block.size();
   for (const ActState& a : impl_->parked) acts += a.act_block.size();  // the selected slot's entry is empty
-  return acts + (impl_->grad_block ? impl_->grad_block.size() : 0) + impl_->io_block.size();
+  return acts + (impl_->grad_block ? impl_->grad_block.size() : 0) + impl_->io_block.size() +
+         (impl_->sp_block ? impl_->sp_block.size() : 0);
 }
+
+std::int64_t Model::local_rows() const { return impl_->local_rows(); }
 
 std::uint64_t Model::activation_host_bytes() const {
   std::uint64_t bytes = impl_->host_block ? impl_->host_block.size() : 0;
@@ -717,6 +822,11 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
     return invalid_argument("set_batch: batch (" + std::to_string(B) + ", " + std::to_string(T) +
                             ") is outside the model's buffers (" + std::to_string(m.Bmax) + ", " +
                             std::to_string(m.Tmax) + ")");
+  }
+  if (T % m.sp != 0) {
+    return invalid_argument(
+        "set_batch: sequence parallel splits the tokens over the tensor-parallel group: seq_len = " +
+        std::to_string(T) + " is not a multiple of tensor_parallel_size = " + std::to_string(m.sp));
   }
   const auto n = static_cast<std::size_t>(B * T);
   if (inputs.size() != n || targets.size() != n) {
@@ -988,7 +1098,11 @@ Status Model::Impl::offload_after_backward(int m) {
 Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
   const BlockParams& p = blocks[static_cast<std::size_t>(l)];
   detail::KernelLauncher& k = *launch;
-  const std::int64_t N = B * T, BT = B * T;
+  // Sequence parallel: the norms and residual adds run on this rank's Nl rows, everything
+  // between a column-parallel entry and a row-parallel exit on all N rows (gathered into sp_full).
+  const std::int64_t N = B * T, Nl = N / sp;
+  const bool seq = sp > 1;
+  const Tensor full = sp_full;
   const Tensor x = resid[static_cast<std::size_t>(l)];
   const Tensor out = resid[static_cast<std::size_t>(l) + 1];
   const float eps = static_cast<float>(layout.config.norm_eps);
@@ -1004,16 +1118,18 @@ Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
   // Attention sublayer: norm, fused qkv projection, (rotary), causal attention.
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("ln_1", [=](const KernelContext& ctx) {
-      return kernels::layernorm_forward(ctx, A.norm1.arg(), A.mean1, A.rstd1, x.carg(), norm_w1, norm_b1, N,
+      return kernels::layernorm_forward(ctx, A.norm1.arg(), A.mean1, A.rstd1, x.carg(), norm_w1, norm_b1, Nl,
                                         C_, eps);
     }));
   } else {
     STRATA_RETURN_IF_ERROR(k.run("input_layernorm", [=](const KernelContext& ctx) {
-      return kernels::rmsnorm_forward(ctx, A.norm1.arg(), A.rstd1, x.carg(), norm_w1, N, C_, eps);
+      return kernels::rmsnorm_forward(ctx, A.norm1.arg(), A.rstd1, x.carg(), norm_w1, Nl, C_, eps);
     }));
   }
+  const Tensor n1 = seq ? full : A.norm1;
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_1 out", A.norm1, n1, Nl * C_));
   STRATA_RETURN_IF_ERROR(k.run("qkv", [=](const KernelContext& ctx) {
-    return kernels::matmul_forward(ctx, A.qkv.arg(), A.norm1.carg(), qkv_w, qkv_b, N, C_, Q_);
+    return kernels::matmul_forward(ctx, A.qkv.arg(), n1.carg(), qkv_w, qkv_b, N, C_, Q_);
   }));
   if (!gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("rope q,k", [=](const KernelContext& ctx) -> Status {
@@ -1031,104 +1147,154 @@ Status Model::Impl::block_forward(int l, const BlockActs& A, bool recompute) {
   // res2 = x + atty·Wprojᵀ (+ b). Tensor parallel (row-parallel projection): each rank's partial
   // product over its heads, rank 0's with the bias and the residual, summed by the all-reduce, so
   // the bias and x enter the sum once.
+  // Sequence parallel: the partial products (rank 0's with the bias) over all rows go to sp_full,
+  // are reduce-scattered into this rank's rows of res2, and every rank adds its rows of x.
   const bool add_once = tp_rank0();
+  const Tensor proj_out = seq ? full : A.res2;
   STRATA_RETURN_IF_ERROR(k.run("attn proj + residual", [=](const KernelContext& ctx) -> Status {
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, A.res2.arg(), A.atty.carg(), proj_w,
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, proj_out.arg(), A.atty.carg(), proj_w,
                                                    add_once ? proj_b : kernels::kNone, N, H_ * D_, C_));
-    if (!add_once) return ok_status();
-    return kernels::residual_forward(ctx, A.res2.arg(), A.res2.carg(), x.carg(), BT * C_);
+    if (!add_once || seq) return ok_status();
+    return kernels::residual_forward(ctx, A.res2.arg(), A.res2.carg(), x.carg(), N * C_);
   }));
-  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce attn proj", A.res2, N * C_));
+  if (seq) {
+    STRATA_RETURN_IF_ERROR(tp_reduce_scatter("tp reduce-scatter attn proj", proj_out, A.res2, Nl * C_));
+    STRATA_RETURN_IF_ERROR(k.run("attn residual", [=](const KernelContext& ctx) {
+      return kernels::residual_forward(ctx, A.res2.arg(), A.res2.carg(), x.carg(), Nl * C_);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce attn proj", A.res2, N * C_));
+  }
   // MLP sublayer.
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("ln_2", [=](const KernelContext& ctx) {
       return kernels::layernorm_forward(ctx, A.norm2.arg(), A.mean2, A.rstd2, A.res2.carg(), norm_w2, norm_b2,
-                                        N, C_, eps);
-    }));
-    STRATA_RETURN_IF_ERROR(k.run("c_fc + gelu", [=](const KernelContext& ctx) -> Status {
-      STRATA_RETURN_IF_ERROR(
-          kernels::matmul_forward(ctx, A.ff1.arg(), A.norm2.carg(), fc_w, fc_b, N, C_, F_));
-      return kernels::gelu_forward(ctx, A.ff2.arg(), A.ff1.carg(), N * F_);
+                                        Nl, C_, eps);
     }));
   } else {
     STRATA_RETURN_IF_ERROR(k.run("post_attention_layernorm", [=](const KernelContext& ctx) {
-      return kernels::rmsnorm_forward(ctx, A.norm2.arg(), A.rstd2, A.res2.carg(), norm_w2, N, C_, eps);
+      return kernels::rmsnorm_forward(ctx, A.norm2.arg(), A.rstd2, A.res2.carg(), norm_w2, Nl, C_, eps);
     }));
+  }
+  const Tensor n2 = seq ? full : A.norm2;
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_2 out", A.norm2, n2, Nl * C_));
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("c_fc + gelu", [=](const KernelContext& ctx) -> Status {
+      STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, A.ff1.arg(), n2.carg(), fc_w, fc_b, N, C_, F_));
+      return kernels::gelu_forward(ctx, A.ff2.arg(), A.ff1.carg(), N * F_);
+    }));
+  } else {
     STRATA_RETURN_IF_ERROR(k.run("gate_up + swiglu", [=](const KernelContext& ctx) -> Status {
       STRATA_RETURN_IF_ERROR(
-          kernels::matmul_forward(ctx, A.ff1.arg(), A.norm2.carg(), fc_w, kernels::kNone, N, C_, 2 * F_));
+          kernels::matmul_forward(ctx, A.ff1.arg(), n2.carg(), fc_w, kernels::kNone, N, C_, 2 * F_));
       return kernels::swiglu_forward(ctx, A.ff2.arg(), A.ff1.carg(), N, F_);
     }));
   }
   if (recompute) return ok_status();  // the block's output (the next residual) is kept already
-  // out = res2 + ff2·Wᵀ (+ b); tensor parallel as the attention projection.
+  // out = res2 + ff2·Wᵀ (+ b); tensor (and sequence) parallel as the attention projection.
+  const Tensor mlp_out = seq ? full : out;
   STRATA_RETURN_IF_ERROR(k.run("mlp proj + residual", [=](const KernelContext& ctx) -> Status {
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, out.arg(), A.ff2.carg(), fcproj_w,
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(ctx, mlp_out.arg(), A.ff2.carg(), fcproj_w,
                                                    add_once ? fcproj_b : kernels::kNone, N, F_, C_));
-    if (!add_once) return ok_status();
-    return kernels::residual_forward(ctx, out.arg(), out.carg(), A.res2.carg(), BT * C_);
+    if (!add_once || seq) return ok_status();
+    return kernels::residual_forward(ctx, out.arg(), out.carg(), A.res2.carg(), N * C_);
   }));
-  return tp_all_reduce("tp all-reduce mlp proj", out, N * C_);
+  if (!seq) return tp_all_reduce("tp all-reduce mlp proj", out, N * C_);
+  STRATA_RETURN_IF_ERROR(tp_reduce_scatter("tp reduce-scatter mlp proj", mlp_out, out, Nl * C_));
+  return k.run("mlp residual", [=](const KernelContext& ctx) {
+    return kernels::residual_forward(ctx, out.arg(), out.carg(), A.res2.carg(), Nl * C_);
+  });
 }
 
 // Backward of block l. On entry dres holds ∂L/∂(block output); on exit ∂L/∂(block input).
+// Sequence parallel: dres holds this rank's rows. Before each row-parallel layer's backward its
+// rows are all-gathered (the conjugate of the forward reduce-scatter) into sp_full, and each
+// column-parallel layer's partial input gradient (all rows) is reduce-scattered into dln_local
+// (the conjugate of the forward all-gather), which the norm's backward reads.
 Status Model::Impl::block_backward(int l, const BlockActs& A) {
   const BlockParams& p = blocks[static_cast<std::size_t>(l)];
   detail::KernelLauncher& k = *launch;
-  const std::int64_t N = B * T;
+  const std::int64_t N = B * T, Nl = N / sp;
+  const bool seq = sp > 1;
+  const Tensor full = sp_full;
   const Tensor x = resid[static_cast<std::size_t>(l)];
   const std::int64_t C_ = C, Q_ = Q, F_ = F, H_ = H, Hkv_ = Hkv, D_ = D, B_ = B, T_ = T;
   const Tensor dres_ = dres, dln_ = dln, dqkv_ = dqkv, datty_ = datty, dff1_ = dff1, dff2_ = dff2;
   const auto norm_w1 = P(p.norm1_w).carg(), norm_w2 = P(p.norm2_w).carg();
   const auto qkv_w = P(p.qkv_w).carg(), proj_w = P(p.proj_w).carg(), fc_w = P(p.fc_w).carg(),
              fcproj_w = P(p.fcproj_w).carg();
-  const Tensor g_norm_w1 = G(p.norm1_w), g_norm_b1 = G(p.norm1_b), g_norm_w2 = G(p.norm2_w),
-               g_norm_b2 = G(p.norm2_b);
+  Tensor g_norm_w1 = G(p.norm1_w), g_norm_b1 = G(p.norm1_b), g_norm_w2 = G(p.norm2_w),
+         g_norm_b2 = G(p.norm2_b);
   const Tensor g_qkv_w = G(p.qkv_w), g_qkv_b = G(p.qkv_b), g_proj_w = G(p.proj_w), g_proj_b = G(p.proj_b);
   const Tensor g_fc_w = G(p.fc_w), g_fc_b = G(p.fc_b), g_fcproj_w = G(p.fcproj_w), g_fcproj_b = G(p.fcproj_b);
   const float* rope_table = rope;
+  // Sequence parallel: the norms' parameter gradients over this rank's rows collect in
+  // norm_grads [w1 | b1 | w2 | b2] and are summed over the group at the end.
+  const std::vector<Tensor> norm_targets = {g_norm_w1, g_norm_b1, g_norm_w2, g_norm_b2};
+  if (seq) {
+    STRATA_RETURN_IF_ERROR(stream->memset_async(norm_grads, 0, static_cast<std::uint64_t>(4 * C_) * 4));
+    g_norm_w1 = Tensor{norm_grads, DType::kF32};
+    g_norm_b1 = gpt2 ? Tensor{norm_grads + C_, DType::kF32} : Tensor{};
+    g_norm_w2 = Tensor{norm_grads + 2 * C_, DType::kF32};
+    g_norm_b2 = gpt2 ? Tensor{norm_grads + 3 * C_, DType::kF32} : Tensor{};
+  }
+  const Tensor dnorm = seq ? dln_local : dln_;  // the norms' output gradient (this rank's rows)
+  // The gradient at a row-parallel layer's output (all rows) and the norm outputs (all rows).
+  const Tensor dout = seq ? full : dres_;
+  const Tensor n1 = seq ? full : A.norm1, n2 = seq ? full : A.norm2;
+  // A column-parallel layer's input gradient: the sum of the ranks' partial products.
+  auto reduce_dinp = [&](const char* all_reduce, const char* reduce_scatter) -> Status {
+    if (seq) return tp_reduce_scatter(reduce_scatter, dln_, dnorm, Nl * C_);
+    return tp_all_reduce(all_reduce, dln_, N * C_);
+  };
 
   // MLP sublayer. out = res2 + ff2·Wᵀ: ∂res2 is dres itself (kept in place), ∂ff2 = dres·W.
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather mlp proj dout", dres_, dout, Nl * C_));
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("c_proj backward + gelu backward", [=](const KernelContext& ctx) -> Status {
       STRATA_RETURN_IF_ERROR(kernels::matmul_backward(ctx, dff1_.arg(), g_fcproj_w.arg(), g_fcproj_b.arg(),
-                                                      dres_.carg(), A.ff2.carg(), fcproj_w, N, F_, C_,
+                                                      dout.carg(), A.ff2.carg(), fcproj_w, N, F_, C_,
                                                       Accumulate::kOverwrite));
       return kernels::gelu_backward(ctx, dff1_.arg(), dff1_.carg(), A.ff1.carg(), N * F_,
                                     Accumulate::kOverwrite);
-    }));
-    STRATA_RETURN_IF_ERROR(k.run("c_fc backward", [=](const KernelContext& ctx) {
-      return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), g_fc_b.arg(), dff1_.carg(),
-                                      A.norm2.carg(), fc_w, N, C_, F_, Accumulate::kOverwrite);
-    }));
-    // Column-parallel layer: its input gradient is the sum of the ranks' partial products.
-    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce c_fc dinp", dln_, N * C_));
-    STRATA_RETURN_IF_ERROR(k.run("ln_2 backward", [=](const KernelContext& ctx) {
-      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), g_norm_b2.arg(), dln_.carg(),
-                                         A.res2.carg(), norm_w2, A.mean2, A.rstd2, N, C_, Accumulate::kAdd);
     }));
   } else {
     STRATA_RETURN_IF_ERROR(
         k.run("down_proj backward + swiglu backward", [=](const KernelContext& ctx) -> Status {
           STRATA_RETURN_IF_ERROR(kernels::matmul_backward(ctx, dff2_.arg(), g_fcproj_w.arg(),
-                                                          kernels::kNoOutput, dres_.carg(), A.ff2.carg(),
+                                                          kernels::kNoOutput, dout.carg(), A.ff2.carg(),
                                                           fcproj_w, N, F_, C_, Accumulate::kOverwrite));
           return kernels::swiglu_backward(ctx, dff1_.arg(), dff2_.carg(), A.ff1.carg(), N, F_,
                                           Accumulate::kOverwrite);
         }));
+  }
+  // sp_full now goes from the gathered gradient (consumed above, in stream order) to ln_2's output.
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_2 out (backward)", A.norm2, n2, Nl * C_));
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("c_fc backward", [=](const KernelContext& ctx) {
+      return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), g_fc_b.arg(), dff1_.carg(), n2.carg(),
+                                      fc_w, N, C_, F_, Accumulate::kOverwrite);
+    }));
+    STRATA_RETURN_IF_ERROR(reduce_dinp("tp all-reduce c_fc dinp", "tp reduce-scatter c_fc dinp"));
+    STRATA_RETURN_IF_ERROR(k.run("ln_2 backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), g_norm_b2.arg(), dnorm.carg(),
+                                         A.res2.carg(), norm_w2, A.mean2, A.rstd2, Nl, C_, Accumulate::kAdd);
+    }));
+  } else {
     STRATA_RETURN_IF_ERROR(k.run("gate_up backward", [=](const KernelContext& ctx) {
       return kernels::matmul_backward(ctx, dln_.arg(), g_fc_w.arg(), kernels::kNoOutput, dff1_.carg(),
-                                      A.norm2.carg(), fc_w, N, C_, 2 * F_, Accumulate::kOverwrite);
+                                      n2.carg(), fc_w, N, C_, 2 * F_, Accumulate::kOverwrite);
     }));
-    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce gate_up dinp", dln_, N * C_));
+    STRATA_RETURN_IF_ERROR(reduce_dinp("tp all-reduce gate_up dinp", "tp reduce-scatter gate_up dinp"));
     STRATA_RETURN_IF_ERROR(k.run("post_attention_layernorm backward", [=](const KernelContext& ctx) {
-      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), dln_.carg(), A.res2.carg(), norm_w2,
-                                       A.rstd2, N, C_, Accumulate::kAdd);
+      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w2.arg(), dnorm.carg(), A.res2.carg(),
+                                       norm_w2, A.rstd2, Nl, C_, Accumulate::kAdd);
     }));
   }
   // Attention sublayer. res2 = x + atty·Wᵀ.
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather attn proj dout", dres_, dout, Nl * C_));
   STRATA_RETURN_IF_ERROR(k.run("attn proj backward", [=](const KernelContext& ctx) {
-    return kernels::matmul_backward(ctx, datty_.arg(), g_proj_w.arg(), g_proj_b.arg(), dres_.carg(),
+    return kernels::matmul_backward(ctx, datty_.arg(), g_proj_w.arg(), g_proj_b.arg(), dout.carg(),
                                     A.atty.carg(), proj_w, N, H_ * D_, C_, Accumulate::kOverwrite);
   }));
   const kernels::AttentionShape shape{B_, T_, H_, Hkv_, D_, Q_, Q_, Q_, 0.0f};
@@ -1146,21 +1312,25 @@ Status Model::Impl::block_backward(int l, const BlockActs& A) {
       return kernels::rope_backward(ctx, kpart.arg(), kpart.carg(), rope_table, B_, T_, Hkv_, D_, Q_);
     }));
   }
+  if (seq) STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_1 out (backward)", A.norm1, n1, Nl * C_));
   STRATA_RETURN_IF_ERROR(k.run("qkv backward", [=](const KernelContext& ctx) {
-    return kernels::matmul_backward(ctx, dln_.arg(), g_qkv_w.arg(), g_qkv_b.arg(), dqkv_.carg(),
-                                    A.norm1.carg(), qkv_w, N, C_, Q_, Accumulate::kOverwrite);
+    return kernels::matmul_backward(ctx, dln_.arg(), g_qkv_w.arg(), g_qkv_b.arg(), dqkv_.carg(), n1.carg(),
+                                    qkv_w, N, C_, Q_, Accumulate::kOverwrite);
   }));
-  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce qkv dinp", dln_, N * C_));
+  STRATA_RETURN_IF_ERROR(reduce_dinp("tp all-reduce qkv dinp", "tp reduce-scatter qkv dinp"));
   if (gpt2) {
-    return k.run("ln_1 backward", [=](const KernelContext& ctx) {
-      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), g_norm_b1.arg(), dln_.carg(),
-                                         x.carg(), norm_w1, A.mean1, A.rstd1, N, C_, Accumulate::kAdd);
-    });
+    STRATA_RETURN_IF_ERROR(k.run("ln_1 backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), g_norm_b1.arg(), dnorm.carg(),
+                                         x.carg(), norm_w1, A.mean1, A.rstd1, Nl, C_, Accumulate::kAdd);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("input_layernorm backward", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), dnorm.carg(), x.carg(), norm_w1,
+                                       A.rstd1, Nl, C_, Accumulate::kAdd);
+    }));
   }
-  return k.run("input_layernorm backward", [=](const KernelContext& ctx) {
-    return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w1.arg(), dln_.carg(), x.carg(), norm_w1,
-                                     A.rstd1, N, C_, Accumulate::kAdd);
-  });
+  if (!seq) return ok_status();
+  return sp_add_norm_grads("tp all-reduce norm grads", norm_targets);
 }
 
 void Model::Impl::describe_storage() {
@@ -1211,11 +1381,15 @@ Status Model::Impl::forward_module(int m, bool for_backward) {
     if (tp != nullptr) {
       // Vocabulary-parallel: rows of tokens outside the shard are zero, the sum over the ranks
       // is the embedding; rank 0 adds the position table so that it enters once.
+      // Sequence parallel: the same partial sums over every row, reduce-scattered so that each
+      // rank keeps its rows (the position table is added before the split: see backward).
       const std::int64_t vb = vocab_begin;
       const auto wpe0 = tp_rank0() ? wpe : kernels::kNone;
+      const Tensor emb = sp > 1 ? sp_full : x0;
       STRATA_RETURN_IF_ERROR(k.run("embedding shard", [=](const KernelContext& ctx) {
-        return kernels::embedding_shard_forward(ctx, x0.arg(), tok, wte, wpe0, B_, T_, C_, vb, Vp_);
+        return kernels::embedding_shard_forward(ctx, emb.arg(), tok, wte, wpe0, B_, T_, C_, vb, Vp_);
       }));
+      if (sp > 1) return tp_reduce_scatter("tp reduce-scatter embedding", emb, x0, N / sp * C_);
       return tp_all_reduce("tp all-reduce embedding", x0, N * C_);
     }
     return k.run("embedding", [=](const KernelContext& ctx) {
@@ -1234,23 +1408,30 @@ Status Model::Impl::forward_module(int m, bool for_backward) {
   const auto norm_w = P(eh.norm_w).carg(), norm_b = Pc(eh.norm_b);
   const Tensor fn = final_norm, lg = logits;
   float *fmean = final_mean, *frstd = final_rstd, *loss = losses, *lse = ce_lse;
+  const std::int64_t Nl = N / sp;  // the final norm runs on this rank's rows
   if (gpt2) {
     STRATA_RETURN_IF_ERROR(k.run("ln_f", [=](const KernelContext& ctx) {
-      return kernels::layernorm_forward(ctx, fn.arg(), fmean, frstd, xL.carg(), norm_w, norm_b, N, C_, eps);
+      return kernels::layernorm_forward(ctx, fn.arg(), fmean, frstd, xL.carg(), norm_w, norm_b, Nl, C_, eps);
     }));
   } else {
     STRATA_RETURN_IF_ERROR(k.run("norm", [=](const KernelContext& ctx) {
-      return kernels::rmsnorm_forward(ctx, fn.arg(), frstd, xL.carg(), norm_w, N, C_, eps);
+      return kernels::rmsnorm_forward(ctx, fn.arg(), frstd, xL.carg(), norm_w, Nl, C_, eps);
     }));
   }
   if (tp != nullptr) {
+    // Sequence parallel: the vocabulary-parallel head reads every row; gather the normed rows.
+    Tensor head_in = fn;
+    if (sp > 1) {
+      head_in = sp_full;
+      STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_f out", fn, head_in, Nl * C_));
+    }
     // Vocabulary-parallel cross-entropy: this rank's logits columns, the row max and then the
     // exp-sums and target logits summed over the ranks (kernels.hpp, cross_entropy_shard_*).
     float *row_max = ce_max, *sums = ce_sums;
     const std::int64_t vb = vocab_begin;
     STRATA_RETURN_IF_ERROR(k.run("lm_head shard + row max", [=](const KernelContext& ctx) -> Status {
       STRATA_RETURN_IF_ERROR(
-          kernels::matmul_forward(ctx, lg.arg(), fn.carg(), lm_head, kernels::kNone, N, C_, Vp_));
+          kernels::matmul_forward(ctx, lg.arg(), head_in.carg(), lm_head, kernels::kNone, N, C_, Vp_));
       return kernels::cross_entropy_shard_max(ctx, row_max, lg.carg(), N, Vp_, vb, V_);
     }));
     STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce logits max", Tensor{row_max, DType::kF32}, N, ReduceOp::kMax));
@@ -1280,13 +1461,20 @@ Status Model::Impl::backward_module(int m, float dloss) {
     const Tensor g_wte = G(eh.wte), g_wpe = G(eh.wpe);
     if (tp != nullptr) {
       // dres is the whole (replicated) gradient: each rank scatters the rows of its tokens, and
-      // every rank computes the replicated position table's gradient alike.
+      // every rank computes the replicated position table's gradient alike. Sequence parallel:
+      // the reduce-scatter's conjugate first gathers every rank's rows of dres, so the position
+      // table's gradient is again over all rows and the same on every rank (no sum needed).
       const std::int64_t vb = vocab_begin;
+      Tensor dx0 = dres_;
+      if (sp > 1) {
+        dx0 = sp_full;
+        STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather embedding dout", dres_, dx0, N / sp * C_));
+      }
       return k.run("embedding shard backward", [=](const KernelContext& ctx) -> Status {
         STRATA_RETURN_IF_ERROR(
-            kernels::embedding_shard_backward(ctx, g_wte.arg(), dres_.carg(), tok, B_, T_, C_, vb, Vp_));
+            kernels::embedding_shard_backward(ctx, g_wte.arg(), dx0.carg(), tok, B_, T_, C_, vb, Vp_));
         if (g_wpe.data == nullptr) return ok_status();
-        return kernels::embedding_backward(ctx, kernels::kNoOutput, g_wpe.arg(), dres_.carg(), tok, B_, T_, C_,
+        return kernels::embedding_backward(ctx, kernels::kNoOutput, g_wpe.arg(), dx0.carg(), tok, B_, T_, C_,
                                            V_);
       });
     }
@@ -1314,6 +1502,14 @@ Status Model::Impl::backward_module(int m, float dloss) {
   // Head: the logits' gradient overwrites the logits.
   const bool shard = tp != nullptr;
   const std::int64_t vb = vocab_begin;
+  const std::int64_t Nl = N / sp;
+  // Sequence parallel: the head's input is every rank's normed rows, gathered again (sp_full is
+  // shared scratch, so what the forward gathered may be gone).
+  Tensor head_in = fn;
+  if (sp > 1) {
+    head_in = sp_full;
+    STRATA_RETURN_IF_ERROR(tp_all_gather("tp all-gather ln_f out (backward)", fn, head_in, Nl * C_));
+  }
   STRATA_RETURN_IF_ERROR(
       k.run("cross-entropy backward + lm_head backward", [=](const KernelContext& ctx) -> Status {
         if (shard) {
@@ -1324,20 +1520,36 @@ Status Model::Impl::backward_module(int m, float dloss) {
               kernels::cross_entropy_backward(ctx, lg.arg(), lg.carg(), lse, tgt, dloss, N, V_, Vp_));
         }
         return kernels::matmul_backward(ctx, dln_.arg(), g_lm_head.arg(), kernels::kNoOutput, lg.carg(),
-                                        fn.carg(), lm_head, N, C_, Vp_, Accumulate::kOverwrite);
+                                        head_in.carg(), lm_head, N, C_, Vp_, Accumulate::kOverwrite);
       }));
-  // The head is column-parallel over the vocabulary: the final norm's output gradient is the sum.
-  STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce lm_head dinp", dln_, N * C_));
-  if (gpt2) {
-    return k.run("ln_f backward", [=](const KernelContext& ctx) {
-      return kernels::layernorm_backward(ctx, dres_.arg(), g_norm_w.arg(), g_norm_b.arg(), dln_.carg(),
-                                         xL.carg(), norm_w, fmean, frstd, N, C_, Accumulate::kOverwrite);
-    });
+  // The head is column-parallel over the vocabulary: the final norm's output gradient is the sum
+  // (sequence parallel: each rank's rows of it, reduce-scattered).
+  Tensor dnorm = dln_;
+  Tensor gw = g_norm_w, gb = g_norm_b;
+  if (sp > 1) {
+    dnorm = dln_local;
+    STRATA_RETURN_IF_ERROR(tp_reduce_scatter("tp reduce-scatter lm_head dinp", dln_, dnorm, Nl * C_));
+    // The norm's parameter gradients over this rank's rows go to scratch first (the kernels add).
+    STRATA_RETURN_IF_ERROR(stream->memset_async(norm_grads, 0, static_cast<std::uint64_t>(2 * C_) * 4));
+    gw = Tensor{norm_grads, DType::kF32};
+    gb = gpt2 ? Tensor{norm_grads + C_, DType::kF32} : Tensor{};
+  } else {
+    STRATA_RETURN_IF_ERROR(tp_all_reduce("tp all-reduce lm_head dinp", dln_, N * C_));
   }
-  return k.run("norm backward", [=](const KernelContext& ctx) {
-    return kernels::rmsnorm_backward(ctx, dres_.arg(), g_norm_w.arg(), dln_.carg(), xL.carg(), norm_w, frstd,
-                                     N, C_, Accumulate::kOverwrite);
-  });
+  if (gpt2) {
+    STRATA_RETURN_IF_ERROR(k.run("ln_f backward", [=](const KernelContext& ctx) {
+      return kernels::layernorm_backward(ctx, dres_.arg(), gw.arg(), gb.arg(), dnorm.carg(), xL.carg(),
+                                         norm_w, fmean, frstd, Nl, C_, Accumulate::kOverwrite);
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(k.run("norm backward", [=](const KernelContext& ctx) {
+      return kernels::rmsnorm_backward(ctx, dres_.arg(), gw.arg(), dnorm.carg(), xL.carg(), norm_w, frstd, Nl,
+                                       C_, Accumulate::kOverwrite);
+    }));
+  }
+  if (sp == 1) return ok_status();
+  if (gpt2) return sp_add_norm_grads("tp all-reduce ln_f grads", {g_norm_w, g_norm_b});
+  return sp_add_norm_grads("tp all-reduce norm grads", {g_norm_w});
 }
 
 }  // namespace strata

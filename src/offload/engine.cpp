@@ -51,6 +51,9 @@
 // the sharded parameters' squares on every rank and the replicated ones on rank 0 (norm_ranges),
 // merged over the group in rank order (tp.norm on the optimizer thread, tp.model in the device
 // update); the state getters, weights and checkpoints gather full parameters (tp.step, caller).
+// Sequence parallelism (settings.sequence_parallel) changes only the model: it sums the norms'
+// parameter gradients over the group inside backward, so the replicated gradients the engine
+// buckets, reduces, scans and updates are identical on every rank, as without it.
 //
 // Pipeline parallel (docs/parallel.md "Pipeline parallel"). A stage runs modules [stage_first,
 // stage_end) and holds only the units they read (Units::in_stage; the others have no bytes, no
@@ -617,6 +620,7 @@ Status OffloadEngine::Impl::setup() {
   mo.own_storage = false;
   mo.loss_slots = static_cast<int>(config.grad_accum);
   mo.tensor_parallel = tp_model.get();
+  mo.sequence_parallel = settings.sequence_parallel;
   mo.offload_activations = settings.offload_activations;
   stage_first = 0;
   stage_end = M;
@@ -2976,6 +2980,32 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
   return ok_status();
 }
 
+// Sequence parallelism splits a tensor-parallel group's tokens; the errors name the keys.
+Status check_sequence_parallel(const TrainerConfig& config, const OffloadSettings& s, int pp_size) {
+  if (!s.sequence_parallel) return ok_status();
+  const std::string tp = "strata.tensor_parallel_size = " + std::to_string(s.tp_size);
+  if (s.tp_size < 2) {
+    return invalid_argument(
+        "strata.sequence_parallel = true splits the tokens over the tensor-parallel group, but " + tp +
+        ": set tensor_parallel_size > 1 or sequence_parallel false");
+  }
+  if (config.seq_len % s.tp_size != 0) {
+    return invalid_argument("strata.sequence_parallel: seq_len = " + std::to_string(config.seq_len) +
+                            " is not a multiple of " + tp + " (each rank keeps 1/tensor_parallel_size of the token rows)");
+  }
+  if (pp_size > 1) {
+    return invalid_argument(
+        "strata.sequence_parallel with strata.pipeline_parallel_size = " + std::to_string(pp_size) +
+        " is not built yet (the stage boundary carries the full residual stream): turn one of them off");
+  }
+  if (s.offload_activations) {
+    return invalid_argument(
+        "strata.sequence_parallel with activation_checkpointing.cpu_checkpointing (--offload-activations) is not "
+        "built yet: turn one of them off");
+  }
+  return ok_status();
+}
+
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
   const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
@@ -3053,6 +3083,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
     STRATA_RETURN_IF_ERROR(check_tensor_parallel(config.model, settings.tp_size));
     STRATA_RETURN_IF_ERROR(check_tensor_parallel_placement(settings, device));
   }
+  STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings, pp_size));
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
   if (pp_size > 1) {

@@ -165,6 +165,7 @@ Status OffloadSettings::apply(const Config& config) {
   prefetch_modules = static_cast<int>(config.strata.get_int(Option::kOffloadPrefetchModules));
   gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
   delayed_update = config.strata.get_bool(Option::kDelayedUpdate);
+  sequence_parallel = config.strata.get_bool(Option::kSequenceParallel);
   delayed_update_warmup = static_cast<int>(config.strata.get_int(Option::kDelayedUpdateWarmup));
   optimizer_ratio = z.offload_optimizer.ratio;
   return validate().with_context(config.source);

@@ -434,6 +434,15 @@ int run_train(std::span<const std::string> argv) {
     if (!s.ok()) return usage(s);
   }
   offload.tp_size = tp_size;  // the plan (--plan and the printed one) is this rank's shard
+  offload.sequence_parallel = pp_options.get_bool(Option::kSequenceParallel);
+  if (offload.sequence_parallel && tp_size < 2) {
+    return usage(
+        invalid_argument(pp_options.source(Option::kSequenceParallel) +
+                         ": sequence_parallel = true splits the tokens over the tensor-parallel group, but "
+                         "strata.tensor_parallel_size = " +
+                         std::to_string(tp_size) +
+                         ": set tensor_parallel_size > 1 (under mpirun) or sequence_parallel false"));
+  }
 
   // ---- placement, plan, device and engine ----
   std::unique_ptr<TempSwapDir> temp_swap;
@@ -612,6 +621,12 @@ int run_train(std::span<const std::string> argv) {
         "parallel %d tensor-parallel ranks per %s (each holds 1/%d of the split parameters and "
         "trains its group's batch); the plan below is per rank\n",
         tp_size, pp > 1 ? "pipeline stage" : "model", tp_size);
+    if (offload.sequence_parallel) {
+      std::printf(
+          "parallel sequence parallel: each tensor-parallel rank keeps 1/%d of the tokens of the residual "
+          "stream and the norms\n",
+          tp_size);
+    }
   }
   if (pp > 1) {
     std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
@@ -669,7 +684,7 @@ int run_train(std::span<const std::string> argv) {
   run["device"] = (*device)->info().name;
   run["compute_threads"] = (*device)->info().compute_threads;
   run["data_parallel"] = Json{{"ranks", dp_size}, {"zero_stage", offload.zero_stage}};
-  run["tensor_parallel"] = Json{{"ranks", tp_size}};
+  run["tensor_parallel"] = Json{{"ranks", tp_size}, {"sequence_parallel", offload.sequence_parallel}};
   run["pipeline"] = Json{{"stages", pp}, {"schedule", std::string(to_string(offload.pipeline_schedule))}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
