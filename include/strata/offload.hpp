@@ -397,6 +397,14 @@ class OffloadEngine {
 
   // One update from grad_accum micro-batches (as Trainer::step). Returns once the loss and the
   // gradient norm are known; host optimizer work may still run, overlapped with the next call.
+  //
+  // Faults (docs/offload.md "Faults"): a failed call is retried by calling again. A step whose
+  // call failed changed nothing and simply runs again. An error of a step's host update after
+  // step() returned (e.g. an NVMe write under the NVMe optimizer) is reported by the next call;
+  // the call after that first finishes the failed update in place — only the units and NVMe
+  // sub-groups that do not hold it yet, from the gradients kept for it — and then does its own
+  // work, so the trajectory continues bit for bit. With more than one process, or when units
+  // were updated during backward, the error stays until load_checkpoint.
   Result<StepMetrics> step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
   // Forward only over one micro-batch; the mean loss.
   Result<double> loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
@@ -456,6 +464,7 @@ class OffloadEngine {
                                                                    Comm* pipeline,
                                                                    const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
+  Result<StepMetrics> step_once(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
   std::unique_ptr<Impl> impl_;
 };
 
