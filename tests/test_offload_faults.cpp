@@ -121,14 +121,29 @@ void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool r
   OffloadSettings ref_settings = s;
   ref_settings.nvme_path = {ref_dir.path().string()};
   s.nvme_path = {dir.path().string()};
-  const Snapshot ref = train(c, ref_settings, kSteps);
-  ASSERT_EQ(ref.losses.size(), static_cast<std::size_t>(kSteps));
   // Step k (0-based batch index) fails; steps k-1 and k must both be applied (fp16 skips some):
   // k-1 measures one step's writes, k is the one whose update fails.
+  const Snapshot plain = train(c, ref_settings, kSteps);
+  ASSERT_EQ(plain.losses.size(), static_cast<std::size_t>(kSteps));
   int k = -1;
   for (int i = 2; i + 2 <= kSteps && k < 0; ++i)
-    if (ref.skipped[static_cast<std::size_t>(i - 1)] == 0 && ref.skipped[static_cast<std::size_t>(i)] == 0) k = i;
+    if (plain.skipped[static_cast<std::size_t>(i - 1)] == 0 && plain.skipped[static_cast<std::size_t>(i)] == 0) k = i;
   ASSERT_GE(k, 2) << "no two applied steps in a row";
+  // The reference synchronises where the faulty run does (after steps k-1, k and k+1's update):
+  // with the delayed update a synchronize is a flush, which the trajectory depends on.
+  Snapshot ref;
+  {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, ref_settings, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    for (int i = 0; i < kSteps; ++i) {
+      ASSERT_TRUE(run_steps(**engine, c, i, i + 1, ref));
+      if (i >= k - 2 && i <= k) {
+        ASSERT_TRUE((*engine)->synchronize().ok());
+      }
+    }
+    ASSERT_TRUE(capture_state(**engine, ref));
+  }
 
   nvme_detail::IoFaults faults;
   auto device = make_device();
@@ -137,7 +152,7 @@ void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool r
   OffloadEngine& e = **engine;
   Snapshot got;
   ASSERT_TRUE(run_steps(e, c, 0, k - 1, got));
-  ASSERT_TRUE(e.synchronize().ok());
+  ASSERT_TRUE(e.synchronize().ok());  // after step k-1 (1-based)
   const std::uint64_t b1 = faults.write_bytes_started.load();
   ASSERT_TRUE(run_steps(e, c, k - 1, k, got));
   ASSERT_TRUE(e.synchronize().ok());

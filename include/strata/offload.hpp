@@ -80,8 +80,9 @@ struct OffloadSettings {
   // updates) on the host; the rest stays on the device with the device's update. The device
   // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
   // their gradients land last in backward and the next forward reads them first, so they are
-  // the ones the host would make the step wait for. < 1 needs optimizer = kHost and the
-  // parameters on the device, one process and no delayed update (docs/offload.md).
+  // the ones the host would make the step wait for. < 1 needs optimizer = kHost or kNvme (the
+  // host part then streams through the NVMe ring) and the parameters on the device, one process
+  // and no delayed update (docs/offload.md).
   double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
@@ -280,8 +281,14 @@ struct StepPrediction {
 // landed unit and updating it then (update_during_backward with clipping off, no NVMe homes) or
 // after the norm, in forward order, overlapped with the next step's forward, which waits for
 // each unit's update; NVMe optimizer state streamed through the ring of nvme_buffer_count
-// sub-groups (reads ahead, one disk for reads and writes). Several steps are replayed and the
-// last step's period is the prediction. A pure function of its arguments.
+// sub-groups (reads ahead, one disk for reads and writes). Partial optimizer offload: the device
+// units keep their gradients and are scanned and updated on compute after the norm (their share
+// of device_update_seconds). The delayed update: the next forward does not wait for the update,
+// its backward waits per unit before the gradients go out, uploads follow the passes (steady
+// state, warm-up left out). Activation offload: each evicted block input out after its forward
+// and back before its backward, compute waiting where the ring of 3 buffers makes it. Several
+// steps are replayed and the last step's period is the prediction. A pure function of its
+// arguments.
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates);
 

@@ -362,7 +362,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
               cur.optimizer += scan(elements(u));
             }
           }
-          grads = std::max({grads, compute, host}) + d;
+          grads = std::max({grads, compute, delayed ? host : 0.0}) + d;
           if (!last_micro) continue;
           double work = grads_nvme ? 0.0 : scan(elements(u));
           if (immediate) work += adam(elements(u));

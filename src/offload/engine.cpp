@@ -1713,6 +1713,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   std::uint64_t seq = 0;
   std::vector<std::uint64_t> ring_seq(R, 0);
   std::uint64_t out_seq[2] = {0, 0};
+  // Once a write failed no later unit counts as updated (writes retire in issue order, so a
+  // unit's own sub-group writes retire before its last entry): a retry finishes the rest, and
+  // group_step says which of their sub-groups are on disk already.
+  bool write_failed = false;
   auto retire_through = [&](std::uint64_t through) -> Status {
     Status first;
     while (!writes.empty() && writes.front().seq <= through) {
@@ -1720,13 +1724,14 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       writes.pop_front();
       Status s = p.handle.valid() ? p.handle.wait() : ok_status();
       if (!s.ok() && first.ok()) first = s;
+      if (!s.ok()) write_failed = true;
       if (s.ok() && p.trace_track >= 0) {
         tracer.add_span(p.trace_track, TraceCounter::kNvmeWrite, "write", p.unit, p.bytes, p.issued_at);
       }
       if (s.ok() && p.group >= 0) {
         group_step[static_cast<std::size_t>(p.unit)][static_cast<std::size_t>(p.group)] = done_step;
       }
-      if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
+      if (!write_failed && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
     }
     return first;
   };
@@ -1936,8 +1941,11 @@ void OffloadEngine::Impl::worker_main() {
       if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
     if (settings.optimizer == Tier::kNvme) {
       std::vector<int> order;  // this stage's units, in the update's order
-      for (int u : update_order)
-        if (units.in_stage[static_cast<std::size_t>(u)] && updated_step[static_cast<std::size_t>(u)] < c.step) order.push_back(u);
+      for (int u : update_order) {
+        // Partial offload: units [0, kdev) are the device's.
+        if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] && updated_step[static_cast<std::size_t>(u)] < c.step)
+          order.push_back(u);
+      }
       return update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
     }
     for (int u : update_order) {
@@ -2939,6 +2947,12 @@ std::string OffloadEngine::optimizer_name() const {
     return std::string("CPU AdamW (") + std::string(to_string(t.device_opt->isa())) + ") on the device's compute threads";
   }
   return "fused AdamW on the GPU (fused_adam_cuda)";
+}
+
+Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
+  auto r = step_once(inputs, targets);
+  if (!r.ok()) impl_->note_reported();  // the next call retries a failed update (recover)
+  return r;
 }
 
 Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> inputs,
