@@ -2,7 +2,11 @@
 // out by hand from the engine's schedule (docs/offload.md "One step"): the all-device step is
 // its compute and update; a deferred host update exposes only the first unit's Adam; an immediate
 // update exposes only the last landed unit's; prefetching hides every fetch but the first while
-// fetching on demand serialises them all; the bytes each link moves; bad rates name the rate.
+// fetching on demand serialises them all; the bytes each link moves; partial optimizer offload
+// keeps the first units' gradients and update on the device; the delayed update hides the update
+// behind the next step until it is longer than the step; activation offload copies each evicted
+// block input out and back and stalls compute only where the ring makes it wait; bad rates name
+// the rate.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -177,6 +181,106 @@ TEST(CostModel, SharedCoresChargeOverlappedCpuWork) {
   EXPECT_GT(shared->contention, 0.0);
   EXPECT_NEAR(shared->step_seconds, alone->step_seconds + shared->contention, 1e-9);
   EXPECT_LE(shared->contention, shared->optimizer / 2 + 1e-9);
+}
+
+TEST(CostModel, PartialOffloadUpdatesTheFirstUnitsOnTheDeviceAndMovesOnlyTheRest) {
+  // ratio just under 1 - (embedding's share): the embedding (unit 0) stays on the device. Its
+  // gradients never leave, and the step no longer waits for its host Adam (0.5 s for the largest
+  // unit) but for its share of the device update (0.5 s for everything), on compute after the
+  // norm; the host units' updates hide behind the next forward as before.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  const std::uint64_t total = std::accumulate(u.elements.begin(), u.elements.end(), 0ull);
+  MachineRates r = rates();
+  r.adam_elements_per_s = static_cast<double>(*std::max_element(u.elements.begin(), u.elements.end())) / 0.5;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.optimizer_ratio = 1.0 - (static_cast<double>(u.elements[0]) + 0.5) / static_cast<double>(total);
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const double dev_share = 0.5 * static_cast<double>(u.elements[0]) / static_cast<double>(total);
+  EXPECT_NEAR(p->step_seconds, kCompute + dev_share, 1e-9);
+  EXPECT_NEAR(p->compute, kCompute + dev_share, 1e-9);
+  EXPECT_EQ(p->d2h_bytes, 4 * (total - u.elements[0]));  // the device unit's gradients stay
+  EXPECT_NEAR(p->optimizer, static_cast<double>(total - u.elements[0]) / r.adam_elements_per_s, 1e-9);
+  // Against ratio 1: the whole embedding's Adam was exposed.
+  s.optimizer_ratio = 1.0;
+  auto all_host = predict_step(c, s, r);
+  ASSERT_TRUE(all_host.ok());
+  EXPECT_NEAR(all_host->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s, 1e-9);
+  EXPECT_EQ(all_host->d2h_bytes, 4 * total);
+}
+
+TEST(CostModel, DelayedUpdateHidesTheUpdateUntilItIsLongerThanTheStep) {
+  // Fast Adam (0.5 s for the largest unit): the ordinary deferred step exposes unit 0's update
+  // (the next forward waits for it); the delayed one exposes nothing. Slow Adam (all units 30 s
+  // > the 12 s of compute): the delayed step is bound by the update (the next step's backward
+  // and its end wait for it), and both are at least the update's length, the ordinary one more.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  const double total = static_cast<double>(std::accumulate(u.elements.begin(), u.elements.end(), 0ull));
+  MachineRates r = rates();
+  r.adam_elements_per_s = static_cast<double>(*std::max_element(u.elements.begin(), u.elements.end())) / 0.5;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  OffloadSettings d = s;
+  d.delayed_update = true;
+  auto ordinary = predict_step(c, s, r);
+  auto delayed = predict_step(c, d, r);
+  ASSERT_TRUE(ordinary.ok() && delayed.ok()) << delayed.status().to_string();
+  EXPECT_NEAR(ordinary->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s, 1e-9);
+  EXPECT_NEAR(delayed->step_seconds, kCompute, 1e-9);
+  EXPECT_NEAR(delayed->optimizer, ordinary->optimizer, 1e-9);
+  EXPECT_EQ(delayed->h2d_bytes, ordinary->h2d_bytes);  // every unit uploaded once either way
+  r.adam_elements_per_s = total / 30.0;
+  ordinary = predict_step(c, s, r);
+  delayed = predict_step(c, d, r);
+  ASSERT_TRUE(ordinary.ok() && delayed.ok());
+  EXPECT_NEAR(delayed->step_seconds, 30.0, 1e-9);
+  EXPECT_GT(ordinary->step_seconds, delayed->step_seconds + 1.0);
+}
+
+TEST(CostModel, ActivationOffloadCopiesEachEvictedInputOutAndBack) {
+  // 5 blocks: modules embedding, h.0..h.4, head; a ring of 3 buffers evicts x_0, x_1, x_2 (x_3,
+  // x_4 and the head's x_5 stay), each (B*T, C) fp32 = 2*16*64*4 bytes, once out and once back
+  // per micro-batch. Copies of 0.25 s hide behind the blocks; copies of 3 s (a block's forward
+  // is 1 s) stall compute, worked out by hand from the ring's waits:
+  //   forward  emb 0-1, h.0 1-2 (x_0 out 2-5), h.1 2-3 (x_1 out 5-8), h.2 waits x_0: 5-6 (x_2 out
+  //            8-11), h.3 waits x_1: 8-9, h.4 waits x_2: 11-12, head 12-13;
+  //   backward head 13-15 (x_2 in 15-18), h.4 15-17 (x_1 in 18-21), h.3 17-19 (x_0 in 21-24),
+  //            h.2 waits x_2: 19-21, h.1 waits x_1: 21-23, h.0 waits x_0: 24-26, emb 26-28;
+  //   then the device update (0.5 s): 28.5 s, 7 s of it stalls.
+  TrainerConfig c = tiny();
+  c.model.n_layer = 5;
+  c.model.activation_checkpointing = true;
+  const std::uint64_t act = 2 * 16 * 64 * 4;
+  MachineRates r = rates();
+  r.forward_seconds.assign(7, 1.0);
+  r.backward_seconds.assign(7, 2.0);
+  r.h2d_bytes_per_s = r.d2h_bytes_per_s = static_cast<double>(act) / 0.25;
+  OffloadSettings s;
+  s.offload_activations = true;
+  auto hidden = predict_step(c, s, r);
+  ASSERT_TRUE(hidden.ok()) << hidden.status().to_string();
+  EXPECT_NEAR(hidden->step_seconds, 21.5, 1e-9);
+  EXPECT_EQ(hidden->d2h_bytes, 3 * act);
+  EXPECT_EQ(hidden->h2d_bytes, 3 * act);
+  r.h2d_bytes_per_s = r.d2h_bytes_per_s = static_cast<double>(act) / 3.0;
+  auto slow = predict_step(c, s, r);
+  ASSERT_TRUE(slow.ok());
+  EXPECT_NEAR(slow->step_seconds, 28.5, 1e-9);
+  EXPECT_NEAR(slow->fetch_stall, 7.0, 1e-9);
+  EXPECT_NEAR(slow->d2h, 9.0, 1e-9);
+  // Two micro-batches move twice the bytes; without offload nothing moves.
+  c.grad_accum = 2;
+  auto two = predict_step(c, s, r);
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->d2h_bytes, 6 * act);
+  s.offload_activations = false;
+  auto none = predict_step(c, s, r);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->d2h_bytes + none->h2d_bytes, 0u);
+  EXPECT_NEAR(none->step_seconds, 2 * 21 + 0.5, 1e-9);
 }
 
 TEST(CostModel, BadRatesNameTheRate) {

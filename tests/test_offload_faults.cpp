@@ -1,8 +1,11 @@
 // Faults during training lose nothing: an I/O error while fetching parameters fails the step and
-// changes no state (retrying continues the exact trajectory); a dead disk under the NVMe
-// optimizer surfaces as an error naming the swap file, and loading the last checkpoint into the
-// same engine continues the exact trajectory; a full disk while checkpointing fails that save
-// only, naming the file, and `latest` keeps naming the previous checkpoint.
+// changes no state (retrying continues the exact trajectory); a write error in the middle of a
+// step's host update (the NVMe optimizer's sub-groups, NVMe-homed parameters) is reported once and
+// then finished in place by the next call, updating only what did not hold the step yet, and the
+// trajectory continues bit for bit; a dead disk under the NVMe optimizer surfaces as an error
+// naming the swap file, and loading the last checkpoint into the same engine continues the exact
+// trajectory; a full disk while checkpointing fails that save only, naming the file, and `latest`
+// keeps naming the previous checkpoint.
 #include <gtest/gtest.h>
 #include <sys/mount.h>
 
@@ -80,9 +83,13 @@ TEST(OffloadFaults, DeadDiskUnderTheNvmeOptimizerSurfacesAndACheckpointRecovers)
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.to_string();
   EXPECT_NE(failed.message().find(dir.path().string()), std::string::npos) << failed.to_string();
-  // Nothing more runs while the error stands.
+  // While the disk stays dead every retry of the update fails again, and nothing more runs.
   batch(c, 3, in, tg);
-  EXPECT_FALSE((*engine)->step(in, tg).ok());
+  auto retried = (*engine)->step(in, tg);
+  ASSERT_FALSE(retried.ok());
+  EXPECT_NE(retried.status().message().find("retrying the update of step 3"), std::string::npos)
+      << retried.status().to_string();
+  EXPECT_EQ((*engine)->steps_done(), 3);
   // The disk is replaced; the last checkpoint goes back into the same engine.
   faults.errors.clear();
   auto loaded = (*engine)->load_checkpoint(root.path().string());
@@ -95,6 +102,132 @@ TEST(OffloadFaults, DeadDiskUnderTheNvmeOptimizerSurfacesAndACheckpointRecovers)
   ASSERT_TRUE(run_steps(**engine, c, 2, 4, got));
   ASSERT_TRUE(capture_state(**engine, got));
   expect_same(ref, got, "after a dead disk and a checkpoint reload");
+}
+
+// Retrying a failed host update in place. `fraction` of one step's write bytes go through, then
+// the disk fails every write: the update of one applied step (k) stops part-way (1: at its first
+// write; the size of a step less one: at its last). The error is reported once (by
+// synchronize(), or by the next step() when `report_in_step`), a retry while the disk is still
+// dead fails again, and once the disk is back the next call finishes step k's update — writing
+// less than a whole step unless nothing had gone through — and training continues bit for bit as
+// in the run without the fault (losses, norms, loss scales and skips, and every parameter,
+// master and moment at the end).
+enum class FailAt { kFirst, kMiddle, kLast };
+
+void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool report_in_step, const char* what) {
+  SCOPED_TRACE(what);
+  constexpr int kSteps = 7;
+  TempDir ref_dir("strata-retry-ref"), dir("strata-retry");
+  OffloadSettings ref_settings = s;
+  ref_settings.nvme_path = {ref_dir.path().string()};
+  s.nvme_path = {dir.path().string()};
+  // Step k (0-based batch index) fails; steps k-1 and k must both be applied (fp16 skips some):
+  // k-1 measures one step's writes, k is the one whose update fails.
+  const Snapshot plain = train(c, ref_settings, kSteps);
+  ASSERT_EQ(plain.losses.size(), static_cast<std::size_t>(kSteps));
+  int k = -1;
+  for (int i = 2; i + 2 <= kSteps && k < 0; ++i)
+    if (plain.skipped[static_cast<std::size_t>(i - 1)] == 0 && plain.skipped[static_cast<std::size_t>(i)] == 0) k = i;
+  ASSERT_GE(k, 2) << "no two applied steps in a row";
+  // The reference synchronises where the faulty run does (after steps k-1, k and k+1's update):
+  // with the delayed update a synchronize is a flush, which the trajectory depends on.
+  Snapshot ref;
+  {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, ref_settings, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    for (int i = 0; i < kSteps; ++i) {
+      ASSERT_TRUE(run_steps(**engine, c, i, i + 1, ref));
+      if (i >= k - 2 && i <= k) {
+        ASSERT_TRUE((*engine)->synchronize().ok());
+      }
+    }
+    ASSERT_TRUE(capture_state(**engine, ref));
+  }
+
+  nvme_detail::IoFaults faults;
+  auto device = make_device();
+  auto engine = offload_detail::EngineFaults::create(c, s, *device, &faults);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  OffloadEngine& e = **engine;
+  Snapshot got;
+  ASSERT_TRUE(run_steps(e, c, 0, k - 1, got));
+  ASSERT_TRUE(e.synchronize().ok());  // after step k-1 (1-based)
+  const std::uint64_t b1 = faults.write_bytes_started.load();
+  ASSERT_TRUE(run_steps(e, c, k - 1, k, got));
+  ASSERT_TRUE(e.synchronize().ok());
+  const std::uint64_t b2 = faults.write_bytes_started.load();
+  const std::uint64_t per_step = b2 - b1;
+  ASSERT_GT(per_step, 0u);
+  const std::uint64_t through = at == FailAt::kFirst ? 1 : at == FailAt::kMiddle ? per_step / 2 : per_step - 1;
+  faults.fail_writes_after_bytes = b2 + through;
+  // Step k returns once its norm is known; its update fails behind it.
+  ASSERT_TRUE(run_steps(e, c, k, k + 1, got));
+  const std::string step_name = "step " + std::to_string(k + 1);
+  std::vector<std::int32_t> in, tg;
+  batch(c, k + 1, in, tg);
+  Status first = report_in_step ? e.step(in, tg).status() : e.synchronize();
+  ASSERT_FALSE(first.ok()) << "the update of " << step_name << " did not fail";
+  EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
+  EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
+  EXPECT_EQ(e.steps_done(), k + 1);
+  Status again = e.synchronize();
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos) << again.to_string();
+  // The disk is back: the next call finishes the update in place.
+  faults.fail_writes_after_bytes = 0;
+  const std::uint64_t before_retry = faults.write_bytes_started.load();
+  Status retried = e.synchronize();
+  ASSERT_TRUE(retried.ok()) << retried.to_string();
+  const std::uint64_t retry_bytes = faults.write_bytes_started.load() - before_retry;
+  EXPECT_GT(retry_bytes, 0u);
+  if (at == FailAt::kFirst) {
+    EXPECT_EQ(retry_bytes, per_step);
+  } else {
+    EXPECT_LT(retry_bytes, per_step) << "the retry rewrote what had already gone through";
+  }
+  EXPECT_EQ(e.steps_done(), k + 1);
+  ASSERT_TRUE(run_steps(e, c, k + 1, kSteps, got));
+  ASSERT_TRUE(capture_state(e, got));
+  expect_same(ref, got, what);
+}
+
+TEST(OffloadFaults, NvmeOptimizerWriteErrorIsRetriedInPlaceFp32) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kF32, 1, 1.0);
+  TempDir unused("strata-retry-unused");
+  const OffloadSettings s = settings_for({Tier::kDevice, Tier::kNvme}, unused);
+  retry_in_place(c, s, FailAt::kFirst, false, "fp32, first write");
+  retry_in_place(c, s, FailAt::kMiddle, false, "fp32, middle");
+  retry_in_place(c, s, FailAt::kLast, true, "fp32, last write, reported by step()");
+}
+
+TEST(OffloadFaults, NvmeOptimizerWriteErrorIsRetriedInPlaceFp16SubGroups) {
+  // fp16: the loss scaler moved once, when the failed step returned; the retry must not move it.
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kF16, 2, 0.0);
+  TempDir unused("strata-retry-unused");
+  OffloadSettings s = settings_for({Tier::kNvme, Tier::kNvme}, unused);
+  s.sub_group_size = 4097;  // modules split into several sub-groups: a unit fails part-way
+  retry_in_place(c, s, FailAt::kMiddle, true, "fp16, parameters on NVMe, sub-groups of 4097, middle");
+  s.gradients = Tier::kNvme;
+  retry_in_place(c, s, FailAt::kLast, false, "fp16, NVMe gradients, last write");
+}
+
+TEST(OffloadFaults, HostOptimizerParameterWriteErrorIsRetriedInPlace) {
+  // Host optimizer, parameters at home on NVMe: Adam has run in host memory when the write of
+  // the new parameters fails; the retry publishes them again without a second update.
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  TempDir unused("strata-retry-unused");
+  const OffloadSettings s = settings_for({Tier::kNvme, Tier::kHost}, unused);
+  retry_in_place(c, s, FailAt::kMiddle, false, "bf16, host optimizer, middle");
+  retry_in_place(c, s, FailAt::kLast, true, "bf16, host optimizer, last write");
+}
+
+TEST(OffloadFaults, DelayedUpdateWriteErrorIsRetriedInPlace) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 1.0);
+  TempDir unused("strata-retry-unused");
+  OffloadSettings s = settings_for({Tier::kDevice, Tier::kNvme}, unused);
+  s.delayed_update = true;
+  retry_in_place(c, s, FailAt::kMiddle, true, "bf16, delayed update, middle");
 }
 
 // A small tmpfs mounted for the test (needs CAP_SYS_ADMIN; skipped with the reason otherwise).

@@ -80,8 +80,9 @@ struct OffloadSettings {
   // updates) on the host; the rest stays on the device with the device's update. The device
   // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
   // their gradients land last in backward and the next forward reads them first, so they are
-  // the ones the host would make the step wait for. < 1 needs optimizer = kHost and the
-  // parameters on the device, one process and no delayed update (docs/offload.md).
+  // the ones the host would make the step wait for. < 1 needs optimizer = kHost or kNvme (the
+  // host part then streams through the NVMe ring) and the parameters on the device, one process
+  // and no delayed update (docs/offload.md).
   double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
@@ -286,8 +287,14 @@ struct StepPrediction {
 // landed unit and updating it then (update_during_backward with clipping off, no NVMe homes) or
 // after the norm, in forward order, overlapped with the next step's forward, which waits for
 // each unit's update; NVMe optimizer state streamed through the ring of nvme_buffer_count
-// sub-groups (reads ahead, one disk for reads and writes). Several steps are replayed and the
-// last step's period is the prediction. A pure function of its arguments.
+// sub-groups (reads ahead, one disk for reads and writes). Partial optimizer offload: the device
+// units keep their gradients and are scanned and updated on compute after the norm (their share
+// of device_update_seconds). The delayed update: the next forward does not wait for the update,
+// its backward waits per unit before the gradients go out, uploads follow the passes (steady
+// state, warm-up left out). Activation offload: each evicted block input out after its forward
+// and back before its backward, compute waiting where the ring of 3 buffers makes it. Several
+// steps are replayed and the last step's period is the prediction. A pure function of its
+// arguments.
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates);
 
@@ -408,6 +415,14 @@ class OffloadEngine {
 
   // One update from grad_accum micro-batches (as Trainer::step). Returns once the loss and the
   // gradient norm are known; host optimizer work may still run, overlapped with the next call.
+  //
+  // Faults (docs/offload.md "Faults"): a failed call is retried by calling again. A step whose
+  // call failed changed nothing and simply runs again. An error of a step's host update after
+  // step() returned (e.g. an NVMe write under the NVMe optimizer) is reported by the next call;
+  // the call after that first finishes the failed update in place — only the units and NVMe
+  // sub-groups that do not hold it yet, from the gradients kept for it — and then does its own
+  // work, so the trajectory continues bit for bit. With more than one process, or when units
+  // were updated during backward, the error stays until load_checkpoint.
   Result<StepMetrics> step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
   // Forward only over one micro-batch; the mean loss.
   Result<double> loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
@@ -467,6 +482,7 @@ class OffloadEngine {
                                                                    Comm* pipeline,
                                                                    const nvme_detail::IoFaults* faults);
   explicit OffloadEngine(std::unique_ptr<Impl> impl);
+  Result<StepMetrics> step_once(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets);
   std::unique_ptr<Impl> impl_;
 };
 

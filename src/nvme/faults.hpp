@@ -3,6 +3,7 @@
 // test owns the IoFaults object; it must outlive the engine. Never used outside tests.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,6 +29,11 @@ struct IoFaults {
     int err = 0;
   };
   std::vector<Injected> errors;
+  // A disk that dies part-way through a burst of writes: once the write pieces started since the
+  // engine was created add up to more than this many bytes, every further write piece fails with
+  // EIO (0 = off). Atomics: the test moves the mark while the I/O threads read it.
+  mutable std::atomic<std::uint64_t> fail_writes_after_bytes{0};
+  mutable std::atomic<std::uint64_t> write_bytes_started{0};
   // SIGKILL the whole process once this many bytes of writes have completed (crash tests run
   // this in a forked child). 0 = off.
   std::uint64_t kill_after_write_bytes = 0;

@@ -310,6 +310,15 @@ class IoThread {
       out.push_back({p, -static_cast<std::int64_t>(inj->err)});
       return true;
     }
+    if (const IoFaults* f = engine_->faults; f != nullptr && p->op == IoOp::kWrite) {
+      const std::uint64_t mark = f->fail_writes_after_bytes.load();
+      const std::uint64_t before = f->write_bytes_started.fetch_add(p->length);
+      if (mark > 0 && before + p->length > mark) {
+        ++inflight_;
+        out.push_back({p, -static_cast<std::int64_t>(EIO)});
+        return true;
+      }
+    }
     if (p->direct && !p->member->direct.load(std::memory_order_relaxed)) p->direct = false;
     if (p->direct && p->needs_bounce) {
       int b = acquire_bounce();

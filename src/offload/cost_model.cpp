@@ -129,12 +129,80 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const std::int64_t A = config.grad_accum;
 
   StepPrediction p;
+  auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
+  auto d2h = [&](std::uint64_t b) { return static_cast<double>(b) / rates.d2h_bytes_per_s; };
+
+  // Activation offload (docs/offload.md "Activation offload"): block l's input x_l (l = 0..L,
+  // x_L the head's) lives in a ring of R = min(3, L + 1) device buffers; an input a later write
+  // of the pass evicts (l + R <= L) is copied out after block l's forward and back before its
+  // backward, on the model's own copy stream (lanes of their own here: the parameter fetches'
+  // h2d stream is not shared). Compute waits where the ring makes it: block j's forward writes
+  // x_{j+1} into the buffer of x_{j+1-R}, so it waits for that copy out; block i's backward waits
+  // for x_i's copy in, which is issued behind the last read of x_{i+R} (the buffer's previous
+  // index). Needs the modules to be embedding, blocks 0..L-1, head (block l is module l + 1).
+  const int L = static_cast<int>(config.model.n_layer);
+  const bool act = settings.offload_activations && config.model.activation_checkpointing && M == L + 2;
+  const int R_act = std::min(3, L + 1);
+  const std::uint64_t act_bytes = static_cast<std::uint64_t>(config.micro_batch) *
+                                  static_cast<std::uint64_t>(config.seq_len) *
+                                  static_cast<std::uint64_t>(config.model.n_embd) * dtype_size(config.model.dtype);
+  auto evicted = [&](int l) { return l >= 0 && l + R_act <= L; };
+  struct ActClock {
+    double out_lane = 0, in_lane = 0;
+    std::vector<double> out_done, in_done;  // per index of the pass
+  } ac;
+  ac.out_done.assign(static_cast<std::size_t>(L + 1), 0.0);
+  ac.in_done.assign(static_cast<std::size_t>(L + 1), 0.0);
+  // When module m's compute may start as far as the ring is concerned.
+  auto act_ready = [&](int m, bool backward) -> double {
+    if (!act || m < 1 || m > L + (backward ? 1 : 0)) return 0.0;
+    if (!backward) {
+      if (m > L) return 0.0;
+      const int l = m - 1;  // block l writes x_{l+1}
+      return evicted(l + 1 - R_act) ? ac.out_done[static_cast<std::size_t>(l + 1 - R_act)] : 0.0;
+    }
+    const int i = m - 1;  // block i (or the head, i = L) reads x_i
+    return evicted(i) ? ac.in_done[static_cast<std::size_t>(i)] : 0.0;
+  };
+  // After module m's compute (ending at `end`): the copies it makes possible.
+  auto act_after = [&](int m, bool backward, double end, StepPrediction& cur) {
+    if (!act || m < 1 || m > L + 1) return;
+    const int i = m - 1;
+    if (!backward) {
+      if (i >= L || !evicted(i)) return;
+      ac.out_lane = std::max(ac.out_lane, end) + d2h(act_bytes);
+      ac.out_done[static_cast<std::size_t>(i)] = ac.out_lane;
+      cur.d2h += d2h(act_bytes);
+      cur.d2h_bytes += act_bytes;
+      return;
+    }
+    // x_i has been read: its buffer takes x_{i-R}.
+    if (!evicted(i - R_act)) return;
+    ac.in_lane = std::max(ac.in_lane, end) + h2d(act_bytes);
+    ac.in_done[static_cast<std::size_t>(i - R_act)] = ac.in_lane;
+    cur.h2d += h2d(act_bytes);
+    cur.h2d_bytes += act_bytes;
+  };
+
   if (settings.optimizer == Tier::kDevice) {
-    // Everything resident: the passes and the update run on the compute stream, nothing else.
-    double pass = 0;
-    for (std::size_t m = 0; m < MM; ++m) pass += rates.forward_seconds[m] + rates.backward_seconds[m];
-    p.compute = static_cast<double>(A) * pass + rates.device_update_seconds;
-    p.step_seconds = p.compute;
+    // Everything resident: the passes and the update run on the compute stream, nothing else
+    // (but the activation copies).
+    double compute = 0;
+    for (std::int64_t a = 0; a < A; ++a) {
+      for (std::size_t j = 0; j < 2 * MM; ++j) {
+        const bool backward = j >= MM;
+        const int m = backward ? static_cast<int>(2 * MM - 1 - j) : static_cast<int>(j);
+        const double dur = backward ? rates.backward_seconds[static_cast<std::size_t>(m)]
+                                    : rates.forward_seconds[static_cast<std::size_t>(m)];
+        const double start = std::max(compute, act_ready(m, backward));
+        p.fetch_stall += start - compute;
+        compute = start + dur;
+        p.compute += dur;
+        act_after(m, backward, compute, p);
+      }
+    }
+    p.compute += rates.device_update_seconds;
+    p.step_seconds = compute + rates.device_update_seconds;
     return p;
   }
 
@@ -142,10 +210,28 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const bool grads_nvme = settings.gradients == Tier::kNvme;
   const bool any_nvme_home =
       std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  // The delayed update (docs/offload.md "Delayed update"): step t+1's forward does not wait for
+  // step t's update; its backward waits for a unit's update before that unit's gradients leave
+  // the device; after its passes the caller waits for every unit of step t and uploads them
+  // (h2d), and step t+1's update — in backward order — waits for each unit's upload before
+  // rewriting its host copy. The warm-up steps (not delayed) are left out: the steady state.
+  const bool delayed = settings.delayed_update;
   const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
-                         settings.optimizer == Tier::kHost && !any_nvme_home;
-  auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
-  auto d2h = [&](std::uint64_t b) { return static_cast<double>(b) / rates.d2h_bytes_per_s; };
+                         config.model.dtype != DType::kF16 && !delayed && settings.optimizer == Tier::kHost &&
+                         !any_nvme_home;
+  // Partial optimizer offload: units [0, kdev) keep gradients and optimizer state on the device.
+  // Their gradients accumulate in place (no bucket, no copy out, no host scan); after the norm
+  // the compute stream scans and updates them, charged as the device optimizer's time in
+  // proportion to their elements, before the next forward (stream order).
+  const int kdev = settings.optimizer_ratio < 1.0 ? static_cast<int>(units.device_opt_units) : 0;
+  std::uint64_t all_elements = 0, dev_elements = 0;
+  for (int u = 0; u < M; ++u) {
+    all_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
+    if (u < kdev) dev_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
+  }
+  const double dev_update = all_elements == 0 ? 0.0
+                                              : rates.device_update_seconds * static_cast<double>(dev_elements) /
+                                                    static_cast<double>(all_elements);
   auto nvme_read = [&](std::uint64_t b) {
     return b == 0 ? 0.0 : rates.nvme_request_seconds + static_cast<double>(b) / rates.nvme_read_bytes_per_s;
   };
@@ -218,7 +304,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       // access_params: wait for the units' updates, fetch what is not in a slot (a miss, or the
       // first k accesses of the step, which nothing fetched ahead).
       double ready = 0;
-      for (int u : units.storage[mm]) host = std::max(host, updated[static_cast<std::size_t>(u)]);
+      if (!delayed)
+        for (int u : units.storage[mm]) host = std::max(host, updated[static_cast<std::size_t>(u)]);
       if (k == 0 || j == 0) issue_fetch(j);
       for (int u : units.storage[mm]) {
         const std::size_t uu = static_cast<std::size_t>(u);
@@ -228,7 +315,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       if (backward) {
         for (int u : units.storage[mm]) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0) continue;
+          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0 || u < kdev) continue;
           double d = h2d(units.gbytes[uu]);
           cur.h2d += d;
           cur.h2d_bytes += units.gbytes[uu];
@@ -243,17 +330,25 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         }
       }
       const double dur = backward ? rates.backward_seconds[mm] : rates.forward_seconds[mm];
+      if (j % per_pass == 0) {  // a new micro-batch: the activation ring starts over
+        std::fill(ac.out_done.begin(), ac.out_done.end(), 0.0);
+        std::fill(ac.in_done.begin(), ac.in_done.end(), 0.0);
+      }
+      ready = std::max(ready, act_ready(m, backward));
       const double start = std::max({compute, host, ready});
       cur.fetch_stall += std::max(0.0, start - std::max(compute, step_start));
       compute = start + dur;
       compute_end[j] = compute;
       cur.compute += dur;
+      act_after(m, backward, compute, cur);
       // release_grads: at a unit's last backward touch its bucket goes out (grads stream); on the
       // last micro-batch the unit lands and the optimizer thread scans it (and may update it).
       if (backward) {
         for (int u : units.storage[mm]) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (last_touch[uu] != m || units.gbytes[uu] == 0) continue;
+          if (last_touch[uu] != m || units.gbytes[uu] == 0 || u < kdev) continue;
+          // Delayed update: the previous step's update of u must have read its gradients.
+          if (delayed) host = std::max(host, updated[uu]);
           double d = d2h(units.gbytes[uu]);
           cur.d2h += d;
           cur.d2h_bytes += units.gbytes[uu];
@@ -267,7 +362,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
               cur.optimizer += scan(elements(u));
             }
           }
-          grads = std::max(grads, compute) + d;
+          grads = std::max({grads, compute, delayed ? host : 0.0}) + d;
           if (!last_micro) continue;
           double work = grads_nvme ? 0.0 : scan(elements(u));
           if (immediate) work += adam(elements(u));
@@ -289,15 +384,44 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     }
     // The step's end: every stream synchronised, then the norm from the optimizer thread.
     host = std::max({host, compute, h2d_stream, grads});
+    if (delayed) {
+      // publish_delayed: the previous step's update of every unit, then their uploads.
+      for (int u = 0; u < M; ++u) host = std::max(host, updated[static_cast<std::size_t>(u)]);
+      for (int u = 0; u < M; ++u) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        if (units.home[uu] != Tier::kDevice || units.pbytes[uu] == 0) continue;
+        upload_lane = std::max(upload_lane, host) + h2d(units.pbytes[uu]);
+        uploaded[uu] = upload_lane;
+        cur.h2d += h2d(units.pbytes[uu]);
+        cur.h2d_bytes += units.pbytes[uu];
+      }
+    }
     const double norm_known = std::max(worker, host);
     cur.update_stall = norm_known - host;
     host = norm_known;
     worker = norm_known;
     const double step_return = host;
+    if (kdev > 0) {
+      // The device units' scan and update, on compute after the norm (before the next forward).
+      compute = std::max(compute, norm_known) + dev_update;
+      cur.compute += dev_update;
+      for (int u = 0; u < kdev; ++u) updated[static_cast<std::size_t>(u)] = norm_known;
+    }
+    // The update's order: forward, or backward for the delayed update (whose publish is the
+    // caller's: the worker only waits for the unit's upload before rewriting its host copy).
+    std::vector<int> order;
+    for (int i = 0; i < M; ++i) {
+      const int u = delayed ? M - 1 - i : i;
+      if (u >= kdev) order.push_back(u);
+    }
+    auto publish = [&](int u, double at) {
+      if (!delayed) publish_resident(u, at);
+    };
     if (!immediate) {
       if (settings.optimizer == Tier::kHost) {
-        for (int u = 0; u < M; ++u) {
+        for (int u : order) {
           const std::size_t uu = static_cast<std::size_t>(u);
+          if (delayed) worker = std::max(worker, uploaded[uu]);
           worker += adam(elements(u));
           cur.optimizer += adam(elements(u));
           if (units.home[uu] == Tier::kNvme) {
@@ -307,7 +431,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
             cur.nvme_write_bytes += units.pbytes[uu];
           }
           updated[uu] = worker;
-          publish_resident(u, worker);
+          publish(u, worker);
         }
       } else {
         // update_units_nvme: sub-groups through the ring; reads run up to R-1 ahead, a buffer is
@@ -318,7 +442,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           bool first, last;
         };
         std::vector<Item> items;
-        for (int u = 0; u < M; ++u) {
+        for (int u : order) {
           const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
           for (std::size_t c = 0; c + 1 < b.size(); ++c)
             items.push_back({u, b[c + 1] - b[c], c == 0, c + 2 == b.size()});
@@ -386,7 +510,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
             writes.push_back({++seq, disk_op(pw), it.unit});
             out_seq[(units_started - 1) % 2] = seq;
           } else {
-            publish_resident(it.unit, t);
+            if (delayed) t = std::max(t, uploaded[uu]);  // await_upload before the host copy is rewritten
+            publish(it.unit, t);
             writes.push_back({++seq, t, it.unit});
           }
         }

@@ -243,13 +243,42 @@ struct OffloadEngine::Impl {
 
   // The host optimizer thread.
   struct Command {
-    enum Kind { kLanded, kFinish, kAbort, kStop } kind = kLanded;
+    // kRetry: finish the update of a step that failed part-way (FailedUpdate).
+    enum Kind { kLanded, kFinish, kAbort, kRetry, kStop } kind = kLanded;
     int unit = -1;
     std::int64_t step = 0;  // the engine's step (StepMetrics::step): bookkeeping
     double lr = 0.0;
     std::int64_t opt_step = 0;  // the optimizer's update number (bias correction); fp16 skips hold it back
     double loss_scale = 1.0;    // the scale the step's gradients carry (fp16; 1 otherwise)
+    float scale = 1.0f;         // kRetry: the update's clip / loss-scale factor
   };
+  // Retrying a failed host update in place (docs/offload.md "Faults"). When the optimizer
+  // thread fails, `failed` says how far the step got:
+  //   kBeforeUpdate: nothing of the step was applied (its call failed); the step runs again.
+  //   kAfterNorm: the norm was published (step() returned) and the update failed part-way;
+  //     the next call reports the error, the call after it updates the remaining units with the
+  //     recorded factor. The gradients wait: the next step cannot overwrite a unit's gradients
+  //     before that unit holds this step (its forward, or with the delayed update its
+  //     gradients' copy-out, waits for the unit's update first).
+  //   kNone: not retryable — more than one process; or update_during_backward, where units are
+  //     updated while the step's call is still running (only a non-finite gradient or a stream
+  //     error can fail there, and neither goes away by retrying): sticky until load_checkpoint.
+  // Which units (and NVMe sub-groups) already hold the step is what updated_step,
+  // host_opt_step and group_step record; a failed swap write keeps the previous version
+  // readable (swap_store.cpp), so a sub-group that is not marked reads back as before the step.
+  enum class FailPhase : std::uint8_t { kNone, kBeforeUpdate, kAfterNorm };
+  struct FailedUpdate {
+    FailPhase phase = FailPhase::kNone;
+    Command cmd;            // the step's numbers (and, after the norm, its factor)
+    bool reported = false;  // a call has returned the error: the next one retries
+  };
+  FailedUpdate failed;  // guarded by mu
+  // Worker thread (and load_checkpoint, with the worker drained): per unit, the engine step
+  // whose update the host master and moments hold (the publish of its parameters may still have
+  // failed), and per unit and NVMe sub-group the step whose [master | m | v] is on disk.
+  std::vector<std::int64_t> host_opt_step;
+  std::vector<std::vector<std::int64_t>> group_step;
+  std::int64_t applied_step = 0;  // worker: the last step whose update started on some unit
   std::thread worker;
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -402,7 +431,19 @@ struct OffloadEngine::Impl {
   Status start_worker();
   void stop_worker();
   void worker_main();
-  Status update_unit_host(int u, std::int64_t step, double lr, float scale);
+  // `done_step`: the engine step the update belongs to (host_opt_step); a unit whose master and
+  // moments already hold it only publishes its parameters again (a retry).
+  Status update_unit_host(int u, std::int64_t step, double lr, float scale, std::int64_t done_step);
+  // Unit u's owned parameters in `out_unit` (its working layout) from fp32 masters at `master`
+  // (unit element offset `first`, `n` elements): the rounding the update's param_out does.
+  Status working_from_master(int u, const float* master, std::uint64_t first, std::uint64_t n, char* out_unit) const;
+  // A caller's entry: reports an update error once, then retries the failed update in place
+  // (FailedUpdate); ok once the engine may go on.
+  Status recover();
+  void note_reported() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!worker_error.ok()) failed.reported = true;
+  }
   // `step`: the optimizer's update number; `done_step`: the engine step each unit is marked
   // updated for (they differ once fp16 steps were skipped).
   Status update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr, float scale,
@@ -841,6 +882,12 @@ Status OffloadEngine::Impl::setup() {
     }
   }
   updated_step.assign(static_cast<std::size_t>(M), 0);
+  host_opt_step.assign(static_cast<std::size_t>(M), 0);
+  group_step.resize(static_cast<std::size_t>(M));
+  for (int u = 0; u < M; ++u) {
+    const auto& b = units.sub_groups.empty() ? std::vector<std::uint64_t>{} : units.sub_groups[static_cast<std::size_t>(u)];
+    group_step[static_cast<std::size_t>(u)].assign(b.empty() ? 0 : b.size() - 1, 0);
+  }
   STRATA_RETURN_IF_ERROR(initialize());
   if (!opt_on_device) STRATA_RETURN_IF_ERROR(start_worker());
   return compute->synchronize();
@@ -1743,11 +1790,35 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale) {
+Status OffloadEngine::Impl::working_from_master(int u, const float* master, std::uint64_t first, std::uint64_t n,
+                                               char* out_unit) const {
+  const std::uint64_t w = half ? 2 : 4;
+  for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    const std::uint64_t a = o.grad_in_unit / 4;
+    const std::uint64_t lo = std::max<std::uint64_t>(a, first), hi = std::min<std::uint64_t>(a + o.n, first + n);
+    if (lo >= hi) continue;
+    char* out = out_unit + o.param_in_unit + (lo - a) * w;
+    if (half) {
+      STRATA_RETURN_IF_ERROR(convert(master + (lo - first), DType::kF32, out, wdtype, hi - lo));
+    } else {
+      std::memcpy(out, master + (lo - first), (hi - lo) * 4);
+    }
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale, std::int64_t done_step) {
   const std::size_t uu = static_cast<std::size_t>(u);
   if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  if (!sharded && host_opt_step[uu] >= done_step) {
+    // A retry: master and moments hold the step already, only publishing the parameters failed.
+    STRATA_RETURN_IF_ERROR(working_from_master(u, reinterpret_cast<const float*>(host_at(host_master, grad_begin(u))), 0,
+                                               units.gbytes[uu] / 4, out_unit));
+    return publish_params(u, out_unit);
+  }
   if (sharded) {
     // This rank's slice [b, b + len) of the unit: its parts of each parameter are updated into
     // ag_send (the unit's fp32 element positions, working dtype), the ranks' chunks are
@@ -1802,6 +1873,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     if (!half) std::memcpy(out_unit + o.param_in_unit, b.master, o.n * 4);
   }
   span.reset();
+  host_opt_step[uu] = done_step;
   return publish_params(u, out_unit);
 }
 
@@ -1835,6 +1907,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     int unit_done;    // >= 0: the unit's last write
     int trace_track;  // where its span goes (-1: none)
     int unit;
+    std::int64_t group;  // >= 0: the write of this sub-group of `unit` (group_step once it retired)
     std::uint64_t bytes;
     std::int64_t issued_at;
   };
@@ -1842,6 +1915,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   std::uint64_t seq = 0;
   std::vector<std::uint64_t> ring_seq(R, 0);
   std::uint64_t out_seq[2] = {0, 0};
+  // Once a write failed no later unit counts as updated (writes retire in issue order, so a
+  // unit's own sub-group writes retire before its last entry): a retry finishes the rest, and
+  // group_step says which of their sub-groups are on disk already.
+  bool write_failed = false;
   auto retire_through = [&](std::uint64_t through) -> Status {
     Status first;
     while (!writes.empty() && writes.front().seq <= through) {
@@ -1849,16 +1926,20 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       writes.pop_front();
       Status s = p.handle.valid() ? p.handle.wait() : ok_status();
       if (!s.ok() && first.ok()) first = s;
+      if (!s.ok()) write_failed = true;
       if (s.ok() && p.trace_track >= 0) {
         tracer.add_span(p.trace_track, TraceCounter::kNvmeWrite, "write", p.unit, p.bytes, p.issued_at);
       }
-      if (first.ok() && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
+      if (s.ok() && p.group >= 0) {
+        group_step[static_cast<std::size_t>(p.unit)][static_cast<std::size_t>(p.group)] = done_step;
+      }
+      if (!write_failed && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
     }
     return first;
   };
   auto push_write = [&](IoHandle h, int unit_done, int trace_track, int unit, std::uint64_t bytes,
-                        std::int64_t issued_at) {
-    writes.push_back(Pending{++seq, std::move(h), unit_done, trace_track, unit, bytes, issued_at});
+                        std::int64_t issued_at, std::int64_t group = -1) {
+    writes.push_back(Pending{++seq, std::move(h), unit_done, trace_track, unit, group, bytes, issued_at});
     return seq;
   };
   auto bounds = [&](const Item& it) {
@@ -1949,6 +2030,14 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       out_unit = param_out[(units_started - 1) % 2].bytes();
     }
     float* master = ring[r].floats();
+    if (!sharded && group_step[uu][items[i].group] >= done_step) {
+      // A retry: this sub-group's new version is on disk (read back above); only the unit's
+      // working parameters are needed from it.
+      first_error = working_from_master(u, master, b0, len, out_unit);
+      if (!first_error.ok()) break;
+      if (last_group) first_error = finish_unit(u);
+      continue;
+    }
     std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
@@ -1976,7 +2065,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     if (!first_error.ok()) break;
     ring_seq[r] = push_write(
         swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1,
-        track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns());
+        track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns(), static_cast<std::int64_t>(items[i].group));
     if (!last_group) continue;
     first_error = finish_unit(u);
   }
@@ -2010,10 +2099,130 @@ void OffloadEngine::Impl::worker_main() {
   const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
-  auto fail = [&](Status s) {
+  // A retry needs no other process to agree on it (FailedUpdate).
+  const bool can_retry = dp_size == 1 && tp_size == 1 && pp_size == 1;
+  auto fail = [&](Status s, FailPhase phase, const Command& c) {
     std::lock_guard<std::mutex> lock(mu);
-    if (worker_error.ok()) worker_error = std::move(s);
+    if (worker_error.ok()) {
+      worker_error = std::move(s);
+      failed = FailedUpdate{can_retry ? phase : FailPhase::kNone, c, false};
+    }
     cv.notify_all();
+  };
+  // A failure before the step's first unit update leaves nothing to finish.
+  auto phase_of = [&](const Command& c, FailPhase started) {
+    return applied_step >= c.step ? started : FailPhase::kBeforeUpdate;
+  };
+  // Unit c.unit's landed gradients scanned into stats; with immediate_ok it is updated too.
+  auto on_landed = [&](const Command& c) -> Status {
+    const std::size_t uu = static_cast<std::size_t>(c.unit);
+    if (grads_on_nvme) {
+      stats[uu] = landed_stats[uu];  // scanned on the gstream thread, before the landed event
+    } else {
+      detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
+      const auto [grads, n] = unit_grads(c.unit);
+      const std::uint64_t first = sharded ? slices.begin[uu] : 0;
+      STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale)));
+    }
+    if (!immediate_ok) return ok_status();
+    if (!stats[uu].finite()) {
+      return invalid_argument("step " + std::to_string(c.step) + ": the gradients of module '" +
+                              layout().modules[uu].name +
+                              "' are not finite; modules updated before it in this step keep their update. Lower "
+                              "the learning rate or enable clipping");
+    }
+    applied_step = c.step;
+    STRATA_RETURN_IF_ERROR(update_unit_host(c.unit, c.opt_step, c.lr, 1.0f, c.step));
+    mark_updated(c.unit, c.step);
+    return ok_status();
+  };
+  // The step's update of every unit that does not hold it yet, `scale` = clip / loss scale.
+  auto apply_update = [&](const Command& c, float scale) -> Status {
+    applied_step = c.step;
+    for (int u = 0; u < M; ++u)
+      if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
+    if (settings.optimizer == Tier::kNvme) {
+      std::vector<int> order;  // this stage's units, in the update's order
+      for (int u : update_order) {
+        // Partial offload: units [0, kdev) are the device's.
+        if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] && updated_step[static_cast<std::size_t>(u)] < c.step)
+          order.push_back(u);
+      }
+      return update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
+    }
+    for (int u : update_order) {
+      if (u < kdev) continue;  // partial offload: on the device
+      if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
+      if (updated_step[static_cast<std::size_t>(u)] >= c.step) continue;  // a retry: done before the failure
+      STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
+      mark_updated(u, c.step);
+    }
+    return ok_status();
+  };
+  // Every unit has landed: the norm, then (unless immediate_ok did it) the update.
+  auto on_finish = [&](const Command& c) {
+    GradStats total;
+    if (sharded) {
+      // Every rank's per-unit statistics, merged unit by unit in rank order.
+      static_assert(sizeof(GradStats) % 4 == 0);
+      Status s = dp_wait(dp_tracks[2], dp_params->all_gather(stats.data(), gathered_stats.data(), stats.size() * sizeof(GradStats) / 4,
+                                               DType::kF32),
+                         "gather gradient statistics", -1, gathered_stats.size() * sizeof(GradStats));
+      if (!s.ok()) return fail(s, phase_of(c, FailPhase::kNone), c);
+      if (pp_size > 1) {
+        // Each unit's statistics over the data-parallel ranks, then over the pipeline stages.
+        std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r)
+            per_unit[static_cast<std::size_t>(u)].merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
+        auto merged = merge_stage_stats(per_unit);
+        if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+        total = *merged;
+      } else {
+        for (int u = 0; u < M; ++u) {
+          for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+        }
+      }
+    } else if (pp_size > 1) {
+      auto merged = merge_stage_stats(stats);
+      if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+      total = *merged;
+    } else {
+      // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
+      for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
+    }
+    if (tp_size > 1) {
+      auto merged = merge_over_tp(total, *tp_norm);
+      if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+      total = *merged;
+    }
+    const double norm = total.norm();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      norm_value = norm;
+      norm_step = c.step;
+    }
+    cv.notify_all();
+    // The device units' update is the caller's, in compute order before the next forward.
+    for (int u = 0; u < kdev; ++u) mark_updated(u, c.step);
+    if (immediate_ok) return;
+    if (!total.finite() && fp16) {
+      // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
+      // merged the same statistics). The caller moves the loss scaler.
+      for (int u = 0; u < M; ++u) mark_updated(u, c.step);
+      return;
+    }
+    if (!total.finite()) {
+      return fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
+                                   std::to_string(norm) +
+                                   "); nothing was updated. Lower the learning rate or enable clipping"),
+                  FailPhase::kNone, c);
+    }
+    Command retry = c;
+    retry.scale = update_scale(norm, c.loss_scale);
+    Status s = apply_update(c, retry.scale);
+    if (!s.ok()) fail(s, FailPhase::kAfterNorm, retry);
   };
   for (;;) {
     Command c;
@@ -2042,130 +2251,70 @@ void OffloadEngine::Impl::worker_main() {
     if (c.kind == Command::kStop) break;
     if (c.kind == Command::kAbort) continue;  // the next step's landed units overwrite the stats
     if (c.kind == Command::kLanded) {
-      const std::size_t uu = static_cast<std::size_t>(c.unit);
-      Status s = landed[uu]->synchronize();
-      if (s.ok() && grads_on_nvme) {
-        stats[uu] = landed_stats[uu];  // scanned on the gstream thread, before the landed event
-      } else if (s.ok()) {
-        detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
-        const auto [grads, n] = unit_grads(c.unit);
-        const std::uint64_t first = sharded ? slices.begin[uu] : 0;
-        auto r = scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale));
-        if (r.ok()) {
-          stats[uu] = *r;
-        } else {
-          s = r.status();
-        }
-      }
-      if (s.ok() && immediate_ok) {
-        if (!stats[uu].finite()) {
-          s = invalid_argument("step " + std::to_string(c.step) + ": the gradients of module '" +
-                               layout().modules[uu].name +
-                               "' are not finite; modules updated before it in this step keep their update. Lower "
-                               "the learning rate or enable clipping");
-        } else {
-          s = update_unit_host(c.unit, c.opt_step, c.lr, 1.0f);
-          if (s.ok()) mark_updated(c.unit, c.step);
-        }
-      }
-      if (!s.ok()) fail(s);
-      continue;
-    }
-    // kFinish: every unit has landed.
-    GradStats total;
-    if (sharded) {
-      // Every rank's per-unit statistics, merged unit by unit in rank order.
-      static_assert(sizeof(GradStats) % 4 == 0);
-      Status s = dp_wait(dp_tracks[2], dp_params->all_gather(stats.data(), gathered_stats.data(), stats.size() * sizeof(GradStats) / 4,
-                                               DType::kF32),
-                         "gather gradient statistics", -1, gathered_stats.size() * sizeof(GradStats));
+      Status s = landed[static_cast<std::size_t>(c.unit)]->synchronize();
       if (!s.ok()) {
-        fail(s);
+        // A failed copy: the host gradients cannot be trusted, nor can a retry that rescans them.
+        fail(s, phase_of(c, FailPhase::kNone), c);
         continue;
       }
-      if (pp_size > 1) {
-        // Each unit's statistics over the data-parallel ranks, then over the pipeline stages.
-        std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
-        for (int u = 0; u < M; ++u) {
-          for (int r = 0; r < dp_size; ++r)
-            per_unit[static_cast<std::size_t>(u)].merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
-        }
-        auto merged = merge_stage_stats(per_unit);
-        if (!merged.ok()) {
-          fail(merged.status());
-          continue;
-        }
-        total = *merged;
-      } else {
-        for (int u = 0; u < M; ++u) {
-          for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
-        }
-      }
-    } else if (pp_size > 1) {
-      auto merged = merge_stage_stats(stats);
-      if (!merged.ok()) {
-        fail(merged.status());
-        continue;
-      }
-      total = *merged;
-    } else {
-      // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
-      for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
-    }
-    if (tp_size > 1) {
-      auto merged = merge_over_tp(total, *tp_norm);
-      if (!merged.ok()) {
-        fail(merged.status());
-        continue;
-      }
-      total = *merged;
-    }
-    const double norm = total.norm();
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      norm_value = norm;
-      norm_step = c.step;
-    }
-    cv.notify_all();
-    // The device units' update is the caller's, in compute order before the next forward.
-    for (int u = 0; u < kdev; ++u) mark_updated(u, c.step);
-    if (immediate_ok) continue;
-    if (!total.finite() && fp16) {
-      // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
-      // merged the same statistics). The caller moves the loss scaler.
-      for (int u = 0; u < M; ++u) mark_updated(u, c.step);
+      s = on_landed(c);
+      if (!s.ok()) fail(s, phase_of(c, FailPhase::kNone), c);
       continue;
     }
-    if (!total.finite()) {
-      fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
-                            std::to_string(norm) + "); nothing was updated. Lower the learning rate or enable clipping"));
+    if (c.kind == Command::kRetry) {
+      Status s = apply_update(c, c.scale);
+      if (!s.ok()) fail(s, FailPhase::kAfterNorm, c);
       continue;
     }
-    const float scale = update_scale(norm, c.loss_scale);
-    Status s;
-    for (int u = 0; u < M; ++u)
-      if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
-    if (settings.optimizer == Tier::kNvme) {
-      std::vector<int> order;  // this stage's units, in the update's order
-      for (int u : update_order)
-        if (units.in_stage[static_cast<std::size_t>(u)]) order.push_back(u);
-      s = update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
-    } else {
-      for (int u : update_order) {
-        if (u < kdev) continue;  // partial offload: on the device
-        if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
-        s = update_unit_host(u, c.opt_step, c.lr, scale);
-        if (!s.ok()) break;
-        mark_updated(u, c.step);
-      }
-    }
-    if (!s.ok()) fail(s);
+    on_finish(c);  // kFinish: every unit has landed.
   }
 }
 
 Status OffloadEngine::Impl::check_worker() {
   std::lock_guard<std::mutex> lock(mu);
   return worker_error;
+}
+
+Status OffloadEngine::Impl::recover() {
+  if (opt_on_device) return ok_status();
+  FailedUpdate f;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (worker_error.ok()) return ok_status();
+    if (failed.phase == FailPhase::kNone || !failed.reported) {
+      // Reported once as it is (an asynchronous failure surfaces at the next call); retried by
+      // the call after that.
+      failed.reported = true;
+      return worker_error;
+    }
+    f = failed;
+  }
+  // The failed step's remaining commands are skipped before the error may be cleared.
+  drain_worker();
+  const std::string which = "step " + std::to_string(f.cmd.step);
+  if (f.phase == FailPhase::kAfterNorm && steps < f.cmd.step) {
+    // The step's own call failed after its norm (not a state the engine can finish).
+    return check_worker().with_context(which + "'s update failed part-way and its call did not complete; load a "
+                                       "checkpoint");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    worker_error = ok_status();
+    failed = FailedUpdate{};
+    if (f.phase == FailPhase::kAfterNorm) {
+      Command c = f.cmd;
+      c.kind = Command::kRetry;
+      commands.push_back(c);
+    }
+  }
+  cv.notify_all();
+  if (f.phase == FailPhase::kBeforeUpdate) return ok_status();  // nothing was applied: the step runs again
+  STRATA_LOG(kInfo, kOffload) << "retrying the host update of " << which;
+  drain_worker();
+  std::lock_guard<std::mutex> lock(mu);
+  if (worker_error.ok()) return ok_status();
+  failed.reported = true;  // this call reports it; the next one retries again
+  return worker_error.with_context("retrying the update of " + which);
 }
 
 Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step) {
@@ -2208,6 +2357,7 @@ void OffloadEngine::Impl::reset_pass_state() {
 }
 
 Status OffloadEngine::Impl::wait_all_updates(bool publish) {
+  STRATA_RETURN_IF_ERROR(recover());
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_updated(u));
   if (publish) STRATA_RETURN_IF_ERROR(publish_delayed());
   if (!opt_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
@@ -2216,9 +2366,11 @@ Status OffloadEngine::Impl::wait_all_updates(bool publish) {
 
 Status OffloadEngine::Impl::publish_delayed() {
   if (pending_publish == 0) return ok_status();
+  // Every unit's update first: a failed one uploads nothing, so the device keeps P[t-1] whole
+  // and a retried step computes as before.
+  for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_update_of(u, pending_publish));
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    STRATA_RETURN_IF_ERROR(wait_update_of(u, pending_publish));
     if (units.pbytes[uu] == 0) continue;
     // validate(): the delayed update keeps every unit resident.
     if (units.home[uu] != Tier::kDevice) return internal_error("delayed update: unit " + std::to_string(u) + " is not resident");
@@ -3143,8 +3295,16 @@ std::string OffloadEngine::optimizer_name() const {
 }
 
 Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
+  auto r = step_once(inputs, targets);
+  if (!r.ok()) impl_->note_reported();  // the next call retries a failed update (recover)
+  return r;
+}
+
+Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> inputs,
+                                             std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.check_worker());
+  // A failed update of an earlier step is reported, or finished in place (FailedUpdate).
+  STRATA_RETURN_IF_ERROR(t.recover());
   detail::HostSpan step_span(t.tracer, t.track.caller, TraceCounter::kNone, "step");
   const auto start = std::chrono::steady_clock::now();
   StepMetrics m;
@@ -3202,7 +3362,9 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
     std::unique_lock<std::mutex> lock(t.mu);
     detail::HostSpan wait_span(t.tracer, t.track.caller, TraceCounter::kUpdateStall, "wait gradient norm");
     t.cv.wait(lock, [&] { return !t.worker_error.ok() || t.norm_step == m.step; });
-    STRATA_RETURN_IF_ERROR(t.worker_error);
+    // Once the norm is known the step has happened; an error of its update (after the norm)
+    // belongs to the update and surfaces at the next call.
+    if (t.norm_step != m.step) return t.worker_error;
     t.grad_norm = t.norm_value;
     if (t.delayed) t.pending_publish = m.step;
     lock.unlock();
@@ -3245,10 +3407,16 @@ Result<StepMetrics> OffloadEngine::step(std::span<const std::int32_t> inputs, st
   }
   t.steps += 1;
   if (!t.have_baseline) {
-    // Not published: a delayed update stays delayed (its upload allocates nothing).
-    STRATA_RETURN_IF_ERROR(t.wait_all_updates(/*publish=*/false));
-    t.alloc_baseline = t.allocation_count();
-    t.have_baseline = true;
+    // Not published: a delayed update stays delayed (its upload allocates nothing). An error of
+    // the update is not this step's (its norm is known): the next call reports it, and the
+    // baseline is taken after a later step.
+    bool settled = true;
+    for (int u = 0; u < t.M && settled; ++u) settled = t.wait_updated(u).ok();
+    if (settled && !t.opt_on_device) settled = t.h2d->synchronize().ok();
+    if (settled) {
+      t.alloc_baseline = t.allocation_count();
+      t.have_baseline = true;
+    }
   }
   m.loss = total.sum / static_cast<double>(total.count);
   m.grad_norm = t.grad_norm;
@@ -3281,7 +3449,7 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
 
 Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_RETURN_IF_ERROR(t.recover());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   if (t.pp_size > 1) STRATA_RETURN_IF_ERROR(t.model->select_slot(0));
   STRATA_RETURN_IF_ERROR(t.model->set_batch(inputs, targets, t.config.micro_batch, t.config.seq_len));
@@ -3309,7 +3477,7 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
 
 Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens, std::int64_t max_windows) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_RETURN_IF_ERROR(t.recover());
   if (t.delayed) STRATA_RETURN_IF_ERROR(t.wait_all_updates());  // evaluates the latest parameters
   auto forward = [&t]() -> Status {
     if (t.pp_size > 1) return t.forward_stage();  // every stage, every window batch, in order
@@ -3334,7 +3502,11 @@ Result<EvalResult> OffloadEngine::evaluate(std::span<const std::int32_t> tokens,
 }
 
 Status OffloadEngine::synchronize() {
-  STRATA_RETURN_IF_ERROR(impl_->wait_all_updates());
+  Status s = impl_->wait_all_updates();
+  if (!s.ok()) {
+    impl_->note_reported();
+    return s;
+  }
   return impl_->device->synchronize();
 }
 
@@ -3620,7 +3792,7 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
 
 Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, const std::string& client_state, int keep) {
   Impl& t = *impl_;
-  STRATA_RETURN_IF_ERROR(t.check_worker());
+  STRATA_RETURN_IF_ERROR(t.recover());
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   CheckpointManifest manifest;
   manifest.step = t.steps;
@@ -3773,6 +3945,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
   {
     std::lock_guard<std::mutex> lock(t.mu);
     t.worker_error = ok_status();
+    t.failed = Impl::FailedUpdate{};
   }
   t.pending_publish = 0;  // the checkpoint's parameters replace the delayed update's
   const std::uint64_t wsize = dtype_size(t.wdtype);
@@ -3821,6 +3994,10 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     t.steps = manifest.step;
     std::fill(t.updated_step.begin(), t.updated_step.end(), manifest.step);
     t.norm_step = manifest.step;
+    // The worker is drained: the checkpoint's state holds no later step anywhere.
+    std::fill(t.host_opt_step.begin(), t.host_opt_step.end(), manifest.step);
+    for (auto& g : t.group_step) std::fill(g.begin(), g.end(), manifest.step);
+    t.applied_step = manifest.step;
   }
   t.scaler = scaler;
   t.grad_norm = 0.0;

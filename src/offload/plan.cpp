@@ -76,10 +76,6 @@ Status OffloadSettings::validate() const {
   }
   if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
     const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio);
-    if (optimizer != Tier::kHost) {
-      return invalid_argument(key + " with offload_optimizer.device nvme is not built yet: use device cpu (the rest "
-                                    "of the state on the host) or ratio 1");
-    }
     if (params != Tier::kDevice) {
       return invalid_argument(key + " needs the working parameters on the device (zero_optimization.offload_param."
                                     "device = none): the device's update writes the resident parameters");
@@ -286,7 +282,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
   } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
-      line("gradients (fp32)", Tier::kNvme, StateKind::kGradients, units.grad_bytes);
+      line("gradients (fp32)" + host_part, Tier::kNvme, StateKind::kGradients, units.grad_bytes - units.device_opt_bytes);
       line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
     } else {
       line("gradients (fp32, host)" + host_part, Tier::kHost, StateKind::kGradients,
@@ -302,10 +298,11 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     line("Adam exp_avg_sq" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
   }
   if (settings.optimizer == Tier::kNvme) {
+    // Partial offload: the first modules' state is in the device regions optim.* above.
     const std::uint64_t state = sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
-                                        : 3 * units.grad_bytes;
+                                        : 3 * (units.grad_bytes - units.device_opt_bytes);
     line(sharded ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
-                 : std::string("fp32 master + exp_avg + exp_avg_sq"),
+                 : "fp32 master + exp_avg + exp_avg_sq" + host_part,
          Tier::kNvme, StateKind::kOptimizer, state);
     line("optimizer pipeline ring (pinned)", Tier::kHost, StateKind::kOptimizer,
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
@@ -436,10 +433,10 @@ Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const 
   OffloadSettings s = settings;
   // Settings only some placements take (strata estimate and strata plan enumerate placements
   // from one base): the others are estimated without them. The delayed update changes no bytes;
-  // the partial optimizer split applies to the host optimizer with resident parameters in one
-  // process.
+  // the partial optimizer split applies to the host or NVMe optimizer with resident parameters in
+  // one process.
   if (s.params != Tier::kDevice || s.optimizer == Tier::kDevice) s.delayed_update = false;
-  if (s.params != Tier::kDevice || s.optimizer != Tier::kHost || s.dp_size > 1 || s.delayed_update) {
+  if (s.params != Tier::kDevice || s.optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) {
     s.optimizer_ratio = 1.0;
   }
   if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
