@@ -5,7 +5,6 @@
 #pragma once
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,7 +37,9 @@ inline std::string shared_temp_dir(const std::string& tag) {
   std::array<std::uint32_t, 64> word{};
   std::string path;
   if (world().rank() == 0) {
-    path = (std::filesystem::temp_directory_path() / ("strata-dist-" + tag + "-" + std::to_string(::getpid()))).string();
+    path =
+        (std::filesystem::temp_directory_path() / ("strata-dist-" + tag + "-" + std::to_string(::getpid())))
+            .string();
     std::filesystem::remove_all(path);
     std::filesystem::create_directories(path);
     std::memcpy(word.data(), path.data(), std::min<std::size_t>(path.size(), 4 * word.size() - 1));
@@ -93,8 +94,8 @@ inline bool capture_held(OffloadEngine& engine, const std::vector<int>& held, Sn
 
 // Steps [from, steps) of the global batch: this data-parallel rank's share (global micro-batches
 // d, d + DP, ...).
-inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps, Snapshot& out,
-                      int from = 0) {
+inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,
+                      Snapshot& out, int from = 0) {
   const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
   for (int step = from; step < steps; ++step) {
     std::vector<std::int32_t> gin, gtg, in, tg;

@@ -207,17 +207,21 @@ TEST(DistCliTrain, PipelineCheckpointsWeightsValidationAndPlan) {
   auto resumed = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --resume " + ck +
                              "/step-00000002 --out " + (dir / "resumed").string());
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  const std::vector<double> a = losses_of(dir / "one" / "metrics.jsonl"), b = losses_of(dir / "pp" / "metrics.jsonl"),
+  const std::vector<double> a = losses_of(dir / "one" / "metrics.jsonl"),
+                            b = losses_of(dir / "pp" / "metrics.jsonl"),
                             c = losses_of(dir / "resumed" / "metrics.jsonl");
   ASSERT_EQ(a.size(), 4u);
   ASSERT_EQ(b.size(), 4u);
   ASSERT_EQ(c.size(), 2u);
-  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1 << ": 2 stages against one process";
-  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(b[2 + i], c[i]) << "step " << i + 3 << " resumed under mpirun";
+  for (std::size_t i = 0; i < 4; ++i)
+    EXPECT_EQ(a[i], b[i]) << "step " << i + 1 << ": 2 stages against one process";
+  for (std::size_t i = 0; i < 2; ++i)
+    EXPECT_EQ(b[2 + i], c[i]) << "step " << i + 3 << " resumed under mpirun";
   const std::string weights = read_file(dir / "one" / "weights.safetensors");
   EXPECT_FALSE(weights.empty());
   EXPECT_TRUE(weights == read_file(dir / "pp" / "weights.safetensors")) << "the pipeline's --out weights";
-  EXPECT_TRUE(weights == read_file(dir / "resumed" / "weights.safetensors")) << "the resumed pipeline's weights";
+  EXPECT_TRUE(weights == read_file(dir / "resumed" / "weights.safetensors"))
+      << "the resumed pipeline's weights";
   // Validation at the end: the last stage's loss, the single process's.
   const auto one_run = nlohmann::json::parse(read_file(dir / "one" / "run.json"));
   const auto pp_run = nlohmann::json::parse(read_file(dir / "pp" / "run.json"));
@@ -232,7 +236,8 @@ TEST(DistCliTrain, PipelineCheckpointsWeightsValidationAndPlan) {
   EXPECT_NE(plan.output.find("pipeline stage 1 of 2 (modules "), std::string::npos) << plan.output;
   // One plan per stage, printed once (by rank 0).
   std::size_t plans = 0;
-  for (auto at = plan.output.find("memory plan:"); at != std::string::npos; at = plan.output.find("memory plan:", at + 1))
+  for (auto at = plan.output.find("memory plan:"); at != std::string::npos;
+       at = plan.output.find("memory plan:", at + 1))
     ++plans;
   EXPECT_EQ(plans, 2u) << plan.output;
 }

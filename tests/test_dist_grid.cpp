@@ -110,7 +110,8 @@ std::string file_bytes(const std::string& path) {
 // Five windows of seq_len + 1 tokens (batches of 2, 2 and 1 window).
 std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
   std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
-  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
+  for (std::size_t i = 0; i < t.size(); ++i)
+    t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
   return t;
 }
 
@@ -149,8 +150,8 @@ void check_case(const Case& c) {
   std::string dir;
   auto create_grid = [&](std::unique_ptr<Device>& device) {
     device = testing::make_device();
-    return OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? groups->dp.get() : nullptr, groups->tp.get(),
-                                 groups->pp.get());
+    return OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? groups->dp.get() : nullptr,
+                                 groups->tp.get(), groups->pp.get());
   };
   {
     std::unique_ptr<Device> device;
@@ -210,7 +211,8 @@ void check_case(const Case& c) {
       if (world().rank() == 0) {
         ASSERT_TRUE((*engine)->save_weights(root + "/one.safetensors").ok()) << what;
         EXPECT_FALSE(file_bytes(grid_weights).empty()) << what;
-        EXPECT_TRUE(file_bytes(grid_weights) == file_bytes(root + "/one.safetensors")) << what << ": weights file";
+        EXPECT_TRUE(file_bytes(grid_weights) == file_bytes(root + "/one.safetensors"))
+            << what << ": weights file";
       }
     }
     testing::expect_same(got, single, what + ": one process from the grid's checkpoint");
@@ -236,7 +238,8 @@ void check_case(const Case& c) {
   }
   expect_close(ref, got, Tolerance{}, what + " against one process");
   EXPECT_NEAR(got_loss, ref_loss, Tolerance{}.loss * std::fabs(ref_loss)) << what << ": loss()";
-  EXPECT_NEAR(got_eval.loss, ref_eval.loss, Tolerance{}.loss * std::fabs(ref_eval.loss)) << what << ": evaluate()";
+  EXPECT_NEAR(got_eval.loss, ref_eval.loss, Tolerance{}.loss * std::fabs(ref_eval.loss))
+      << what << ": evaluate()";
   EXPECT_EQ(got_eval.tokens, ref_eval.tokens) << what << ": evaluate() tokens";
 
   if (c.kind != ModelKind::kLlama) return;

@@ -54,7 +54,8 @@ std::string file_bytes(const std::string& path) {
 // Five windows of seq_len + 1 tokens: with micro_batch 2, batches of 2, 2 and 1 window.
 std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
   std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
-  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
+  for (std::size_t i = 0; i < t.size(); ++i)
+    t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
   return t;
 }
 
@@ -200,6 +201,7 @@ void check_case(const Case& c) {
 // against one process (rank 0's, in the same job):
 // - saved after 2 steps and loaded into a fresh pipeline, 2 more steps give the uninterrupted
 //   run's losses, norms and state bit for bit (the same stages, the same order of every sum);
+// - a fresh pipeline loading the weights file saves it again byte for byte;
 // - one process loading the pipeline's checkpoint writes the pipeline's weights file byte for byte
 //   (its state is the pipeline's at the save), and trains on with the pipeline's losses (bit for
 //   bit where the two runs' sums agree, see `exact`; within 1e-5 relative otherwise);
@@ -207,7 +209,8 @@ void check_case(const Case& c) {
 //   very checkpoint files (modules, manifest) and weights file the pipeline wrote, and a pipeline
 //   resumed from that checkpoint continues the pipeline's run bit for bit.
 void check_state_files(const Case& c) {
-  const std::string what = name_of(c) + " on " + std::to_string(world().size()) + " stages (checkpoint, weights)";
+  const std::string what =
+      name_of(c) + " on " + std::to_string(world().size()) + " stages (checkpoint, weights)";
   const TrainerConfig config = testing::tiny(c.kind, c.dtype, c.micro, 1.0);
   OffloadSettings s;
   s.params = c.params;
@@ -272,6 +275,20 @@ void check_state_files(const Case& c) {
     EXPECT_EQ(held, held_again) << what;
     testing::expect_same(straight, resumed, what + ": a fresh pipeline resumed from its checkpoint");
   }
+  {
+    // The weights file into a fresh pipeline (each stage keeps its parameters), saved again: the
+    // same file.
+    std::unique_ptr<Device> device;
+    auto engine = create_pp(device);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    Status l = (*engine)->load_weights(pp_weights);
+    ASSERT_TRUE(l.ok()) << what << ": " << l.to_string();
+    ASSERT_TRUE((*engine)->save_weights(root + "/again.safetensors").ok()) << what;
+    if (world().rank() == 0) {
+      EXPECT_TRUE(file_bytes(pp_weights) == file_bytes(root + "/again.safetensors"))
+          << what << ": weights loaded into a pipeline and saved again";
+    }
+  }
   if (world().rank() == 0) {
     // One process loads the pipeline's checkpoint: the pipeline's weights file, and its losses.
     {
@@ -289,7 +306,8 @@ void check_state_files(const Case& c) {
       ASSERT_TRUE(testing::run_steps(**engine, config, 2, 4, single)) << what;
       for (std::size_t i = 0; i < 2; ++i) {
         if (exact) {
-          EXPECT_EQ(single.losses[i], straight.losses[i + 2]) << what << ": one process resumed, step " << i + 3;
+          EXPECT_EQ(single.losses[i], straight.losses[i + 2])
+              << what << ": one process resumed, step " << i + 3;
         } else {
           EXPECT_NEAR(single.losses[i], straight.losses[i + 2], 1e-5 * std::fabs(straight.losses[i + 2]))
               << what << ": one process resumed, step " << i + 3;
@@ -521,13 +539,13 @@ TEST(PipelineEngine, ComposedWithDataParallel) {
   }
 }
 
-
 // A checkpoint of 2 stages x 2 data-parallel pipelines on 4 ranks (the sharded optimizer state
 // and, ZeRO 3, the partitioned parameters gathered per stage, then sent to the writer): resumed
 // in the same shape bit for bit; loaded into one process, the very state each stage held at the
 // save (bit for bit), and the same weights file.
 TEST(PipelineEngine, CheckpointWithDataParallel) {
-  ASSERT_EQ(world().size(), 4) << "runs on 4 ranks (2 stages x 2 data-parallel ranks; tests/CMakeLists.txt filters it elsewhere)";
+  ASSERT_EQ(world().size(), 4)
+      << "runs on 4 ranks (2 stages x 2 data-parallel ranks; tests/CMakeLists.txt filters it elsewhere)";
   auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
   ASSERT_TRUE(groups.ok()) << groups.status().to_string();
   const int DP = groups->grid.dp(), d = groups->coord.dp;
@@ -605,7 +623,8 @@ TEST(PipelineEngine, CheckpointWithDataParallel) {
       if (world().rank() == 0) {
         ASSERT_TRUE((*engine)->save_weights(root + "/one.safetensors").ok()) << what;
         EXPECT_FALSE(file_bytes(pp_weights).empty()) << what;
-        EXPECT_TRUE(file_bytes(pp_weights) == file_bytes(root + "/one.safetensors")) << what << ": weights file";
+        EXPECT_TRUE(file_bytes(pp_weights) == file_bytes(root + "/one.safetensors"))
+            << what << ": weights file";
       }
     }
     ASSERT_TRUE(world().barrier().wait().ok());

@@ -545,7 +545,8 @@ struct OffloadEngine::Impl {
   // stage's writer, which writes the single process's files (docs/parallel.md "Saving and
   // loading a pipeline").
   Status save_weights_pp(const std::string& path, WeightFormat format);
-  Result<std::string> save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest, int keep);
+  Result<std::string> save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest,
+                                         int keep);
   Status device_update(double lr, std::int64_t step);
   // The sharded device optimizer's step (dev_sharded; cpu backend), one host function on the
   // compute stream after backward: per unit the reduce-scatter of its gradients into this
@@ -1451,28 +1452,32 @@ Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
       .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
 }
 
-Status OffloadEngine::Impl::pp_send_bytes(const void* data, std::uint64_t bytes, int peer, const std::string& what) {
+Status OffloadEngine::Impl::pp_send_bytes(const void* data, std::uint64_t bytes, int peer,
+                                          const std::string& what) {
   if (bytes % 2 != 0) return internal_error("pipeline: sending " + what + ": an odd byte count");
   constexpr std::uint64_t kPiece = 1ull << 30;  // 16-bit words per call, within the Comm's 2^31 - 1
   const auto* words = static_cast<const std::uint16_t*>(data);
   for (std::uint64_t w = 0; w < bytes / 2; w += kPiece) {
     const auto n = static_cast<std::size_t>(std::min(kPiece, bytes / 2 - w));
-    STRATA_RETURN_IF_ERROR(pp_caller->send(words + w, n, DType::kBF16, peer)
-                               .wait()
-                               .with_context("pipeline: sending " + what + " to stage " + std::to_string(peer)));
+    STRATA_RETURN_IF_ERROR(
+        pp_caller->send(words + w, n, DType::kBF16, peer)
+            .wait()
+            .with_context("pipeline: sending " + what + " to stage " + std::to_string(peer)));
   }
   return ok_status();
 }
 
-Status OffloadEngine::Impl::pp_recv_bytes(void* data, std::uint64_t bytes, int peer, const std::string& what) {
+Status OffloadEngine::Impl::pp_recv_bytes(void* data, std::uint64_t bytes, int peer,
+                                          const std::string& what) {
   if (bytes % 2 != 0) return internal_error("pipeline: receiving " + what + ": an odd byte count");
   constexpr std::uint64_t kPiece = 1ull << 30;
   auto* words = static_cast<std::uint16_t*>(data);
   for (std::uint64_t w = 0; w < bytes / 2; w += kPiece) {
     const auto n = static_cast<std::size_t>(std::min(kPiece, bytes / 2 - w));
-    STRATA_RETURN_IF_ERROR(pp_caller->recv(words + w, n, DType::kBF16, peer)
-                               .wait()
-                               .with_context("pipeline: receiving " + what + " from stage " + std::to_string(peer)));
+    STRATA_RETURN_IF_ERROR(
+        pp_caller->recv(words + w, n, DType::kBF16, peer)
+            .wait()
+            .with_context("pipeline: receiving " + what + " from stage " + std::to_string(peer)));
   }
   return ok_status();
 }
@@ -1486,10 +1491,11 @@ Status OffloadEngine::Impl::forward_stage() {
   const std::size_t count = bytes / dtype_size(wire);
   if (pp_rank > 0) {
     STRATA_RETURN_IF_ERROR(compute->synchronize());  // the input buffer's previous reader is done
-    STRATA_RETURN_IF_ERROR(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
-                               .wait()
-                               .with_context("pipeline (forward only): receive of the activations from stage " +
-                                             std::to_string(pp_rank - 1)));
+    STRATA_RETURN_IF_ERROR(
+        pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
+            .wait()
+            .with_context("pipeline (forward only): receive of the activations from stage " +
+                          std::to_string(pp_rank - 1)));
   }
   begin_pass();
   STRATA_RETURN_IF_ERROR(run_forward(false));
@@ -1511,7 +1517,9 @@ Status OffloadEngine::Impl::forward_stage() {
 Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
   const bool stage_writer = tp_rank == 0 && dp_rank == 0;
-  auto held_by = [&](std::size_t i) { return full.params[i].owns_storage() ? holder(full.params[i].module) : -1; };
+  auto held_by = [&](std::size_t i) {
+    return full.params[i].owns_storage() ? holder(full.params[i].module) : -1;
+  };
   std::vector<std::vector<float>> values(full.params.size());
   // Collective over the stage's tensor-parallel group (and, stage 3, its data-parallel group).
   for (std::size_t i = 0; i < full.params.size(); ++i) {
@@ -1522,7 +1530,8 @@ Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightForma
   if (pp_rank > 0) {
     for (std::size_t i = 0; i < full.params.size(); ++i) {
       if (held_by(i) != pp_rank) continue;
-      STRATA_RETURN_IF_ERROR(pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'"));
+      STRATA_RETURN_IF_ERROR(
+          pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'"));
     }
     return ok_status();
   }
@@ -1530,7 +1539,8 @@ Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightForma
     for (std::size_t i = 0; i < full.params.size(); ++i) {
       if (held_by(i) != st) continue;
       values[i].resize(static_cast<std::size_t>(full.params[i].numel()));
-      STRATA_RETURN_IF_ERROR(pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'"));
+      STRATA_RETURN_IF_ERROR(
+          pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'"));
     }
   }
   return write_weights(full, path, format, config.model.dtype, [&](int index, std::vector<float>& out) {
@@ -3096,12 +3106,11 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
   return create_with_faults(config, settings, device, compute, data_parallel, tensor_parallel, pipeline, nullptr);
 }
 
-Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(const TrainerConfig& config,
-                                                                            const OffloadSettings& settings,
-                                                                            Device& device,
-                                                                            const nvme_detail::IoFaults* faults,
-                                                                            Comm* pipeline) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline, faults);
+Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(
+    const TrainerConfig& config, const OffloadSettings& settings, Device& device,
+    const nvme_detail::IoFaults* faults, Comm* pipeline) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline,
+                                           faults);
 }
 
 namespace {
@@ -3466,8 +3475,10 @@ Result<double> OffloadEngine::loss(std::span<const std::int32_t> inputs, std::sp
   if (s.ok()) s = t.h2d->synchronize();
   if (!s.ok()) return t.abandon_pass(s);
   const LossSum sum = t.model->loss_sum(0);
-  double mean = sum.sum / static_cast<double>(sum.count);  // not the last stage: no losses here (nan)
-  if (t.pp_size > 1) {  // the last stage's value, its bits moved as words
+  // A stage before the last holds no losses (nan here): every stage returns the last stage's
+  // value, its bits moved as words.
+  double mean = sum.sum / static_cast<double>(sum.count);
+  if (t.pp_size > 1) {
     STRATA_RETURN_IF_ERROR(t.pp_caller->broadcast(&mean, 2, DType::kF32, t.pp_size - 1)
                                .wait()
                                .with_context("pipeline: broadcast of the loss from the last stage"));
@@ -3645,8 +3656,8 @@ std::string config_difference(const std::string& saved, const std::string& curre
 // after every file and the manifest are durable (publish_checkpoint), so a rank that dies
 // mid-save leaves the previous checkpoint current. Every rank takes part in every unit even
 // after a failure (no peer waits forever); the outcome is then broadcast to every rank.
-Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest,
-                                                            int keep) {
+Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& root,
+                                                            const CheckpointManifest& manifest, int keep) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
   const bool stage_writer = tp_rank == 0 && dp_rank == 0;
   const bool writer = stage_writer && pp_rank == 0;
@@ -3655,7 +3666,8 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
   // Per unit, its owning parameters in table order: the order one process writes them in.
   std::vector<std::vector<int>> params_of(static_cast<std::size_t>(M));
   for (std::size_t i = 0; i < full.params.size(); ++i) {
-    if (full.params[i].owns_storage()) params_of[static_cast<std::size_t>(full.params[i].module)].push_back(static_cast<int>(i));
+    if (full.params[i].owns_storage())
+      params_of[static_cast<std::size_t>(full.params[i].module)].push_back(static_cast<int>(i));
   }
   // A unit travels as, per parameter, [working copy | master | exp_avg | exp_avg_sq] of the full
   // parameter, then one 16-bit flag: 1 when its stage read it (0: the writer fails the save).
@@ -3727,38 +3739,40 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
   int next = 0;  // the next unit this rank takes part in
   Result<std::string> published = std::string();
   if (writer) {
-    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
-      while (next < M) {
-        const int u = next++;
-        STRATA_RETURN_IF_ERROR(take_part(u));
-        const auto& mine = params_of[static_cast<std::size_t>(u)];
-        if (mine.empty()) continue;
-        SafetensorsWriter w;  // points into buf until written
-        const char* in = buf.data();
-        for (int i : mine) {
-          const ParamDesc& p = full.params[static_cast<std::size_t>(i)];
-          const auto n = static_cast<std::uint64_t>(p.numel());
-          STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, in, n * wsize));
-          in += n * wsize;
-          for (const char* kind : {"master/", "exp_avg/", "exp_avg_sq/"}) {
-            STRATA_RETURN_IF_ERROR(w.add(kind + p.name, "F32", p.shape, in, n * 4));
-            in += n * 4;
+    published = publish_checkpoint(
+        root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+          while (next < M) {
+            const int u = next++;
+            STRATA_RETURN_IF_ERROR(take_part(u));
+            const auto& mine = params_of[static_cast<std::size_t>(u)];
+            if (mine.empty()) continue;
+            SafetensorsWriter w;  // points into buf until written
+            const char* in = buf.data();
+            for (int i : mine) {
+              const ParamDesc& p = full.params[static_cast<std::size_t>(i)];
+              const auto n = static_cast<std::uint64_t>(p.numel());
+              STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, in, n * wsize));
+              in += n * wsize;
+              for (const char* kind : {"master/", "exp_avg/", "exp_avg_sq/"}) {
+                STRATA_RETURN_IF_ERROR(w.add(kind + p.name, "F32", p.shape, in, n * 4));
+                in += n * 4;
+              }
+            }
+            w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
+            const std::string name = module_file(u);
+            STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+            names->push_back(name);
           }
-        }
-        w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
-        const std::string name = module_file(u);
-        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
-        names->push_back(name);
-      }
-      if (scaler) {  // the same state on every stage (the overflow decision is the global norm's)
-        const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
-        SafetensorsWriter w;
-        STRATA_RETURN_IF_ERROR(w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
-        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
-        names->push_back(kScalerFile);
-      }
-      return ok_status();
-    });
+          if (scaler) {  // the same state on every stage (the overflow decision is the global norm's)
+            const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
+            SafetensorsWriter w;
+            STRATA_RETURN_IF_ERROR(
+                w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
+            STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
+            names->push_back(kScalerFile);
+          }
+          return ok_status();
+        });
   }
   Status local;  // this rank's first failure in its part
   while (next < M) {
@@ -3776,16 +3790,17 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
   Status b;
   if (tp_size > 1) b = tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait();
   if (b.ok() && dp_size > 1) {
-    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1,
-                4 * kWords);
+    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome",
+                -1, 4 * kWords);
   }
   if (b.ok()) b = pp_caller->broadcast(word.data(), kWords, DType::kF32, 0).wait();
   if (writer) return published;
   STRATA_RETURN_IF_ERROR(b.with_context("checkpoint: broadcast of the outcome"));
   STRATA_RETURN_IF_ERROR(local);
   if (word[0] != 1) {
-    return io_error("checkpoint under '" + root +
-                    "': the first rank of the first pipeline stage, which writes it, failed (its log says why)");
+    return io_error(
+        "checkpoint under '" + root +
+        "': the first rank of the first pipeline stage, which writes it, failed (its log says why)");
   }
   return std::string(reinterpret_cast<const char*>(word.data() + 1));
 }

@@ -377,8 +377,9 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, cons
 // outlive it.
 struct EngineFaults {
   // `pipeline`: as OffloadEngine::create's (a pipeline stage whose disk fails).
-  static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config, const OffloadSettings& settings,
-                                                       Device& device, const nvme_detail::IoFaults* faults,
+  static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
+                                                       const OffloadSettings& settings, Device& device,
+                                                       const nvme_detail::IoFaults* faults,
                                                        Comm* pipeline = nullptr);
   // Tests only: parameter `index`'s working copy set to `values`, its fp32 master left as it is
   // (the delayed update's reference: gradients taken at other parameters than the ones updated).

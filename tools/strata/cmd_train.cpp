@@ -489,7 +489,8 @@ int run_train(std::span<const std::string> argv) {
       if (!sp.ok()) return usage(sp.status().with_context("pipeline stage " + std::to_string(st)));
       const std::vector<int>& b = offload.pipeline_bounds;
       std::printf("pipeline stage %d of %lld (modules %d-%d, %s schedule, every rank of the stage):\n%s", st,
-                  static_cast<long long>(pp), b[static_cast<std::size_t>(st)], b[static_cast<std::size_t>(st) + 1] - 1,
+                  static_cast<long long>(pp), b[static_cast<std::size_t>(st)],
+                  b[static_cast<std::size_t>(st) + 1] - 1,
                   std::string(to_string(offload.pipeline_schedule)).c_str(), sp->to_string().c_str());
     }
     return kExitOk;
@@ -634,8 +635,9 @@ int run_train(std::span<const std::string> argv) {
     auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
     for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
       std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
-    std::printf(" (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's\n",
-                dp_size);
+    std::printf(
+        " (balanced by forward FLOPs), %d pipeline(s) of data parallel; the plan below is stage 0's\n",
+        dp_size);
   } else if (dp_size > 1) {
     std::printf(
         "parallel %d data-parallel ranks (%s), ZeRO stage %d: %s; each rank trains %lld of the %lld "
