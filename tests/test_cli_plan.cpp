@@ -63,6 +63,37 @@ TEST(CliPlan, WritesAConfigThatConfigAndTrainAccept) {
   EXPECT_EQ(t.exit_code, 0) << t.output;
 }
 
+// A config's partial optimizer split (offload_optimizer.ratio) is predicted for the placements
+// that take it (parameters on the device, optimizer off it) and left out of the others, whose
+// prediction is made without it; the chosen config trains.
+TEST(CliPlan, APartialOptimizerSplitIsPlannedWhereItApplies) {
+  TempDir dir("strata-plan-ratio");
+  const std::string in = (dir / "ratio.json").string(), out = (dir / "plan.json").string();
+  testing::write_file(
+      in, R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
+  const auto j = plan_json("--config " + in + " --out " + out);
+  ASSERT_TRUE(j.contains("placements"));
+  bool saw_split = false;
+  for (const auto& r : j["placements"]) {
+    EXPECT_GT(r["predicted"]["step_s"].get<double>(), 0.0);
+    if (r["offload_param"] == "device" && r["offload_optimizer"] == "host") saw_split = true;
+  }
+  EXPECT_TRUE(saw_split);
+  const auto written = nlohmann::json::parse(read_file(out));
+  const bool split_applies =
+      j["chosen"]["offload_param"] == "device" && j["chosen"]["offload_optimizer"] != "device";
+  const auto& opt = written["zero_optimization"]["offload_optimizer"];
+  EXPECT_EQ(opt.contains("ratio") && opt["ratio"].get<double>() < 1.0, split_applies) << written.dump();
+  auto t = run_cli("train --config " + out + " --steps 1 --quiet --val-windows 1 " + kShape);
+  EXPECT_EQ(t.exit_code, 0) << t.output;
+  // Fixed to a placement that takes it, the split is written.
+  const auto fixed =
+      plan_json("--config " + in + " --offload-param none --offload-optimizer cpu --out " + out);
+  const auto kept = nlohmann::json::parse(read_file(out));
+  EXPECT_EQ(kept["zero_optimization"]["offload_optimizer"]["ratio"].get<double>(), 0.5) << kept.dump();
+  EXPECT_GT(fixed["chosen"]["predicted"]["step_s"].get<double>(), 0.0);
+}
+
 TEST(CliPlan, EveryPlacementItWritesTrains) {
   // The NVMe placements' configs carry the directory and the Strata keys (gradients on NVMe).
   TempDir dir("strata-plan");

@@ -207,7 +207,8 @@ TEST(CostModel, PartialOffloadUpdatesTheFirstUnitsOnTheDeviceAndMovesOnlyTheRest
   s.optimizer_ratio = 1.0;
   auto all_host = predict_step(c, s, r);
   ASSERT_TRUE(all_host.ok());
-  EXPECT_NEAR(all_host->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s, 1e-9);
+  EXPECT_NEAR(all_host->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s,
+              1e-9);
   EXPECT_EQ(all_host->d2h_bytes, 4 * total);
 }
 
@@ -228,7 +229,8 @@ TEST(CostModel, DelayedUpdateHidesTheUpdateUntilItIsLongerThanTheStep) {
   auto ordinary = predict_step(c, s, r);
   auto delayed = predict_step(c, d, r);
   ASSERT_TRUE(ordinary.ok() && delayed.ok()) << delayed.status().to_string();
-  EXPECT_NEAR(ordinary->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s, 1e-9);
+  EXPECT_NEAR(ordinary->step_seconds, kCompute + static_cast<double>(u.elements[0]) / r.adam_elements_per_s,
+              1e-9);
   EXPECT_NEAR(delayed->step_seconds, kCompute, 1e-9);
   EXPECT_NEAR(delayed->optimizer, ordinary->optimizer, 1e-9);
   EXPECT_EQ(delayed->h2d_bytes, ordinary->h2d_bytes);  // every unit uploaded once either way

@@ -114,7 +114,8 @@ TEST(OffloadFaults, DeadDiskUnderTheNvmeOptimizerSurfacesAndACheckpointRecovers)
 // master and moment at the end).
 enum class FailAt { kFirst, kMiddle, kLast };
 
-void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool report_in_step, const char* what) {
+void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool report_in_step,
+                    const char* what) {
   SCOPED_TRACE(what);
   constexpr int kSteps = 7;
   TempDir ref_dir("strata-retry-ref"), dir("strata-retry");
@@ -127,7 +128,9 @@ void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool r
   ASSERT_EQ(plain.losses.size(), static_cast<std::size_t>(kSteps));
   int k = -1;
   for (int i = 2; i + 2 <= kSteps && k < 0; ++i)
-    if (plain.skipped[static_cast<std::size_t>(i - 1)] == 0 && plain.skipped[static_cast<std::size_t>(i)] == 0) k = i;
+    if (plain.skipped[static_cast<std::size_t>(i - 1)] == 0 &&
+        plain.skipped[static_cast<std::size_t>(i)] == 0)
+      k = i;
   ASSERT_GE(k, 2) << "no two applied steps in a row";
   // The reference synchronises where the faulty run does (after steps k-1, k and k+1's update):
   // with the delayed update a synchronize is a flush, which the trajectory depends on.
@@ -159,7 +162,9 @@ void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool r
   const std::uint64_t b2 = faults.write_bytes_started.load();
   const std::uint64_t per_step = b2 - b1;
   ASSERT_GT(per_step, 0u);
-  const std::uint64_t through = at == FailAt::kFirst ? 1 : at == FailAt::kMiddle ? per_step / 2 : per_step - 1;
+  const std::uint64_t through = at == FailAt::kFirst    ? 1
+                                : at == FailAt::kMiddle ? per_step / 2
+                                                        : per_step - 1;
   faults.fail_writes_after_bytes = b2 + through;
   // Step k returns once its norm is known; its update fails behind it.
   ASSERT_TRUE(run_steps(e, c, k, k + 1, got));
@@ -173,7 +178,8 @@ void retry_in_place(const TrainerConfig& c, OffloadSettings s, FailAt at, bool r
   EXPECT_EQ(e.steps_done(), k + 1);
   Status again = e.synchronize();
   ASSERT_FALSE(again.ok());
-  EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos) << again.to_string();
+  EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos)
+      << again.to_string();
   // The disk is back: the next call finishes the update in place.
   faults.fail_writes_after_bytes = 0;
   const std::uint64_t before_retry = faults.write_bytes_started.load();

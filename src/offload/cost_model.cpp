@@ -143,9 +143,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const int L = static_cast<int>(config.model.n_layer);
   const bool act = settings.offload_activations && config.model.activation_checkpointing && M == L + 2;
   const int R_act = std::min(3, L + 1);
-  const std::uint64_t act_bytes = static_cast<std::uint64_t>(config.micro_batch) *
-                                  static_cast<std::uint64_t>(config.seq_len) *
-                                  static_cast<std::uint64_t>(config.model.n_embd) * dtype_size(config.model.dtype);
+  const std::uint64_t act_bytes =
+      static_cast<std::uint64_t>(config.micro_batch) * static_cast<std::uint64_t>(config.seq_len) *
+      static_cast<std::uint64_t>(config.model.n_embd) * dtype_size(config.model.dtype);
   auto evicted = [&](int l) { return l >= 0 && l + R_act <= L; };
   struct ActClock {
     double out_lane = 0, in_lane = 0;
@@ -229,9 +229,10 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     all_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
     if (u < kdev) dev_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
   }
-  const double dev_update = all_elements == 0 ? 0.0
-                                              : rates.device_update_seconds * static_cast<double>(dev_elements) /
-                                                    static_cast<double>(all_elements);
+  const double dev_update = all_elements == 0
+                                ? 0.0
+                                : rates.device_update_seconds * static_cast<double>(dev_elements) /
+                                      static_cast<double>(all_elements);
   auto nvme_read = [&](std::uint64_t b) {
     return b == 0 ? 0.0 : rates.nvme_request_seconds + static_cast<double>(b) / rates.nvme_read_bytes_per_s;
   };

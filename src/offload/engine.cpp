@@ -436,7 +436,8 @@ struct OffloadEngine::Impl {
   Status update_unit_host(int u, std::int64_t step, double lr, float scale, std::int64_t done_step);
   // Unit u's owned parameters in `out_unit` (its working layout) from fp32 masters at `master`
   // (unit element offset `first`, `n` elements): the rounding the update's param_out does.
-  Status working_from_master(int u, const float* master, std::uint64_t first, std::uint64_t n, char* out_unit) const;
+  Status working_from_master(int u, const float* master, std::uint64_t first, std::uint64_t n,
+                             char* out_unit) const;
   // A caller's entry: reports an update error once, then retries the failed update in place
   // (FailedUpdate); ok once the engine may go on.
   Status recover();
@@ -886,7 +887,8 @@ Status OffloadEngine::Impl::setup() {
   host_opt_step.assign(static_cast<std::size_t>(M), 0);
   group_step.resize(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) {
-    const auto& b = units.sub_groups.empty() ? std::vector<std::uint64_t>{} : units.sub_groups[static_cast<std::size_t>(u)];
+    const auto& b = units.sub_groups.empty() ? std::vector<std::uint64_t>{}
+                                             : units.sub_groups[static_cast<std::size_t>(u)];
     group_step[static_cast<std::size_t>(u)].assign(b.empty() ? 0 : b.size() - 1, 0);
   }
   STRATA_RETURN_IF_ERROR(initialize());
@@ -1800,13 +1802,14 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::working_from_master(int u, const float* master, std::uint64_t first, std::uint64_t n,
-                                               char* out_unit) const {
+Status OffloadEngine::Impl::working_from_master(int u, const float* master, std::uint64_t first,
+                                                std::uint64_t n, char* out_unit) const {
   const std::uint64_t w = half ? 2 : 4;
   for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     const std::uint64_t a = o.grad_in_unit / 4;
-    const std::uint64_t lo = std::max<std::uint64_t>(a, first), hi = std::min<std::uint64_t>(a + o.n, first + n);
+    const std::uint64_t lo = std::max<std::uint64_t>(a, first),
+                        hi = std::min<std::uint64_t>(a + o.n, first + n);
     if (lo >= hi) continue;
     char* out = out_unit + o.param_in_unit + (lo - a) * w;
     if (half) {
@@ -1818,15 +1821,17 @@ Status OffloadEngine::Impl::working_from_master(int u, const float* master, std:
   return ok_status();
 }
 
-Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale, std::int64_t done_step) {
+Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale,
+                                             std::int64_t done_step) {
   const std::size_t uu = static_cast<std::size_t>(u);
   if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
   if (!sharded && host_opt_step[uu] >= done_step) {
     // A retry: master and moments hold the step already, only publishing the parameters failed.
-    STRATA_RETURN_IF_ERROR(working_from_master(u, reinterpret_cast<const float*>(host_at(host_master, grad_begin(u))), 0,
-                                               units.gbytes[uu] / 4, out_unit));
+    STRATA_RETURN_IF_ERROR(
+        working_from_master(u, reinterpret_cast<const float*>(host_at(host_master, grad_begin(u))), 0,
+                            units.gbytes[uu] / 4, out_unit));
     return publish_params(u, out_unit);
   }
   if (sharded) {
@@ -2073,9 +2078,11 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     }
     span.reset();
     if (!first_error.ok()) break;
-    ring_seq[r] = push_write(
-        swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)}, master, 12 * len), -1,
-        track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns(), static_cast<std::int64_t>(items[i].group));
+    ring_seq[r] =
+        push_write(swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)},
+                               master, 12 * len),
+                   -1, track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns(),
+                   static_cast<std::int64_t>(items[i].group));
     if (!last_group) continue;
     first_error = finish_unit(u);
   }
@@ -2132,14 +2139,15 @@ void OffloadEngine::Impl::worker_main() {
       detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
       const auto [grads, n] = unit_grads(c.unit);
       const std::uint64_t first = sharded ? slices.begin[uu] : 0;
-      STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale)));
+      STRATA_ASSIGN_OR_RETURN(
+          stats[uu], scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale)));
     }
     if (!immediate_ok) return ok_status();
     if (!stats[uu].finite()) {
-      return invalid_argument("step " + std::to_string(c.step) + ": the gradients of module '" +
-                              layout().modules[uu].name +
-                              "' are not finite; modules updated before it in this step keep their update. Lower "
-                              "the learning rate or enable clipping");
+      return invalid_argument(
+          "step " + std::to_string(c.step) + ": the gradients of module '" + layout().modules[uu].name +
+          "' are not finite; modules updated before it in this step keep their update. Lower "
+          "the learning rate or enable clipping");
     }
     applied_step = c.step;
     STRATA_RETURN_IF_ERROR(update_unit_host(c.unit, c.opt_step, c.lr, 1.0f, c.step));
@@ -2155,7 +2163,8 @@ void OffloadEngine::Impl::worker_main() {
       std::vector<int> order;  // this stage's units, in the update's order
       for (int u : update_order) {
         // Partial offload: units [0, kdev) are the device's.
-        if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] && updated_step[static_cast<std::size_t>(u)] < c.step)
+        if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] &&
+            updated_step[static_cast<std::size_t>(u)] < c.step)
           order.push_back(u);
       }
       return update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
@@ -2200,7 +2209,8 @@ void OffloadEngine::Impl::worker_main() {
       total = *merged;
     } else {
       // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
-      for (int u = 0; u < M; ++u) total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
+      for (int u = 0; u < M; ++u)
+        total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
     }
     if (tp_size > 1) {
       auto merged = merge_over_tp(total, *tp_norm);
@@ -2304,7 +2314,8 @@ Status OffloadEngine::Impl::recover() {
   const std::string which = "step " + std::to_string(f.cmd.step);
   if (f.phase == FailPhase::kAfterNorm && steps < f.cmd.step) {
     // The step's own call failed after its norm (not a state the engine can finish).
-    return check_worker().with_context(which + "'s update failed part-way and its call did not complete; load a "
+    return check_worker().with_context(which +
+                                       "'s update failed part-way and its call did not complete; load a "
                                        "checkpoint");
   }
   {

@@ -282,7 +282,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
   } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
-      line("gradients (fp32)" + host_part, Tier::kNvme, StateKind::kGradients, units.grad_bytes - units.device_opt_bytes);
+      line("gradients (fp32)" + host_part, Tier::kNvme, StateKind::kGradients,
+           units.grad_bytes - units.device_opt_bytes);
       line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
     } else {
       line("gradients (fp32, host)" + host_part, Tier::kHost, StateKind::kGradients,
@@ -299,10 +300,12 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   }
   if (settings.optimizer == Tier::kNvme) {
     // Partial offload: the first modules' state is in the device regions optim.* above.
-    const std::uint64_t state = sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
-                                        : 3 * (units.grad_bytes - units.device_opt_bytes);
-    line(sharded ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
-                 : "fp32 master + exp_avg + exp_avg_sq" + host_part,
+    const std::uint64_t state =
+        sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
+                : 3 * (units.grad_bytes - units.device_opt_bytes);
+    line(sharded
+             ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
+             : "fp32 master + exp_avg + exp_avg_sq" + host_part,
          Tier::kNvme, StateKind::kOptimizer, state);
     line("optimizer pipeline ring (pinned)", Tier::kHost, StateKind::kOptimizer,
          static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);

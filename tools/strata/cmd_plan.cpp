@@ -162,6 +162,18 @@ Json config_json(const RunSettings& rs, const Candidate& c, const std::string& s
   if (s.params == Tier::kNvme) z["offload_param"]["nvme_path"] = dir;
   if (s.optimizer == Tier::kNvme) z["offload_optimizer"]["nvme_path"] = dir;
   z["offload_optimizer"]["buffer_count"] = s.nvme_buffer_count;
+  // The split and the delayed update as planned for this placement (the source config's may not
+  // apply to it: the engine would refuse them).
+  if (s.optimizer_ratio < 1.0) {
+    z["offload_optimizer"]["ratio"] = s.optimizer_ratio;
+  } else {
+    z["offload_optimizer"].erase("ratio");
+  }
+  if (s.delayed_update) {
+    j["strata"]["delayed_update"] = true;
+  } else if (j.contains("strata")) {
+    j["strata"].erase("delayed_update");
+  }
   z["sub_group_size"] = s.sub_group_size;
   z["stage3_prefetch_bucket_size"] = s.prefetch_elements;
   z["stage3_param_persistence_threshold"] = s.persistence_threshold;
@@ -330,6 +342,12 @@ int run_plan(std::span<const std::string> argv) {
               s.nvme_buffer_count = r;
               s.sub_group_size = g;
               if (nvme) s.io.nvme_path = s.nvme_path;
+              // Settings only some placements take (as estimate_placement): the delayed update
+              // and the partial optimizer split are predicted and written where the engine takes
+              // them, and left out elsewhere.
+              if (params != Tier::kDevice || optimizer == Tier::kDevice) s.delayed_update = false;
+              if (params != Tier::kDevice || optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update)
+                s.optimizer_ratio = 1.0;
               auto e = estimate_placement(rs.trainer, s, budgets, cuda);
               if (!e.ok()) return fail(e.status());
               // The cpu backend's device memory is this machine's memory too.
