@@ -322,14 +322,15 @@ struct OffloadEngine::Impl {
   std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
   std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
   std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
-  std::vector<ArenaBuffer> act_recv, grad_recv;  // per micro-batch: the boundary tensors received
+  // kPipelineRecvBuffers each, used alternately (micro-batch a: a % 2): the boundary tensors received
+  std::vector<ArenaBuffer> act_recv, grad_recv;
   // The boundary exchange runs in compute-stream order (host functions on the stream's worker,
-  // the only thread using pp_stream): the step's receives are posted when the stream starts the
-  // step, each op waits only for the receive it needs, and each send leaves once its output is
-  // copied. The handles below are written by the worker and read by the caller only after
-  // compute->synchronize().
+  // the only thread using pp_stream): a receive is posted when the stream starts the op before
+  // the one that needs it, each op waits only for its own receive, and each send leaves once its
+  // output is copied. The handles below are written by the worker and read by the caller only
+  // after compute->synchronize().
   std::unique_ptr<Comm> pp_stream;
-  std::vector<CommWork> act_recv_work, grad_recv_work;  // per micro-batch, this step's receives
+  std::vector<CommWork> act_recv_work, grad_recv_work;  // per receive buffer: its posted receive
   std::vector<CommWork> sends;          // this step's sends, waited at its end
   double pp_stream_wait_seconds = 0.0;  // compute stream's receive waits (worker; read after a sync)
   std::optional<Command> tied_landed;   // host optimizer: the tied unit, landed but not yet summed
@@ -1270,19 +1271,25 @@ Status OffloadEngine::Impl::setup_pipeline() {
     if (pp_rank + 1 < pp_size) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_activations"));
       act_send.push_back(std::move(b));
-      STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_gradients"));
-      grad_recv.push_back(std::move(r));
     }
     if (pp_rank > 0) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_gradients"));
       grad_send.push_back(std::move(b));
+    }
+  }
+  for (int i = 0; i < offload_detail::kPipelineRecvBuffers; ++i) {
+    if (pp_rank + 1 < pp_size) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_gradients"));
+      grad_recv.push_back(std::move(r));
+    }
+    if (pp_rank > 0) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_activations"));
       act_recv.push_back(std::move(r));
     }
   }
   sends.reserve(static_cast<std::size_t>(2 * config.grad_accum));
-  act_recv_work.resize(static_cast<std::size_t>(config.grad_accum));
-  grad_recv_work.resize(static_cast<std::size_t>(config.grad_accum));
+  act_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
+  grad_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
   return ok_status();
 }
 
@@ -1312,18 +1319,22 @@ Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
 // order. The whole step is one pass of the prefetch trace (recorded in the first step).
 //
 // The boundary exchange is in compute-stream order, so the caller never synchronizes the stream
-// mid-step and compute overlaps the transfers: the stream's first host function posts every
-// receive of the step into per-micro-batch buffers (nothing reads them before their op, so they
-// can all be in flight at once); an op that needs a neighbour's tensor has the stream wait for
-// that one receive and copy it into the model's buffer (the slot's boundary activation, or the
-// shared activation gradient), which stream order makes free: every earlier reader of it was
-// enqueued before. A send copies the output into its micro-batch's send buffer and is issued by
-// the next host function, so it leaves as soon as the output exists while the stream goes on.
-// Per peer, receives are posted and sends issued in micro-batch order on both sides (one
-// direction per peer: activations go to s+1, gradients to s-1), which is what MPI's matching per
-// (pair, Comm) needs. A stage blocks only on receives whose matching sends its neighbour issues
-// in its own stream order without waiting for anything of ours later in the schedule than the
-// op it unblocks: the same dependency graph as the blocking exchange, so no (p, m) deadlocks.
+// mid-step and compute overlaps the transfers. A receive is posted by a host function at the
+// start of the op before the one that reads it (the step's first receive, if op 0 needs one, when
+// the step starts), into one of two buffers per direction used alternately: the transfer
+// proceeds while that op computes. Posting earlier would keep more receives in flight, and the
+// comm queue thread polls while anything is in flight, which costs compute time when the
+// stages share cores. The op then has the stream wait for its receive alone and copy it into the
+// model's buffer (the slot's boundary activation, or the shared activation gradient), which
+// stream order makes free: every earlier reader of it was enqueued before; the buffer it used is
+// reposted two receives later, after that copy in stream order. A send copies the output into its
+// micro-batch's send buffer and is issued by the next host function, so it leaves as soon as the
+// output exists while the stream goes on. Per peer, receives are posted and sends issued in
+// micro-batch order on both sides (one direction per peer: activations go to s+1, gradients to
+// s-1), which is what MPI's matching per (pair, Comm) needs. A stage blocks only on receives
+// whose matching sends its neighbour issues in its own stream order without waiting for anything
+// of ours later in the schedule than the op it unblocks: the same dependency graph as a blocking
+// exchange, so no (p, m) deadlocks.
 Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                                          std::int64_t micro, float dloss, std::int64_t step, double lr) {
   const std::int64_t B = config.micro_batch, T = config.seq_len;
@@ -1339,20 +1350,29 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   pp_stream_wait_seconds = 0.0;
   cyclic = false;
   begin_pass();
-  // Posts the step's receives (worker thread).
-  STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: post the step's receives", [=, this]() -> Status {
-    for (std::int64_t a = 0; a < micro; ++a) {
-      const auto i = static_cast<std::size_t>(a);
-      if (!first_stage) act_recv_work[i] = comm->recv(act_recv[i].data(), count, wire, pp_rank - 1);
-      if (!last_stage) grad_recv_work[i] = comm->recv(grad_recv[i].data(), count, wire, pp_rank + 1);
-    }
-    return ok_status();
-  }));
+  const std::vector<PipelineOp> ops =
+      pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro));
+  constexpr int kBuffers = offload_detail::kPipelineRecvBuffers;
+  // Posts op j's receive, if it has one (in stream order, on the worker thread).
+  auto post = [&](std::size_t j) -> Status {
+    if (j >= ops.size()) return ok_status();
+    const PipelineOp& op = ops[j];
+    if (op.forward ? first_stage : last_stage) return ok_status();
+    const auto i = static_cast<std::size_t>(op.micro % kBuffers);
+    void* buf = op.forward ? act_recv[i].data() : grad_recv[i].data();
+    CommWork* work = op.forward ? &act_recv_work[i] : &grad_recv_work[i];
+    const int peer = op.forward ? pp_rank - 1 : pp_rank + 1;
+    return compute->host_fn("pipeline: post a receive from stage " + std::to_string(peer),
+                            [comm, buf, work, count, wire, peer]() {
+                              *work = comm->recv(buf, count, wire, peer);
+                              return ok_status();
+                            });
+  };
   // The stream waits for one receive (timed: the stage's idle time, its share of the bubble),
   // then copies it to where the model reads it.
   auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int a, void* dst,
                      std::string what) -> Status {
-    const auto i = static_cast<std::size_t>(a);
+    const auto i = static_cast<std::size_t>(a % kBuffers);
     STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: " + what, [this, w = &works[i], what]() -> Status {
       const auto t0 = std::chrono::steady_clock::now();
       Status st = w->wait();
@@ -1372,8 +1392,11 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     });
   };
   auto schedule = [&]() -> Status {
-    for (const PipelineOp& op : pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro))) {
+    STRATA_RETURN_IF_ERROR(post(0));
+    for (std::size_t j = 0; j < ops.size(); ++j) {
+      const PipelineOp& op = ops[j];
       const int a = op.micro;
+      STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
       STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
       if (op.forward) {
         STRATA_RETURN_IF_ERROR(
