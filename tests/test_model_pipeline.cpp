@@ -141,9 +141,9 @@ std::string chunk_ops_text(const std::vector<ChunkOp>& ops) {
 }
 
 // Runs the p processes' interleaved op lists against each other with sends that never block and
-// receives posted up front (the engine's exchange): an op runs once its input exists (a forward
-// needs the previous virtual stage's forward of that micro-batch, a backward the next virtual
-// stage's backward). Ops take 1/v time units each (a chunk is 1/v of a stage), communication is
+// ops that wait only for their own input (the engine's exchange): an op runs once its input
+// exists (a forward needs the previous virtual stage's forward of that micro-batch, a backward
+// the next virtual stage's backward). Ops take 1/v time units each (a chunk is 1/v of a stage), communication is
 // free. Returns the makespan, or -1 when the processes deadlock (no op can run, work is left).
 // Also checks the message order per (sender, receiver, direction): the receiver's ops must take
 // the messages in the order the sender issues them, which MPI's matching per (pair, Comm) needs.
