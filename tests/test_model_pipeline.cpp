@@ -7,14 +7,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "offload_fixture.hpp"
 #include "strata/device.hpp"
 #include "strata/model.hpp"
 #include "strata/offload.hpp"
+#include "strata/pipeline_schedule.hpp"
 
 namespace strata {
 namespace {
@@ -127,6 +131,170 @@ TEST(PipelineSchedule, OrdersAndSlots) {
   EXPECT_NE(bad.status().message().find("'interleaved'"), std::string::npos);
   EXPECT_EQ(*parse_pipeline_schedule("gpipe"), PipelineSchedule::kGpipe);
   EXPECT_EQ(*parse_pipeline_schedule("1f1b"), PipelineSchedule::kOneFOneB);
+}
+
+std::string chunk_ops_text(const std::vector<ChunkOp>& ops) {
+  std::string t;
+  for (const ChunkOp& o : ops)
+    t += std::string(o.forward ? "F" : "B") + std::to_string(o.micro) + "c" + std::to_string(o.chunk) + " ";
+  return t;
+}
+
+// Runs the p processes' interleaved op lists against each other with sends that never block and
+// ops that wait only for their own input (the engine's exchange): an op runs once its input
+// exists (a forward needs the previous virtual stage's forward of that micro-batch, a backward
+// the next virtual stage's backward). Ops take 1/v time units each (a chunk is 1/v of a stage), communication is
+// free. Returns the makespan, or -1 when the processes deadlock (no op can run, work is left).
+// Also checks the message order per (sender, receiver, direction): the receiver's ops must take
+// the messages in the order the sender issues them, which MPI's matching per (pair, Comm) needs.
+double simulate_interleaved(int p, int v, int m) {
+  std::vector<std::vector<ChunkOp>> ops(static_cast<std::size_t>(p));
+  for (int s = 0; s < p; ++s) {
+    auto o = interleaved_pipeline_ops(p, s, v, m);
+    EXPECT_TRUE(o.ok()) << o.status().to_string();
+    if (!o.ok()) return -1;
+    ops[static_cast<std::size_t>(s)] = *o;
+  }
+  const int J = v * p;
+  auto vstage = [&](int s, const ChunkOp& o) { return o.chunk * p + s; };
+  // Message order: [direction][sender][receiver] -> the (micro, virtual stage) sequence.
+  using Seq = std::vector<std::pair<int, int>>;
+  std::vector<std::vector<std::vector<Seq>>> sent(2, std::vector<std::vector<Seq>>(p, std::vector<Seq>(p))),
+      taken = sent;
+  for (int s = 0; s < p; ++s) {
+    for (const ChunkOp& o : ops[static_cast<std::size_t>(s)]) {
+      const int j = vstage(s, o);
+      if (o.forward) {
+        if (j + 1 < J) sent[0][s][(j + 1) % p].push_back({o.micro, j + 1});
+        if (j > 0) taken[0][(j - 1) % p][s].push_back({o.micro, j});
+      } else {
+        if (j > 0) sent[1][s][(j - 1) % p].push_back({o.micro, j - 1});
+        if (j + 1 < J) taken[1][(j + 1) % p][s].push_back({o.micro, j});
+      }
+    }
+  }
+  EXPECT_EQ(sent, taken) << "p=" << p << " v=" << v << " m=" << m << ": messages taken out of order";
+  // done time of F / B per (micro, virtual stage); -1 = not yet.
+  std::vector<double> fdone(static_cast<std::size_t>(m * J), -1), bdone(static_cast<std::size_t>(m * J), -1);
+  std::vector<std::size_t> next(static_cast<std::size_t>(p), 0);
+  std::vector<double> clock(static_cast<std::size_t>(p), 0.0);
+  const double t = 1.0 / v;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < p; ++s) {
+      auto& n = next[static_cast<std::size_t>(s)];
+      if (n == ops[static_cast<std::size_t>(s)].size()) continue;
+      const ChunkOp& o = ops[static_cast<std::size_t>(s)][n];
+      const int j = vstage(s, o);
+      const auto at = static_cast<std::size_t>(o.micro * J + j);
+      double ready = clock[static_cast<std::size_t>(s)];
+      if (o.forward) {
+        if (j > 0) {
+          const double d = fdone[at - 1];
+          if (d < 0) continue;
+          ready = std::max(ready, d);
+        }
+        fdone[at] = ready + t;
+      } else {
+        if (fdone[at] < 0) {
+          ADD_FAILURE() << "p=" << p << " v=" << v << " m=" << m << ": backward before its forward";
+          return -1;
+        }
+        if (j + 1 < J) {
+          const double d = bdone[at + 1];
+          if (d < 0) continue;
+          ready = std::max(ready, d);
+        }
+        bdone[at] = ready + t;
+      }
+      clock[static_cast<std::size_t>(s)] = ready + t;
+      ++n;
+      progress = true;
+    }
+  }
+  for (int s = 0; s < p; ++s)
+    if (next[static_cast<std::size_t>(s)] != ops[static_cast<std::size_t>(s)].size()) return -1;
+  return *std::max_element(clock.begin(), clock.end());
+}
+
+TEST(PipelineSchedule, InterleavedOrderDependenciesAndSlots) {
+  // p = 2, v = 2, m = 4, worked out by hand from the rule in pipeline_schedule.hpp: forwards
+  // a0c0 a1c0 a0c1 a1c1 a2c0 a3c0 a2c1 a3c1, backwards a0c1 a1c1 a0c0 a1c0 a2c1 a3c1 a2c0 a3c0;
+  // warm-up 2·(p−s−1) + (v−1)·p = 4 on stage 0, 2 on stage 1.
+  EXPECT_EQ(chunk_ops_text(*interleaved_pipeline_ops(2, 0, 2, 4)),
+            "F0c0 F1c0 F0c1 F1c1 F2c0 B0c1 F3c0 B1c1 F2c1 B0c0 F3c1 B1c0 B2c1 B3c1 B2c0 B3c0 ");
+  EXPECT_EQ(chunk_ops_text(*interleaved_pipeline_ops(2, 1, 2, 4)),
+            "F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 F2c0 B0c0 F3c0 B1c0 F2c1 B2c1 F3c1 B3c1 B2c0 B3c0 ");
+  EXPECT_EQ(*interleaved_pipeline_slots(2, 0, 2, 4), 5);
+  EXPECT_EQ(*interleaved_pipeline_slots(2, 1, 2, 4), 3);
+  for (int p = 1; p <= 4; ++p) {
+    for (int v = 1; v <= 3; ++v) {
+      for (int g = 1; g <= 3; ++g) {
+        const int m = g * p;
+        for (int s = 0; s < p; ++s) {
+          const auto ops = *interleaved_pipeline_ops(p, s, v, m);
+          ASSERT_EQ(ops.size(), static_cast<std::size_t>(2 * m * v));
+          // v = 1 is plain 1F1B.
+          if (v == 1) {
+            std::vector<ChunkOp> plain;
+            for (const PipelineOp& o : pipeline_ops(PipelineSchedule::kOneFOneB, p, s, m)) plain.push_back({o.forward, o.micro, 0});
+            EXPECT_EQ(ops, plain) << "p=" << p << " s=" << s << " m=" << m;
+          }
+          // Per chunk: forwards in micro-batch order, backwards in micro-batch order (the gradient
+          // accumulation order of one process), each backward after its forward.
+          std::vector<int> f(static_cast<std::size_t>(v), 0), b(static_cast<std::size_t>(v), 0);
+          int live = 0, most = 0;
+          for (const ChunkOp& o : ops) {
+            ASSERT_GE(o.chunk, 0);
+            ASSERT_LT(o.chunk, v);
+            auto& cf = f[static_cast<std::size_t>(o.chunk)];
+            auto& cb = b[static_cast<std::size_t>(o.chunk)];
+            if (o.forward) {
+              EXPECT_EQ(o.micro, cf++) << "p=" << p << " v=" << v << " m=" << m << " s=" << s;
+            } else {
+              EXPECT_EQ(o.micro, cb++) << "p=" << p << " v=" << v << " m=" << m << " s=" << s;
+              EXPECT_LT(o.micro, cf) << "backward before its forward";
+            }
+            live += o.forward ? 1 : -1;
+            most = std::max(most, live);
+          }
+          for (int c = 0; c < v; ++c) {
+            EXPECT_EQ(f[static_cast<std::size_t>(c)], m);
+            EXPECT_EQ(b[static_cast<std::size_t>(c)], m);
+          }
+          EXPECT_EQ(*interleaved_pipeline_slots(p, s, v, m), most);
+        }
+        // No deadlock, messages matched in order, and the bubble (equal chunks, free
+        // communication) is 1F1B's divided by v: makespan 2m + 2(p−1)/v with t_f = t_b.
+        const double makespan = simulate_interleaved(p, v, m);
+        ASSERT_GT(makespan, 0) << "deadlock: p=" << p << " v=" << v << " m=" << m;
+        const double bubble = 1.0 - 2.0 * m / makespan;
+        const double theory = interleaved_bubble_theory(p, v, m);
+        std::printf("p=%d v=%d m=%d simulated bubble %.4f theory %.4f\n", p, v, m, bubble, theory);
+        EXPECT_NEAR(bubble, theory, 1e-9) << "p=" << p << " v=" << v << " m=" << m;
+      }
+    }
+  }
+  // Chunks: process s owns virtual stages s, s+p, ...; embedding on 0, head on p−1.
+  const ModelConfig c = small(ModelKind::kGpt2, 6);
+  const std::vector<int> bounds = *pipeline_stages(c, 4, 0);  // 2 processes x 2 chunks
+  auto r0 = *interleaved_stage_ranges(bounds, 2, 0, 2), r1 = *interleaved_stage_ranges(bounds, 2, 1, 2);
+  ASSERT_EQ(r0.size(), 2u);
+  EXPECT_EQ(r0[0], std::make_pair(0, bounds[1]));
+  EXPECT_EQ(r1[0], std::make_pair(bounds[1], bounds[2]));
+  EXPECT_EQ(r0[1], std::make_pair(bounds[2], bounds[3]));
+  EXPECT_EQ(r1[1], std::make_pair(bounds[3], 8));  // the head (module L + 1 = 7) on the last process
+  // Errors name the value and what was expected.
+  auto odd = interleaved_pipeline_ops(2, 0, 2, 3);
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("3 micro-batches is not a multiple of the 2 stages"), std::string::npos);
+  auto none = interleaved_pipeline_ops(2, 0, 0, 2);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("0 virtual stages"), std::string::npos);
+  EXPECT_TRUE(interleaved_pipeline_ops(2, 0, 1, 3).ok());  // v = 1: plain 1F1B, any m
+  auto short_bounds = interleaved_stage_ranges({0, 3, 8}, 2, 0, 2);
+  ASSERT_FALSE(short_bounds.ok());
+  EXPECT_NE(short_bounds.status().message().find("expected 5"), std::string::npos);
 }
 
 struct Batches {

@@ -354,8 +354,9 @@ struct OffloadEngine::Impl {
   std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> norm_ranges;
   // Pipeline parallel (null / size 1: every module here). This stage runs modules
   // [stage_first, stage_end); units.in_stage says which units it holds. Each thread that talks
-  // has its own Comm split from the group, used in one order on every stage: the caller
-  // (activations and activation gradients, the loss), the thread that computes the gradient norm
+  // has its own Comm split from the group, used in one order on every stage: the compute stream's
+  // worker (activations and activation gradients, pp_stream), the caller (the loss, pp_caller),
+  // the thread that computes the gradient norm
   // (the compute stream's optimizer step, or the host optimizer thread: per-unit statistics), and
   // the thread that holds the tied embedding's final gradient (compute stream / gradient stream:
   // its all-reduce between the first and the last stage).
@@ -368,7 +369,17 @@ struct OffloadEngine::Impl {
   std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
   std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
   std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
+  // kPipelineRecvBuffers each, used alternately (micro-batch a: a % 2): the boundary tensors received
+  std::vector<ArenaBuffer> act_recv, grad_recv;
+  // The boundary exchange runs in compute-stream order (host functions on the stream's worker,
+  // the only thread using pp_stream): a receive is posted when the stream starts the op before
+  // the one that needs it, each op waits only for its own receive, and each send leaves once its
+  // output is copied. The handles below are written by the worker and read by the caller only
+  // after compute->synchronize().
+  std::unique_ptr<Comm> pp_stream;
+  std::vector<CommWork> act_recv_work, grad_recv_work;  // per receive buffer: its posted receive
   std::vector<CommWork> sends;          // this step's sends, waited at its end
+  double pp_stream_wait_seconds = 0.0;  // compute stream's receive waits (worker; read after a sync)
   std::optional<Command> tied_landed;   // host optimizer: the tied unit, landed but not yet summed
   double pp_seconds = 0.0, pp_wait_seconds = 0.0;  // OffloadStats::pipeline_seconds / _wait_seconds
   std::uint64_t pp_bytes = 0;
@@ -1394,6 +1405,7 @@ Status OffloadEngine::Impl::setup_pipeline() {
   if (pp_size == 1) return ok_status();
   STRATA_ASSIGN_OR_RETURN(pp_caller, pp->split(0, pp_rank, "pp.step"));
   STRATA_ASSIGN_OR_RETURN(pp_norm, pp->split(0, pp_rank, "pp.norm"));
+  STRATA_ASSIGN_OR_RETURN(pp_stream, pp->split(0, pp_rank, "pp.stream"));
   // The tied unit: held by the first stage (its own module) and by the last (read by the head).
   const ModelLayout& L = layout();
   unit_stage.assign(static_cast<std::size_t>(M), -1);
@@ -1429,7 +1441,19 @@ Status OffloadEngine::Impl::setup_pipeline() {
       grad_send.push_back(std::move(b));
     }
   }
+  for (int i = 0; i < offload_detail::kPipelineRecvBuffers; ++i) {
+    if (pp_rank + 1 < pp_size) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_gradients"));
+      grad_recv.push_back(std::move(r));
+    }
+    if (pp_rank > 0) {
+      STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_activations"));
+      act_recv.push_back(std::move(r));
+    }
+  }
   sends.reserve(static_cast<std::size_t>(2 * config.grad_accum));
+  act_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
+  grad_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
   return ok_status();
 }
 
@@ -1554,8 +1578,24 @@ Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightForma
 // One step's micro-batches through this stage in the schedule's order. Forwards and backwards
 // each run in micro-batch order, so every unit's gradient accumulates in the single process's
 // order. The whole step is one pass of the prefetch trace (recorded in the first step).
-// Receives land in the model's own buffers once the compute stream has finished with them (the
-// stream is synchronized first); sends leave from per-micro-batch copies, waited at the end.
+//
+// The boundary exchange is in compute-stream order, so the caller never synchronizes the stream
+// mid-step and compute overlaps the transfers. A receive is posted by a host function at the
+// start of the op before the one that reads it (the step's first receive, if op 0 needs one, when
+// the step starts), into one of two buffers per direction used alternately: the transfer
+// proceeds while that op computes. Posting earlier would keep more receives in flight, and the
+// comm queue thread polls while anything is in flight, which costs compute time when the
+// stages share cores. The op then has the stream wait for its receive alone and copy it into the
+// model's buffer (the slot's boundary activation, or the shared activation gradient), which
+// stream order makes free: every earlier reader of it was enqueued before; the buffer it used is
+// reposted two receives later, after that copy in stream order. A send copies the output into its
+// micro-batch's send buffer and is issued by the next host function, so it leaves as soon as the
+// output exists while the stream goes on. Per peer, receives are posted and sends issued in
+// micro-batch order on both sides (one direction per peer: activations go to s+1, gradients to
+// s-1), which is what MPI's matching per (pair, Comm) needs. A stage blocks only on receives
+// whose matching sends its neighbour issues in its own stream order without waiting for anything
+// of ours later in the schedule than the op it unblocks: the same dependency graph as a blocking
+// exchange, so no (p, m) deadlocks.
 Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                                          std::int64_t micro, float dloss, std::int64_t step, double lr) {
   const std::int64_t B = config.micro_batch, T = config.seq_len;
@@ -1563,66 +1603,100 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   const int k = model->activation_slots();
   const bool first_stage = pp_rank == 0, last_stage = pp_rank + 1 == pp_size;
   const DType wire = wire_dtype();
+  const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * config.model.n_embd) * dtype_size(wdtype);
+  const std::size_t count = bytes / dtype_size(wire);
   const auto started = std::chrono::steady_clock::now();
-  // A receive's wait, timed: the stage's idle time (its share of the bubble).
-  auto received = [this](CommWork w) {
-    const auto t0 = std::chrono::steady_clock::now();
-    Status st = w.wait();
-    pp_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return st;
-  };
+  Comm* const comm = pp_stream.get();
   sends.clear();
+  pp_stream_wait_seconds = 0.0;
   cyclic = false;
   begin_pass();
-  Status s;
-  for (const PipelineOp& op : pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro))) {
-    const int a = op.micro;
-    STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
-    if (op.forward) {
-      STRATA_RETURN_IF_ERROR(
-          model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
-      const std::uint64_t bytes = model->boundary_bytes();
-      const std::size_t count = bytes / dtype_size(wire);
-      if (!first_stage) {
-        STRATA_RETURN_IF_ERROR(compute->synchronize());
-        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1))
-                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
-                                                 "'s activations from stage " + std::to_string(pp_rank - 1)));
-      }
-      STRATA_RETURN_IF_ERROR(run_forward(true));
-      STRATA_RETURN_IF_ERROR(model->copy_losses(a));
-      if (!last_stage) {
-        void* out = act_send[static_cast<std::size_t>(a)].data();
+  const std::vector<PipelineOp> ops =
+      pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro));
+  constexpr int kBuffers = offload_detail::kPipelineRecvBuffers;
+  // Posts op j's receive, if it has one (in stream order, on the worker thread).
+  auto post = [&](std::size_t j) -> Status {
+    if (j >= ops.size()) return ok_status();
+    const PipelineOp& op = ops[j];
+    if (op.forward ? first_stage : last_stage) return ok_status();
+    const auto i = static_cast<std::size_t>(op.micro % kBuffers);
+    void* buf = op.forward ? act_recv[i].data() : grad_recv[i].data();
+    CommWork* work = op.forward ? &act_recv_work[i] : &grad_recv_work[i];
+    const int peer = op.forward ? pp_rank - 1 : pp_rank + 1;
+    return compute->host_fn("pipeline: post a receive from stage " + std::to_string(peer),
+                            [comm, buf, work, count, wire, peer]() {
+                              *work = comm->recv(buf, count, wire, peer);
+                              return ok_status();
+                            });
+  };
+  // The stream waits for one receive (timed: the stage's idle time, its share of the bubble),
+  // then copies it to where the model reads it.
+  auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int a, void* dst,
+                     std::string what) -> Status {
+    const auto i = static_cast<std::size_t>(a % kBuffers);
+    STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: " + what, [this, w = &works[i], what]() -> Status {
+      const auto t0 = std::chrono::steady_clock::now();
+      Status st = w->wait();
+      pp_stream_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return st.with_context("pipeline: " + what);
+    }));
+    return compute->copy_async(dst, bufs[i].data(), bytes, CopyKind::kDeviceToDevice);
+  };
+  // Copies an output to its send buffer and issues the send behind it (stream order).
+  auto send = [&](std::vector<ArenaBuffer>& bufs, int a, const void* src, int peer) -> Status {
+    void* out = bufs[static_cast<std::size_t>(a)].data();
+    STRATA_RETURN_IF_ERROR(compute->copy_async(out, src, bytes, CopyKind::kDeviceToDevice));
+    pp_bytes += bytes;
+    return compute->host_fn("pipeline: send to stage " + std::to_string(peer), [this, comm, out, count, wire, peer]() {
+      sends.push_back(comm->send(out, count, wire, peer));
+      return ok_status();
+    });
+  };
+  auto schedule = [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(post(0));
+    for (std::size_t j = 0; j < ops.size(); ++j) {
+      const PipelineOp& op = ops[j];
+      const int a = op.micro;
+      STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
+      STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
+      if (op.forward) {
         STRATA_RETURN_IF_ERROR(
-            compute->copy_async(out, model->boundary_activation(stage_end), bytes, CopyKind::kDeviceToDevice));
-        STRATA_RETURN_IF_ERROR(compute->synchronize());
-        sends.push_back(pp_caller->send(out, count, wire, pp_rank + 1));
-        pp_bytes += bytes;
-      }
-    } else {
-      const std::uint64_t bytes = model->boundary_bytes();
-      const std::size_t count = bytes / dtype_size(wire);
-      if (!last_stage) {
-        STRATA_RETURN_IF_ERROR(compute->synchronize());
-        STRATA_RETURN_IF_ERROR(received(pp_caller->recv(model->activation_grad(), count, wire, pp_rank + 1))
-                                   .with_context("pipeline: receive of micro-batch " + std::to_string(a) +
-                                                 "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
-      }
-      STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr));
-      if (!first_stage) {
-        void* out = grad_send[static_cast<std::size_t>(a)].data();
-        STRATA_RETURN_IF_ERROR(compute->copy_async(out, model->activation_grad(), bytes, CopyKind::kDeviceToDevice));
-        STRATA_RETURN_IF_ERROR(compute->synchronize());
-        sends.push_back(pp_caller->send(out, count, wire, pp_rank - 1));
-        pp_bytes += bytes;
+            model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+        if (model->boundary_bytes() != bytes) {
+          return internal_error("pipeline: boundary tensor of " + std::to_string(model->boundary_bytes()) +
+                                " bytes, expected " + std::to_string(bytes));
+        }
+        if (!first_stage) {
+          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, a, model->boundary_activation(stage_first),
+                                         "receive of micro-batch " + std::to_string(a) + "'s activations from stage " +
+                                             std::to_string(pp_rank - 1)));
+        }
+        STRATA_RETURN_IF_ERROR(run_forward(true));
+        STRATA_RETURN_IF_ERROR(model->copy_losses(a));
+        if (!last_stage) STRATA_RETURN_IF_ERROR(send(act_send, a, model->boundary_activation(stage_end), pp_rank + 1));
+      } else {
+        if (!last_stage) {
+          STRATA_RETURN_IF_ERROR(receive(grad_recv_work, grad_recv, a, model->activation_grad(),
+                                         "receive of micro-batch " + std::to_string(a) +
+                                             "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
+        }
+        STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr));
+        if (!first_stage) STRATA_RETURN_IF_ERROR(send(grad_send, a, model->activation_grad(), pp_rank - 1));
       }
     }
-  }
+    return ok_status();
+  };
+  Status s = schedule();
+  // Always drained before returning, also after an error: the stream's host functions use
+  // pp_stream and the handle vectors, which the caller must not touch while they run.
+  Status sync = compute->synchronize();
+  if (s.ok()) s = sync;
   for (const CommWork& w : sends) {
     Status ws = w.wait();
     if (s.ok() && !ws.ok()) s = ws.with_context("pipeline: send");
   }
   sends.clear();
+  pp_wait_seconds += pp_stream_wait_seconds;
   pp_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   STRATA_RETURN_IF_ERROR(s);
   if (tied_landed) {  // the host optimizer's tied unit: summed, then handed to the optimizer thread

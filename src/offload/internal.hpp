@@ -93,6 +93,10 @@ inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
   return s;
 }
 
+// Pipeline boundary exchange (engine.cpp run_pipeline): a receive is posted one op ahead of the
+// op that reads it, so a stage holds two receive buffers per neighbour, used alternately.
+inline constexpr int kPipelineRecvBuffers = 2;
+
 // The units stage `stage` of a pipeline with module bounds `bounds` (pipeline_stages) reads: its
 // modules and what they read (GPT-2's last stage: the embedding, for the tied head). All units
 // without a pipeline (bounds empty).

@@ -229,13 +229,17 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   }
   if (settings.pipeline_bounds.size() > 2) {
     // A stage keeps one activation set per micro-batch in flight (bounded above by the whole
-    // model's set each) and one send buffer per micro-batch and direction.
+    // model's set each) and, per neighbour, a send buffer per micro-batch and two receive buffers
+    // (docs/parallel.md, the boundary exchange).
     const int slots = act_slots;
+    const int stages = static_cast<int>(settings.pipeline_bounds.size()) - 1;
+    const int neighbours = (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
     line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(slots - 1) *
              offload_detail::activation_bytes_estimate(config, act_offload));
-    line("pipeline: send buffers", Tier::kDevice, StateKind::kActivations,
-         2 * static_cast<std::uint64_t>(config.grad_accum) * boundary);
+    line("pipeline: send and receive buffers", Tier::kDevice, StateKind::kActivations,
+         static_cast<std::uint64_t>(neighbours) *
+             static_cast<std::uint64_t>(config.grad_accum + offload_detail::kPipelineRecvBuffers) * boundary);
   }
   const bool pin = settings.pin_memory;
   const bool sharded = offload_detail::dp_sharded(settings);

@@ -9,6 +9,7 @@
 // (equal stages, no communication cost). Both schedules have the same ideal bubble; 1F1B needs
 // min(p - s, m) activation slots on stage s instead of m, which the output lists too.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -135,24 +136,30 @@ int run(const Args& args) {
       }
       if (auto w = (*engine)->step(in, tg); !w.ok()) return fail(w.status());  // warm-up
       const OffloadStats before = (*engine)->stats();
+      const auto t0 = std::chrono::steady_clock::now();
       for (std::int64_t s = 0; s < *steps; ++s) {
         if (auto r = (*engine)->step(in, tg); !r.ok()) return fail(r.status());
       }
+      const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const OffloadStats after = (*engine)->stats();
-      float idle[2] = {static_cast<float>(after.pipeline_wait_seconds - before.pipeline_wait_seconds),
-                       static_cast<float>(after.pipeline_seconds - before.pipeline_seconds)};
-      std::vector<float> all(static_cast<std::size_t>(2 * p));
-      if (Status s = pp.all_gather(idle, all.data(), 2, DType::kF32).wait(); !s.ok()) return fail(s);
-      double mean = 0, step_seconds = 0;
+      float idle[3] = {static_cast<float>(after.pipeline_wait_seconds - before.pipeline_wait_seconds),
+                       static_cast<float>(after.pipeline_seconds - before.pipeline_seconds),
+                       static_cast<float>(wall)};
+      std::vector<float> all(static_cast<std::size_t>(3 * p));
+      if (Status s = pp.all_gather(idle, all.data(), 3, DType::kF32).wait(); !s.ok()) return fail(s);
+      // step_seconds: the schedule's time per step (pipeline_seconds), the slowest stage's;
+      // step_wall_seconds: whole steps (schedule, norm, update, loss) timed around step().
+      double mean = 0, step_seconds = 0, step_wall = 0;
       nlohmann::json per_stage = nlohmann::json::array();
       for (int r = 0; r < p; ++r) {
-        const double f = all[static_cast<std::size_t>(2 * r + 1)] > 0
-                             ? all[static_cast<std::size_t>(2 * r)] / all[static_cast<std::size_t>(2 * r + 1)]
+        const double f = all[static_cast<std::size_t>(3 * r + 1)] > 0
+                             ? all[static_cast<std::size_t>(3 * r)] / all[static_cast<std::size_t>(3 * r + 1)]
                              : 0.0;
         per_stage.push_back(f);
         mean += f / p;
         step_seconds =
-            std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(2 * r + 1)]) / *steps);
+            std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(3 * r + 1)]) / *steps);
+        step_wall = std::max(step_wall, static_cast<double>(all[static_cast<std::size_t>(3 * r + 2)]) / *steps);
       }
       nlohmann::json slots = nlohmann::json::array();
       for (int r = 0; r < p; ++r) slots.push_back(pipeline_slots(sched, p, r, m));
@@ -163,7 +170,8 @@ int run(const Args& args) {
                                 {"bubble_theory", theory},
                                 {"bubble_per_stage", per_stage},
                                 {"activation_slots", slots},
-                                {"step_seconds", step_seconds}});
+                                {"step_seconds", step_seconds},
+                                {"step_wall_seconds", step_wall}});
     }
   }
   if (me == 0) std::printf("%s\n", out.dump(2).c_str());
