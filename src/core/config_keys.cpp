@@ -305,7 +305,8 @@ constexpr ConfigKey kKeys[] = {
      true},
     {"sequence_parallel_size",
      R,
-     "sequence parallelism is not implemented; remove the key",
+     "DeepSpeed's sequence parallelism (attention all-to-all over sequence shards) is not implemented; remove the "
+     "key (Megatron-style sequence parallelism inside tensor parallel is strata.sequence_parallel)",
      false,
      false,
      {},

@@ -645,7 +645,10 @@ int run_train(std::span<const std::string> argv) {
         dp_size, std::string(to_string(dp_group->backend())).c_str(),
         offload.optimizer != Tier::kDevice ? std::max(1, offload.zero_stage) : offload.zero_stage,
         offload.optimizer != Tier::kDevice ? "optimizer state and gradients sharded over the ranks"
-        : offload.zero_stage >= 1
+        : offload.zero_stage >= 2
+            ? "optimizer state sharded over the ranks in device memory, gradients reduce-scattered after "
+              "backward (as stage 1: gradients and parameters are not yet sharded in device memory)"
+        : offload.zero_stage == 1
             ? "optimizer state sharded over the ranks in device memory, gradients reduce-scattered"
             : "gradients all-reduced, optimizer state replicated",
         static_cast<long long>(tc.grad_accum), static_cast<long long>(tc.grad_accum * dp_size));
