@@ -125,6 +125,7 @@ struct Case {
   Tier params, optimizer;
   bool delayed = false;  // strata.delayed_update (warm-up 0), in the reference too
   ModelKind kind = ModelKind::kGpt2;
+  Tier gradients = Tier::kHost;  // kNvme: each rank's reduced slices on its NVMe (and in the reference)
 };
 
 Snapshot train_dp(const TrainerConfig& global, const OffloadSettings& s, int steps) {
@@ -148,6 +149,7 @@ void check_case(const Case& c) {
   s.persistence_threshold = 0;
   s.delayed_update = c.delayed;
   s.delayed_update_warmup = 0;
+  s.gradients = c.gradients;
   testing::TempDir swap_dp("strata-dp-swap"), swap_ref("strata-dp-swap");  // each rank its own
   const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
   if (nvme) s.nvme_path = {swap_dp.path().string()};
@@ -540,6 +542,88 @@ TEST(DataParallel, SaveWeightsIsCollective) {
   if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
+// Gradients on NVMe: each rank keeps only its reduced slices, as the optimizer's sub-groups, on
+// its own NVMe; one process reference with its gradients on NVMe too. Stage 1 with accumulation
+// carries the unsharded local sum on NVMe between micro-batches.
+TEST(DataParallel, Stage1GradientsOnNvmeAccumulationClipping) {
+  Case c{"stage 1, gradients and optimizer on NVMe, accumulation 2, clip 1", DType::kF32, 2, 1.0, 1,
+         Tier::kDevice, Tier::kNvme};
+  c.gradients = Tier::kNvme;
+  check_case(c);
+}
+
+TEST(DataParallel, Stage2GradientsOnNvmeBf16Accumulation) {
+  Case c{"stage 2, gradients and optimizer on NVMe, bf16, accumulation 2", DType::kBF16, 2, 0.0, 2,
+         Tier::kDevice, Tier::kNvme};
+  c.gradients = Tier::kNvme;
+  check_case(c);
+}
+
+TEST(DataParallel, Stage3EverythingOnNvmeGradientsToo) {
+  Case c{"stage 3, parameters, gradients and optimizer on NVMe, bf16, clip 1", DType::kBF16, 1, 1.0, 3,
+         Tier::kNvme, Tier::kNvme};
+  c.gradients = Tier::kNvme;
+  check_case(c);
+}
+
+// The NVMe gradient slices go through the same reduce-scatter, additions (read back from NVMe),
+// scan and Adam kernels as the host shard: on the same ranks the gradients on NVMe give the bits
+// of the gradients on the host (losses, norms, parameters, masters, moments), and the plan holds
+// the gradients on NVMe, 1/N per rank, with only the pinned staging on the host.
+TEST(DataParallel, GradientsOnNvmeEqualHostGradientsBitwise) {
+  const int P = world().size();
+  struct Run {
+    int stage;
+    std::int64_t accum;
+    DType dtype;
+    double clip;
+    Tier params;
+  } runs[] = {{1, 2, DType::kF32, 1.0, Tier::kDevice},
+              {2, 2, DType::kBF16, 1.0, Tier::kDevice},
+              {3, 1, DType::kBF16, 0.0, Tier::kHost}};
+  for (const Run& r : runs) {
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, r.dtype, r.accum * P, r.clip);
+    OffloadSettings s;
+    s.zero_stage = r.stage;
+    s.params = r.params;
+    s.optimizer = Tier::kNvme;
+    s.persistence_threshold = 0;
+    s.sub_group_size = 1000;
+    testing::TempDir a("strata-dp-swap"), b("strata-dp-swap");
+    s.nvme_path = {a.path().string()};
+    const Snapshot host = train_dp(global, s, 3);
+    s.gradients = Tier::kNvme;
+    s.nvme_path = {b.path().string()};
+    const Snapshot nvme = train_dp(global, s, 3);
+    const std::string name = "stage " + std::to_string(r.stage) + " gradients on NVMe vs host, " +
+                             std::string(to_string(r.dtype));
+    ASSERT_EQ(host.losses.size(), 3u) << name;
+    testing::expect_same(host, nvme, name);
+
+    OffloadSettings plan_settings = s;
+    plan_settings.nvme_path = {"nvme"};  // a name: the plan touches no disk
+    plan_settings.io.nvme_path = plan_settings.nvme_path;
+    plan_settings.dp_size = P;
+    OffloadSettings one = plan_settings;
+    one.dp_size = 1;
+    auto plan = OffloadPlan::make(local_of(global), plan_settings);
+    auto single = OffloadPlan::make(local_of(global), one);
+    ASSERT_TRUE(plan.ok() && single.ok()) << plan.status().to_string() << single.status().to_string();
+    std::uint64_t nvme_grads = 0, host_grads = 0, whole = 0;
+    for (const PlanLine& l : plan->lines) {
+      if (l.kind != StateKind::kGradients || l.what.find("accumulation") != std::string::npos) continue;
+      if (l.tier == Tier::kNvme) nvme_grads += l.bytes;
+      if (l.tier == Tier::kHost && l.what.find("staging") == std::string::npos) host_grads += l.bytes;
+    }
+    for (const PlanLine& l : single->lines)
+      if (l.kind == StateKind::kGradients && l.tier == Tier::kNvme) whole += l.bytes;
+    EXPECT_EQ(host_grads, 0u) << name << ": host memory for gradients is staging only";
+    EXPECT_GT(whole, 0u);
+    EXPECT_LE(nvme_grads, whole / static_cast<std::uint64_t>(P) + 4u * 64u * 32u) << name;
+    EXPECT_GE(nvme_grads, whole / static_cast<std::uint64_t>(P) / 2) << name;
+  }
+}
+
 TEST(DataParallel, RefusesWhatIsNotBuilt) {
   const TrainerConfig c = local_of(testing::tiny(ModelKind::kGpt2, DType::kF32, world().size(), 0.0));
   struct Bad {
@@ -547,7 +631,8 @@ TEST(DataParallel, RefusesWhatIsNotBuilt) {
     Tier optimizer, gradients;
     const char* says;
   } bad[] = {
-      {1, Tier::kNvme, Tier::kNvme, "gradients on NVMe (--offload-gradients nvme) with"},
+      // Gradients on NVMe with several ranks are built; they still need the NVMe optimizer.
+      {1, Tier::kHost, Tier::kNvme, "offload gradients = nvme needs the optimizer state on NVMe"},
   };
   testing::TempDir nvme;
   for (const Bad& b : bad) {
@@ -555,7 +640,7 @@ TEST(DataParallel, RefusesWhatIsNotBuilt) {
     s.optimizer = b.optimizer;
     s.gradients = b.gradients;
     s.zero_stage = b.stage;
-    if (b.optimizer == Tier::kNvme) s.nvme_path = {nvme.path().string()};
+    if (b.optimizer == Tier::kNvme || b.gradients == Tier::kNvme) s.nvme_path = {nvme.path().string()};
     auto device = testing::make_device();
     auto engine = OffloadEngine::create(c, s, *device, nullptr, &world());
     ASSERT_FALSE(engine.ok()) << b.says;

@@ -506,8 +506,10 @@ struct OffloadEngine::Impl {
   // `values` summed over the data-parallel ranks, in rank order (the same bits on every rank).
   Status sum_over_ranks(std::span<double> values);
   // Gradient stream: unit u's gradients (in rs_send) reduce-scattered; this rank's slice stored
-  // into (or, accumulate, added to) shard_grads.
-  Status reduce_unit_grads(int u, bool accumulate);
+  // into (or, accumulate, added to) shard_grads. Gradients on NVMe: the slice is read back
+  // through grad_staging to accumulate, scanned into landed_stats[u] when `scan` (the step's
+  // final slice; the same scan the optimizer thread does on shard_grads) and written to NVMe.
+  Status reduce_unit_grads(int u, bool accumulate, bool scan, float inv_scale);
   // A collective's wait, timed on the data-parallel track; errors name what it was for.
   Status dp_wait(int trace_track, CommWork w, const char* what, int u, std::uint64_t bytes);
   Status all_reduce_device_grads();  // optimizer on the device: stage 0
@@ -594,9 +596,13 @@ struct OffloadEngine::Impl {
   Status read_unit_optim(int u, std::vector<float>& blob);  // [master | m | v], host/nvme tiers
   Status write_unit_optim(int u, const std::vector<float>& blob);
   // NVMe gradients: unit u's fp32 gradients as swap shards "grad.<u>" (the optimizer's sub-groups).
+  // Data parallel: this rank's reduced slice only (the sub-groups cut that slice), `buf` holding
+  // the slice; the unsharded local gradients that stage 1 carries between micro-batches go to
+  // one key "grad_local.<u>" (local_grads_io) instead.
   Status write_grad_shards(int u, const char* src);
   Status read_grad_shards(int u, char* dst);
   Status grad_shards_io(int u, char* buf, bool write);
+  Status local_grads_io(int u, char* buf, bool write);
   Status write_values(int index, std::span<const float> values, bool master_too);
   Result<std::vector<float>> read_state(int index, int which);  // 0 working, 1 master, 2 m, 3 v
   // A unit's working parameters and [master | m | v] (fp32 layout) for every placement.
@@ -833,7 +839,9 @@ Status OffloadEngine::Impl::setup() {
   if (sharded) {
     const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk;
     const std::uint64_t w = half ? 2 : 4;
-    STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * slices.shard_elements, "offload.dp_grads"));
+    if (!grads_on_nvme) {  // on NVMe: only this rank's slices' keys, through grad_staging
+      STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * slices.shard_elements, "offload.dp_grads"));
+    }
     STRATA_ASSIGN_OR_RETURN(rs_send, HostMem::make(dev, pin, 4 * P * c, "offload.dp_reduce"));
     STRATA_ASSIGN_OR_RETURN(rs_recv, HostMem::make(dev, pin, 4 * c, "offload.dp_reduce"));
     STRATA_ASSIGN_OR_RETURN(ag_send, HostMem::make(dev, pin, w * c, "offload.dp_gather"));
@@ -1061,12 +1069,15 @@ Status OffloadEngine::Impl::write_grad_shards(int u, const char* src) {
 Status OffloadEngine::Impl::read_grad_shards(int u, char* dst) { return grad_shards_io(u, dst, false); }
 
 // Every shard of unit u's gradients at once (the optimizer's sub-groups), then waits for all.
+// The sub-groups' bounds are unit element positions; sharded they cover this rank's slice, which
+// `buf` holds from its first element.
 Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
   const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+  const std::uint64_t first_element = sharded ? slices.begin[static_cast<std::size_t>(u)] : 0;
   std::vector<IoHandle> h;
   for (std::size_t c = 0; c + 1 < b.size(); ++c) {
     const TensorKey key{unit_key("grad", u), static_cast<std::uint32_t>(c)};
-    char* p = buf + b[c] * 4;
+    char* p = buf + (b[c] - first_element) * 4;
     const std::uint64_t n = (b[c + 1] - b[c]) * 4;
     h.push_back(write ? swap->write(key, p, n) : swap->read(key, p, n));
   }
@@ -1076,6 +1087,12 @@ Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
     if (first.ok() && !s.ok()) first = s;
   }
   return first;
+}
+
+Status OffloadEngine::Impl::local_grads_io(int u, char* buf, bool write) {
+  const TensorKey key{unit_key("grad_local", u), 0};
+  const std::uint64_t n = units.gbytes[static_cast<std::size_t>(u)];
+  return (write ? swap->write(key, buf, n) : swap->read(key, buf, n)).wait();
 }
 
 Status OffloadEngine::Impl::write_values(int index, std::span<const float> values, bool master_too) {
@@ -1791,7 +1808,7 @@ Status OffloadEngine::Impl::sum_over_ranks(std::span<double> values) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate) {
+Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate, bool scan, float inv_scale) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
   const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
@@ -1799,8 +1816,26 @@ Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate) {
   std::fill(send + n, send + P * c, 0.0f);
   STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[1], dp_grads->reduce_scatter(send, rs_recv.data(), c, DType::kF32, ReduceOp::kSum),
                                  "reduce-scatter gradients", u, 4 * P * c));
-  float* dst = shard_grads.floats() + slices.offset[uu];
   const float* src = rs_recv.floats();
+  if (grads_on_nvme) {
+    // The same additions as on shard_grads below, on the slice read back from NVMe.
+    char* slice = rs_recv.bytes();
+    if (accumulate) {
+      slice = grad_staging.bytes();
+      {
+        detail::HostSpan span(tracer, track.nvme_fetch, TraceCounter::kNvmeRead, "read gradients", u, 4 * len);
+        STRATA_RETURN_IF_ERROR(read_grad_shards(u, slice));
+      }
+      float* acc = reinterpret_cast<float*>(slice);
+      for (std::uint64_t i = 0; i < len; ++i) acc[i] += src[i];
+    }
+    if (scan) {
+      STRATA_ASSIGN_OR_RETURN(landed_stats[uu], scan_norm(*host_opt, u, slice, slices.begin[uu], len, inv_scale));
+    }
+    detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write gradients", u, 4 * len);
+    return write_grad_shards(u, slice);
+  }
+  float* dst = shard_grads.floats() + slices.offset[uu];
   if (accumulate) {
     for (std::uint64_t i = 0; i < len; ++i) dst[i] += src[i];
   } else {
@@ -2705,7 +2740,9 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
                                                   detail::HostSpan span(tracer, track.nvme_fetch,
                                                                         TraceCounter::kNvmeRead, "read gradients", u,
                                                                         units.gbytes[static_cast<std::size_t>(u)]);
-                                                  return read_grad_shards(u, staging);
+                                                  // Sharded: only stage 1 restores, its unsharded local sum.
+                                                  return sharded ? local_grads_io(u, staging, false)
+                                                                 : read_grad_shards(u, staging);
                                                 }));
         from = staging;
       }
@@ -2751,10 +2788,22 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     if (reduce) {
       const bool accumulate = settings.zero_stage >= 2 && !first_micro;
+      const bool scan = grads_on_nvme && last_micro && step > 0;
+      const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
-                                              [this, u, accumulate]() { return reduce_unit_grads(u, accumulate); }));
-    }
-    if (grads_on_nvme) {
+                                              [this, u, accumulate, scan, inv_scale]() {
+                                                return reduce_unit_grads(u, accumulate, scan, inv_scale);
+                                              }));
+    } else if (grads_on_nvme && sharded) {
+      // Stage 1's earlier micro-batches: the unsharded local sum waits on NVMe, unreduced.
+      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad_local." + std::to_string(u),
+                                              [this, u, out]() -> Status {
+                                                detail::HostSpan span(tracer, track.nvme_publish,
+                                                                      TraceCounter::kNvmeWrite, "write gradients", u,
+                                                                      units.gbytes[static_cast<std::size_t>(u)]);
+                                                return local_grads_io(u, out, true);
+                                              }));
+    } else if (grads_on_nvme) {
       // Out through the one staging buffer (gstream order keeps its uses apart), scanned for the
       // norm on the way when this is the step's last touch, then to NVMe.
       const bool scan = last_micro && step > 0;
@@ -3255,11 +3304,8 @@ Status check_sequence_parallel(const TrainerConfig& config, const OffloadSetting
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
   const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
-  if (s.gradients == Tier::kNvme) {
-    return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + ranks +
-                            " are not built yet: each rank keeps only its shard of the reduced gradients in host "
-                            "memory; leave the gradients on the host");
-  }
+  // Gradients on NVMe: each rank's reduced slices on its own NVMe keys (reduce_unit_grads); with
+  // tensor or pipeline parallelism they are refused by those checks.
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 1) {
     // Sharded device optimizer state (docs/parallel.md "ZeRO stages 1-3 in device memory").
     const std::string what = "zero_optimization.stage " + std::to_string(s.zero_stage) +

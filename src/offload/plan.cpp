@@ -255,10 +255,20 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     const std::uint64_t shard = 4 * d.shard_elements;
     const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
     const std::string of = " (this rank's 1/" + std::to_string(settings.dp_size) + ")";
-    line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
-    if (settings.zero_stage < 2 && config.grad_accum > 1) {
-      line("gradient accumulation (fp32, host, unsharded in stage 1)", Tier::kHost, StateKind::kGradients,
-           units.grad_bytes, pin);
+    if (settings.gradients == Tier::kNvme) {
+      // This rank's reduced slices on its own NVMe keys; host memory only for the staging.
+      line("gradients (fp32)" + of, Tier::kNvme, StateKind::kGradients, shard);
+      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
+      if (settings.zero_stage < 2 && config.grad_accum > 1) {
+        line("gradient accumulation (fp32, unsharded in stage 1)", Tier::kNvme, StateKind::kGradients,
+             units.grad_bytes);
+      }
+    } else {
+      line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
+      if (settings.zero_stage < 2 && config.grad_accum > 1) {
+        line("gradient accumulation (fp32, host, unsharded in stage 1)", Tier::kHost, StateKind::kGradients,
+             units.grad_bytes, pin);
+      }
     }
     line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
     line("data-parallel all-gather staging", Tier::kHost, StateKind::kParameters,
