@@ -40,14 +40,16 @@ class CommQueue;
 // completion. Spinning for the whole wait, though, takes a core from compute, copies and the host
 // optimizer on a machine where they share a few cores with every rank's comm threads (a
 // pipeline stage waiting for its neighbour, a rank waiting in a collective for a slower peer).
-// So: poll back to back (yielding) for kSpin after the last progress, which is where a message
-// already on its way completes; then sleep between polls, each sleep a quarter of the time waited
-// so far and at most kMaxSleep, so a wait finishes at most ~25% (and at most kMaxSleep plus the
-// kernel's timer slack) after the request did, and a long wait costs one short wake-up per
-// kMaxSleep instead of a busy core. reset() after progress. Owned by one polling thread.
+// So: poll back to back (yielding) for kSpin after the last progress, which covers a message
+// already on its way and most operations below ~1 MiB (a sleep, with the kernel's ~50 us timer
+// slack and the wake-up on a loaded machine, costs more than such an operation); then sleep
+// between polls, each sleep an eighth of the time waited so far and at most kMaxSleep, so a wait
+// finishes at most ~12% (and at most kMaxSleep plus the timer slack) after the request did, and
+// a long wait costs one short wake-up per kMaxSleep instead of a busy core. reset() after
+// progress. Owned by one polling thread.
 class PollPacer {
  public:
-  static constexpr std::chrono::microseconds kSpin{100};
+  static constexpr std::chrono::microseconds kSpin{500};
   static constexpr std::chrono::microseconds kMaxSleep{100};
 
   void reset() { waiting_ = false; }

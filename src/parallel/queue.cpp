@@ -95,7 +95,7 @@ std::chrono::nanoseconds PollPacer::next() {
   }
   const auto waited = now - since_;
   if (waited < kSpin) return std::chrono::nanoseconds(0);
-  return std::min<std::chrono::nanoseconds>(waited / 4, kMaxSleep);
+  return std::min<std::chrono::nanoseconds>(waited / 8, kMaxSleep);
 }
 
 void PollPacer::pause() {
