@@ -35,6 +35,35 @@ namespace strata::detail {
 
 class CommQueue;
 
+// Paces a thread that polls MPI requests until one completes. Waiting has to be polling: a
+// blocking MPI call cannot be interrupted at the deadline, and MPI offers no wake-up on
+// completion. Spinning for the whole wait, though, takes a core from compute, copies and the host
+// optimizer on a machine where they share a few cores with every rank's comm threads (a
+// pipeline stage waiting for its neighbour, a rank waiting in a collective for a slower peer).
+// So: poll back to back (yielding) for kSpin after the last progress, which covers a message
+// already on its way and most operations below ~1 MiB (a sleep, with the kernel's ~50 us timer
+// slack and the wake-up on a loaded machine, costs more than such an operation); then sleep
+// between polls, each sleep an eighth of the time waited so far and at most kMaxSleep, so a wait
+// finishes at most ~12% (and at most kMaxSleep plus the timer slack) after the request did, and
+// a long wait costs one short wake-up per kMaxSleep instead of a busy core. reset() after
+// progress. Owned by one polling thread.
+class PollPacer {
+ public:
+  static constexpr std::chrono::microseconds kSpin{500};
+  static constexpr std::chrono::microseconds kMaxSleep{100};
+
+  void reset() { waiting_ = false; }
+  // How long to wait before the next poll: zero (just yield) within the spin window.
+  std::chrono::nanoseconds next();
+  // Waits next(): yields or sleeps.
+  void pause();
+
+ private:
+  bool waiting_ = false;
+  std::chrono::steady_clock::time_point since_;
+};
+
+
 struct WorkState {
   // The queue it was submitted to (null for a handle finished at once). A Comm outlives every
   // wait on its handles, so this stays valid for as long as wait() can use it.
@@ -96,8 +125,9 @@ class CommQueue {
   void run();
   // Runs a dequeued blocking operation and completes its handle.
   void execute(Entry& e);
-  // Polls every in-flight operation once (or until none is left); completes the finished ones.
-  void poll_in_flight(bool until_empty);
+  // Polls every in-flight operation once (or until none is left, pacing the polls); completes
+  // the finished ones. True when at least one completed.
+  bool poll_in_flight(bool until_empty);
   void fail(const Status& s);
   static bool breaks_comm(const Status& s);
   Status earlier_failure() const;
@@ -112,6 +142,7 @@ class CommQueue {
   bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
   Status failure_;
   std::vector<InFlight> in_flight_;  // queue thread only
+  PollPacer pacer_;                  // queue thread only: paces the polls of in_flight_
   std::thread thread_;               // last: started after every other member exists
 };
 

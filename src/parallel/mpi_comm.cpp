@@ -208,17 +208,20 @@ class MpiComm final : public Comm {
                        "different operation");
   }
 
-  // Polls `req` until it completes or the deadline passes. Yielding between polls keeps an
-  // oversubscribed machine (more ranks than cores) moving.
+  // Polls `req` until it completes or the deadline passes, paced by PollPacer (internal.hpp):
+  // yielding at first, which keeps an oversubscribed machine (more ranks than cores) moving, then
+  // short sleeps, so a rank waiting for a slow peer does not burn a core. Runs on the queue
+  // thread or, through run_inline, on the waiting caller's.
   Status finish(MPI_Request& req, const std::string& what) const {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    PollPacer pacer;
     for (;;) {
       int flag = 0;
       const int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
       if (flag) return ok_status();
       if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
-      std::this_thread::yield();
+      pacer.pause();
     }
   }
 

@@ -1,5 +1,6 @@
 // CommWork handles and the in-order queue of a Comm (see internal.hpp for the life of an
 // operation).
+#include <algorithm>
 #include <climits>
 
 #include "parallel/internal.hpp"
@@ -85,7 +86,29 @@ void CommQueue::fail(const Status& s) {
   if (on_failure_) on_failure_(s);
 }
 
-void CommQueue::poll_in_flight(bool until_empty) {
+std::chrono::nanoseconds PollPacer::next() {
+  const auto now = std::chrono::steady_clock::now();
+  if (!waiting_) {
+    waiting_ = true;
+    since_ = now;
+    return std::chrono::nanoseconds(0);
+  }
+  const auto waited = now - since_;
+  if (waited < kSpin) return std::chrono::nanoseconds(0);
+  return std::min<std::chrono::nanoseconds>(waited / 8, kMaxSleep);
+}
+
+void PollPacer::pause() {
+  const std::chrono::nanoseconds d = next();
+  if (d.count() == 0) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(d);
+  }
+}
+
+bool CommQueue::poll_in_flight(bool until_empty) {
+  bool progressed = false;
   while (!in_flight_.empty()) {
     for (std::size_t i = 0; i < in_flight_.size();) {
       Result<bool> done = in_flight_[i].poll();
@@ -97,10 +120,13 @@ void CommQueue::poll_in_flight(bool until_empty) {
       if (breaks_comm(s)) fail(s);
       in_flight_[i].state->complete(std::move(s));
       in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+      progressed = true;
+      pacer_.reset();
     }
-    if (!until_empty) return;
-    if (!in_flight_.empty()) std::this_thread::yield();
+    if (!until_empty) return progressed;
+    if (!in_flight_.empty()) pacer_.pause();
   }
+  return progressed;
 }
 
 void CommQueue::execute(Entry& e) {
@@ -149,11 +175,21 @@ void CommQueue::run() {
         if (in_flight_.empty()) return;  // stopping, and everything queued has completed
         lock.unlock();
         poll_in_flight(false);
-        std::this_thread::yield();
+        if (in_flight_.empty()) continue;
+        // Paced like any poll, but a newly submitted operation ends the sleep at once: it may be
+        // the send a peer is waiting for.
+        const std::chrono::nanoseconds d = pacer_.next();
+        if (d.count() == 0) {
+          std::this_thread::yield();
+        } else {
+          lock.lock();
+          cv_.wait_for(lock, d, [&] { return stopping_ || !pending_.empty(); });
+        }
         continue;
       }
       e = std::move(pending_.front());
       pending_.pop_front();
+      pacer_.reset();  // new work: poll eagerly again
     }
     if (e.op) {
       poll_in_flight(true);  // a blocking operation starts after everything before it
