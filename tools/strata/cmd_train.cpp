@@ -105,7 +105,9 @@ constexpr FlagSpec kTrainFlags[] = {
     {"resume", "PATH",
      "continue from a checkpoint (a checkpoint directory, or a --checkpoint-dir: its latest) up to --steps; "
      "the same model, data, batch shape and seed are required, the placement may differ"},
-    {"plan", "", "print the memory plan (bytes per tier) and exit; with a pipeline, every stage's"},
+    {"plan", "",
+     "print the memory plan (bytes per tier) and exit; under mpirun each rank's (ZeRO shards its state), with a "
+     "pipeline every stage's"},
     {"quiet", "", "no progress line (the summary is still printed)"},
     {"help", "", "show this help"},
 };
