@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "harness/harness.hpp"
@@ -261,6 +262,97 @@ TEST(DistCliTrain, StageThreeWithParametersOnNvme) {
   EXPECT_TRUE(std::filesystem::exists(dir / "swap" / "rank-0")) << "each rank swaps in its own directory";
   EXPECT_TRUE(std::filesystem::exists(dir / "swap" / "rank-1"));
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 ranks, stage 3 on NVMe");
+}
+
+// A total of the plan's "total:" line in bytes ("device", "host", "pinned"), from the printed
+// figure (2 decimals of its unit: within 0.5% of the exact bytes); -1 when it is missing.
+double plan_total(const std::string& output, const std::string& tier) {
+  const auto line = output.find("total: device ");
+  if (line == std::string::npos) return -1;
+  const auto at = output.find(tier + " ", line);
+  if (at == std::string::npos || at > output.find('\n', line)) return -1;
+  double value = 0;
+  char unit[8] = {0};
+  if (std::sscanf(output.c_str() + at + tier.size() + 1, "%lf %7[A-Za-z]", &value, unit) != 2) return -1;
+  const std::string u = unit;
+  const double scale = u == "B"     ? 1
+                       : u == "KiB" ? 1024.0
+                       : u == "MiB" ? 1048576.0
+                       : u == "GiB" ? 1073741824.0
+                                    : -1;
+  return scale < 0 ? -1 : value * scale;
+}
+
+// The plan block of an output: from "memory plan:" to the end of its modules line.
+std::string plan_block(const std::string& output) {
+  const auto begin = output.find("memory plan:");
+  if (begin == std::string::npos) return "";
+  const auto modules = output.find("modules' working parameters:", begin);
+  if (modules == std::string::npos) return "";
+  return output.substr(begin, output.find('\n', modules) - begin);
+}
+
+// strata train's plan under mpirun is the rank's (the engine's own, made with the data-parallel
+// size): with ZeRO 1 and the optimizer on the host, --plan on 2 ranks prints the sharded lines
+// and fewer host bytes per rank than one process's plan, and the plan a 2-rank run prints (the
+// engine's) is the same text. With the optimizer on the device (stage 1 shards its state in
+// device memory), a device budget between the rank's need and one process's is refused by one
+// process and trains on 2 ranks: the CLI sizes and checks the device by the rank's plan.
+TEST(DistCliTrain, PlanUnderMpirunIsTheRanksShardedPlan) {
+  TempDir dir("strata-dist-cli");
+  const std::string host = write_file(dir / "host.json", R"({
+    "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}
+  })");
+  const std::string flags = kTiny + "--steps 1 --val-every 0 --val-windows 4 --grad-accum 1 ";
+  auto one = run_cli("train " + flags + "--config " + host + " --plan");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(one.output.find("this rank's 1/"), std::string::npos) << one.output;
+  auto two = run_command(mpirun(2) + "train " + flags + "--config " + host + " --plan");
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find("data parallel: 2 ranks; the plan of each rank:"), std::string::npos)
+      << two.output;
+  EXPECT_NE(two.output.find("fp32 master weights (this rank's 1/2)"), std::string::npos) << two.output;
+  EXPECT_NE(two.output.find("Adam exp_avg_sq (this rank's 1/2)"), std::string::npos) << two.output;
+  const double one_host = plan_total(one.output, "host") + plan_total(one.output, "pinned");
+  const double two_host = plan_total(two.output, "host") + plan_total(two.output, "pinned");
+  ASSERT_GT(plan_total(one.output, "host"), 0) << one.output;
+  ASSERT_GE(plan_total(two.output, "pinned"), 0) << two.output;
+  EXPECT_LT(two_host, 0.9 * one_host) << "per-rank host bytes against one process's\n"
+                                      << one.output << two.output;
+  // The run prints the engine's plan: the same as --plan's.
+  auto run = run_command(mpirun(2) + "train " + flags + "--config " + host);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_FALSE(plan_block(run.output).empty()) << run.output;
+  EXPECT_EQ(plan_block(run.output), plan_block(two.output));
+
+  // Twelve layers: the sharded state saves more than the data-parallel staging costs (with two
+  // layers the staging outweighs it).
+  const std::string deep =
+      "--layers 12 --width 64 --heads 2 --seq-len 16 --batch 1 --threads 1 --quiet --steps 1 --val-every 0 "
+      "--val-windows 4 --grad-accum 1 ";
+  const std::string dev = write_file(dir / "device.json", R"({
+    "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}
+  })");
+  auto dev_one = run_cli("train " + deep + "--config " + dev + " --plan");
+  ASSERT_EQ(dev_one.exit_code, 0) << dev_one.output;
+  auto dev_two = run_command(mpirun(2) + "train " + deep + "--config " + dev + " --plan");
+  ASSERT_EQ(dev_two.exit_code, 0) << dev_two.output;
+  EXPECT_NE(dev_two.output.find("optim.exp_avg (this rank's 1/2)"), std::string::npos) << dev_two.output;
+  const double need_one = plan_total(dev_one.output, "device"),
+               need_two = plan_total(dev_two.output, "device");
+  ASSERT_GT(need_two, 0) << dev_two.output;
+  // A gap well above the figures' rounding, so that the budget lies between the exact needs.
+  ASSERT_LT(need_two, 0.9 * need_one) << dev_one.output << dev_two.output;
+  const auto budget = static_cast<long long>((need_one + need_two) / 2);
+  const std::string between = write_file(dir / "between.json", R"({
+    "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}},
+    "strata": {"device_memory": ")" + std::to_string(budget) + R"("}
+  })");
+  auto refused = run_cli("train " + deep + "--config " + between);
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("offload plan: the device needs"), std::string::npos) << refused.output;
+  auto fits = run_command(mpirun(2) + "train " + deep + "--config " + between);
+  EXPECT_EQ(fits.exit_code, 0) << "budget " << budget << " bytes\n" << fits.output;
 }
 
 // What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.

@@ -410,6 +410,71 @@ TEST(PipelineEngine, CheckpointFailsCleanlyWhenAStageCannotReadItsState) {
   if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
+// A stage that cannot read its parameters while the weights are saved (the disk under its NVMe
+// parameters fails): the save fails on every rank with an error naming the stage, promptly (the
+// stage's first rank sends an "unread" flag instead of nothing: a writer waiting for the
+// parameters would end only with the comm timeout, whose message names no stage), and the
+// weights file at the path keeps its previous bytes (another path stays absent). Once the disk
+// recovers the same engines save again. Run with the last stage failing (a sender) and the first
+// (the writer's own stage).
+TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
+  const TrainerConfig config = testing::tiny(ModelKind::kLlama, DType::kF32, 2, 1.0);
+  for (const int failing : {world().size() - 1, 0}) {
+    const std::string what = "stage " + std::to_string(failing) + " failing";
+    testing::TempDir swap("strata-pp-wfault");  // each rank its own
+    OffloadSettings s;
+    s.params = Tier::kNvme;
+    s.optimizer = Tier::kHost;
+    s.nvme_path = {swap.path().string()};
+    s.persistence_threshold = 0;  // every module's working parameters on NVMe
+    const std::string root = testing::shared_temp_dir("pp-wfault");
+    const std::string weights = root + "/weights.safetensors", other = root + "/other.safetensors";
+    nvme_detail::IoFaults faults;
+    auto device = testing::make_device();
+    auto engine = offload_detail::EngineFaults::create(config, s, *device, &faults, &world());
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    Snapshot got;
+    ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, got)) << what;
+    Status first = (*engine)->save_weights(weights);
+    ASSERT_TRUE(first.ok()) << what << ": " << first.to_string();
+    const std::string before = world().rank() == 0 ? file_bytes(weights) : std::string();
+    if (world().rank() == 0) {
+      ASSERT_FALSE(before.empty()) << what;
+    }
+    ASSERT_TRUE(testing::run_steps(**engine, config, 1, 2, got)) << what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << what;  // the update is on disk before the disk fails
+    if (world().rank() == failing) {
+      for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
+        faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+    }
+    const std::string named = "pipeline stage " + std::to_string(failing) + " could not read";
+    for (const std::string& path : {weights, other}) {
+      Status failed = (*engine)->save_weights(path);
+      ASSERT_FALSE(failed.ok()) << what << ", rank " << world().rank();
+      EXPECT_EQ(failed.code(), StatusCode::kIoError) << what << ": " << failed.to_string();
+      EXPECT_NE(failed.message().find(named), std::string::npos)
+          << what << ", rank " << world().rank() << ": " << failed.to_string();
+      EXPECT_NE(failed.message().find(path), std::string::npos) << what << ": " << failed.to_string();
+    }
+    if (world().rank() == 0) {
+      EXPECT_TRUE(file_bytes(weights) == before) << what << ": a failed save changed the previous file";
+      EXPECT_FALSE(std::filesystem::exists(other)) << what << ": a failed save left a file";
+      for (const auto& e : std::filesystem::directory_iterator(root))
+        EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << what << ": " << e.path();
+    }
+    faults.errors.clear();
+    Status again = (*engine)->save_weights(other);
+    ASSERT_TRUE(again.ok()) << what << ": " << again.to_string();
+    if (world().rank() == 0) {
+      const std::string after = file_bytes(other);
+      EXPECT_FALSE(after.empty()) << what;
+      EXPECT_FALSE(after == before) << what << ": the weights after a second step are the first step's";
+    }
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) std::filesystem::remove_all(root);
+  }
+}
+
 TEST(PipelineEngine, AllDeviceEverySchedule) {
   for (ModelKind kind : {ModelKind::kLlama, ModelKind::kGpt2}) {
     for (PipelineSchedule sched : {PipelineSchedule::kGpipe, PipelineSchedule::kOneFOneB}) {

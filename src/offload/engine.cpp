@@ -1557,39 +1557,106 @@ Status OffloadEngine::Impl::forward_stage() {
 // tied embedding from the first stage only), in table order; each stage's first rank sends them
 // to the first stage's, which writes the file one process writes (write_weights on the full
 // layout, the same values: the same bytes).
+//
+// A stage's first rank sends a 16-bit flag before its parameters: 1 when the stage read them
+// all, 0 when a read failed (an NVMe read error) and nothing follows, so the writer never waits
+// for bytes that will not come. The writer receives every stage's flag (and the parameters of
+// those that read theirs), writes only when every stage read its part (write_weights renames a
+// complete temporary file into place: a failed save leaves the previous file), then broadcasts
+// the outcome and the first failed stage over its tp group, the first stage's dp groups and
+// every pp group, as save_checkpoint_pp does: every rank returns the same success or an error
+// naming the stage.
 Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
   const bool stage_writer = tp_rank == 0 && dp_rank == 0;
+  const bool writer = stage_writer && pp_rank == 0;
+  const std::string stage_name = "pipeline stage " + std::to_string(pp_rank);
   auto held_by = [&](std::size_t i) {
     return full.params[i].owns_storage() ? holder(full.params[i].module) : -1;
   };
   std::vector<std::vector<float>> values(full.params.size());
   // Collective over the stage's tensor-parallel group (and, stage 3, its data-parallel group).
-  for (std::size_t i = 0; i < full.params.size(); ++i) {
+  // The first failure stops this rank's reads: a later read would pair its collectives with
+  // another parameter's on the ranks that did not fail.
+  Status local;
+  for (std::size_t i = 0; i < full.params.size() && local.ok(); ++i) {
     if (held_by(i) != pp_rank) continue;
-    STRATA_ASSIGN_OR_RETURN(values[i], read_full(static_cast<int>(i), 0));
+    auto v = read_full(static_cast<int>(i), 0);
+    if (!v.ok()) {
+      local = v.status().with_context("weights '" + path + "': " + stage_name + " could not read '" +
+                                      full.params[i].name + "'");
+      break;
+    }
+    values[i] = std::move(*v);
   }
-  if (!stage_writer) return ok_status();
-  if (pp_rank > 0) {
-    for (std::size_t i = 0; i < full.params.size(); ++i) {
+  int failed_stage = local.ok() ? -1 : pp_rank;  // the writer: the first stage that could not read
+  if (stage_writer && pp_rank > 0) {
+    const std::uint16_t flag = local.ok() ? 1 : 0;
+    Status sent = pp_send_bytes(&flag, sizeof flag, 0, "the weights' read flag");
+    for (std::size_t i = 0; sent.ok() && flag == 1 && i < full.params.size(); ++i) {
       if (held_by(i) != pp_rank) continue;
-      STRATA_RETURN_IF_ERROR(
-          pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'"));
+      sent = pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'");
     }
-    return ok_status();
+    if (local.ok()) local = sent.with_context("weights '" + path + "'");
   }
-  for (int st = 1; st < pp_size; ++st) {
-    for (std::size_t i = 0; i < full.params.size(); ++i) {
-      if (held_by(i) != st) continue;
-      values[i].resize(static_cast<std::size_t>(full.params[i].numel()));
-      STRATA_RETURN_IF_ERROR(
-          pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'"));
+  Status written;  // the writer's outcome
+  if (writer) {
+    for (int st = 1; st < pp_size && written.ok(); ++st) {
+      std::uint16_t flag = 0;
+      written = pp_recv_bytes(&flag, sizeof flag, st, "the weights' read flag");
+      if (!written.ok() || flag == 1) {
+        for (std::size_t i = 0; written.ok() && i < full.params.size(); ++i) {
+          if (held_by(i) != st) continue;
+          values[i].resize(static_cast<std::size_t>(full.params[i].numel()));
+          written =
+              pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'");
+        }
+      } else if (failed_stage < 0) {
+        failed_stage = st;
+      }
+    }
+    written = written.with_context("weights '" + path + "'");
+    if (written.ok() && failed_stage >= 0) {
+      written = local.ok() ? io_error("weights '" + path + "' not written: pipeline stage " +
+                                      std::to_string(failed_stage) +
+                                      " could not read its parameters (its log says why); a previous file at "
+                                      "that path is unchanged")
+                           : local;
+    }
+    if (written.ok()) {
+      written =
+          write_weights(full, path, format, config.model.dtype, [&](int index, std::vector<float>& out) {
+            out = std::move(values[static_cast<std::size_t>(index)]);
+            return ok_status();
+          });
     }
   }
-  return write_weights(full, path, format, config.model.dtype, [&](int index, std::vector<float>& out) {
-    out = std::move(values[static_cast<std::size_t>(index)]);
-    return ok_status();
-  });
+  // The outcome: [1 written / 0 not, the first stage that could not read + 1, or 0].
+  std::array<float, 2> word{};
+  if (writer) {
+    word[0] = written.ok() ? 1.0f : 0.0f;
+    word[1] = static_cast<float>(failed_stage + 1);
+  }
+  Status b;
+  if (tp_size > 1) b = tp_step->broadcast(word.data(), word.size(), DType::kF32, 0).wait();
+  if (b.ok() && dp_size > 1) {
+    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), word.size(), DType::kF32, 0),
+                "weights outcome", -1, sizeof word);
+  }
+  if (b.ok()) b = pp_caller->broadcast(word.data(), word.size(), DType::kF32, 0).wait();
+  if (writer) return written;
+  STRATA_RETURN_IF_ERROR(b.with_context("weights '" + path + "': broadcast of the outcome"));
+  STRATA_RETURN_IF_ERROR(local);
+  if (word[0] != 1.0f) {
+    const int stage = static_cast<int>(word[1]) - 1;
+    return io_error(
+        "weights '" + path + "' not written: " +
+        (stage >= 0
+             ? "pipeline stage " + std::to_string(stage) + " could not read its parameters (its log says why)"
+             : std::string("the first rank of the first pipeline stage, which writes them, "
+                           "failed (its log says why)")));
+  }
+  return ok_status();
 }
 
 // One step's micro-batches through this stage in the schedule's order. Forwards and backwards

@@ -105,7 +105,9 @@ constexpr FlagSpec kTrainFlags[] = {
     {"resume", "PATH",
      "continue from a checkpoint (a checkpoint directory, or a --checkpoint-dir: its latest) up to --steps; "
      "the same model, data, batch shape and seed are required, the placement may differ"},
-    {"plan", "", "print the memory plan (bytes per tier) and exit; with a pipeline, every stage's"},
+    {"plan", "",
+     "print the memory plan (bytes per tier) and exit; under mpirun each rank's (ZeRO shards its state), with a "
+     "pipeline every stage's"},
     {"quiet", "", "no progress line (the summary is still printed)"},
     {"help", "", "show this help"},
 };
@@ -472,12 +474,17 @@ int run_train(std::span<const std::string> argv) {
     offload.pipeline_bounds = std::move(*bounds);
     offload.pp_stage = groups->coord.pp;
   }
+  // The plan is this rank's, the one OffloadEngine::create makes from its groups: with ZeRO the
+  // sharded state is this rank's 1/dp_size, so the device budget, the pinned pool and the fit
+  // check below are sized for what the rank holds, not for one unsharded process.
+  offload.dp_size = dp_size;
   s = offload.validate();
   if (!s.ok()) return usage(s);
   auto plan = OffloadPlan::make(tc, offload);
   if (!plan.ok()) return usage(plan.status());
   if (args.has("plan")) {
     if (pp == 1) {
+      if (dp_size > 1) std::printf("data parallel: %d ranks; the plan of each rank:\n", dp_size);
       std::printf("%s", plan->to_string().c_str());
       return kExitOk;
     }
