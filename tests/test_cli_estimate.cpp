@@ -84,7 +84,8 @@ TEST(CliEstimate, RanksGivePerRankBytesOfEachStage) {
   }
   auto rc = run_cli(std::string("estimate --json --ranks 4 --device cuda ") + kShape);
   ASSERT_EQ(rc.exit_code, 0) << rc.output;  // estimate only plans: no cuda device is needed
-  for (const auto& r2 : nlohmann::json::parse(rc.output)["placements"]) {
+  const auto placements = nlohmann::json::parse(rc.output);  // the loop below must not outlive it
+  for (const auto& r2 : placements["placements"]) {
     EXPECT_FALSE(r2["offload_optimizer"] == "device" && r2["zero_stage"] != 0) << r2.dump();
   }
   OffloadSettings s;

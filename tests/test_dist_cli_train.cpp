@@ -355,15 +355,23 @@ TEST(DistCliTrain, PlanUnderMpirunIsTheRanksShardedPlan) {
   EXPECT_EQ(fits.exit_code, 0) << "budget " << budget << " bytes\n" << fits.output;
 }
 
-// What the data-parallel engine cannot do is refused on every rank, naming the rank and the key.
+// Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
+// directory); what the engine cannot do yet (NVMe gradients with tensor parallelism) is refused on
+// every rank, naming the rank and the key.
 TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
   TempDir dir("strata-dist-cli");
   std::filesystem::create_directories(dir / "swap");
+  auto ok = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
+                        "--nvme-path " + (dir / "swap").string());
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  std::filesystem::create_directories(dir / "swap-tp");
+  const std::string tp = write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
   auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
-                       "--nvme-path " + (dir / "swap").string());
+                       "--config " + tp + " --nvme-path " + (dir / "swap-tp").string());
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("gradients on NVMe (--offload-gradients nvme) with 2 data-parallel ranks"), std::string::npos)
+  EXPECT_NE(r.output.find("gradients on NVMe (--offload-gradients nvme) with tensor_parallel_size = 2"),
+            std::string::npos)
       << r.output;
 }
 

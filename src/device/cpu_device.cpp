@@ -42,7 +42,9 @@ class CpuDevice;
 class CopyEngine {
  public:
   CopyEngine(std::string name, const CpuBudget& budget, CpuAccount account)
-      : name_(std::move(name)), budget_(budget), account_(std::move(account)), thread_([this] { loop(); }) {}
+      : name_(std::move(name)), budget_(budget), account_(std::move(account)), thread_([this] { loop(); }) {
+    wait_started();
+  }
   ~CopyEngine() {
     {
       std::lock_guard lock(mu_);
@@ -68,6 +70,12 @@ class CopyEngine {
     const std::function<void()>* fn;
     bool done = false;
   };
+  // The constructor returns once the thread is named, pinned and accounted, so what a device
+  // reports about its threads holds as soon as it exists.
+  void wait_started() {
+    std::unique_lock lock(mu_);
+    done_cv_.wait(lock, [&] { return started_; });
+  }
   void loop() {
     name_current_thread("copy." + name_);
     if (Status s = budget_.pin_host(); !s.ok()) {
@@ -75,6 +83,8 @@ class CopyEngine {
     }
     account_.join(/*since_start=*/true);
     std::unique_lock lock(mu_);
+    started_ = true;
+    done_cv_.notify_all();
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
@@ -95,6 +105,7 @@ class CopyEngine {
   std::condition_variable cv_;
   std::condition_variable done_cv_;
   std::deque<Job*> queue_;
+  bool started_ = false;
   bool stop_ = false;
   std::thread thread_;
 };
@@ -162,7 +173,11 @@ class CpuStream final : public Stream {
         compute_threads_(compute_threads),
         budget_(budget),
         account_(std::move(account)),
-        thread_([this] { loop(); }) {}
+        thread_([this] { loop(); }) {
+    // Returns once the thread is named, pinned and accounted (as the copy engines do).
+    std::unique_lock lock(mu_);
+    idle_cv_.wait(lock, [&] { return started_; });
+  }
 
   ~CpuStream() override {
     {
@@ -255,6 +270,8 @@ class CpuStream final : public Stream {
     account_.join(/*since_start=*/true);
     account_.join_team(compute_threads_);
     std::unique_lock lock(mu_);
+    started_ = true;
+    idle_cv_.notify_all();
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
@@ -292,6 +309,7 @@ class CpuStream final : public Stream {
   std::condition_variable idle_cv_;
   std::deque<Op> queue_;
   bool busy_ = false;
+  bool started_ = false;
   bool stop_ = false;
   Status error_;
   std::thread thread_;
