@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,19 @@ inline std::uint64_t fnv(const std::vector<std::vector<float>>& tensors, std::ui
     for (std::size_t i = 0; i < t.size() * 4; ++i) h = (h ^ p[i]) * 1099511628211ull;
   }
   return h;
+}
+
+// Every byte of a file ("" when it cannot be read).
+inline std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Five windows of seq_len + 1 tokens: with micro_batch 2, batches of 2, 2 and 1 window.
+inline std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
+  std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
+  return t;
 }
 
 // A fresh directory every rank sees: rank 0 names and creates it, every rank gets the name (the

@@ -46,6 +46,8 @@ namespace {
 using testing::capture_held;
 using testing::capture_stage;
 using testing::expect_close;
+using testing::eval_tokens;
+using testing::file_bytes;
 using testing::fnv;
 using testing::run_share;
 using testing::Snapshot;
@@ -101,19 +103,6 @@ struct Case {
   std::int64_t micro;  // per pipeline
   bool checkpoint = false;  // also save and load a checkpoint and the weights
 };
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Five windows of seq_len + 1 tokens (batches of 2, 2 and 1 window).
-std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
-  std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
-  for (std::size_t i = 0; i < t.size(); ++i)
-    t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
-  return t;
-}
 
 // One run on the tp 2 x pp 2 grid of the world (DP = world / 4).
 void check_case(const Case& c) {

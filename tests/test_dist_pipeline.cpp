@@ -41,23 +41,11 @@ namespace strata {
 namespace {
 
 using testing::capture_stage;
+using testing::eval_tokens;
+using testing::file_bytes;
 using testing::fnv;
 using testing::Snapshot;
 using testing::world;
-
-// Every byte of a file ("" when it cannot be read).
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Five windows of seq_len + 1 tokens: with micro_batch 2, batches of 2, 2 and 1 window.
-std::vector<std::int32_t> eval_tokens(const TrainerConfig& c) {
-  std::vector<std::int32_t> t(static_cast<std::size_t>(5 * (c.seq_len + 1)));
-  for (std::size_t i = 0; i < t.size(); ++i)
-    t[i] = static_cast<std::int32_t>((i * 7 + 3) % c.model.vocab_size);
-  return t;
-}
 
 // One micro-batch (of step 7's deterministic batch) for loss().
 void loss_batch(const TrainerConfig& c, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {

@@ -30,6 +30,7 @@ namespace strata {
 namespace {
 
 using testing::expect_close;
+using testing::file_bytes;
 using testing::fnv;
 using testing::Snapshot;
 using testing::Tolerance;
@@ -153,11 +154,6 @@ TEST(TensorParallel, LlamaGroupedKvBf16ParametersOnNvme) {
 TEST(TensorParallel, Gpt2Bf16OptimizerOnDeviceAccumulation) {
   check_case({"gpt2 bf16, optimizer on the device, accumulation 2", ModelKind::kGpt2, DType::kBF16, 2, 0.0,
               Tier::kDevice, Tier::kDevice});
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
 // Weights: before training the tensor-parallel save is the single-process save byte for byte
