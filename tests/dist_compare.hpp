@@ -93,16 +93,7 @@ inline bool capture_stage(OffloadEngine& engine, Snapshot& out, std::vector<int>
 // The state of `held` from an engine that holds every parameter (collective over its groups).
 inline bool capture_held(OffloadEngine& engine, const std::vector<int>& held, Snapshot& out) {
   for (int idx : held) {
-    auto p = engine.get_param(idx);
-    auto ma = engine.get_master(idx);
-    auto mm = engine.get_exp_avg(idx);
-    auto vv = engine.get_exp_avg_sq(idx);
-    EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << "parameter " << idx;
-    if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return false;
-    out.param.push_back(*p);
-    out.master.push_back(*ma);
-    out.m.push_back(*mm);
-    out.v.push_back(*vv);
+    if (!append_state(engine, idx, "parameter " + std::to_string(idx), out)) return false;
   }
   return true;
 }

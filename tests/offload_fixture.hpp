@@ -90,6 +90,22 @@ inline bool run_steps(OffloadEngine& engine, const TrainerConfig& c, int from, i
   return true;
 }
 
+// Appends parameter `idx`'s working copy, master and moments to `out`; false (with a failure
+// naming `what`) when any of them cannot be read.
+inline bool append_state(OffloadEngine& engine, int idx, const std::string& what, Snapshot& out) {
+  auto p = engine.get_param(idx);
+  auto ma = engine.get_master(idx);
+  auto mm = engine.get_exp_avg(idx);
+  auto vv = engine.get_exp_avg_sq(idx);
+  EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << what;
+  if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return false;
+  out.param.push_back(*p);
+  out.master.push_back(*ma);
+  out.m.push_back(*mm);
+  out.v.push_back(*vv);
+  return true;
+}
+
 // The complete state of every parameter that owns storage.
 inline bool capture_state(OffloadEngine& engine, Snapshot& out) {
   const ModelLayout& L = engine.model().layout();
@@ -100,16 +116,7 @@ inline bool capture_state(OffloadEngine& engine, Snapshot& out) {
   for (std::size_t i = 0; i < L.params.size(); ++i) {
     if (!L.params[i].owns_storage()) continue;
     const int idx = static_cast<int>(i);
-    auto p = engine.get_param(idx);
-    auto ma = engine.get_master(idx);
-    auto mm = engine.get_exp_avg(idx);
-    auto vv = engine.get_exp_avg_sq(idx);
-    EXPECT_TRUE(p.ok() && ma.ok() && mm.ok() && vv.ok()) << L.params[i].name;
-    if (!(p.ok() && ma.ok() && mm.ok() && vv.ok())) return false;
-    out.param.push_back(*p);
-    out.master.push_back(*ma);
-    out.m.push_back(*mm);
-    out.v.push_back(*vv);
+    if (!append_state(engine, idx, L.params[i].name, out)) return false;
   }
   return true;
 }
