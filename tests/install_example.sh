@@ -15,3 +15,7 @@ cmake --build "$scratch/example" >/dev/null
 "$scratch/example/hello_device"
 # pkg-config sees the package too.
 PKG_CONFIG_PATH="$scratch/prefix/lib/pkgconfig" pkg-config --cflags --libs strata | grep -q -- "-lstrata"
+# The installed CLI runs from the prefix: it loads the libstrata installed beside it
+# ($ORIGIN/../lib), whatever the prefix, and not one from the build tree.
+"$scratch/prefix/bin/strata" --version | grep -q "^strata "
+ldd "$scratch/prefix/bin/strata" | grep "libstrata" | grep -q -- "$scratch/prefix/bin/../lib/"
