@@ -536,6 +536,14 @@ struct OffloadEngine::Impl {
   // part keep its place in the collectives instead of leaving its peers to the comm timeout.
   static constexpr std::size_t kAgreeWords = 64;
   Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group);
+  // Whether a state read can fail on one rank alone: NVMe reads (I/O errors, checksums) can; host
+  // memcpy cannot, and a device download failing on one rank only is left out. The same on every
+  // rank (the settings are), so the exchanges above are skipped, on every rank alike, where
+  // nothing can fail: state access costs no extra collective without NVMe.
+  bool state_reads_can_fail() const {
+    return settings.params == Tier::kNvme || settings.optimizer == Tier::kNvme ||
+           settings.gradients == Tier::kNvme;
+  }
   // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -969,7 +977,7 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
     const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
     std::vector<char> mine(c * w), all(c * w * static_cast<std::size_t>(dp_size));
     return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data(),
-                              /*agree=*/true);
+                              /*agree=*/state_reads_can_fail());
   }
   switch (units.home[uu]) {
     case Tier::kDevice:
@@ -1025,12 +1033,15 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, con
     }
     if (!sharded) return read;  // sharded: the groups held this rank's slice, gathered below
   }
-  if (sharded) {
+  if (sharded && state_reads_can_fail()) {
     // A rank that could not read its part still joins the exchange, so its peers do not wait in
     // the gather for it.
     STRATA_RETURN_IF_ERROR(agree_on_read(
         *dp_caller, read, "its state of module '" + layout().modules[static_cast<std::size_t>(u)].name + "'",
         "data-parallel"));
+  }
+  if (sharded) {
+    STRATA_RETURN_IF_ERROR(read);
     // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm.
     const std::size_t uu = static_cast<std::size_t>(u);
     const std::uint64_t c = slices.chunk[uu], b0 = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
@@ -1188,7 +1199,8 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
 Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
   Status params = read_unit_params(u, pbytes);
   // A sharded unit's parameter read is already agreed over the ranks (every rank failed it);
-  // any other failure goes into the optimizer state's exchange, which the peers are in.
+  // any other failure goes into the optimizer state's exchange, which the peers are in (where
+  // state_reads_can_fail).
   if (!params.ok() && !psharded.empty() && psharded[static_cast<std::size_t>(u)]) return params;
   if (!dev_unit(u)) return read_unit_optim(u, blob, params);
   STRATA_RETURN_IF_ERROR(params);
@@ -1313,7 +1325,7 @@ Result<std::vector<float>> OffloadEngine::Impl::read_full(int index, int which) 
   // Every tensor-parallel rank learns whether every other read its shard before anything else
   // is gathered (replicated parameters too: a rank that stopped here would leave its peers in
   // the next parameter's gather), so a rank that cannot read fails the group at once.
-  if (index >= 0 && index < static_cast<int>(layout().params.size())) {
+  if (state_reads_can_fail() && index >= 0 && index < static_cast<int>(layout().params.size())) {
     STRATA_RETURN_IF_ERROR(agree_on_read(
         *tp_step, read.status(),
         "its shard of '" + layout().params[static_cast<std::size_t>(index)].name + "'", "tensor-parallel"));
