@@ -83,7 +83,7 @@ TEST(CliEstimate, RanksGivePerRankBytesOfEachStage) {
     EXPECT_LT(dev, dev0 / 3) << "device optimizer state per rank of 4, stage " << stage;
   }
   auto rc = run_cli(std::string("estimate --json --ranks 4 --device cuda ") + kShape);
-  ASSERT_EQ(rc.exit_code, 0) << rc.output;  // estimate only plans: no cuda device is needed
+  ASSERT_EQ(rc.exit_code, 0) << rc.output;                   // estimate only plans: no cuda device is needed
   const auto placements = nlohmann::json::parse(rc.output);  // the loop below must not outlive it
   for (const auto& r2 : placements["placements"]) {
     EXPECT_FALSE(r2["offload_optimizer"] == "device" && r2["zero_stage"] != 0) << r2.dump();
@@ -112,6 +112,50 @@ TEST(CliEstimate, RanksGivePerRankBytesOfEachStage) {
   const auto par1 = row(jb1, 3, "host", "host")["bytes"]["parameters"]["host"].get<std::uint64_t>();
   EXPECT_LT(par4, par1 / 2) << "stage 3 shards the offloaded parameters";
   EXPECT_EQ(run_cli(std::string("estimate --ranks 0 ") + kShape).exit_code, 2);
+}
+
+// --ranks N: each row's data-parallel collectives per step are the library's dp_traffic (the
+// bytes docs/performance.md measured), their time at the given link; bad link flags exit 2.
+TEST(CliEstimate, RanksGiveEachStagesCollectivesAtTheLink) {
+  auto r =
+      run_cli(std::string("estimate --json --ranks 2 --link-bandwidth 2 --link-latency-us 50 ") + kShape);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_DOUBLE_EQ(j["link"]["bus_bytes_per_s"].get<double>(), 2e9);
+  EXPECT_DOUBLE_EQ(j["link"]["collective_s"].get<double>(), 50e-6);
+  struct Want {
+    int stage;
+    const char *params, *optimizer;
+    Tier p, o;
+  };
+  for (const Want& w : {Want{0, "device", "device", Tier::kDevice, Tier::kDevice},
+                        Want{1, "device", "host", Tier::kDevice, Tier::kHost},
+                        Want{2, "device", "host", Tier::kDevice, Tier::kHost},
+                        Want{3, "host", "host", Tier::kHost, Tier::kHost}}) {
+    OffloadSettings s;
+    s.params = w.p;
+    s.optimizer = w.o;
+    s.zero_stage = w.stage;
+    s.dp_size = 2;
+    auto t = dp_traffic(same_shape(), s);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    const auto& dp = row(j, w.stage, w.params, w.optimizer)["data_parallel"];
+    EXPECT_EQ(dp["buffer_bytes"].get<std::uint64_t>(), t->buffer_bytes()) << w.stage;
+    EXPECT_GT(t->buffer_bytes(), 0u) << w.stage;
+    EXPECT_EQ(dp["collectives"].get<std::uint64_t>(), t->collectives) << w.stage;
+    EXPECT_DOUBLE_EQ(dp["seconds"].get<double>(), t->seconds(2e9, 50e-6)) << w.stage;
+    EXPECT_EQ(dp["overlapped"].get<bool>(), w.o != Tier::kDevice) << w.stage;
+  }
+  // Stage 0 all-reduces the whole fp32 gradient once: 2 (N-1)/N of it on the wire.
+  const auto& s0 = row(j, 0, "device", "device")["data_parallel"];
+  EXPECT_EQ(s0["all_reduce_bytes"], s0["buffer_bytes"]);
+  EXPECT_DOUBLE_EQ(s0["wire_bytes"].get<double>(), s0["all_reduce_bytes"].get<double>());
+  for (const char* bad : {"--link-bandwidth 0", "--link-bandwidth fast", "--link-latency-us -1"}) {
+    auto b = run_cli(std::string("estimate --ranks 2 ") + bad + " " + kShape);
+    EXPECT_EQ(b.exit_code, 2) << bad << ": " << b.output;
+    EXPECT_NE(b.output.find(std::string(bad).substr(2, std::string(bad).find(' ') - 2)), std::string::npos)
+        << bad << ": " << b.output;
+  }
 }
 
 TEST(CliEstimate, BudgetsMarkWhatDoesNotFit) {

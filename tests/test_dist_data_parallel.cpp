@@ -14,18 +14,20 @@
 // - A checkpoint written by the data-parallel run (rank 0 writes, sharded state gathered) resumes
 //   bit for bit, in the data-parallel run and in a single process.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <array>
 #include <filesystem>
-#include <unistd.h>
 
-#include "offload_fixture.hpp"
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
+#include "nvme/faults.hpp"
+#include "offload/internal.hpp"
+#include "offload_fixture.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
@@ -540,6 +542,75 @@ TEST(DataParallel, SaveWeightsIsCollective) {
   }
   ASSERT_TRUE(world().barrier().wait().ok());
   if (world().rank() == 0) std::filesystem::remove_all(root);
+}
+
+// Stage 3 with everything on NVMe; after a step the last rank's disk fails every read. Its
+// save_weights and save_checkpoint cannot read its slices, but it keeps its place in each unit's
+// exchange (agree_on_read), so every rank returns the same error naming that rank and the module
+// at once, not after the comm timeout (the job's STRATA_COMM_TIMEOUT=60 is only a backstop: a
+// regression fails with a timeout error instead of hanging). Nothing is written; with the faults
+// cleared the same engine saves again.
+TEST(DataParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
+  const int P = world().size(), failing = P - 1;
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, P, 1.0);
+  testing::TempDir swap("strata-dp-rfault");  // each rank its own
+  OffloadSettings s;
+  s.params = Tier::kNvme;
+  s.optimizer = Tier::kNvme;
+  s.zero_stage = 3;
+  s.persistence_threshold = 0;  // every module's working parameters sharded on NVMe
+  s.nvme_path = {swap.path().string()};
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine =
+      offload_detail::EngineFaults::create(local_of(global), s, *device, &faults, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot out;
+  ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out));
+  ASSERT_TRUE((*engine)->synchronize().ok());  // the update is on disk before the disk fails
+  const std::string root = shared_temp_dir("rfault");
+  if (world().rank() == failing) {
+    for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
+      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+  }
+  const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
+                            " could not read its slice of module '";
+  const std::string weights = root + "/weights.safetensors";
+  Status w = (*engine)->save_weights(weights);
+  ASSERT_FALSE(w.ok()) << "rank " << world().rank();
+  EXPECT_EQ(w.code(), StatusCode::kIoError) << w.to_string();
+  EXPECT_NE(w.message().find(named), std::string::npos) << "rank " << world().rank() << ": " << w.to_string();
+  EXPECT_NE(w.message().find(weights), std::string::npos) << w.to_string();
+  EXPECT_EQ(w.message().find("comm timeout"), std::string::npos) << w.to_string();
+  // Every rank returns the same text (the failing rank's cause included).
+  std::array<std::uint32_t, 64> mine{};
+  std::memcpy(mine.data(), w.message().data(), std::min<std::size_t>(w.message().size(), sizeof mine - 1));
+  std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
+  ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok());
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
+        << "rank " << r << " vs " << world().rank();
+
+  auto ck = (*engine)->save_checkpoint(root + "/ckpt");
+  ASSERT_FALSE(ck.ok()) << "rank " << world().rank();
+  EXPECT_EQ(ck.status().code(), StatusCode::kIoError) << ck.status().to_string();
+  EXPECT_NE(ck.status().message().find(named), std::string::npos)
+      << "rank " << world().rank() << ": " << ck.status().to_string();
+  EXPECT_EQ(ck.status().message().find("comm timeout"), std::string::npos) << ck.status().to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_FALSE(std::filesystem::exists(weights)) << "a failed save left a file";
+    EXPECT_FALSE(std::filesystem::exists(root + "/ckpt/latest")) << "a failed checkpoint was published";
+  }
+  // The ranks are still in step: with the disk back, the same engine saves.
+  faults.errors.clear();
+  Status again = (*engine)->save_weights(weights);
+  ASSERT_TRUE(again.ok()) << again.to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_GT(testing::read_file(weights).size(), 1000u);
+    std::filesystem::remove_all(root);
+  }
 }
 
 // Gradients on NVMe: each rank keeps only its reduced slices, as the optimizer's sub-groups, on

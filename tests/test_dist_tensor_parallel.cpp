@@ -16,13 +16,18 @@
 // - Weights: a tensor-parallel save loads into one process bit for bit, and the other way round.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
+#include "nvme/faults.hpp"
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
 #include "strata/parallel.hpp"
 
@@ -326,6 +331,72 @@ TEST(TensorParallel, ComposesWithDataParallel) {
 // Checkpoints are collective and hold the full model: a tensor-parallel checkpoint resumes the
 // tensor-parallel run bit for bit (the same ranks, the same order of every sum) and loads into
 // one process bit for bit (every full parameter and its optimizer state).
+// Parameters on NVMe; after a step the last rank's disk fails every read. It keeps its place in
+// each parameter's exchange before the shard gather (agree_on_read), so save_weights and
+// save_checkpoint fail on every rank with the same error naming that rank and the parameter at
+// once, not after the comm timeout (the job's STRATA_COMM_TIMEOUT=60 is only a backstop: a
+// regression fails with a timeout error instead of hanging). With the disk back the same engine
+// saves again.
+TEST(TensorParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
+  const int P = world().size(), failing = P - 1;
+  const TrainerConfig config = config_for(ModelKind::kGpt2, DType::kF32, 1, 1.0);
+  testing::TempDir swap("strata-tp-rfault");  // each rank its own
+  OffloadSettings s;
+  s.params = Tier::kNvme;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;
+  s.nvme_path = {swap.path().string()};
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = offload_detail::EngineFaults::create(config, s, *device, &faults, nullptr, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot out;
+  ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, out));
+  ASSERT_TRUE((*engine)->synchronize().ok());
+  std::vector<char> name(512, 0);
+  std::snprintf(name.data(), name.size(), "%s", (swap.path() / "out").string().c_str());
+  ASSERT_TRUE(world().broadcast(name.data(), 128, DType::kF32, 0).wait().ok());
+  const std::string root = name.data();  // rank 0's directory
+  if (world().rank() == 0) std::filesystem::create_directories(root);
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == failing) {
+    for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
+      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+  }
+  const std::string named = "tensor-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
+                            " could not read its shard of '";
+  const std::string weights = root + "/weights.safetensors";
+  Status w = (*engine)->save_weights(weights);
+  ASSERT_FALSE(w.ok()) << "rank " << world().rank();
+  EXPECT_EQ(w.code(), StatusCode::kIoError) << w.to_string();
+  EXPECT_NE(w.message().find(named), std::string::npos) << "rank " << world().rank() << ": " << w.to_string();
+  EXPECT_EQ(w.message().find("comm timeout"), std::string::npos) << w.to_string();
+  // Every rank returns the same text.
+  std::array<std::uint32_t, 64> mine{};
+  std::memcpy(mine.data(), w.message().data(), std::min<std::size_t>(w.message().size(), sizeof mine - 1));
+  std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
+  ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok());
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
+        << "rank " << r << " vs " << world().rank();
+  auto ck = (*engine)->save_checkpoint(root + "/ckpt");
+  ASSERT_FALSE(ck.ok()) << "rank " << world().rank();
+  EXPECT_EQ(ck.status().code(), StatusCode::kIoError) << ck.status().to_string();
+  EXPECT_NE(ck.status().message().find(named), std::string::npos)
+      << "rank " << world().rank() << ": " << ck.status().to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_FALSE(std::filesystem::exists(weights)) << "a failed save left a file";
+  }
+  faults.errors.clear();
+  STRATA_ASSERT_OK((*engine)->save_weights(weights));
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_GT(file_bytes(weights).size(), 1000u);
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+}
+
 TEST(TensorParallel, CheckpointResumesAndLoadsIntoOneProcess) {
   const TrainerConfig config = config_for(ModelKind::kLlama, DType::kBF16, 1, 1.0);
   OffloadSettings s;

@@ -5,8 +5,10 @@
 // fetching on demand serialises them all; the bytes each link moves; partial optimizer offload
 // keeps the first units' gradients and update on the device; the delayed update hides the update
 // behind the next step until it is longer than the step; activation offload copies each evicted
-// block input out and back and stalls compute only where the ring makes it wait; bad rates name
-// the rate.
+// block input out and back and stalls compute only where the ring makes it wait; data parallel
+// adds each stage's collectives where the engine runs them (stage 0's all-reduce and the device-
+// sharded stages after backward, stages 1-3 per module beside compute, stage 3 per fetch), with
+// the bytes of docs/performance.md's per-stage table; bad rates name the rate.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -285,6 +287,169 @@ TEST(CostModel, ActivationOffloadCopiesEachEvictedInputOutAndBack) {
   EXPECT_NEAR(none->step_seconds, 2 * 21 + 0.5, 1e-9);
 }
 
+// Data parallel (docs/offload.md "Predicting the step", the data-parallel term). Each module's
+// collective buffers: a reduce-scatter's input and an all-gather's output are N chunks of
+// ceil(n / N) elements rounded up to 64 (4 bytes per gradient element, the working dtype's size
+// per parameter element).
+std::uint64_t dp_chunk(std::uint64_t n, int ranks) {
+  const std::uint64_t c = (n + static_cast<std::uint64_t>(ranks) - 1) / static_cast<std::uint64_t>(ranks);
+  return (c + 63) / 64 * 64;
+}
+
+TEST(CostModel, DataParallelStage0AllReducesTheWholeGradientAfterBackward) {
+  // Four ranks: a ring all-reduce sends 2 * 3/4 of the buffer; at a bus bandwidth of
+  // 1.5 * G bytes/s that is 1 s, plus 0.25 s of fixed cost, between backward and the update.
+  TrainerConfig c = tiny();
+  c.grad_accum = 2;
+  const Units u = units_of(c);
+  const std::uint64_t G = 4 * std::accumulate(u.elements.begin(), u.elements.end(), 0ull);
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = 1.5 * static_cast<double>(G);
+  r.dp_collective_seconds = 0.25;
+  OffloadSettings s;
+  s.dp_size = 4;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_NEAR(p->step_seconds, 2 * kCompute + 1.25 + 0.5, 1e-9);
+  EXPECT_NEAR(p->dp, 1.25, 1e-9);
+  EXPECT_EQ(p->dp_bytes, G);
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(t->all_reduce_bytes, G);
+  EXPECT_EQ(t->buffer_bytes(), G);
+  EXPECT_EQ(t->collectives, 1u);
+  EXPECT_FALSE(t->overlapped);
+  EXPECT_DOUBLE_EQ(t->wire_bytes(), 1.5 * static_cast<double>(G));
+  EXPECT_NEAR(t->seconds(r.dp_bus_bytes_per_s, r.dp_collective_seconds), 1.25, 1e-12);
+  // One rank: no term at all, and the bandwidth is not needed.
+  s.dp_size = 1;
+  r.dp_bus_bytes_per_s = 0;
+  p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_DOUBLE_EQ(p->step_seconds, 2 * kCompute + 0.5);
+  EXPECT_EQ(p->dp_bytes, 0u);
+}
+
+TEST(CostModel, DataParallelStage1HidesTheCollectivesButTheFirstAndLastModules) {
+  // Two ranks, host optimizer, clipping on. The gradient stream reduce-scatters each bucket after
+  // its copy out, beside the rest of backward; the optimizer thread all-gathers each module after
+  // its update, beside the next forward. With every collective at most 0.5 s (under a module's
+  // compute), only the embedding's are exposed: its reduce-scatter after the last backward, its
+  // gather before the next step's first forward.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  std::uint64_t biggest = 0, all_buffers = 0;
+  for (std::uint64_t n : u.elements) {
+    biggest = std::max(biggest, 4 * 2 * dp_chunk(n, 2));
+    all_buffers += 2 * (4 * 2 * dp_chunk(n, 2));  // reduce-scatter + all-gather (fp32)
+  }
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = static_cast<double>(biggest) * 0.5 / 0.5;  // the biggest: 0.5 s
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.dp_size = 2;
+  s.zero_stage = 1;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const double one0 = static_cast<double>(4 * 2 * dp_chunk(u.elements[0], 2)) * 0.5 / r.dp_bus_bytes_per_s;
+  EXPECT_NEAR(p->step_seconds, kCompute + 2 * one0, 1e-9);
+  EXPECT_NEAR(p->fetch_stall, one0, 1e-9);  // the first forward waits for the embedding's gather
+  EXPECT_NEAR(p->dp, static_cast<double>(all_buffers) * 0.5 / r.dp_bus_bytes_per_s, 1e-9);
+  EXPECT_EQ(p->dp_bytes, all_buffers);
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(t->buffer_bytes(), all_buffers);
+  EXPECT_EQ(t->reduce_scatter_bytes, t->all_gather_bytes);
+  EXPECT_EQ(t->collectives, 8u);
+  EXPECT_TRUE(t->overlapped);
+  // Stage 0 with the host optimizer runs as stage 1.
+  s.zero_stage = 0;
+  auto as1 = predict_step(c, s, r);
+  ASSERT_TRUE(as1.ok());
+  EXPECT_DOUBLE_EQ(as1->step_seconds, p->step_seconds);
+  EXPECT_EQ(as1->dp_bytes, p->dp_bytes);
+  // A link 10x slower: the reduce-scatters queue behind backward and the gathers behind each other.
+  s.zero_stage = 1;
+  r.dp_bus_bytes_per_s /= 10;
+  auto slow = predict_step(c, s, r);
+  ASSERT_TRUE(slow.ok());
+  EXPECT_GT(slow->step_seconds, kCompute + 2 * 10 * one0);
+  EXPECT_EQ(slow->dp_bytes, all_buffers);
+}
+
+TEST(CostModel, DataParallelStages2And3CommunicatePerMicroBatchAndPerFetch) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 2;
+  const Units u = units_of(c);
+  std::vector<std::uint64_t> buf;  // per module: one reduce-scatter's input = one fp32 gather's output
+  for (std::uint64_t n : u.elements) buf.push_back(4 * 3 * dp_chunk(n, 3));
+  const std::uint64_t sum = std::accumulate(buf.begin(), buf.end(), 0ull);
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = 1e12;
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.dp_size = 3;
+  s.zero_stage = 2;
+  auto two = dp_traffic(c, s);
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->reduce_scatter_bytes, 2 * sum);  // every micro-batch
+  EXPECT_EQ(two->all_gather_bytes, sum);          // once, after the update
+  s.zero_stage = 1;
+  auto one = dp_traffic(c, s);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->reduce_scatter_bytes, sum);  // once, after the last micro-batch
+  // Stage 3, every module offloaded, prefetch 1: in the first micro-batch the embedding is
+  // fetched for its forward, the head's forward (its tied weights) and its backward, the blocks
+  // forward and backward, the head once (kept from its forward to its backward); the second
+  // micro-batch finds the embedding still held from the first's last access (the cyclic trace),
+  // so it fetches it twice. No gather after the update.
+  s.zero_stage = 3;
+  s.params = Tier::kHost;
+  s.prefetch_modules = 1;
+  s.persistence_threshold = 0;
+  auto three = dp_traffic(c, s);
+  ASSERT_TRUE(three.ok()) << three.status().to_string();
+  EXPECT_EQ(three->reduce_scatter_bytes, 2 * sum);
+  EXPECT_EQ(three->all_gather_bytes, 5 * buf[0] + 4 * buf[1] + 4 * buf[2] + 2 * buf[3]);
+  EXPECT_EQ(three->collectives, 2 * 4u + 15u);
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_EQ(p->dp_bytes, three->buffer_bytes());  // the replay issues exactly these
+  // bf16 working weights: the gathers move 2 bytes per element, the reductions still 4.
+  c.model.dtype = DType::kBF16;
+  auto half = dp_traffic(c, s);
+  ASSERT_TRUE(half.ok());
+  EXPECT_EQ(half->all_gather_bytes * 2, three->all_gather_bytes);
+  EXPECT_EQ(half->reduce_scatter_bytes, three->reduce_scatter_bytes);
+}
+
+TEST(CostModel, DataParallelDeviceShardedStagesRunSeriallyAfterBackward) {
+  // Optimizer on the device at stage 1 over 2 ranks: after backward, per module a reduce-scatter
+  // and an all-gather, nothing overlapped; the device update covers this rank's slices.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  std::uint64_t buffers = 0, n_all = 0, n_mine = 0;
+  for (std::uint64_t n : u.elements) {
+    buffers += 2 * (4 * 2 * dp_chunk(n, 2));
+    n_all += n;
+    n_mine += std::min(n, dp_chunk(n, 2));  // rank 0's slice
+  }
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = static_cast<double>(buffers) * 0.5;  // 1 s in all at (N-1)/N = 1/2
+  OffloadSettings s;
+  s.dp_size = 2;
+  s.zero_stage = 1;
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const double update = 0.5 * static_cast<double>(n_mine) / static_cast<double>(n_all);
+  EXPECT_NEAR(p->step_seconds, kCompute + 1.0 + update, 1e-9);
+  EXPECT_EQ(p->dp_bytes, buffers);
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(t->buffer_bytes(), buffers);
+  EXPECT_FALSE(t->overlapped);
+}
+
 TEST(CostModel, BadRatesNameTheRate) {
   const TrainerConfig c = tiny();
   MachineRates r = rates();
@@ -297,6 +462,18 @@ TEST(CostModel, BadRatesNameTheRate) {
   p = predict_step(c, OffloadSettings{}, r);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.status().message().find("one entry per module (4)"), std::string::npos) << p.status().message();
+  r = rates();
+  OffloadSettings s;
+  s.dp_size = 2;
+  p = predict_step(c, s, r);  // no link given
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("dp_bus_bytes_per_s = 0 must be > 0 with 2 data-parallel ranks"),
+            std::string::npos)
+      << p.status().message();
+  r.dp_collective_seconds = -1;
+  p = predict_step(c, OffloadSettings{}, r);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("dp_collective_seconds"), std::string::npos) << p.status().message();
 }
 
 }  // namespace

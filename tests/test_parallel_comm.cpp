@@ -1,11 +1,13 @@
 // The comm layer in one process: the rank grid's formula, the comm tunables, and a world of one
-// rank (MPI's singleton start, no mpirun). Multi-process behaviour is in test_dist_comm.cpp.
+// rank (MPI's singleton start, no mpirun), and the polling pace both backends share (PollPacer, at
+// given times: no clock). Multi-process behaviour is in test_dist_comm.cpp.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <set>
 
 #include "harness/harness.hpp"
+#include "parallel/poll_pacer.hpp"
 #include "strata/build_config.hpp"
 #include "strata/parallel.hpp"
 
@@ -67,6 +69,36 @@ TEST(RankGrid, SizesThatDoNotDivideAreErrors) {
   STRATA_EXPECT_ERROR(RankGrid::create(6, 4, 1).status(), kInvalidArgument, "not a multiple");
   STRATA_EXPECT_ERROR(RankGrid::create(8, 2, 3).status(), kInvalidArgument, "2 x 3");
   STRATA_EXPECT_ERROR(RankGrid::create(4, 0, 1).status(), kInvalidArgument, "at least 1");
+}
+
+// The rule every polling loop of the mpi and nccl backends waits by (docs/parallel.md "Waiting
+// without burning a core"), evaluated at chosen times.
+TEST(PollPacer, SpinsThenSleepsAnEighthOfTheWaitCappedAndStartsOverOnReset) {
+  using detail::PollPacer;
+  using std::chrono::microseconds;
+  using std::chrono::nanoseconds;
+  static_assert(PollPacer::kSpin == microseconds(500) && PollPacer::kMaxSleep == microseconds(100));
+  const auto t0 = std::chrono::steady_clock::time_point{} + std::chrono::seconds(1000);
+  PollPacer p;
+  EXPECT_EQ(p.next_at(t0), nanoseconds(0));  // the wait starts here
+  EXPECT_EQ(p.next_at(t0 + microseconds(1)), nanoseconds(0));
+  EXPECT_EQ(p.next_at(t0 + microseconds(499)), nanoseconds(0));  // inside the spin window: yield
+  // Past it: an eighth of the time waited so far (so a completion is seen <= 12.5% late) ...
+  EXPECT_EQ(p.next_at(t0 + microseconds(500)), nanoseconds(62500));
+  EXPECT_EQ(p.next_at(t0 + microseconds(640)), microseconds(80));
+  EXPECT_EQ(p.next_at(t0 + microseconds(800)), microseconds(100));
+  // ... and never more than kMaxSleep, however long the wait (the deadline is checked that often).
+  EXPECT_EQ(p.next_at(t0 + microseconds(801)), microseconds(100));
+  EXPECT_EQ(p.next_at(t0 + std::chrono::seconds(30)), microseconds(100));
+  // Progress: the next wait starts over with its own spin window, measured from its first poll.
+  p.reset();
+  const auto t1 = t0 + std::chrono::seconds(31);
+  EXPECT_EQ(p.next_at(t1), nanoseconds(0));
+  EXPECT_EQ(p.next_at(t1 + microseconds(499)), nanoseconds(0));
+  EXPECT_EQ(p.next_at(t1 + microseconds(720)), microseconds(90));
+  // A fresh pacer (the nccl backend makes one per operation, as the mpi backend's finish does).
+  PollPacer q;
+  EXPECT_EQ(q.next_at(t1 + std::chrono::seconds(5)), nanoseconds(0));
 }
 
 TEST(CommConfig, TimeoutComesFromTheTunable) {

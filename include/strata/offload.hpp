@@ -259,8 +259,47 @@ struct MachineRates {
   bool shared_cores = false;
   int cores = 1;
   double nvme_cpu_fraction = 0;
+  // Data parallel (settings.dp_size > 1): the link between the ranks as a collective sees it.
+  // dp_bus_bytes_per_s is the bus bandwidth (what strata bench comm reports, nccl-tests'
+  // convention): a collective on B buffer bytes takes dp_collective_seconds + B * f / bus, with
+  // f = (N-1)/N for a reduce-scatter (B its input) or an all-gather (B its output) and 2(N-1)/N
+  // for an all-reduce. Unused (may be 0) with one rank.
+  double dp_bus_bytes_per_s = 0;
+  double dp_collective_seconds = 0;
   Status validate(std::size_t modules) const;  // errors name the rate
 };
+
+// The default link for the data-parallel term when none is given (strata estimate and strata plan
+// --link-bandwidth / --link-latency-us): 12.5 GB/s of bus bandwidth, a 100 Gb/s network port per
+// rank,
+// and a fixed 20 us per collective (a ring's start-up across a network; strata bench comm's small sizes
+// measure it).
+inline constexpr double kDefaultDpBusBytesPerSecond = 12.5e9;
+inline constexpr double kDefaultDpCollectiveSeconds = 20e-6;
+
+// The data-parallel collectives of one step, per rank (docs/performance.md "Data parallel: bytes
+// per step per ZeRO stage"). Buffer bytes are what OffloadStats::bytes_dp counts (a reduce-scatter
+// its input, an all-gather its output, an all-reduce its buffer; every module padded to dp_size
+// chunks of a multiple of 64 elements); wire bytes are what a rank sends (and receives) with ring
+// algorithms. The small per-step collectives (token count, loss, gradient statistics) are left out.
+struct DpTraffic {
+  int ranks = 1;
+  int stage = 0;                           // the stage the engine runs (0 with the host optimizer runs as 1)
+  std::uint64_t all_reduce_bytes = 0;      // stage 0: the whole gradient, once after backward
+  std::uint64_t reduce_scatter_bytes = 0;  // gradients: once per step (stage 1), per micro-batch (2, 3)
+  std::uint64_t all_gather_bytes = 0;      // updated parameters (1, 2) or every stage-3 fetch
+  std::uint64_t collectives = 0;           // how many of them
+  std::uint64_t buffer_bytes() const { return all_reduce_bytes + reduce_scatter_bytes + all_gather_bytes; }
+  double wire_bytes() const;  // sent per rank
+  // With every collective back to back (no overlap) at this link.
+  double seconds(double bus_bytes_per_s, double collective_seconds) const;
+  bool overlapped = false;  // stages 1-3 with the optimizer off the device: per module, beside compute
+};
+
+// The data-parallel traffic of `settings` (dp_size ranks, zero_stage) for one step of `config`;
+// all zero with dp_size 1. Stage 3 counts a gather per fetch of a non-resident module, the fetches
+// being predict_step's (the slot rule with prefetch_modules).
+Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings);
 
 // The predicted steady-state step (the time between the returns of consecutive step() calls)
 // and where it goes. Busy seconds per engine add up to more than the step when they overlap.
@@ -275,7 +314,9 @@ struct StepPrediction {
   double fetch_stall = 0;   // compute idle, waiting for parameters fetched or updated
   double update_stall = 0;  // the caller waiting for the gradient norm
   double contention = 0;    // shared_cores: the other engines' CPU work taken from compute
+  double dp = 0;            // data-parallel collectives (busy seconds of the link, all threads)
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  std::uint64_t dp_bytes = 0;     // their buffer bytes (as OffloadStats::bytes_dp counts them)
   std::string to_string() const;  // one line per part
 };
 
@@ -293,8 +334,9 @@ struct StepPrediction {
 // its backward waits per unit before the gradients go out, uploads follow the passes (steady
 // state, warm-up left out). Activation offload: each evicted block input out after its forward
 // and back before its backward, compute waiting where the ring of 3 buffers makes it. Several
-// steps are replayed and the last step's period is the prediction. A pure function of its
-// arguments.
+// steps are replayed and the last step's period is the prediction. Data parallel (dp_size > 1):
+// each stage's collectives on the thread that runs them (dp_traffic's bytes at the rates' link).
+// A pure function of its arguments.
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates);
 

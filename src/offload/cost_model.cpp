@@ -114,7 +114,115 @@ Status MachineRates::validate(std::size_t modules) const {
       return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be >= 0");
   }
   if (cores < 1) return invalid_argument("machine rates: cores = " + std::to_string(cores) + " must be >= 1");
+  if (!finite_nonneg(dp_bus_bytes_per_s))
+    return invalid_argument("machine rates: dp_bus_bytes_per_s = " + number(dp_bus_bytes_per_s) +
+                            " must be >= 0");
+  if (!finite_nonneg(dp_collective_seconds)) {
+    return invalid_argument("machine rates: dp_collective_seconds = " + number(dp_collective_seconds) +
+                            " must be >= 0");
+  }
   return ok_status();
+}
+
+namespace {
+
+// The data-parallel schedule's facts shared by dp_traffic and predict_step (docs/parallel.md
+// "Data parallel on the offload engine"): which stage runs, and each module's collective buffers.
+struct DpShape {
+  int ranks = 1;
+  int stage = 0;
+  bool device_opt = true;
+  bool device_sharded = false;  // stages 1-3 with the optimizer on the device: serial after backward
+  std::vector<std::uint64_t> rs_bytes, ag_bytes, slice_elements;
+  std::uint64_t all_reduce_bytes = 0;
+  bool active() const { return ranks > 1; }
+  // Stages 1-2 (and stage 3's resident modules) all-gather a module's parameters after its update;
+  // stage 3 gathers the others at every fetch instead.
+  bool gathers_after_update(const Units& units, int u) const {
+    return active() && (stage < 3 || units.home[static_cast<std::size_t>(u)] == Tier::kDevice);
+  }
+  bool gathers_at_fetch(const Units& units, int u) const {
+    return active() && !device_opt && stage == 3 && units.home[static_cast<std::size_t>(u)] != Tier::kDevice;
+  }
+};
+
+DpShape dp_shape(const TrainerConfig& config, const OffloadSettings& settings, const Units& units) {
+  DpShape d;
+  d.ranks = std::max(1, settings.dp_size);
+  d.device_opt = settings.optimizer == Tier::kDevice;
+  // The host optimizer exists only sharded: stage 0 runs as stage 1.
+  d.stage = !d.device_opt && settings.zero_stage == 0 ? 1 : settings.zero_stage;
+  d.device_sharded = d.active() && d.device_opt && d.stage >= 1;
+  const std::uint64_t w = dtype_size(config.model.dtype);
+  const std::uint64_t P = static_cast<std::uint64_t>(d.ranks);
+  for (std::size_t u = 0; u < units.gbytes.size(); ++u) {
+    const std::uint64_t n = units.gbytes[u] / 4;
+    const offload_detail::DpSlice s = offload_detail::dp_slice_of(n, d.ranks, 0);  // rank 0: the largest
+    d.rs_bytes.push_back(n == 0 ? 0 : 4 * P * s.chunk);
+    d.ag_bytes.push_back(n == 0 ? 0 : w * P * s.chunk);
+    d.slice_elements.push_back(d.active() ? s.len : n);
+    d.all_reduce_bytes += units.gbytes[u];
+  }
+  return d;
+}
+
+double ring_factor(int ranks) { return ranks > 1 ? static_cast<double>(ranks - 1) / ranks : 0.0; }
+
+}  // namespace
+
+double DpTraffic::wire_bytes() const {
+  const double f = ring_factor(ranks);
+  return 2 * f * static_cast<double>(all_reduce_bytes) +
+         f * static_cast<double>(reduce_scatter_bytes + all_gather_bytes);
+}
+
+double DpTraffic::seconds(double bus_bytes_per_s, double collective_seconds) const {
+  if (ranks <= 1 || collectives == 0) return 0.0;
+  return static_cast<double>(collectives) * collective_seconds +
+         (bus_bytes_per_s > 0 ? wire_bytes() / bus_bytes_per_s : 0.0);
+}
+
+Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings) {
+  STRATA_RETURN_IF_ERROR(config.validate());
+  STRATA_RETURN_IF_ERROR(settings.validate());
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  const Units units = offload_detail::describe_units(layout, settings);
+  const DpShape d = dp_shape(config, settings, units);
+  DpTraffic t;
+  t.ranks = d.ranks;
+  t.stage = d.stage;
+  if (!d.active()) return t;
+  const int M = static_cast<int>(layout.modules.size());
+  const std::uint64_t A = static_cast<std::uint64_t>(config.grad_accum);
+  if (d.device_opt && !d.device_sharded) {
+    t.all_reduce_bytes = d.all_reduce_bytes;
+    t.collectives = 1;
+    return t;
+  }
+  t.overlapped = !d.device_opt;
+  // Device-sharded stages run as stage 1 (docs/parallel.md: gradient sharding not built there).
+  const std::uint64_t rs_times = d.device_opt || d.stage == 1 ? 1 : A;
+  for (int u = 0; u < M; ++u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (d.rs_bytes[uu] == 0) continue;
+    t.reduce_scatter_bytes += rs_times * d.rs_bytes[uu];
+    t.collectives += rs_times;
+    if (d.device_opt || d.gathers_after_update(units, u)) {
+      t.all_gather_bytes += d.ag_bytes[uu];
+      ++t.collectives;
+    }
+  }
+  if (!d.device_opt && d.stage == 3) {
+    const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
+    for (const std::vector<int>& at : fetches_of_step(units, M, config.grad_accum, k)) {
+      for (int u : at) {
+        if (!d.gathers_at_fetch(units, u)) continue;
+        t.all_gather_bytes += d.ag_bytes[static_cast<std::size_t>(u)];
+        ++t.collectives;
+      }
+    }
+  }
+  return t;
 }
 
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
@@ -127,6 +235,18 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const std::size_t MM = static_cast<std::size_t>(M);
   STRATA_RETURN_IF_ERROR(rates.validate(MM));
   const std::int64_t A = config.grad_accum;
+  // Data parallel (docs/offload.md "Predicting the step", the data-parallel term): each
+  // collective is charged on the engine thread that runs it, where the engine runs it.
+  const DpShape dps = dp_shape(config, settings, units);
+  if (dps.active() && rates.dp_bus_bytes_per_s <= 0) {
+    return invalid_argument("machine rates: dp_bus_bytes_per_s = " + number(rates.dp_bus_bytes_per_s) +
+                            " must be > 0 with " + std::to_string(dps.ranks) +
+                            " data-parallel ranks (strata estimate / plan --link-bandwidth)");
+  }
+  auto collective = [&](std::uint64_t b, double factor) {
+    return rates.dp_collective_seconds + static_cast<double>(b) * factor / rates.dp_bus_bytes_per_s;
+  };
+  const double ring = ring_factor(dps.ranks);
 
   StepPrediction p;
   auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
@@ -201,8 +321,31 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         act_after(m, backward, compute, p);
       }
     }
-    p.compute += rates.device_update_seconds;
-    p.step_seconds = compute + rates.device_update_seconds;
+    double update = rates.device_update_seconds;
+    if (dps.active() && !dps.device_sharded) {
+      // Stage 0: the caller all-reduces the whole gradient after backward, before the update.
+      const double t = collective(dps.all_reduce_bytes, 2 * ring);
+      compute += t;
+      p.dp += t;
+      p.dp_bytes += dps.all_reduce_bytes;
+    } else if (dps.device_sharded) {
+      // Stages 1-3 in device memory: one host function after backward, per module a
+      // reduce-scatter of its gradients, then per module the update of this rank's slice and
+      // an all-gather of its parameters; nothing overlaps.
+      std::uint64_t all = 0, mine = 0;
+      for (std::size_t u = 0; u < MM; ++u) {
+        if (dps.rs_bytes[u] == 0) continue;
+        const double t = collective(dps.rs_bytes[u], ring) + collective(dps.ag_bytes[u], ring);
+        compute += t;
+        p.dp += t;
+        p.dp_bytes += dps.rs_bytes[u] + dps.ag_bytes[u];
+        all += units.gbytes[u] / 4;
+        mine += dps.slice_elements[u];
+      }
+      if (all > 0) update *= static_cast<double>(mine) / static_cast<double>(all);
+    }
+    p.compute += update;
+    p.step_seconds = compute + update;
     return p;
   }
 
@@ -218,7 +361,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const bool delayed = settings.delayed_update;
   const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
                          config.model.dtype != DType::kF16 && !delayed && settings.optimizer == Tier::kHost &&
-                         !any_nvme_home;
+                         !any_nvme_home && !dps.active();  // sharded: one slice cannot decide a skip
   // Partial optimizer offload: units [0, kdev) keep gradients and optimizer state on the device.
   // Their gradients accumulate in place (no bucket, no copy out, no host scan); after the norm
   // the compute stream scans and updates them, charged as the device optimizer's time in
@@ -241,7 +384,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   };
   auto adam = [&](std::uint64_t n) { return static_cast<double>(n) / rates.adam_elements_per_s; };
   auto scan = [&](std::uint64_t n) { return static_cast<double>(n) / rates.scan_elements_per_s; };
-  auto elements = [&](int u) { return units.gbytes[static_cast<std::size_t>(u)] / 4; };
+  // The host optimizer scans and updates this rank's slice of each unit (the whole unit alone).
+  auto elements = [&](int u) { return dps.slice_elements[static_cast<std::size_t>(u)]; };
 
   // Backward touches: a unit's bucket lives from its first backward touch to its last.
   std::vector<int> first_touch(MM, -1), last_touch(MM, M);
@@ -290,6 +434,13 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           cur.nvme_read += r;
           cur.nvme_read_bytes += units.pbytes[uu];
           d += r;
+        }
+        if (dps.gathers_at_fetch(units, u)) {
+          // Stage 3: the fetch (a host function on the h2d stream) all-gathers the slices.
+          const double g = collective(dps.ag_bytes[uu], ring);
+          cur.dp += g;
+          cur.dp_bytes += dps.ag_bytes[uu];
+          d += g;
         }
         h2d_stream = start + d;
         fetched[uu] = h2d_stream;
@@ -363,6 +514,14 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
               cur.optimizer += scan(elements(u));
             }
           }
+          if (dps.active() && (last_micro || dps.stage >= 2)) {
+            // The gradient stream reduce-scatters the bucket after its copy out: once per step
+            // at stage 1 (the local sum accumulates unsharded), every micro-batch at 2 and 3.
+            const double r = collective(dps.rs_bytes[uu], ring);
+            cur.dp += r;
+            cur.dp_bytes += dps.rs_bytes[uu];
+            d += r;
+          }
           grads = std::max({grads, compute, delayed ? host : 0.0}) + d;
           if (!last_micro) continue;
           double work = grads_nvme ? 0.0 : scan(elements(u));
@@ -430,6 +589,13 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
             worker += w;
             cur.nvme_write += w;
             cur.nvme_write_bytes += units.pbytes[uu];
+          }
+          if (dps.gathers_after_update(units, u)) {
+            // The optimizer thread all-gathers the updated parameters before they count as updated.
+            const double g = collective(dps.ag_bytes[uu], ring);
+            worker += g;
+            cur.dp += g;
+            cur.dp_bytes += dps.ag_bytes[uu];
           }
           updated[uu] = worker;
           publish(u, worker);
@@ -511,6 +677,13 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
             writes.push_back({++seq, disk_op(pw), it.unit});
             out_seq[(units_started - 1) % 2] = seq;
           } else {
+            if (dps.gathers_after_update(units, it.unit)) {
+              // The parameter all-gather follows the module's last sub-group.
+              const double g = collective(dps.ag_bytes[uu], ring);
+              t += g;
+              cur.dp += g;
+              cur.dp_bytes += dps.ag_bytes[uu];
+            }
             if (delayed) t = std::max(t, uploaded[uu]);  // await_upload before the host copy is rewritten
             publish(it.unit, t);
             writes.push_back({++seq, t, it.unit});
@@ -526,8 +699,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       if (rates.shared_cores) {
         // The other engines' CPU work, as far as it ran while compute ran, takes its share of
         // the cores compute would have used.
-        const double cpu_work =
-            cur.h2d + cur.d2h + cur.optimizer + rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
+        // The collectives are CPU work here too (the MPI backend copies through shared memory).
+        const double cpu_work = cur.h2d + cur.d2h + cur.optimizer + cur.dp +
+                                rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
         const double overlap = period > 0 ? std::min(1.0, cur.compute / period) : 1.0;
         cur.contention = cpu_work * overlap / static_cast<double>(rates.cores);
         cur.step_seconds += cur.contention;
@@ -561,6 +735,8 @@ std::string StepPrediction::to_string() const {
   line("fetch stall", fetch_stall, 0, "compute waiting for fetched or updated parameters");
   line("update stall", update_stall, 0, "the caller waiting for the gradient norm");
   line("contention", contention, 0, "cpu backend: the other engines' CPU work taken from compute");
+  if (dp_bytes > 0)
+    line("data parallel", dp, dp_bytes, "collectives: gradient reductions, parameter gathers");
   return o.str();
 }
 

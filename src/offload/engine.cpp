@@ -521,8 +521,29 @@ struct OffloadEngine::Impl {
   Status read_param_slice(int u, char* slice);
   Status write_param_slice(int u, const char* slice);
   // The unit gathered from every rank's slice into `working` (its layout), on `comm` (collective):
-  // `send` holds chunk elements, `recv` size x chunk.
-  Status gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv, char* working);
+  // `send` holds chunk elements, `recv` size x chunk. `agree`: the ranks first exchange whether
+  // they read their slice (agree_on_read), so a rank whose read failed still takes part and every
+  // rank returns the same error at once (state access: checkpoints, save_weights, get_param);
+  // the h2d stream's fetches pass false (a failed fetch fails the step, and the comm timeout
+  // ends its peers).
+  Status gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv, char* working,
+                            bool agree = false);
+  // Collective over `comm` (every rank of it calls it at the same point): each rank's outcome
+  // of the read before a collective, `mine`, exchanged (a flag, the status code and the first
+  // bytes of the message, kAgreeWords words per rank). OK when every rank read; otherwise every
+  // rank returns the same error, naming the lowest failing rank of `group` ("data-parallel",
+  // "tensor-parallel") and `what`, with that rank's message. Lets a rank that cannot read its
+  // part keep its place in the collectives instead of leaving its peers to the comm timeout.
+  static constexpr std::size_t kAgreeWords = 64;
+  Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group);
+  // Whether a state read can fail on one rank alone: NVMe reads (I/O errors, checksums) can; host
+  // memcpy cannot, and a device download failing on one rank only is left out. The same on every
+  // rank (the settings are), so the exchanges above are skipped, on every rank alike, where
+  // nothing can fail: state access costs no extra collective without NVMe.
+  bool state_reads_can_fail() const {
+    return settings.params == Tier::kNvme || settings.optimizer == Tier::kNvme ||
+           settings.gradients == Tier::kNvme;
+  }
   // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -593,7 +614,10 @@ struct OffloadEngine::Impl {
   // State access (not on the hot path).
   Status read_unit_params(int u, std::vector<char>& bytes);
   Status write_unit_params(int u, const std::vector<char>& bytes);
-  Status read_unit_optim(int u, std::vector<float>& blob);  // [master | m | v], host/nvme tiers
+  // [master | m | v], host/nvme tiers. `before`: the outcome of this rank's reads so far for the
+  // unit (its parameters): sharded, the ranks exchange it with their own reads' before the gather
+  // (every tier), so a failure anywhere fails the unit on every rank instead of stalling the gather.
+  Status read_unit_optim(int u, std::vector<float>& blob, const Status& before = Status());
   Status write_unit_optim(int u, const std::vector<float>& blob);
   // NVMe gradients: unit u's fp32 gradients as swap shards "grad.<u>" (the optimizer's sub-groups).
   // Data parallel: this rank's reduced slice only (the sub-groups cut that slice), `buf` holding
@@ -952,7 +976,8 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
     // Collective: every rank's slice, all-gathered on the caller's Comm.
     const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
     std::vector<char> mine(c * w), all(c * w * static_cast<std::size_t>(dp_size));
-    return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data());
+    return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data(),
+                              /*agree=*/state_reads_can_fail());
   }
   switch (units.home[uu]) {
     case Tier::kDevice:
@@ -990,22 +1015,33 @@ Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& by
   return ok_status();
 }
 
-Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
+Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, const Status& before) {
   const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
   blob.resize(3 * n);
+  Status read = before;
   if (settings.optimizer == Tier::kNvme) {
     const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
     std::vector<float> piece;
-    for (std::size_t c = 0; c + 1 < b.size(); ++c) {
+    for (std::size_t c = 0; c + 1 < b.size() && read.ok(); ++c) {
       const std::size_t len = b[c + 1] - b[c];
       piece.resize(3 * len);
-      STRATA_RETURN_IF_ERROR(
-          swap->read(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(), 3 * len * 4).wait());
+      read = swap->read(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(c)}, piece.data(),
+                        3 * len * 4)
+                 .wait();
+      if (!read.ok()) break;
       for (int k = 0; k < 3; ++k) std::memcpy(blob.data() + k * n + b[c], piece.data() + k * len, len * 4);
     }
-    if (!sharded) return ok_status();  // sharded: the groups held this rank's slice
+    if (!sharded) return read;  // sharded: the groups held this rank's slice, gathered below
+  }
+  if (sharded && state_reads_can_fail()) {
+    // A rank that could not read its part still joins the exchange, so its peers do not wait in
+    // the gather for it.
+    STRATA_RETURN_IF_ERROR(agree_on_read(
+        *dp_caller, read, "its state of module '" + layout().modules[static_cast<std::size_t>(u)].name + "'",
+        "data-parallel"));
   }
   if (sharded) {
+    STRATA_RETURN_IF_ERROR(read);
     // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm.
     const std::size_t uu = static_cast<std::size_t>(u);
     const std::uint64_t c = slices.chunk[uu], b0 = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
@@ -1026,6 +1062,7 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob) {
     }
     return ok_status();
   }
+  STRATA_RETURN_IF_ERROR(read);
   const std::uint64_t g = grad_begin(u);
   std::memcpy(blob.data(), host_at(host_master, g), n * 4);
   std::memcpy(blob.data() + n, host_at(host_m, g), n * 4);
@@ -1160,8 +1197,13 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
 }
 
 Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, std::vector<float>& blob) {
-  STRATA_RETURN_IF_ERROR(read_unit_params(u, pbytes));
-  if (!dev_unit(u)) return read_unit_optim(u, blob);
+  Status params = read_unit_params(u, pbytes);
+  // A sharded unit's parameter read is already agreed over the ranks (every rank failed it);
+  // any other failure goes into the optimizer state's exchange, which the peers are in (where
+  // state_reads_can_fail).
+  if (!params.ok() && !psharded.empty() && psharded[static_cast<std::size_t>(u)]) return params;
+  if (!dev_unit(u)) return read_unit_optim(u, blob, params);
+  STRATA_RETURN_IF_ERROR(params);
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::size_t n = units.gbytes[uu] / 4;
   blob.assign(3 * n, 0.0f);
@@ -1278,8 +1320,17 @@ Result<GradStats> OffloadEngine::Impl::merge_over_tp(const GradStats& local, Com
 }
 
 Result<std::vector<float>> OffloadEngine::Impl::read_full(int index, int which) {
-  STRATA_ASSIGN_OR_RETURN(std::vector<float> shard, read_state(index, which));
-  if (tp_size == 1) return shard;
+  Result<std::vector<float>> read = read_state(index, which);
+  if (tp_size == 1) return read;
+  // Every tensor-parallel rank learns whether every other read its shard before anything else
+  // is gathered (replicated parameters too: a rank that stopped here would leave its peers in
+  // the next parameter's gather), so a rank that cannot read fails the group at once.
+  if (state_reads_can_fail() && index >= 0 && index < static_cast<int>(layout().params.size())) {
+    STRATA_RETURN_IF_ERROR(agree_on_read(
+        *tp_step, read.status(),
+        "its shard of '" + layout().params[static_cast<std::size_t>(index)].name + "'", "tensor-parallel"));
+  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<float> shard, std::move(read));
   const ParamDesc* p = &layout().params[static_cast<std::size_t>(index)];
   const int target = p->owns_storage() ? index : p->tied_with;
   p = &layout().params[static_cast<std::size_t>(target)];
@@ -1322,18 +1373,27 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_tp(const std::string& r
     std::vector<float> master, m, v;
   };
   std::vector<State> state(full.params.size());
-  for (int u = 0; u < M; ++u) {
-    for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
-      const int index = owned[static_cast<std::size_t>(k)].index;
-      State& st = state[static_cast<std::size_t>(index)];
-      STRATA_ASSIGN_OR_RETURN(std::vector<float> working, read_full(index, 0));
-      st.param.resize(working.size() * dtype_size(wdtype));
-      STRATA_RETURN_IF_ERROR(convert(working.data(), DType::kF32, st.param.data(), wdtype, working.size()));
-      STRATA_ASSIGN_OR_RETURN(st.master, read_full(index, 1));
-      STRATA_ASSIGN_OR_RETURN(st.m, read_full(index, 2));
-      STRATA_ASSIGN_OR_RETURN(st.v, read_full(index, 3));
+  Status read = [&]() -> Status {
+    for (int u = 0; u < M; ++u) {
+      for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
+        const int index = owned[static_cast<std::size_t>(k)].index;
+        State& st = state[static_cast<std::size_t>(index)];
+        STRATA_ASSIGN_OR_RETURN(std::vector<float> working, read_full(index, 0));
+        st.param.resize(working.size() * dtype_size(wdtype));
+        STRATA_RETURN_IF_ERROR(convert(working.data(), DType::kF32, st.param.data(), wdtype, working.size()));
+        STRATA_ASSIGN_OR_RETURN(st.master, read_full(index, 1));
+        STRATA_ASSIGN_OR_RETURN(st.m, read_full(index, 2));
+        STRATA_ASSIGN_OR_RETURN(st.v, read_full(index, 3));
+      }
     }
-  }
+    return ok_status();
+  }();
+  // read_full failed the same parameter on every rank of the tensor-parallel group; the other
+  // data-parallel groups learn it here (each group's reads are collective only within it, but for
+  // stage 3's, which fail together), so every rank returns the same error and none waits for the
+  // outcome of a save that will not happen.
+  if (dp_size > 1) read = agree_on_read(*dp_caller, read, "its part of the checkpoint", "data-parallel");
+  if (!read.ok()) return read.with_context("checkpoint under '" + root + "'");
   const bool writer = tp_rank == 0 && dp_rank == 0;
   const std::string working = wdtype == DType::kBF16 ? "BF16" : wdtype == DType::kF16 ? "F16" : "F32";
   Result<std::string> published = std::string();
@@ -1836,19 +1896,54 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
 }
 
 Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv,
-                                               char* working) {
+                                               char* working, bool agree) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
   {
     detail::HostSpan span(tracer, track.nvme_fetch,
                           units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
                           u, len * w);
-    STRATA_RETURN_IF_ERROR(read_param_slice(u, send));
+    Status read = read_param_slice(u, send);
+    if (agree) {
+      STRATA_RETURN_IF_ERROR(agree_on_read(
+          comm, read, "its slice of module '" + layout().modules[uu].name + "' (working parameters)",
+          "data-parallel"));
+    }
+    STRATA_RETURN_IF_ERROR(read);
   }
   std::memset(send + len * w, 0, (c - len) * w);
   STRATA_RETURN_IF_ERROR(dp_wait(trace_track, comm.all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
                                  "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
   from_elements(u, recv, working);
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const std::string& what,
+                                          const char* group) {
+  // Word 0: 1 read, 0 failed; word 1: the status code; then the message's first bytes (NUL-padded).
+  std::array<std::uint32_t, kAgreeWords> word{};
+  word[0] = mine.ok() ? 1 : 0;
+  word[1] = static_cast<std::uint32_t>(mine.code());
+  if (!mine.ok())
+    std::memcpy(word.data() + 2, mine.message().data(),
+                std::min<std::size_t>(mine.message().size(), 4 * (kAgreeWords - 2) - 1));
+  std::vector<std::uint32_t> all(kAgreeWords * static_cast<std::size_t>(comm.size()));
+  // The words travel as raw f32 bits (an all-gather moves bits, it does not add).
+  Status s = comm.all_gather(word.data(), all.data(), kAgreeWords, DType::kF32).wait();
+  if (!s.ok()) {
+    return s.with_context(std::string(group) + " ranks: exchanging whether each read " + what);
+  }
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::uint32_t* theirs = all.data() + static_cast<std::size_t>(r) * kAgreeWords;
+    if (theirs[0] == 1) continue;
+    const std::string cause(reinterpret_cast<const char*>(theirs + 2),
+                            strnlen(reinterpret_cast<const char*>(theirs + 2), 4 * (kAgreeWords - 2)));
+    const auto code = theirs[1] == 0 || theirs[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
+                          ? StatusCode::kIoError
+                          : static_cast<StatusCode>(theirs[1]);
+    return Status(code, std::string(group) + " rank " + std::to_string(r) + " of " +
+                            std::to_string(comm.size()) + " could not read " + what + ": " + cause);
+  }
   return ok_status();
 }
 
@@ -3309,9 +3404,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(
     const TrainerConfig& config, const OffloadSettings& settings, Device& device,
-    const nvme_detail::IoFaults* faults, Comm* pipeline) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline,
-                                           faults);
+    const nvme_detail::IoFaults* faults, Comm* pipeline, Comm* data_parallel, Comm* tensor_parallel) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, data_parallel, tensor_parallel,
+                                           pipeline, faults);
 }
 
 namespace {
@@ -3733,12 +3828,20 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
     // stage 3, the data-parallel group), then the first rank of both writes the full model, the
     // same file as one process saves.
+    // A rank that cannot read a parameter takes part in read_full's exchange, so its group fails
+    // that parameter together; the other data-parallel groups learn it in the exchange after the
+    // reads: every rank returns the same error, none waits for a peer's gather until the timeout.
     STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(t.config.model));
     std::vector<std::vector<float>> values(full.params.size());
-    for (std::size_t i = 0; i < full.params.size(); ++i) {
-      if (!full.params[i].owns_storage()) continue;
-      STRATA_ASSIGN_OR_RETURN(values[i], t.read_full(static_cast<int>(i), 0));
-    }
+    Status read = [&]() -> Status {
+      for (std::size_t i = 0; i < full.params.size(); ++i) {
+        if (!full.params[i].owns_storage()) continue;
+        STRATA_ASSIGN_OR_RETURN(values[i], t.read_full(static_cast<int>(i), 0));
+      }
+      return ok_status();
+    }();
+    if (t.dp_size > 1) read = t.agree_on_read(*t.dp_caller, read, "its part of the weights", "data-parallel");
+    if (!read.ok()) return read.with_context("save_weights '" + path + "'");
     if (t.tp_rank != 0 || t.dp_rank != 0) return ok_status();
     return write_weights(full, path, format, t.config.model.dtype, [&](int index, std::vector<float>& out) {
       out = std::move(values[static_cast<std::size_t>(index)]);
@@ -3754,9 +3857,14 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
   // Data parallel: collective, rank 0 writes. Sharded parameters (stage 3) are gathered unit by
   // unit on every rank first (the whole model's working parameters, as DeepSpeed's
   // stage3_gather_16bit_weights_on_model_save does).
+  // A rank that cannot read its slice still joins the unit's exchange (read_unit_params), so every
+  // rank returns the same error at that unit.
   std::vector<std::vector<char>> units(static_cast<std::size_t>(t.M));
   for (int u = 0; u < t.M; ++u) {
-    if (t.psharded[static_cast<std::size_t>(u)]) STRATA_RETURN_IF_ERROR(t.read_unit_params(u, units[static_cast<std::size_t>(u)]));
+    if (t.psharded[static_cast<std::size_t>(u)]) {
+      STRATA_RETURN_IF_ERROR(t.read_unit_params(u, units[static_cast<std::size_t>(u)])
+                                 .with_context("save_weights '" + path + "'"));
+    }
   }
   if (t.dp_rank != 0) return ok_status();
   return write_weights(t.layout(), path, format, t.config.model.dtype, [&](int index, std::vector<float>& values) {
@@ -4039,8 +4147,11 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
         gathered_through = u;
         const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
         if (mine.empty()) continue;
-        STRATA_RETURN_IF_ERROR(t.read_unit_state(u, pbytes, blob));
+        Status read = t.read_unit_state(u, pbytes, blob);
+        // Read or not, every rank has been through the unit's collectives: a failed read is
+        // exchanged (agree_on_read) and fails the unit on every rank.
         gathered_through = u + 1;
+        STRATA_RETURN_IF_ERROR(read);
       const std::size_t n = t.units.gbytes[static_cast<std::size_t>(u)] / 4;
       SafetensorsWriter w;
       for (int k : mine) {
@@ -4070,18 +4181,33 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   }
   if (t.dp_size == 1) return published;
   gather_rest();
-  // The outcome: a flag and the directory, as 4-byte words from rank 0.
+  // The outcome, as 4-byte words from rank 0: 1 and the directory, or 0, the status code and the
+  // first bytes of rank 0's error (so every rank returns the same error, e.g. the rank that could
+  // not read its slice).
   constexpr std::size_t kWords = 1 + 256;
   std::array<std::uint32_t, kWords> word{};
   if (t.dp_rank == 0 && published.ok() && published->size() < 4 * (kWords - 1)) {
     word[0] = 1;
     std::memcpy(word.data() + 1, published->data(), published->size());
+  } else if (t.dp_rank == 0 && !published.ok()) {
+    const std::string& m = published.status().message();
+    word[1] = static_cast<std::uint32_t>(published.status().code());
+    std::memcpy(word.data() + 2, m.data(), std::min<std::size_t>(m.size(), 4 * (kWords - 2) - 1));
   }
   STRATA_RETURN_IF_ERROR(
       t.dp_wait(t.dp_tracks[0], t.dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "checkpoint outcome", -1, 4 * kWords));
   if (t.dp_rank == 0) return published;
   if (word[0] != 1) {
-    return io_error("checkpoint under '" + root + "': data-parallel rank 0, which writes it, failed (its log says why)");
+    const char* text = reinterpret_cast<const char*>(word.data() + 2);
+    const std::string why(text, strnlen(text, 4 * (kWords - 2)));
+    if (why.empty()) {
+      return io_error("checkpoint under '" + root +
+                      "': data-parallel rank 0, which writes it, failed (its log says why)");
+    }
+    const auto code = word[1] == 0 || word[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
+                          ? StatusCode::kIoError
+                          : static_cast<StatusCode>(word[1]);
+    return Status(code, why);
   }
   return std::string(reinterpret_cast<const char*>(word.data() + 1));
 }

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/poll_pacer.hpp"
 #include "strata/build_config.hpp"
 #include "strata/parallel.hpp"
 
@@ -34,35 +35,6 @@
 namespace strata::detail {
 
 class CommQueue;
-
-// Paces a thread that polls MPI requests until one completes. Waiting has to be polling: a
-// blocking MPI call cannot be interrupted at the deadline, and MPI offers no wake-up on
-// completion. Spinning for the whole wait, though, takes a core from compute, copies and the host
-// optimizer on a machine where they share a few cores with every rank's comm threads (a
-// pipeline stage waiting for its neighbour, a rank waiting in a collective for a slower peer).
-// So: poll back to back (yielding) for kSpin after the last progress, which covers a message
-// already on its way and most operations below ~1 MiB (a sleep, with the kernel's ~50 us timer
-// slack and the wake-up on a loaded machine, costs more than such an operation); then sleep
-// between polls, each sleep an eighth of the time waited so far and at most kMaxSleep, so a wait
-// finishes at most ~12% (and at most kMaxSleep plus the timer slack) after the request did, and
-// a long wait costs one short wake-up per kMaxSleep instead of a busy core. reset() after
-// progress. Owned by one polling thread.
-class PollPacer {
- public:
-  static constexpr std::chrono::microseconds kSpin{500};
-  static constexpr std::chrono::microseconds kMaxSleep{100};
-
-  void reset() { waiting_ = false; }
-  // How long to wait before the next poll: zero (just yield) within the spin window.
-  std::chrono::nanoseconds next();
-  // Waits next(): yields or sleeps.
-  void pause();
-
- private:
-  bool waiting_ = false;
-  std::chrono::steady_clock::time_point since_;
-};
-
 
 struct WorkState {
   // The queue it was submitted to (null for a handle finished at once). A Comm outlives every

@@ -5,7 +5,8 @@
 //
 // Operations go through the same CommQueue as the mpi backend, so ordering, handles and
 // failures behave alike: the queue thread enqueues the NCCL call, records an event and polls it
-// (and ncclCommGetAsyncError) until it completes or the deadline passes; on timeout the NCCL
+// (and ncclCommGetAsyncError), paced by PollPacer as the mpi backend's polls are, until it
+// completes or the deadline passes; on timeout the NCCL
 // communicator is aborted so that no kernel stays spinning on the device.
 //
 // Numerics differ from mpi in one place: bf16 reductions use NCCL's native bf16 arithmetic
@@ -177,6 +178,10 @@ class NcclComm final : public Comm {
         return cuda_status(rc, what + " on " + label_);
       }
       const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+      // Paced as the mpi backend's polls (PollPacer): yields while a short collective is about
+      // to finish, then short sleeps, so a rank waiting for a slow peer's kernel does not hold a
+      // core the host optimizer and copies need.
+      PollPacer pacer;
       for (;;) {
         cudaError_t q = cudaEventQuery(event_);
         if (q == cudaSuccess) return ok_status();
@@ -193,7 +198,7 @@ class NcclComm final : public Comm {
                              std::to_string(std::chrono::duration<double>(context_.config.timeout).count()) +
                              " s (comm_timeout / STRATA_COMM_TIMEOUT)");
         }
-        std::this_thread::yield();
+        pacer.pause();
       }
     });
   }

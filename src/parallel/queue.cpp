@@ -86,8 +86,7 @@ void CommQueue::fail(const Status& s) {
   if (on_failure_) on_failure_(s);
 }
 
-std::chrono::nanoseconds PollPacer::next() {
-  const auto now = std::chrono::steady_clock::now();
+std::chrono::nanoseconds PollPacer::next_at(std::chrono::steady_clock::time_point now) {
   if (!waiting_) {
     waiting_ = true;
     since_ = now;

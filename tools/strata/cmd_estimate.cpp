@@ -28,6 +28,10 @@ constexpr FlagSpec kEstimateFlags[] = {
     {"ranks", "N",
      "data-parallel ranks (default 1): bytes per rank, each ZeRO stage sharding what it shards "
      "(docs/parallel.md)"},
+    {"link-bandwidth", "GB/s",
+     "with --ranks N: the ranks' link as bus bandwidth (strata bench comm's busbw; default 12.5, a 100 Gb/s "
+     "port), for the data-parallel bytes and seconds per step"},
+    {"link-latency-us", "US", "with --ranks N: fixed cost of one collective in microseconds (default 20)"},
     {"json", "", "print JSON"},
     {"help", "", "show this help"},
 };
@@ -100,6 +104,12 @@ int run_estimate(std::span<const std::string> argv) {
     return usage_error("estimate", r.message(), estimate_usage());
   }
   rs.offload.dp_size = static_cast<int>(ranks);
+  auto link = args.get_double("link-bandwidth", kDefaultDpBusBytesPerSecond / 1e9, 1e-6, 1e6);
+  auto latency = args.get_double("link-latency-us", kDefaultDpCollectiveSeconds * 1e6, 0.0, 1e7);
+  for (const auto* r : {&link, &latency}) {
+    if (!r->ok()) return usage_error("estimate", r->status().message(), estimate_usage());
+  }
+  const double bus = *link * 1e9, per_collective = *latency * 1e-6;
   const bool cuda = args.get("device").value_or("") == "cuda";
   auto rows = estimate_placements(rs.trainer, rs.offload, budgets, cuda);
   if (!rows.ok()) {
@@ -107,6 +117,26 @@ int run_estimate(std::span<const std::string> argv) {
     return kExitFailure;
   }
   const TrainerConfig& tc = rs.trainer;
+  // The data-parallel collectives of each row's step (per rank; docs/performance.md's per-stage
+  // bytes), and their time at the link if nothing overlapped them.
+  std::vector<DpTraffic> traffic;
+  for (const PlacementEstimate& e : *rows) {
+    OffloadSettings s = rs.offload;
+    s.params = e.params;
+    s.optimizer = e.optimizer;
+    s.zero_stage = e.zero_stage;
+    if (s.optimizer != Tier::kNvme) s.gradients = Tier::kHost;  // gradients on NVMe need the NVMe optimizer
+    if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
+      s.nvme_path = {"nvme"};  // a name only, as estimate_placement: nothing touches the disk
+      s.io.nvme_path = s.nvme_path;
+    }
+    auto t = dp_traffic(tc, s);
+    if (!t.ok()) {
+      std::fprintf(stderr, "strata estimate: %s\n", t.status().message().c_str());
+      return kExitFailure;
+    }
+    traffic.push_back(*t);
+  }
 
   if (args.has("json")) {
     Json out;
@@ -117,8 +147,11 @@ int run_estimate(std::span<const std::string> argv) {
     out["micro_batch"] = tc.micro_batch;
     out["seq_len"] = tc.seq_len;
     out["budgets"] = {{"device", budgets.device}, {"host", budgets.host}, {"nvme", budgets.nvme}};
+    out["link"] = {{"bus_bytes_per_s", bus}, {"collective_s", per_collective}};
     Json list = Json::array();
-    for (const PlacementEstimate& e : *rows) {
+    for (std::size_t i = 0; i < rows->size(); ++i) {
+      const PlacementEstimate& e = (*rows)[i];
+      const DpTraffic& t = traffic[i];
       Json j;
       j["zero_stage"] = e.zero_stage;
       j["offload_param"] = tier_name(e.params);
@@ -137,6 +170,15 @@ int run_estimate(std::span<const std::string> argv) {
       j["nvme_need"] = e.nvme_need;
       j["fits"] = {
           {"device", e.fits_device}, {"host", e.fits_host}, {"nvme", e.fits_nvme}, {"all", e.fits()}};
+      j["data_parallel"] = {{"stage_run", t.stage},
+                            {"all_reduce_bytes", t.all_reduce_bytes},
+                            {"reduce_scatter_bytes", t.reduce_scatter_bytes},
+                            {"all_gather_bytes", t.all_gather_bytes},
+                            {"buffer_bytes", t.buffer_bytes()},
+                            {"wire_bytes", t.wire_bytes()},
+                            {"collectives", t.collectives},
+                            {"seconds", t.seconds(bus, per_collective)},
+                            {"overlapped", t.overlapped}};
       list.push_back(std::move(j));
     }
     out["placements"] = std::move(list);
@@ -158,11 +200,18 @@ int run_estimate(std::span<const std::string> argv) {
     std::printf("one process (world size 1): each ZeRO stage of a placement needs the same bytes (--ranks N: per rank "
         "of N).\n\n");
   } else {
-    std::printf("bytes per rank of %lld data-parallel ranks.\n\n", static_cast<long long>(ranks));
+    std::printf(
+        "bytes per rank of %lld data-parallel ranks; dp/step: the collectives' buffers per step and\n"
+        "dp s their time at a %.3g GB/s link (bus bandwidth; %.3g us per collective), not overlapped\n"
+        "(stages 1-3 with the optimizer off the device overlap them: strata plan --ranks).\n\n",
+        static_cast<long long>(ranks), bus / 1e9, per_collective * 1e6);
   }
-  std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %s\n", "stage", "params", "optimizer", "device",
+  std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %-10s", "stage", "params", "optimizer", "device",
               "host", "pinned", "nvme", "swap", "fits");
-  for (const PlacementEstimate& e : *rows) {
+  if (ranks > 1) std::printf(" | %10s %9s", "dp/step", "dp s");
+  std::printf("\n");
+  for (std::size_t i = 0; i < rows->size(); ++i) {
+    const PlacementEstimate& e = (*rows)[i];
     std::string fits = e.fits() ? "yes" : "no (";
     if (!e.fits()) {
       std::string why;
@@ -171,11 +220,16 @@ int run_estimate(std::span<const std::string> argv) {
       if (!e.fits_nvme) why += std::string(why.empty() ? "" : ", ") + "nvme";
       fits += why + ")";
     }
-    std::printf("%-5d %-6s %-9s | %10s %10s %10s %10s | %10s | %s\n", e.zero_stage,
+    std::printf("%-5d %-6s %-9s | %10s %10s %10s %10s | %10s | %-10s", e.zero_stage,
                 tier_name(e.params).c_str(), tier_name(e.optimizer).c_str(),
                 format_bytes(e.device_need).c_str(), format_bytes(e.plan.host_bytes).c_str(),
                 format_bytes(e.plan.pinned_bytes).c_str(), format_bytes(e.plan.nvme_bytes).c_str(),
                 format_bytes(e.nvme_need).c_str(), fits.c_str());
+    if (ranks > 1) {
+      std::printf(" | %10s %9.4f", format_bytes(traffic[i].buffer_bytes()).c_str(),
+                  traffic[i].seconds(bus, per_collective));
+    }
+    std::printf("\n");
   }
   std::printf("\nby kind (device / host / pinned / nvme), one row per placement:\n");
   std::printf("%-6s %-9s | %-36s | %-36s | %-36s | %s\n", "params", "optimizer", "parameters", "gradients",

@@ -44,6 +44,14 @@ constexpr FlagSpec kPlanFlags[] = {
     {"measure-memory", "BYTES",
      "the most the resident model may take while compute is measured; a model above it is measured "
      "at a smaller depth and scaled (default: half the available memory)"},
+    {"ranks", "N",
+     "data-parallel ranks (default 1): plan each rank's bytes and predict its step with the collectives of "
+     "the "
+     "ZeRO stage the config gets (3 with parameters offloaded, 2 with the optimizer, else 0)"},
+    {"link-bandwidth", "GB/s",
+     "with --ranks N: the ranks' link as bus bandwidth (strata bench comm's busbw; default 12.5, a 100 Gb/s "
+     "port)"},
+    {"link-latency-us", "US", "with --ranks N: fixed cost of one collective in microseconds (default 20)"},
     {"help", "", "show this help"},
 };
 
@@ -103,12 +111,14 @@ Json prediction_json(const StepPrediction& p) {
                 {"optimizer", p.optimizer},
                 {"fetch_stall", p.fetch_stall},
                 {"update_stall", p.update_stall},
-                {"contention", p.contention}}},
+                {"contention", p.contention},
+                {"data_parallel", p.dp}}},
               {"bytes_per_step",
                {{"h2d", p.h2d_bytes},
                 {"d2h", p.d2h_bytes},
                 {"nvme_read", p.nvme_read_bytes},
-                {"nvme_write", p.nvme_write_bytes}}}};
+                {"nvme_write", p.nvme_write_bytes},
+                {"data_parallel", p.dp_bytes}}}};
 }
 
 Json candidate_json(const Candidate& c) {
@@ -241,6 +251,14 @@ int run_plan(std::span<const std::string> argv) {
   ms.steps = 5;
   if (Status v = int_flag(args, "measure-steps", 1, 1000, &ms.steps); !v.ok()) return usage(v);
   ms.nvme_bytes = *measure_nvme;
+  std::int64_t ranks = 1;
+  if (Status v = int_flag(args, "ranks", 1, 1 << 20, &ranks); !v.ok()) return usage(v);
+  auto link = args.get_double("link-bandwidth", kDefaultDpBusBytesPerSecond / 1e9, 1e-6, 1e6);
+  auto latency = args.get_double("link-latency-us", kDefaultDpCollectiveSeconds * 1e6, 0.0, 1e7);
+  for (const auto* r : {&link, &latency}) {
+    if (!r->ok()) return usage(r->status());
+  }
+  rs.offload.dp_size = static_cast<int>(ranks);
   ms.compute_memory = *measure_memory;
   const std::string out_path = args.get("out").value_or("");
   if (!out_path.empty()) {
@@ -342,6 +360,8 @@ int run_plan(std::span<const std::string> argv) {
               s.nvme_buffer_count = r;
               s.sub_group_size = g;
               if (nvme) s.io.nvme_path = s.nvme_path;
+              // The stage config_json writes for this placement (the bytes and collectives follow it).
+              s.zero_stage = params != Tier::kDevice ? 3 : optimizer != Tier::kDevice ? 2 : 0;
               // Settings only some placements take (as estimate_placement): the delayed update
               // and the partial optimizer split are predicted and written where the engine takes
               // them, and left out elsewhere.
@@ -415,6 +435,8 @@ int run_plan(std::span<const std::string> argv) {
   MeasureReport report;
   auto rates = measure_machine(rs.trainer, mdc, host_threads, ms, &report);
   if (!rates.ok()) return fail(rates.status());
+  rates->dp_bus_bytes_per_s = *link * 1e9;
+  rates->dp_collective_seconds = *latency * 1e-6;
 
   // ---- predict and rank ----
   for (Candidate& c : candidates) {
@@ -481,6 +503,9 @@ int run_plan(std::span<const std::string> argv) {
                     {"adam_elements_per_s", r.adam_elements_per_s},
                     {"scan_elements_per_s", r.scan_elements_per_s},
                     {"shared_cores", r.shared_cores},
+                    {"ranks", ranks},
+                    {"dp_bus_bytes_per_s", r.dp_bus_bytes_per_s},
+                    {"dp_collective_s", r.dp_collective_seconds},
                     {"measure_s", report.seconds}};
     Json rows = Json::array();
     for (const Candidate* c : best) rows.push_back(candidate_json(*c));
@@ -516,24 +541,30 @@ int run_plan(std::span<const std::string> argv) {
   }
   std::printf("  cpu adam  %.1f M elements/s on %d threads; gradient scan %.1f M elements/s\n",
               r.adam_elements_per_s / 1e6, report.host_threads, r.scan_elements_per_s / 1e6);
+  if (ranks > 1) {
+    std::printf(
+        "  link      %lld data-parallel ranks, bus bandwidth %.3g GB/s, %.3g us per collective (given)\n",
+        static_cast<long long>(ranks), r.dp_bus_bytes_per_s / 1e9, r.dp_collective_seconds * 1e6);
+  }
   std::printf("budgets  device %s, host %s, nvme %s\n\n", format_bytes(budgets.device).c_str(),
               format_bytes(budgets.host).c_str(),
               nvme_dir.empty() ? "(no --nvme-path)" : format_bytes(budgets.nvme).c_str());
-  std::printf("%-4s %-6s %-9s %-9s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n", "rank",
+  std::printf("%-4s %-6s %-9s %-9s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n", "rank",
               "params", "optimizer", "gradients", "prefetch", "buffers", "sub-group", "step s", "compute",
-              "h2d", "d2h", "nvme", "adam", "stalls", "device", "host+pin", "nvme");
+              "h2d", "d2h", "nvme", "adam", "dp", "stalls", "device", "host+pin", "nvme");
   int rank = 0;
   for (const Candidate* c : best) {
     const OffloadSettings& s = c->settings;
     const StepPrediction& p = c->prediction;
     std::printf(
-        "%-4d %-6s %-9s %-9s %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s %10s\n",
+        "%-4d %-6s %-9s %-9s %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s "
+        "%10s\n",
         ++rank, tier_name(s.params).c_str(), tier_name(s.optimizer).c_str(),
         s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.prefetch_modules,
         s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
         s.optimizer == Tier::kNvme ? std::to_string(s.sub_group_size).c_str() : "-", p.step_seconds,
-        p.compute, p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.fetch_stall + p.update_stall,
-        format_bytes(c->estimate.device_need).c_str(),
+        p.compute, p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.dp,
+        p.fetch_stall + p.update_stall, format_bytes(c->estimate.device_need).c_str(),
         format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
         format_bytes(c->estimate.plan.nvme_bytes).c_str());
   }
