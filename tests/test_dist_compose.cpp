@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "comm_environment.hpp"
@@ -151,6 +152,60 @@ void check(const Case& c) {
   expect_close(ref, got, Tolerance{}, what + " against one process");
 }
 
+// A checkpoint of the composed placement (collective: the stages' sharded state gathered over dp
+// and tp, then written by the first rank): a fresh engine on the same grid loads it and continues
+// the uninterrupted run bit for bit.
+void check_checkpoint(const Case& c) {
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, c.tp, c.pp);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const int DP = groups->grid.dp();
+  const std::string what = name_of(c, DP) + ", checkpoint";
+  const TrainerConfig global = testing::tiny(c.kind, c.dtype, c.micro * DP, c.clip);
+  TrainerConfig local = global;
+  local.grad_accum = c.micro;
+  const std::string root = testing::shared_temp_dir("compose-state");
+  testing::TempDir swap_a("strata-compose-swap"), swap_b("strata-compose-swap");
+  auto create = [&](std::unique_ptr<Device>& device, const testing::TempDir& swap) {
+    device = testing::make_device();
+    return OffloadEngine::create(local, settings_of(c, c.tested, swap), *device, nullptr,
+                                 DP > 1 ? groups->dp.get() : nullptr, c.tp > 1 ? groups->tp.get() : nullptr,
+                                 c.pp > 1 ? groups->pp.get() : nullptr);
+  };
+  Snapshot warm, straight, resumed;
+  std::vector<int> held, held_again;
+  std::string dir;
+  {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, swap_a);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    ASSERT_TRUE(run_share(**engine, global, groups->coord.dp, DP, 2, warm)) << what;
+    auto saved = (*engine)->save_checkpoint(root + "/ck", "{}", 1);
+    ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
+    dir = *saved;
+    ASSERT_TRUE(run_share(**engine, global, groups->coord.dp, DP, 3, straight, 2)) << what;
+    ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
+  }
+  {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, swap_b);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(dir);
+    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+    EXPECT_EQ(m->step, 2) << what;
+    ASSERT_TRUE(run_share(**engine, global, groups->coord.dp, DP, 3, resumed, 2)) << what;
+    ASSERT_TRUE(capture_stage(**engine, resumed, held_again)) << what;
+  }
+  EXPECT_EQ(held, held_again) << what;
+  ASSERT_EQ(resumed.losses.size(), 1u) << what;
+  for (Snapshot* snap : {&straight, &resumed}) {
+    snap->scales.assign(snap->losses.size(), 1.0);
+    snap->skipped.assign(snap->losses.size(), 0);
+  }
+  testing::expect_same(straight, resumed, what + ": resumed against uninterrupted");
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) std::filesystem::remove_all(root);
+}
+
 constexpr Placement kNvmeGrads{Tier::kNvme, Tier::kNvme};
 constexpr Placement kNvmeHostGrads{Tier::kNvme, Tier::kHost};
 constexpr Placement kDeviceOpt{Tier::kDevice, Tier::kHost};
@@ -199,6 +254,8 @@ TEST(ComposeNp4, NvmeGradientsPipelineDataParallel) {
 TEST(ComposeNp4, NvmeGradientsGrid) {
   ASSERT_EQ(world().size(), 4);
   check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 0, Tier::kDevice, kNvmeGrads, kNvmeHostGrads});
+  check_checkpoint(
+      {2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 0, Tier::kDevice, kNvmeGrads, kNvmeHostGrads});
 }
 
 // TP 2 x DP 2, the optimizer sharded in device memory: the device update merges the statistics
@@ -208,6 +265,7 @@ TEST(ComposeNp4, DeviceShardedTensorParallel) {
   check({2, 1, ModelKind::kLlama, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 1, ModelKind::kGpt2, DType::kF32, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 1, ModelKind::kGpt2, DType::kBF16, 2, 1.0, 3, Tier::kDevice, kDeviceOpt, kHostOpt});
+  check_checkpoint({2, 1, ModelKind::kLlama, DType::kBF16, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt});
 }
 
 // PP 2 x DP 2, the optimizer sharded in device memory: the tied unit's reduced slices summed
@@ -219,6 +277,7 @@ TEST(ComposeNp4, DeviceShardedPipeline) {
   check({1, 2, ModelKind::kLlama, DType::kF32, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt,
          PipelineSchedule::kGpipe});
   check({1, 2, ModelKind::kGpt2, DType::kBF16, 1, 1.0, 3, Tier::kDevice, kDeviceOpt, kHostOpt});
+  check_checkpoint({1, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
 }
 
 // ---- 8 ranks ----------------------------------------------------------------------------------
