@@ -61,7 +61,9 @@
 // forwards and backwards (run_pipeline) with the same per-module fetches and gradient buckets as
 // one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
 // every stage's per-unit statistics in unit order (merge_stage_stats) and GPT-2's embedding unit,
-// held by the first and the last stage, has its gradient summed between them before the update.
+// held by the first and the last stage, has its gradient summed between them before the update
+// (gradients on NVMe: read back, summed, rescanned and written again, sum_tied_landed; the sharded
+// device optimizer: its reduced slice, inside device_update_sharded).
 // loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
 // the last stage's result. Weights and checkpoints are the single process's files: each stage
 // reads the full state of the units it holds (the tied unit: the first stage's copy) and sends it
