@@ -356,23 +356,39 @@ TEST(DistCliTrain, PlanUnderMpirunIsTheRanksShardedPlan) {
 }
 
 // Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
-// directory); what the engine cannot do yet (NVMe gradients with tensor parallelism) is refused on
-// every rank, naming the rank and the key.
+// directory); what the engine cannot do yet (the delayed update with tensor parallelism) is
+// refused on every rank, naming the rank and the key.
 TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
   TempDir dir("strata-dist-cli");
   std::filesystem::create_directories(dir / "swap");
   auto ok = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
                         "--nvme-path " + (dir / "swap").string());
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
-  std::filesystem::create_directories(dir / "swap-tp");
-  const std::string tp = write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
-  auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
-                       "--config " + tp + " --nvme-path " + (dir / "swap-tp").string());
+  const std::string tp =
+      write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2, "delayed_update": true}})");
+  auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-param none --config " + tp);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("gradients on NVMe (--offload-gradients nvme) with tensor_parallel_size = 2"),
-            std::string::npos)
-      << r.output;
+  EXPECT_NE(r.output.find("strata.delayed_update with tensor_parallel_size = 2"), std::string::npos) << r.output;
+}
+
+// Gradients on NVMe with tensor parallelism (refused before): 2 ranks of one tensor-parallel
+// group train the batch of one process, each rank's shard's gradients under its own
+// nvme_path/rank-r, with the losses of one process.
+TEST(DistCliTrain, NvmeGradientsWithTensorParallelTrainLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  std::filesystem::create_directories(dir / "swap-one");
+  std::filesystem::create_directories(dir / "swap-tp");
+  const std::string flags = kTiny + "--steps 3 --val-every 0 --grad-accum 2 --offload-optimizer nvme --offload-gradients nvme ";
+  auto one = run_cli("train " + flags + "--nvme-path " + (dir / "swap-one").string() + " --metrics " +
+                     (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string tp = write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
+  auto two = run_command(mpirun(2) + "train " + flags + "--config " + tp + " --nvme-path " +
+                         (dir / "swap-tp").string() + " --metrics " + (dir / "tp.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "tp.jsonl"), "tp 2, gradients on NVMe");
+  EXPECT_TRUE(std::filesystem::exists(dir / "swap-tp" / "rank-1")) << "each rank its own swap directory";
 }
 
 // Starts `command` in the background, waits until `metrics` has `lines` lines (the run is

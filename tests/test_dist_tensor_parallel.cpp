@@ -313,19 +313,8 @@ TEST(TensorParallel, ComposesWithDataParallel) {
     expect_ranks_identical(got, what);
     expect_close(ref, got, Tolerance{}, what);
   }
-  // The optimizer state sharded in device memory does not compose with tensor parallel yet: refused,
-  // naming the setting and what to use instead.
-  OffloadSettings s;
-  s.optimizer = Tier::kDevice;
-  s.zero_stage = 1;
-  auto device = testing::make_device();
-  TrainerConfig local = config_for(ModelKind::kLlama, DType::kF32, 1, 1.0);
-  auto engine = OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), groups->tp.get());
-  ASSERT_FALSE(engine.ok());
-  EXPECT_NE(engine.status().message().find("zero_optimization.stage 1 with the optimizer on the device and 2 "
-                                           "data-parallel ranks with tensor or pipeline parallelism is not built"),
-            std::string::npos)
-      << engine.status().to_string();
+  // The optimizer state sharded in device memory composes with tensor parallelism too: trained
+  // against the host-sharded optimizer and one process in test_dist_compose.cpp.
 }
 
 // Checkpoints are collective and hold the full model: a tensor-parallel checkpoint resumes the
@@ -459,16 +448,17 @@ TEST(TensorParallel, UnsupportedShapesAndPlacementsAreNamed) {
   EXPECT_NE(engine.status().message().find("n_kv_head"), std::string::npos) << engine.status().to_string();
   EXPECT_NE(engine.status().message().find("tensor_parallel_size"), std::string::npos)
       << engine.status().to_string();
+  // Still not built with tensor parallelism (gradients on NVMe are: test_dist_compose.cpp): a
+  // partial optimizer offload, named by its key.
   OffloadSettings s;
-  s.optimizer = Tier::kNvme;
-  s.gradients = Tier::kNvme;
-  testing::TempDir swap("strata-tp-swap");
-  s.nvme_path = {swap.path().string()};
+  s.optimizer = Tier::kHost;
+  s.optimizer_ratio = 0.5;
   auto device2 = testing::make_device();
   auto e2 = OffloadEngine::create(testing::tiny(ModelKind::kGpt2, DType::kF32, 1, 0.0), s, *device2, nullptr,
                                   nullptr, &world());
   ASSERT_FALSE(e2.ok());
-  EXPECT_NE(e2.status().message().find("offload-gradients"), std::string::npos) << e2.status().to_string();
+  EXPECT_NE(e2.status().message().find("offload_optimizer.ratio"), std::string::npos) << e2.status().to_string();
+  EXPECT_NE(e2.status().message().find("tensor_parallel_size"), std::string::npos) << e2.status().to_string();
 }
 
 // ---- Sequence parallel (docs/parallel.md "Sequence parallel") -------------------------------

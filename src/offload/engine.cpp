@@ -61,7 +61,9 @@
 // forwards and backwards (run_pipeline) with the same per-module fetches and gradient buckets as
 // one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
 // every stage's per-unit statistics in unit order (merge_stage_stats) and GPT-2's embedding unit,
-// held by the first and the last stage, has its gradient summed between them before the update.
+// held by the first and the last stage, has its gradient summed between them before the update
+// (gradients on NVMe: read back, summed, rescanned and written again, sum_tied_landed; the sharded
+// device optimizer: its reduced slice, inside device_update_sharded).
 // loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
 // the last stage's result. Weights and checkpoints are the single process's files: each stage
 // reads the full state of the units it holds (the tied unit: the first stage's copy) and sends it
@@ -565,6 +567,10 @@ struct OffloadEngine::Impl {
   // rank's slice of it, the same slice on both ends) summed over the first and the last stage
   // (collective).
   Status reduce_tied_grads(float* grads, std::size_t n);
+  // Caller, after the schedule: the host optimizer's tied unit summed over the first and the
+  // last stage (reduce_tied_grads), from host memory or, gradients on NVMe, read back, summed,
+  // rescanned into landed_stats and written again.
+  Status sum_tied_landed(const Command& c);
   DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
   // The stage whose copy of unit u counts (the lowest stage holding it: GPT-2's tied embedding
   // is the first stage's); 0 without a pipeline.
@@ -1555,6 +1561,31 @@ Status OffloadEngine::Impl::reduce_tied_grads(float* grads, std::size_t n) {
       .with_context("pipeline: all-reduce of the tied embedding's gradient between the first and the last stage");
 }
 
+Status OffloadEngine::Impl::sum_tied_landed(const Command& c) {
+  if (!grads_on_nvme) {
+    const auto [grads, n] = unit_grads(c.unit);  // data parallel: this rank's reduced slice
+    return reduce_tied_grads(reinterpret_cast<float*>(grads), n);
+  }
+  // Gradients on NVMe: the unit's final gradients (this rank's reduced slice when sharded) were
+  // scanned and written on the gradient stream before the other end's part was known. Read them
+  // back through grad_staging (the gradient stream is idle: synchronized by the caller), sum,
+  // scan again (the statistics the optimizer thread merges are the summed gradients', as
+  // unit_grads' scan is with host gradients) and write them back for the ring's reads.
+  const std::size_t uu = static_cast<std::size_t>(c.unit);
+  const std::uint64_t first = sharded ? slices.begin[uu] : 0;
+  const std::uint64_t n = sharded ? slices.len[uu] : units.gbytes[uu] / 4;
+  char* buf = grad_staging.bytes();
+  {
+    detail::HostSpan span(tracer, track.nvme_fetch, TraceCounter::kNvmeRead, "read gradients", c.unit, 4 * n);
+    STRATA_RETURN_IF_ERROR(read_grad_shards(c.unit, buf));
+  }
+  STRATA_RETURN_IF_ERROR(reduce_tied_grads(reinterpret_cast<float*>(buf), n));
+  STRATA_ASSIGN_OR_RETURN(landed_stats[uu],
+                          scan_norm(*host_opt, c.unit, buf, first, n, static_cast<float>(1.0 / c.loss_scale)));
+  detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write gradients", c.unit, 4 * n);
+  return write_grad_shards(c.unit, buf);
+}
+
 Status OffloadEngine::Impl::pp_send_bytes(const void* data, std::uint64_t bytes, int peer,
                                           const std::string& what) {
   if (bytes % 2 != 0) return internal_error("pipeline: sending " + what + ": an odd byte count");
@@ -1847,8 +1878,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     const Command c = *tied_landed;
     tied_landed.reset();
     STRATA_RETURN_IF_ERROR(gstream->synchronize());
-    const auto [grads, n] = unit_grads(c.unit);  // data parallel: this rank's reduced slice
-    STRATA_RETURN_IF_ERROR(reduce_tied_grads(reinterpret_cast<float*>(grads), n));
+    STRATA_RETURN_IF_ERROR(sum_tied_landed(c));
     {
       std::lock_guard<std::mutex> lock(mu);
       commands.push_back(c);
@@ -2974,10 +3004,11 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
                                               [this, u, out, scan, inv_scale]() -> Status {
                                                 const std::size_t uu = static_cast<std::size_t>(u);
                                                 if (scan) {
+                                                  // scan_norm: tensor parallel counts replicated
+                                                  // parameters on tp rank 0 only.
                                                   STRATA_ASSIGN_OR_RETURN(
                                                       landed_stats[uu],
-                                                      host_opt->scan_gradients(out, DType::kF32,
-                                                                               units.gbytes[uu] / 4, inv_scale, false));
+                                                      scan_norm(*host_opt, u, out, 0, units.gbytes[uu] / 4, inv_scale));
                                                 }
                                                 detail::HostSpan span(tracer, track.nvme_publish,
                                                                       TraceCounter::kNvmeWrite, "write gradients", u,
@@ -3221,6 +3252,12 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
               dp_wait(dp_tracks[2], dp_params->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
                       "reduce-scatter gradients", u, 4 * P * c));
           std::memcpy(g + b, rs_out, len * 4);
+          if (u == tied_unit && pp_tied) {
+            // Pipeline: GPT-2's embedding unit, held by the first and the last stage, summed
+            // between them slice by slice after the data-parallel reduction (both ends hold the
+            // same dp rank's slice), as the host tier sums its reduced slices (sum_tied_landed).
+            STRATA_RETURN_IF_ERROR(reduce_tied_grads(g + b, len));
+          }
           STRATA_ASSIGN_OR_RETURN(
               stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(g + b), b, len, inv_scale));
         }
@@ -3234,8 +3271,25 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
                                           DType::kF32),
                     "gather gradient statistics", -1, all.size() * sizeof(GradStats)));
         GradStats total;
-        for (int u = 0; u < M; ++u) {
-          for (int r = 0; r < dp_size; ++r) total.merge(all[static_cast<std::size_t>(r * M + u)]);
+        if (pp_size > 1) {
+          // Each unit over the data-parallel ranks, then over the stages in unit order, then (the
+          // grid) over the tensor-parallel ranks: the host tier's merge order (worker_main).
+          std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
+          for (int u = 0; u < M; ++u) {
+            for (int r = 0; r < dp_size; ++r)
+              per_unit[static_cast<std::size_t>(u)].merge(all[static_cast<std::size_t>(r * M + u)]);
+          }
+          STRATA_ASSIGN_OR_RETURN(total, merge_stage_stats(per_unit));
+        } else {
+          for (int u = 0; u < M; ++u) {
+            for (int r = 0; r < dp_size; ++r) total.merge(all[static_cast<std::size_t>(r * M + u)]);
+          }
+        }
+        if (tp_size > 1) {
+          // Tensor parallel: scan_norm counted replicated parameters on tp rank 0 only. The model's
+          // group, in this stream's order (after every rank's backward), as the unsharded device
+          // update merges.
+          STRATA_ASSIGN_OR_RETURN(total, merge_over_tp(total, *tp_model));
         }
         const double norm = total.norm();
         grad_norm = norm;
@@ -3414,10 +3468,8 @@ namespace {
 // What tensor parallelism supports today; the errors say what to use instead.
 Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device) {
   const std::string ranks = " with tensor_parallel_size = " + std::to_string(s.tp_size);
-  if (s.gradients == Tier::kNvme) {
-    return invalid_argument("gradients on NVMe (--offload-gradients nvme)" + ranks +
-                            " are not built yet: leave the gradients on the host");
-  }
+  // Gradients on NVMe train: each rank's shard's gradients (or its dp slice of them) on its own
+  // keys, scanned with scan_norm's tensor-parallel rule on the way out.
   if (s.optimizer_ratio < 1.0) {
     // The device units' gradient scan (on the compute stream) counts every element; the
     // tensor-parallel norm must count replicated parameters on one rank only.
@@ -3466,8 +3518,8 @@ Status check_sequence_parallel(const TrainerConfig& config, const OffloadSetting
 // What data parallelism supports today; the errors say what to use instead.
 Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm& dp) {
   const std::string ranks = std::to_string(s.dp_size) + " data-parallel ranks";
-  // Gradients on NVMe: each rank's reduced slices on its own NVMe keys (reduce_unit_grads); with
-  // tensor or pipeline parallelism they are refused by those checks.
+  // Gradients on NVMe: each rank's reduced slices on its own NVMe keys (reduce_unit_grads), also
+  // with tensor and pipeline parallelism.
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 1) {
     // Sharded device optimizer state (docs/parallel.md "ZeRO stages 1-3 in device memory").
     const std::string what = "zero_optimization.stage " + std::to_string(s.zero_stage) +
@@ -3482,9 +3534,8 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
           "untested); " +
           instead);
     }
-    if (s.tp_size > 1 || s.pipeline_bounds.size() > 2) {
-      return invalid_argument(what + " with tensor or pipeline parallelism is not built yet; " + instead);
-    }
+    // With tensor and pipeline parallelism: the device update merges the statistics over the
+    // stages and the tp group and sums the tied embedding's slices (device_update_sharded).
   }
   // The optimizer on the device reduces device buffers; the host optimizer reduces host buffers.
   const bool device_buffers = s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda;
@@ -3499,7 +3550,7 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
 
 // What pipeline parallelism supports today (docs/parallel.md "Pipeline parallel"); the errors
 // say what to use instead.
-Status check_pipeline(const OffloadSettings& s, Device& device, const Comm& pp) {
+Status check_pipeline(Device& device, const Comm& pp) {
   const std::string stages = std::to_string(pp.size()) + " pipeline stages";
   if (device.info().kind != DeviceKind::kCpu) {
     return invalid_argument(stages + " on the " + std::string(device.info().name) +
@@ -3510,10 +3561,8 @@ Status check_pipeline(const OffloadSettings& s, Device& device, const Comm& pp) 
     return invalid_argument("pipeline group '" + pp.name() + "' uses the " + std::string(to_string(pp.backend())) +
                             " backend; the cpu device's pipeline needs mpi");
   }
-  if (s.gradients == Tier::kNvme) {
-    return invalid_argument("gradients on NVMe (--offload-gradients nvme) with " + stages +
-                            " are not built yet: leave the gradients on the host");
-  }
+  // Gradients on NVMe train: the stage's units' keys only; the tied embedding's are read back,
+  // summed with the other end's and written again (sum_tied_landed).
   return ok_status();
 }
 
@@ -3541,7 +3590,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
   if (pp_size > 1) {
-    STRATA_RETURN_IF_ERROR(check_pipeline(settings, device, *pipeline));
+    STRATA_RETURN_IF_ERROR(check_pipeline(device, *pipeline));
     STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds, pipeline_stages(config.model, pp_size, config.seq_len));
     settings.pp_stage = pipeline->rank();
     settings.update_during_backward = false;  // the norm needs every stage's gradients
@@ -3627,7 +3676,9 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   if (t.opt_on_device) {
     // Sharded (stages 1-3): the device update reduce-scatters the gradients itself.
     if (s.ok() && t.dp_size > 1 && !t.dev_sharded) s = t.all_reduce_device_grads();
-    if (s.ok() && t.pp_tied) {  // pipeline: the tied embedding's gradient of the first and last stage
+    // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
+    // slices, summed inside device_update_sharded).
+    if (s.ok() && t.pp_tied && !t.dev_sharded) {
       s = t.compute->synchronize();
       if (s.ok())
         s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)),
