@@ -245,6 +245,43 @@ INSTANTIATE_TEST_SUITE_P(
              (k.grads_on_nvme ? "_grads_nvme" : "") + "_warmup" + std::to_string(k.warmup);
     });
 
+// The plan holds the second version: a host line of the host-homed units' working bytes, or an
+// NVMe line as large as the published NVMe parameters (and swap room for it); nothing without
+// the delayed update.
+TEST(DelayedUpdateOffDevice, PlanHoldsTheSecondVersion) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 0.0);
+  TempDir dir("strata-dpu-plan");
+  const std::string next = "working parameters (the delayed update's next version)";
+  for (Tier params : {Tier::kHost, Tier::kNvme}) {
+    OffloadSettings s = delayed(Tier::kHost, dir, 1);
+    s.params = params;
+    OffloadSettings plain = s;
+    plain.delayed_update = false;
+    auto with = OffloadPlan::make(c, s);
+    auto without = OffloadPlan::make(c, plain);
+    ASSERT_TRUE(with.ok() && without.ok());
+    std::uint64_t published = 0, second = 0;
+    for (const PlanLine& l : without->lines) {
+      EXPECT_NE(l.what, next);
+      if (l.tier == params && l.what.rfind("working parameters", 0) == 0) published += l.bytes;
+    }
+    for (const PlanLine& l : with->lines) {
+      if (l.what == next) {
+        EXPECT_EQ(l.tier, params);
+        second += l.bytes;
+      }
+    }
+    EXPECT_GT(second, 0u) << to_string(params);
+    if (params == Tier::kNvme) {
+      EXPECT_EQ(second, published);
+      EXPECT_GE(with->swap_bytes, without->swap_bytes + second);
+    } else {
+      // The host copy also holds the resident modules (none here: every module moves).
+      EXPECT_EQ(second, published);
+    }
+  }
+}
+
 // Flushes and checkpoints with the parameters on NVMe: a state read publishes the version in
 // flight (the shard flip), a checkpoint saved with an update in flight holds the latest state,
 // and the run resumed from it continues bit for bit; all against the resident delayed run.
