@@ -260,7 +260,9 @@ struct OffloadEngine::Impl {
   //     recorded factor. The gradients wait: the next step cannot overwrite a unit's gradients
   //     before that unit holds this step (its forward, or with the delayed update its
   //     gradients' copy-out, waits for the unit's update first).
-  //   kNone: not retryable — more than one process; or update_during_backward, where units are
+  //   kNone: not retryable — more than one process (except data parallel with the sharded host
+  //     optimizer, whose ranks agree on every unit: worker_main's agree_unit); or
+  //     update_during_backward, where units are
   //     updated while the step's call is still running (only a non-finite gradient or a stream
   //     error can fail there, and neither goes away by retrying): sticky until load_checkpoint.
   // Which units (and NVMe sub-groups) already hold the step is what updated_step,
@@ -2060,7 +2062,24 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     // all-gathered, and every parameter is copied from there into the unit's working layout.
     const std::uint64_t b = slices.begin[uu], len = slices.len[uu], c = slices.chunk[uu], off = slices.offset[uu];
     const std::uint64_t w = half ? 2 : 4;
-    {
+    if (host_opt_step[uu] >= done_step) {
+      // A retry (data parallel): this rank's master and moments hold the step; only its slice of
+      // the working parameters is rebuilt from the master (the rounding param_out does), then
+      // gathered and published as below.
+      for (int k : owned_of_unit[uu]) {
+        const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+        const std::uint64_t a = o.grad_in_unit / 4;
+        const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
+        if (lo >= hi) continue;
+        const float* master = host_master.floats() + off + (lo - b);
+        char* out = ag_send.bytes() + (lo - b) * w;
+        if (half) {
+          STRATA_RETURN_IF_ERROR(convert(master, DType::kF32, out, wdtype, hi - lo));
+        } else {
+          std::memcpy(out, master, (hi - lo) * 4);
+        }
+      }
+    } else {
       detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
       for (int k : owned_of_unit[uu]) {
         const OwnedParam& o = owned[static_cast<std::size_t>(k)];
@@ -2081,6 +2100,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
         STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
         if (!half) std::memcpy(out, ob.master, ob.n * 4);
       }
+      host_opt_step[uu] = done_step;
     }
     if (psharded[uu]) return write_param_slice(u, ag_send.bytes());  // gathered when next fetched
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c,
@@ -2337,15 +2357,39 @@ void OffloadEngine::Impl::worker_main() {
   const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
-  // A retry needs no other process to agree on it (FailedUpdate).
+  // A retry needs no other process to agree on it (FailedUpdate) ...
   const bool can_retry = dp_size == 1 && tp_size == 1 && pp_size == 1;
+  // ... or, data parallel with the host optimizer sharded over the ranks, every rank agreeing on
+  // each unit before it counts as updated (agree_unit): then a failed update stops at the same
+  // unit on every rank, and every rank retries the same units (docs/offload.md "Faults").
+  const bool dp_retry = sharded && dp_params && settings.optimizer == Tier::kHost && tp_size == 1 && pp_size == 1;
   auto fail = [&](Status s, FailPhase phase, const Command& c) {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) {
       worker_error = std::move(s);
-      failed = FailedUpdate{can_retry ? phase : FailPhase::kNone, c, false};
+      const bool retryable = can_retry || (dp_retry && phase == FailPhase::kAfterNorm);
+      failed = FailedUpdate{retryable ? phase : FailPhase::kNone, c, false};
     }
     cv.notify_all();
+  };
+  // Data parallel (dp_retry): whether every rank's update of unit u succeeded, over the optimizer
+  // thread's communicator, in the update's unit order on every rank. A rank whose own update
+  // failed returns its error; the others an error naming the lowest failing rank. Either way no
+  // rank marks u (or a later unit) updated.
+  auto agree_unit = [&](int u, std::int64_t step, Status own) -> Status {
+    const float mine = own.ok() ? 0.0f : static_cast<float>(dp_rank + 1);
+    float worst = 0.0f;
+    // Max over the ranks of (rank + 1) of a failing rank: which one is named does not matter, only
+    // that every rank sees the same verdict.
+    STRATA_RETURN_IF_ERROR(
+        dp_wait(dp_tracks[2], dp_params->all_reduce(&mine, &worst, 1, DType::kF32, ReduceOp::kMax),
+                "agree on the update", u, 4));
+    if (!own.ok()) return own;
+    if (worst == 0.0f) return ok_status();
+    return unavailable("step " + std::to_string(step) + ": the update of module '" +
+                       layout().modules[static_cast<std::size_t>(u)].name + "' failed on data-parallel rank " +
+                       std::to_string(static_cast<int>(worst) - 1) +
+                       " (its error names the cause); every rank retries it in place at the call after the next");
   };
   // A failure before the step's first unit update leaves nothing to finish.
   auto phase_of = [&](const Command& c, FailPhase started) {
@@ -2394,7 +2438,11 @@ void OffloadEngine::Impl::worker_main() {
       if (u < kdev) continue;  // partial offload: on the device
       if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
       if (updated_step[static_cast<std::size_t>(u)] >= c.step) continue;  // a retry: done before the failure
-      STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
+      if (dp_retry) {
+        STRATA_RETURN_IF_ERROR(agree_unit(u, c.step, update_unit_host(u, c.opt_step, c.lr, scale, c.step)));
+      } else {
+        STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
+      }
       mark_updated(u, c.step);
     }
     return ok_status();
@@ -3370,8 +3418,8 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create(const TrainerConfig
 
 Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(
     const TrainerConfig& config, const OffloadSettings& settings, Device& device,
-    const nvme_detail::IoFaults* faults, Comm* pipeline) {
-  return OffloadEngine::create_with_faults(config, settings, device, nullptr, nullptr, nullptr, pipeline,
+    const nvme_detail::IoFaults* faults, Comm* pipeline, Comm* data_parallel) {
+  return OffloadEngine::create_with_faults(config, settings, device, nullptr, data_parallel, nullptr, pipeline,
                                            faults);
 }
 

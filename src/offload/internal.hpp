@@ -393,11 +393,12 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, cons
 // Tests only: an engine whose I/O engine injects `faults` (src/nvme/faults.hpp), which must
 // outlive it.
 struct EngineFaults {
-  // `pipeline`: as OffloadEngine::create's (a pipeline stage whose disk fails).
+  // `pipeline`, `data_parallel`: as OffloadEngine::create's (a pipeline stage or a data-parallel
+  // rank whose disk fails).
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
                                                        const nvme_detail::IoFaults* faults,
-                                                       Comm* pipeline = nullptr);
+                                                       Comm* pipeline = nullptr, Comm* data_parallel = nullptr);
   // Tests only: parameter `index`'s working copy set to `values`, its fp32 master left as it is
   // (the delayed update's reference: gradients taken at other parameters than the ones updated).
   static Status set_working_param(OffloadEngine& engine, int index, std::span<const float> values);
