@@ -171,8 +171,8 @@ TEST(CliTrain, BadFlagsExitTwoNamingTheFlag) {
       {"train --threads -2", "--threads"},
       {"train --bogus", "--bogus"},
       {"train extra", "extra"},
-      // the default placement keeps the parameters on NVMe: the delayed update needs them resident
-      {"train --delayed-update", "strata.delayed_update"},
+      // the delayed update needs the optimizer off the device
+      {"train --delayed-update --offload-param none --offload-optimizer none", "strata.delayed_update"},
       {"eval --data x.txt", "--weights"},
       {"eval --weights w --data d --batch 0", "--batch"},
       {"export --weights out.safetensors", "--run"},

@@ -165,6 +165,173 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// The delayed update with the working parameters off the device (host or NVMe home): the update
+// in flight writes a second version of each unit (a host copy, or the other of two NVMe swap
+// shards) while the next step fetches the published one, and publish_delayed makes the new one
+// current after that step's passes. The math of the delay does not depend on where parameters
+// live, so every step equals the delayed run with resident parameters bit for bit: losses,
+// norms, scales and skips, and every parameter, master and moment afterwards. That run is itself
+// equal to the hand-driven reference above.
+struct OffDeviceCase {
+  ModelKind kind;
+  DType dtype;
+  std::int64_t accum;
+  double clip;
+  Tier params, optimizer;
+  bool grads_on_nvme;
+  int warmup;
+};
+
+void PrintTo(const OffDeviceCase& k, std::ostream* os) {
+  *os << (k.kind == ModelKind::kGpt2 ? "gpt2" : "llama") << " " << to_string(k.dtype) << " accum " << k.accum
+      << " clip " << k.clip << " params " << to_string(k.params) << " optimizer " << to_string(k.optimizer)
+      << (k.grads_on_nvme ? " grads nvme" : "") << " warmup " << k.warmup;
+}
+
+class DelayedUpdateOffDevice : public ::testing::TestWithParam<OffDeviceCase> {};
+
+TEST_P(DelayedUpdateOffDevice, EqualsTheDelayedRunWithResidentParametersBitForBit) {
+  const OffDeviceCase k = GetParam();
+  const TrainerConfig c = tiny(k.kind, k.dtype, k.accum, k.clip);
+  // One swap directory per engine: the placements' swap files differ in size.
+  TempDir dir("strata-dpu-off"), off_dir("strata-dpu-off"), plain_dir("strata-dpu-off");
+  OffloadSettings resident = delayed(k.optimizer, dir, k.warmup);
+  if (k.grads_on_nvme) {
+    resident.gradients = Tier::kNvme;
+    resident.sub_group_size = 4097;
+  }
+  OffloadSettings off = resident;
+  off.params = k.params;
+  off.nvme_path = {off_dir.path().string()};
+  constexpr int kSteps = 6;
+  const Snapshot want = train(c, resident, kSteps);
+  Snapshot got;
+  {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, off, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(run_steps(**engine, c, 0, kSteps, got));
+    // The parameters really travel: every module is fetched from its home each pass.
+    const OffloadStats st = (*engine)->stats();
+    EXPECT_GT(st.param_accesses, 0u);
+    ASSERT_TRUE(capture_state(**engine, got));
+  }
+  expect_same(want, got, std::string("delayed update, parameters on ") + std::string(to_string(k.params)));
+  // And the delay is kept: the ordinary run with the same homes differs from the first delayed step.
+  OffloadSettings plain = off;
+  plain.delayed_update = false;
+  plain.nvme_path = {plain_dir.path().string()};
+  const Snapshot ordinary = train(c, plain, kSteps);
+  ASSERT_EQ(ordinary.losses.size(), got.losses.size());
+  const std::size_t first_delayed = static_cast<std::size_t>(k.warmup) + 1;
+  EXPECT_NE(ordinary.losses[first_delayed], got.losses[first_delayed]) << "step " << first_delayed + 1;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DelayedUpdateOffDevice,
+    ::testing::Values(
+        OffDeviceCase{ModelKind::kGpt2, DType::kF32, 1, 0.0, Tier::kHost, Tier::kHost, false, 0},
+        OffDeviceCase{ModelKind::kLlama, DType::kBF16, 2, 1.0, Tier::kHost, Tier::kNvme, false, 1},
+        OffDeviceCase{ModelKind::kGpt2, DType::kBF16, 2, 1.0, Tier::kNvme, Tier::kHost, false, 0},
+        OffDeviceCase{ModelKind::kLlama, DType::kF32, 1, 0.5, Tier::kNvme, Tier::kNvme, true, 1},
+        // fp16: skipped steps write no new version, and publishing must keep the current one
+        OffDeviceCase{ModelKind::kGpt2, DType::kF16, 1, 1.0, Tier::kNvme, Tier::kNvme, false, 0},
+        OffDeviceCase{ModelKind::kLlama, DType::kF16, 2, 0.0, Tier::kHost, Tier::kHost, false, 1}),
+    [](const ::testing::TestParamInfo<OffDeviceCase>& info) {
+      const OffDeviceCase& k = info.param;
+      return std::string(k.kind == ModelKind::kGpt2 ? "Gpt2" : "Llama") + "_" + std::string(to_string(k.dtype)) +
+             "_accum" + std::to_string(k.accum) + (k.clip > 0 ? "_clip" : "") + "_params_" +
+             std::string(to_string(k.params)) + "_optimizer_" + std::string(to_string(k.optimizer)) +
+             (k.grads_on_nvme ? "_grads_nvme" : "") + "_warmup" + std::to_string(k.warmup);
+    });
+
+// The plan holds the second version: a host line of the host-homed units' working bytes, or an
+// NVMe line as large as the published NVMe parameters (and swap room for it); nothing without
+// the delayed update.
+TEST(DelayedUpdateOffDevice, PlanHoldsTheSecondVersion) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 1, 0.0);
+  TempDir dir("strata-dpu-plan");
+  const std::string next = "working parameters (the delayed update's next version)";
+  for (Tier params : {Tier::kHost, Tier::kNvme}) {
+    OffloadSettings s = delayed(Tier::kHost, dir, 1);
+    s.params = params;
+    OffloadSettings plain = s;
+    plain.delayed_update = false;
+    auto with = OffloadPlan::make(c, s);
+    auto without = OffloadPlan::make(c, plain);
+    ASSERT_TRUE(with.ok() && without.ok());
+    std::uint64_t published = 0, second = 0;
+    for (const PlanLine& l : without->lines) {
+      EXPECT_NE(l.what, next);
+      if (l.tier == params && l.what.rfind("working parameters", 0) == 0) published += l.bytes;
+    }
+    for (const PlanLine& l : with->lines) {
+      if (l.what == next) {
+        EXPECT_EQ(l.tier, params);
+        second += l.bytes;
+      }
+    }
+    EXPECT_GT(second, 0u) << to_string(params);
+    if (params == Tier::kNvme) {
+      EXPECT_EQ(second, published);
+      EXPECT_GE(with->swap_bytes, without->swap_bytes + second);
+    } else {
+      // The host copy also holds the resident modules (none here: every module moves).
+      EXPECT_EQ(second, published);
+    }
+  }
+}
+
+// Flushes and checkpoints with the parameters on NVMe: a state read publishes the version in
+// flight (the shard flip), a checkpoint saved with an update in flight holds the latest state,
+// and the run resumed from it continues bit for bit; all against the resident delayed run.
+TEST(DelayedUpdateOffDevice, FlushesAndCheckpointsWithParametersOnNvme) {
+  const TrainerConfig c = tiny(ModelKind::kLlama, DType::kBF16, 1, 1.0);
+  TempDir dir("strata-dpu-off"), off_dir("strata-dpu-off"), resume_dir("strata-dpu-off");
+  TempDir ckpt("strata-dpu-off-ckpt");
+  const OffloadSettings resident = delayed(Tier::kNvme, dir, 0);
+  OffloadSettings off = resident;
+  off.params = Tier::kNvme;
+  off.nvme_path = {off_dir.path().string()};
+  auto drive = [&](const OffloadSettings& s, bool save, Snapshot& out) {
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, s, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(run_steps(**engine, c, 0, 2, out));
+    ASSERT_TRUE((*engine)->synchronize().ok());
+    ASSERT_TRUE(run_steps(**engine, c, 2, 4, out));
+    if (save) {
+      auto saved = (*engine)->save_checkpoint(ckpt.path().string());
+      ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    } else {
+      ASSERT_TRUE((*engine)->synchronize().ok());
+    }
+    ASSERT_TRUE(run_steps(**engine, c, 4, 6, out));
+    ASSERT_TRUE(capture_state(**engine, out));
+  };
+  Snapshot want, got;
+  drive(resident, false, want);
+  drive(off, true, got);
+  expect_same(want, got, "parameters on NVMe, flushed after steps 2 and 4");
+  Snapshot resumed;
+  {
+    OffloadSettings fresh = off;  // a new swap directory: only the checkpoint carries the state
+    fresh.nvme_path = {resume_dir.path().string()};
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, fresh, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(ckpt.path().string());
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(m->step, 4);
+    ASSERT_TRUE(run_steps(**engine, c, 4, 6, resumed));
+    ASSERT_TRUE(capture_state(**engine, resumed));
+  }
+  Snapshot tail = want;
+  for (auto* v : {&tail.losses, &tail.norms, &tail.scales}) v->erase(v->begin(), v->begin() + 4);
+  tail.skipped.erase(tail.skipped.begin(), tail.skipped.begin() + 4);
+  expect_same(tail, resumed, "resumed from the checkpoint of step 4 (parameters on NVMe)");
+}
+
 // Anything that reads the state waits for the update in flight and uploads it: the next step
 // then computes at the latest parameters (here an evaluation after step 2 and a synchronize after
 // step 4), and what was read is the state after every update so far.
@@ -249,7 +416,7 @@ TEST(DelayedUpdateCheckpoint, SaveWaitsForTheUpdateInFlightAndResumeContinuesBit
 }
 
 // The setting is refused where it has no meaning or is not built, naming the key.
-TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrParametersOffIt) {
+TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrParametersOffItWithDataParallel) {
   TempDir dir("strata-dpu");
   OffloadSettings s = delayed(Tier::kHost, dir, 1);
   EXPECT_TRUE(s.validate().ok());
@@ -262,10 +429,14 @@ TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrParametersOffIt)
   for (Tier params : {Tier::kHost, Tier::kNvme}) {
     OffloadSettings off = s;
     off.params = params;
+    EXPECT_TRUE(off.validate().ok()) << "one process takes parameters off the device";
+    // Not built: data parallel with parameters off the device (stage 3 keeps slices at home).
+    off.dp_size = 2;
     Status p = off.validate();
     EXPECT_FALSE(p.ok());
     EXPECT_NE(p.message().find("strata.delayed_update"), std::string::npos) << p.message();
     EXPECT_NE(p.message().find("offload_param.device"), std::string::npos) << p.message();
+    EXPECT_NE(p.message().find("data-parallel"), std::string::npos) << p.message();
   }
   OffloadSettings neg = s;
   neg.delayed_update_warmup = -1;

@@ -11,7 +11,9 @@
 #include <string>
 
 #include "harness/harness.hpp"
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
+#include "strata/model.hpp"
 #include "strata/config.hpp"
 #include "strata/offload.hpp"
 
@@ -150,6 +152,51 @@ TEST(PartialOffload, NvmeOptimizerSplitsMatchTheAllDeviceRunBitForBit) {
   }
 }
 
+// Parameters off the device (host or NVMe home): the device's modules keep their working
+// parameters resident (the device's update writes them in place), the other modules are fetched
+// from their home and updated by the host or NVMe optimizer. The same bits as the all-device run.
+TEST(PartialOffload, ParametersOffTheDeviceMatchTheAllDeviceRunBitForBit) {
+  constexpr int kSteps = 3;
+  const PartialCase cases[] = {{ModelKind::kGpt2, DType::kBF16, 2, 1.0}, {ModelKind::kLlama, DType::kF16, 1, 0.0}};
+  for (const PartialCase& k : cases) {
+    const TrainerConfig c = tiny(k.kind, k.dtype, k.accum, k.clip);
+    const Snapshot device = train(c, OffloadSettings{}, kSteps);
+    for (const Placement p : {Placement{Tier::kHost, Tier::kHost}, Placement{Tier::kNvme, Tier::kHost},
+                              Placement{Tier::kHost, Tier::kNvme}, Placement{Tier::kNvme, Tier::kNvme}}) {
+      for (double ratio : {0.5, 0.01}) {
+        TempDir dir("strata-partial-params");
+        OffloadSettings s = settings_for(p, dir);
+        s.optimizer_ratio = ratio;
+        if (p.optimizer == Tier::kNvme) s.sub_group_size = 4097;
+        const std::string what = std::string(k.kind == ModelKind::kGpt2 ? "gpt2 " : "llama ") +
+                                 std::string(to_string(k.dtype)) + ", params " + std::string(to_string(p.params)) +
+                                 ", optimizer " + std::string(to_string(p.optimizer)) + ", ratio " +
+                                 std::to_string(ratio);
+        auto plan = OffloadPlan::make(c, s);
+        ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+        auto layout = describe_model(c.model);
+        ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+        const offload_detail::Units units = offload_detail::describe_units(*layout, s);
+        ASSERT_GT(units.device_opt_units, 0u) << what;
+        ASSERT_LT(units.device_opt_units, units.home.size()) << what;
+        for (std::size_t m = 0; m < units.home.size(); ++m) {
+          EXPECT_EQ(units.home[m], m < units.device_opt_units ? Tier::kDevice : p.params) << what << ": module " << m;
+        }
+        Snapshot got;
+        {
+          auto dev = make_device();
+          auto engine = OffloadEngine::create(c, s, *dev);
+          ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+          ASSERT_TRUE(run_steps(**engine, c, 0, kSteps, got)) << what;
+          EXPECT_GT((*engine)->stats().param_accesses, 0u) << what << ": the host modules are fetched";
+          ASSERT_TRUE(capture_state(**engine, got));
+        }
+        expect_same(device, got, what);
+      }
+    }
+  }
+}
+
 // strata estimate and strata plan enumerate every placement from the run's settings: the split
 // and the delayed update apply where the engine takes them and are left out elsewhere.
 TEST(PartialOffloadPlan, EstimatesEveryPlacementWithTheSplitWhereItApplies) {
@@ -162,7 +209,7 @@ TEST(PartialOffloadPlan, EstimatesEveryPlacementWithTheSplitWhereItApplies) {
     bool saw_split = false;
     for (const PlacementEstimate& e : *rows) {
       const std::uint64_t dev = plan_bytes(e.plan, "device region optim.exp_avg_sq");
-      if (e.params == Tier::kDevice && e.optimizer != Tier::kDevice && !delayed) {
+      if (e.optimizer != Tier::kDevice && !delayed) {
         EXPECT_GT(dev, 0u);
         saw_split = true;
       } else if (e.optimizer != Tier::kDevice) {
@@ -216,9 +263,12 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   nvme.optimizer = Tier::kNvme;
   nvme.nvme_path = {dir.path().string()};
   EXPECT_TRUE(nvme.validate().ok()) << "the NVMe optimizer takes the split";
-  OffloadSettings params = partial(0.5);
-  params.params = Tier::kHost;
-  refused(params, "offload_param");
+  for (Tier home : {Tier::kHost, Tier::kNvme}) {
+    OffloadSettings params = partial(0.5);
+    params.params = home;
+    params.nvme_path = {dir.path().string()};
+    EXPECT_TRUE(params.validate().ok()) << "parameters on " << to_string(home) << " take the split";
+  }
   OffloadSettings dp = partial(0.5);
   dp.dp_size = 2;
   refused(dp, "data-parallel");

@@ -81,8 +81,8 @@ struct OffloadSettings {
   // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
   // their gradients land last in backward and the next forward reads them first, so they are
   // the ones the host would make the step wait for. < 1 needs optimizer = kHost or kNvme (the
-  // host part then streams through the NVMe ring) and the parameters on the device, one process
-  // and no delayed update (docs/offload.md).
+  // host part then streams through the NVMe ring), one process and no delayed update; with the
+  // parameters off the device the device's modules keep theirs resident (docs/offload.md).
   double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
@@ -111,7 +111,8 @@ struct OffloadSettings {
   // step's host update runs while the next step's forward and backward compute with the
   // parameters from before it, so step t+1 computes its gradients at the parameters after step
   // t-1's update. Not equivalent to the ordinary run (it trades exactness for overlap). Needs the
-  // optimizer off the device and the working parameters on it. strata.delayed_update.
+  // optimizer off the device; with the working parameters off it (each unit then has a second
+  // version at home, written by the update in flight), one process. strata.delayed_update.
   bool delayed_update = false;
   // The first this many steps' updates are not delayed (the next step sees them).
   // strata.delayed_update_warmup.

@@ -422,7 +422,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     auto issue_fetch = [&](std::size_t t) {
       for (int u : fetch_at[t]) {
         const std::size_t uu = static_cast<std::size_t>(u);
-        host = std::max(host, updated[uu]);  // prefetch_ahead waits for a pending update
+        // prefetch_ahead waits for a pending update; not for the delayed one (it writes the next
+        // version, which publish_delayed makes current after the step).
+        if (!delayed) host = std::max(host, updated[uu]);
         const double slot_free =
             t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
         const double start = std::max({h2d_stream, host, slot_free});
@@ -545,7 +547,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     // The step's end: every stream synchronised, then the norm from the optimizer thread.
     host = std::max({host, compute, h2d_stream, grads});
     if (delayed) {
-      // publish_delayed: the previous step's update of every unit, then their uploads.
+      // publish_delayed: the previous step's update of every unit, then their uploads (units off
+      // the device: a host copy or a version flip, left out).
       for (int u = 0; u < M; ++u) host = std::max(host, updated[static_cast<std::size_t>(u)]);
       for (int u = 0; u < M; ++u) {
         const std::size_t uu = static_cast<std::size_t>(u);

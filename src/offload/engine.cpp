@@ -262,7 +262,9 @@ struct OffloadEngine::Impl {
   //     recorded factor. The gradients wait: the next step cannot overwrite a unit's gradients
   //     before that unit holds this step (its forward, or with the delayed update its
   //     gradients' copy-out, waits for the unit's update first).
-  //   kNone: not retryable — more than one process; or update_during_backward, where units are
+  //   kNone: not retryable — more than one process (except data parallel with the sharded host
+  //     optimizer, whose ranks agree on every unit: worker_main's agree_unit); or
+  //     update_during_backward, where units are
   //     updated while the step's call is still running (only a non-finite gradient or a stream
   //     error can fail there, and neither goes away by retrying): sticky until load_checkpoint.
   // Which units (and NVMe sub-groups) already hold the step is what updated_step,
@@ -299,6 +301,28 @@ struct OffloadEngine::Impl {
   // the step whose update has not been uploaded yet (0: none). Caller thread only.
   bool delayed = false;
   std::int64_t pending_publish = 0;
+  // The delayed update with working parameters off the device: the next step's fetches read the
+  // home while the update in flight produces the next version, so every off-device unit has two.
+  // Host home: the update writes `delayed_next` (offset next_offset[u]) and publish_delayed
+  // copies it into host_params. NVMe home: the versions are the swap shards 0 and 1 of
+  // "param.<u>"; param_shard[u] names the published one (what fetches and state reads use), the
+  // update writes the other, and publish_delayed flips it (no I/O, so a publish cannot fail
+  // half-way). Written by the caller in publish_delayed and load_checkpoint only while the
+  // optimizer thread has no update of the unit in flight.
+  HostMem delayed_next;
+  std::vector<std::uint64_t> next_offset;
+  std::vector<std::uint32_t> param_shard;
+  // Per unit: the optimizer thread wrote its next version since the last publish (an fp16 step
+  // that overflowed writes none, and publishing would then bring back an older one). Set by the
+  // optimizer thread before the unit is marked updated, read and cleared by publish_delayed after
+  // waiting for that mark (mu orders them).
+  std::vector<char> next_fresh;
+  // Unit u's working parameters on NVMe: the published version, or (`next`) the one the delayed
+  // update in flight writes.
+  TensorKey param_key(int u, bool next = false) const {
+    const std::uint32_t cur = param_shard.empty() ? 0 : param_shard[static_cast<std::size_t>(u)];
+    return TensorKey{unit_key("param", u), next ? 1 - cur : cur};
+  }
   Status worker_error;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
@@ -846,6 +870,21 @@ Status OffloadEngine::Impl::setup() {
       off += psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : units.pbytes[uu];
     }
     STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, off, "offload.host_params"));
+    if (delayed) {
+      // The delayed update's second version of every off-device unit (delayed_next, param_shard).
+      next_offset.assign(static_cast<std::size_t>(M), 0);
+      param_shard.assign(static_cast<std::size_t>(M), 0);
+      next_fresh.assign(static_cast<std::size_t>(M), 0);
+      std::uint64_t next = 0;
+      for (int u = 0; u < M; ++u) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        next_offset[uu] = next;
+        if (units.home[uu] == Tier::kHost) next += units.pbytes[uu];
+      }
+      if (next > 0) {
+        STRATA_ASSIGN_OR_RETURN(delayed_next, HostMem::make(dev, pin, next, "offload.delayed_next_params"));
+      }
+    }
     for (int u = 0; u < M; ++u) {
       std::unique_ptr<Event> e;
       STRATA_ASSIGN_OR_RETURN(e, dev.create_event());
@@ -992,7 +1031,7 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
       std::memcpy(bytes.data(), host_params.bytes() + host_param_offset[uu], bytes.size());
       return ok_status();
     case Tier::kNvme:
-      return swap->read(TensorKey{unit_key("param", u), 0}, bytes.data(), bytes.size()).wait();
+      return swap->read(param_key(u), bytes.data(), bytes.size()).wait();
   }
   return ok_status();
 }
@@ -1016,7 +1055,7 @@ Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& by
     case Tier::kHost:
       return ok_status();
     case Tier::kNvme:
-      return swap->write(TensorKey{unit_key("param", u), 0}, bytes.data(), bytes.size()).wait();
+      return swap->write(param_key(u), bytes.data(), bytes.size()).wait();
   }
   return ok_status();
 }
@@ -1908,7 +1947,7 @@ Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
-  if (units.home[uu] == Tier::kNvme) return swap->read(TensorKey{unit_key("param", u), 0}, slice, bytes).wait();
+  if (units.home[uu] == Tier::kNvme) return swap->read(param_key(u), slice, bytes).wait();
   std::memcpy(slice, host_params.bytes() + host_param_offset[uu], bytes);
   return ok_status();
 }
@@ -1919,7 +1958,7 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
   if (bytes == 0) return ok_status();
   if (units.home[uu] == Tier::kNvme) {
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
-    return swap->write(TensorKey{unit_key("param", u), 0}, slice, bytes).wait();
+    return swap->write(param_key(u), slice, bytes).wait();
   }
   std::memcpy(host_params.bytes() + host_param_offset[uu], slice, bytes);
   return ok_status();
@@ -2091,13 +2130,18 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       return ok_status();
     }
     case Tier::kHost: {
-      char* host = host_params.bytes() + host_param_offset[uu];
+      // Delayed update: the next copy; publish_delayed copies it home once no fetch reads it.
+      char* host = delayed ? delayed_next.bytes() + next_offset[uu] : host_params.bytes() + host_param_offset[uu];
       if (bytes != host) std::memcpy(host, bytes, n);
+      if (delayed) next_fresh[uu] = 1;
       return ok_status();
     }
     case Tier::kNvme: {
       detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, n);
-      return swap->write(TensorKey{unit_key("param", u), 0}, bytes, n).wait();
+      // Delayed update: the next version; publish_delayed makes it the one fetches read.
+      STRATA_RETURN_IF_ERROR(swap->write(param_key(u, delayed), bytes, n).wait());
+      if (delayed) next_fresh[uu] = 1;
+      return ok_status();
     }
   }
   return ok_status();
@@ -2127,7 +2171,9 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
-  char* out_unit = nvme_home ? param_out_staging.bytes() : host_params.bytes() + host_param_offset[uu];
+  char* out_unit = nvme_home                                 ? param_out_staging.bytes()
+                   : delayed && units.home[uu] == Tier::kHost ? delayed_next.bytes() + next_offset[uu]
+                                                              : host_params.bytes() + host_param_offset[uu];
   if (!sharded && host_opt_step[uu] >= done_step) {
     // A retry: master and moments hold the step already, only publishing the parameters failed.
     STRATA_RETURN_IF_ERROR(
@@ -2141,7 +2187,24 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
     // all-gathered, and every parameter is copied from there into the unit's working layout.
     const std::uint64_t b = slices.begin[uu], len = slices.len[uu], c = slices.chunk[uu], off = slices.offset[uu];
     const std::uint64_t w = half ? 2 : 4;
-    {
+    if (host_opt_step[uu] >= done_step) {
+      // A retry (data parallel): this rank's master and moments hold the step; only its slice of
+      // the working parameters is rebuilt from the master (the rounding param_out does), then
+      // gathered and published as below.
+      for (int k : owned_of_unit[uu]) {
+        const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+        const std::uint64_t a = o.grad_in_unit / 4;
+        const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
+        if (lo >= hi) continue;
+        const float* master = host_master.floats() + off + (lo - b);
+        char* out = ag_send.bytes() + (lo - b) * w;
+        if (half) {
+          STRATA_RETURN_IF_ERROR(convert(master, DType::kF32, out, wdtype, hi - lo));
+        } else {
+          std::memcpy(out, master, (hi - lo) * 4);
+        }
+      }
+    } else {
       detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
       for (int k : owned_of_unit[uu]) {
         const OwnedParam& o = owned[static_cast<std::size_t>(k)];
@@ -2162,6 +2225,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
         STRATA_RETURN_IF_ERROR(host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
         if (!half) std::memcpy(out, ob.master, ob.n * 4);
       }
+      host_opt_step[uu] = done_step;
     }
     if (psharded[uu]) return write_param_slice(u, ag_send.bytes());  // gathered when next fetched
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c,
@@ -2299,8 +2363,9 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     }
     if (units.home[uu] == Tier::kNvme) {
       const std::int64_t t0 = tracer.now_ns();
-      out_seq[(units_started - 1) % 2] = push_write(swap->write(TensorKey{unit_key("param", u), 0}, out_unit, units.pbytes[uu]),
+      out_seq[(units_started - 1) % 2] = push_write(swap->write(param_key(u, delayed), out_unit, units.pbytes[uu]),
                                                     u, track.nvme_publish, u, units.pbytes[uu], t0);
+      if (delayed) next_fresh[uu] = 1;  // counts once the write retired (the unit is marked updated then)
       return ok_status();
     }
     STRATA_RETURN_IF_ERROR(publish_params(u, out_unit));  // copied out at once: the staging buffer is free again
@@ -2417,15 +2482,39 @@ void OffloadEngine::Impl::worker_main() {
   const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
                             settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
-  // A retry needs no other process to agree on it (FailedUpdate).
+  // A retry needs no other process to agree on it (FailedUpdate) ...
   const bool can_retry = dp_size == 1 && tp_size == 1 && pp_size == 1;
+  // ... or, data parallel with the host optimizer sharded over the ranks, every rank agreeing on
+  // each unit before it counts as updated (agree_unit): then a failed update stops at the same
+  // unit on every rank, and every rank retries the same units (docs/offload.md "Faults").
+  const bool dp_retry = sharded && dp_params && settings.optimizer == Tier::kHost && tp_size == 1 && pp_size == 1;
   auto fail = [&](Status s, FailPhase phase, const Command& c) {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) {
       worker_error = std::move(s);
-      failed = FailedUpdate{can_retry ? phase : FailPhase::kNone, c, false};
+      const bool retryable = can_retry || (dp_retry && phase == FailPhase::kAfterNorm);
+      failed = FailedUpdate{retryable ? phase : FailPhase::kNone, c, false};
     }
     cv.notify_all();
+  };
+  // Data parallel (dp_retry): whether every rank's update of unit u succeeded, over the optimizer
+  // thread's communicator, in the update's unit order on every rank. A rank whose own update
+  // failed returns its error; the others an error naming the lowest failing rank. Either way no
+  // rank marks u (or a later unit) updated.
+  auto agree_unit = [&](int u, std::int64_t step, Status own) -> Status {
+    const float mine = own.ok() ? 0.0f : static_cast<float>(dp_rank + 1);
+    float worst = 0.0f;
+    // Max over the ranks of (rank + 1) of a failing rank: which one is named does not matter, only
+    // that every rank sees the same verdict.
+    STRATA_RETURN_IF_ERROR(
+        dp_wait(dp_tracks[2], dp_params->all_reduce(&mine, &worst, 1, DType::kF32, ReduceOp::kMax),
+                "agree on the update", u, 4));
+    if (!own.ok()) return own;
+    if (worst == 0.0f) return ok_status();
+    return unavailable("step " + std::to_string(step) + ": the update of module '" +
+                       layout().modules[static_cast<std::size_t>(u)].name + "' failed on data-parallel rank " +
+                       std::to_string(static_cast<int>(worst) - 1) +
+                       " (its error names the cause); every rank retries it in place at the call after the next");
   };
   // A failure before the step's first unit update leaves nothing to finish.
   auto phase_of = [&](const Command& c, FailPhase started) {
@@ -2474,7 +2563,11 @@ void OffloadEngine::Impl::worker_main() {
       if (u < kdev) continue;  // partial offload: on the device
       if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
       if (updated_step[static_cast<std::size_t>(u)] >= c.step) continue;  // a retry: done before the failure
-      STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
+      if (dp_retry) {
+        STRATA_RETURN_IF_ERROR(agree_unit(u, c.step, update_unit_host(u, c.opt_step, c.lr, scale, c.step)));
+      } else {
+        STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
+      }
       mark_updated(u, c.step);
     }
     return ok_status();
@@ -2519,6 +2612,17 @@ void OffloadEngine::Impl::worker_main() {
       total = *merged;
     }
     const double norm = total.norm();
+    if (!total.finite() && !fp16 && !immediate_ok) {
+      // Nothing of the step was applied and the norm is not published: the step's own call
+      // reports it with the state untouched (its step count, too), and calling again runs the
+      // step again (FailPhase::kBeforeUpdate), e.g. once the input or the learning rate changed.
+      // Every rank merged the same statistics, so with several processes all fail alike; they
+      // stay sticky there (can_retry) as every other failure.
+      return fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
+                                   std::to_string(norm) +
+                                   "); nothing was updated. Lower the learning rate or enable clipping"),
+                  FailPhase::kBeforeUpdate, c);
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       norm_value = norm;
@@ -2533,12 +2637,6 @@ void OffloadEngine::Impl::worker_main() {
       // merged the same statistics). The caller moves the loss scaler.
       for (int u = 0; u < M; ++u) mark_updated(u, c.step);
       return;
-    }
-    if (!total.finite()) {
-      return fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
-                                   std::to_string(norm) +
-                                   "); nothing was updated. Lower the learning rate or enable clipping"),
-                  FailPhase::kNone, c);
     }
     Command retry = c;
     retry.scale = update_scale(norm, c.loss_scale);
@@ -2694,9 +2792,19 @@ Status OffloadEngine::Impl::publish_delayed() {
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (units.pbytes[uu] == 0) continue;
-    // validate(): the delayed update keeps every unit resident.
-    if (units.home[uu] != Tier::kDevice) return internal_error("delayed update: unit " + std::to_string(u) + " is not resident");
     const std::uint64_t n = units.pbytes[uu];
+    // Every stream is idle (step() synchronised them, a flush waited for them), so no fetch
+    // reads the published version while it is replaced.
+    if (units.home[uu] != Tier::kDevice) {
+      if (!next_fresh[uu]) continue;  // a skipped step (fp16 overflow): the published version stands
+      next_fresh[uu] = 0;
+      if (units.home[uu] == Tier::kHost) {
+        std::memcpy(host_params.bytes() + host_param_offset[uu], delayed_next.bytes() + next_offset[uu], n);
+      } else {
+        param_shard[uu] = 1 - param_shard[uu];
+      }
+      continue;
+    }
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
     STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
                                        host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
@@ -2783,7 +2891,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   } else if (units.home[uu] == Tier::kNvme) {
     SwapStore* store = swap.get();
     void* staging = slot.staging.data();
-    TensorKey key{unit_key("param", u), 0};
+    const TensorKey key = param_key(u);
     detail::Tracer* tr = &tracer;
     const int lane = track.nvme_fetch;
     STRATA_RETURN_IF_ERROR(
@@ -2871,8 +2979,9 @@ Status OffloadEngine::Impl::prefetch_ahead() {
       if (units.home[uu] == Tier::kDevice || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
       // A unit whose update is still running is waited for: the forward reaches it a few modules
       // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
-      // of how fast the optimizer thread runs.
-      STRATA_RETURN_IF_ERROR(wait_updated(u));
+      // of how fast the optimizer thread runs. Not with the delayed update: the update in flight
+      // writes the next version, and this step reads the published one.
+      if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
       // The budget bounds what is fetched beyond the first unit: a module larger than the whole
       // budget is still fetched one ahead, or it would never be prefetched at all.
       budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
@@ -4338,6 +4447,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     t.failed = Impl::FailedUpdate{};
   }
   t.pending_publish = 0;  // the checkpoint's parameters replace the delayed update's
+  std::fill(t.next_fresh.begin(), t.next_fresh.end(), 0);
   const std::uint64_t wsize = dtype_size(t.wdtype);
   std::vector<char> pbytes;
   std::vector<float> blob;

@@ -139,6 +139,27 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   u.grad_offset.assign(M, 0);
   const bool whole = settings.pipeline_bounds.size() < 2;
   u.grad_bytes = whole ? layout.grad_bytes : 0;
+  // Partial optimizer offload: the largest prefix of modules whose elements fit in (1 - ratio)
+  // of all elements keeps its optimizer state on the device (device_opt_units below). Their
+  // working parameters are resident whatever `params` says: the device's update writes them in
+  // place, and they cost a fraction of the optimizer state the device holds for them anyway
+  // (2 or 4 bytes per element beside 12 to 16).
+  std::size_t kdev = 0;
+  std::uint64_t kdev_bytes = 0;
+  if (settings.optimizer != Tier::kDevice && settings.optimizer_ratio < 1.0) {
+    std::uint64_t total = 0, acc = 0;
+    for (std::size_t m = 0; m < M; ++m) {
+      if (u.in_stage[m]) total += (layout.modules[m].grad_end - layout.modules[m].grad_begin) / 4;
+    }
+    const double budget = (1.0 - settings.optimizer_ratio) * static_cast<double>(total);
+    while (kdev < M && u.in_stage[kdev]) {
+      const std::uint64_t e = (layout.modules[kdev].grad_end - layout.modules[kdev].grad_begin) / 4;
+      if (static_cast<double>(acc + e) > budget) break;
+      acc += e;
+      ++kdev;
+    }
+    kdev_bytes = kdev == 0 ? 0 : kdev == M ? layout.grad_bytes : layout.modules[kdev].grad_begin;
+  }
   std::uint64_t max_grad = 0;
   for (std::size_t m = 0; m < M; ++m) {
     const ModuleDesc& md = layout.modules[m];
@@ -156,7 +177,7 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     }
     max_grad = std::max(max_grad, u.gbytes[m]);
     const auto elements = static_cast<std::int64_t>(u.gbytes[m] / 4);
-    u.home[m] = elements <= settings.persistence_threshold ? Tier::kDevice : settings.params;
+    u.home[m] = elements <= settings.persistence_threshold || m < kdev ? Tier::kDevice : settings.params;
     if (u.home[m] == Tier::kDevice) {
       u.resident_offset[m] = u.resident_bytes;
       u.resident_bytes += align_up(std::max<std::uint64_t>(u.pbytes[m], 1), kParamAlignment);
@@ -195,16 +216,8 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     u.grad_slots = most + 1;
     u.grad_slot_bytes = align_up(std::max<std::uint64_t>(max_grad, 4), 4096);
   }
-  if (settings.optimizer != Tier::kDevice && settings.optimizer_ratio < 1.0) {
-    // The largest prefix of modules whose elements fit in (1 - ratio) of all elements.
-    std::uint64_t total = 0, acc = 0;
-    for (std::size_t m = 0; m < M; ++m) total += u.gbytes[m] / 4;
-    const double budget = (1.0 - settings.optimizer_ratio) * static_cast<double>(total);
-    std::size_t k = 0;
-    while (k < M && static_cast<double>(acc + u.gbytes[k] / 4) <= budget) acc += u.gbytes[k++] / 4;
-    u.device_opt_units = static_cast<std::uint32_t>(k);
-    u.device_opt_bytes = k == 0 ? 0 : k == M ? layout.grad_bytes : layout.modules[k].grad_begin;
-  }
+  u.device_opt_units = static_cast<std::uint32_t>(kdev);
+  u.device_opt_bytes = kdev_bytes;
   if (settings.optimizer == Tier::kNvme) {
     u.ring_buffers = static_cast<std::uint32_t>(std::max(3, settings.nvme_buffer_count));
     std::uint64_t most = 0;
@@ -365,7 +378,7 @@ inline std::uint64_t swap_capacity(const OffloadPlan& plan, const Units& u, cons
   if (plan.nvme_bytes == 0) return 0;
   std::uint64_t keys = 0;
   for (std::size_t m = 0; m < u.home.size(); ++m) {
-    if (u.home[m] == Tier::kNvme) ++keys;
+    if (u.home[m] == Tier::kNvme) keys += settings.delayed_update ? 2 : 1;  // delayed: two versions
     if (!u.sub_groups.empty()) {
       const std::uint64_t shards = u.sub_groups[m].size() - 1;
       keys += shards * (settings.gradients == Tier::kNvme ? 2 : 1);

@@ -76,10 +76,6 @@ Status OffloadSettings::validate() const {
   }
   if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
     const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio);
-    if (params != Tier::kDevice) {
-      return invalid_argument(key + " needs the working parameters on the device (zero_optimization.offload_param."
-                                    "device = none): the device's update writes the resident parameters");
-    }
     if (dp_size > 1) {
       return invalid_argument(key + " with " + std::to_string(dp_size) +
                               " data-parallel ranks is not built yet: use ratio 1 (state sharded over the ranks' host "
@@ -95,12 +91,11 @@ Status OffloadSettings::validate() const {
         "with the next step anyway): set zero_optimization.offload_optimizer.device to cpu or nvme, or turn "
         "strata.delayed_update off");
   }
-  if (delayed_update && params != Tier::kDevice) {
-    return invalid_argument(
-        "strata.delayed_update = true needs the working parameters on the device "
-        "(zero_optimization.offload_param.device = none, --offload-param none): the next step keeps computing with "
-        "the resident parameters while the update runs; offload_param.device = " +
-        std::string(to_string(params)) + " is not supported with it");
+  if (delayed_update && params != Tier::kDevice && dp_size > 1) {
+    return invalid_argument("strata.delayed_update = true with zero_optimization.offload_param.device = " +
+                            std::string(to_string(params)) + " and " + std::to_string(dp_size) +
+                            " data-parallel ranks is not built yet: keep the parameters on the device "
+                            "(offload_param.device none) or turn strata.delayed_update off");
   }
   if (pipeline_bounds.size() > 2) {
     const std::string stages = " with " + std::to_string(pipeline_bounds.size() - 1) + " pipeline stages";
@@ -304,6 +299,17 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
            units.grad_bytes - units.device_opt_bytes, pin);
     }
     line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+    if (settings.delayed_update) {
+      // The version the delayed update in flight writes while the step reads the published one.
+      std::uint64_t next = 0;
+      for (std::size_t m = 0; m < units.home.size(); ++m) {
+        if (units.home[m] == Tier::kHost) next += units.pbytes[m];
+      }
+      if (next > 0) {
+        line("working parameters (the delayed update's next version)", Tier::kHost, StateKind::kParameters, next,
+             pin);
+      }
+    }
   }
   if (settings.optimizer == Tier::kHost && !sharded) {
     // Partial offload: the first modules' state is in the device regions optim.* above.
@@ -335,6 +341,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
          StateKind::kParameters, slices);  // fetch staging: counted with the data-parallel lines
   } else if (units.nvme_param_bytes > 0) {
     line("working parameters", Tier::kNvme, StateKind::kParameters, units.nvme_param_bytes);
+    if (settings.delayed_update) {
+      line("working parameters (the delayed update's next version)", Tier::kNvme, StateKind::kParameters,
+           units.nvme_param_bytes);
+    }
     line("parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
   }
@@ -449,11 +459,11 @@ Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const 
                                              const EstimateBudgets& budgets, bool cuda) {
   OffloadSettings s = settings;
   // Settings only some placements take (strata estimate and strata plan enumerate placements
-  // from one base): the others are estimated without them. The delayed update changes no bytes;
-  // the partial optimizer split applies to the host or NVMe optimizer with resident parameters in
-  // one process.
-  if (s.params != Tier::kDevice || s.optimizer == Tier::kDevice) s.delayed_update = false;
-  if (s.params != Tier::kDevice || s.optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) {
+  // from one base): the others are estimated without them. The delayed update adds a second
+  // version of the parameters off the device;
+  // the partial optimizer split applies to the host or NVMe optimizer in one process.
+  if (s.optimizer == Tier::kDevice || (s.params != Tier::kDevice && s.dp_size > 1)) s.delayed_update = false;
+  if (s.optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) {
     s.optimizer_ratio = 1.0;
   }
   if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
