@@ -146,9 +146,16 @@ struct OffloadSettings {
   // (pipeline_stages; empty: one process runs every module) and this process's stage. create()
   // sets both from its pipeline group; strata estimate may set them to ask "what would stage s
   // need". The plan then covers only the stage's units.
+  //
+  // Interleaved 1F1B (strata.pipeline_virtual_stages = v > 1, docs/parallel.md "Schedules"): the
+  // bounds are the v·p + 1 bounds of the v·p FLOP-balanced chunks (pipeline_stages(config, v·p,
+  // seq_len)) and stage s runs chunks s, s + p, ..., s + (v−1)p (interleaved_stage_ranges) in
+  // interleaved_pipeline_ops order; pipeline_schedule must then be kOneFOneB. v = 1: p + 1 bounds,
+  // one contiguous range per stage.
   std::vector<int> pipeline_bounds;
   int pp_stage = 0;
   PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
+  int pipeline_virtual_stages = 1;
 
   Status validate() const;
   // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
