@@ -198,8 +198,12 @@ int run(const Args& args) {
         }
       }
       const double theory = interleaved_bubble_theory(p, v, m);  // v = 1: (p - 1) / (m + p - 1)
+      // The chunk bounds (v·p + 1 module bounds; stage s runs chunks s, s + p, ...).
+      auto chunk_bounds = pipeline_stages(tc.model, p * v, tc.seq_len);
+      if (!chunk_bounds.ok()) return fail(chunk_bounds.status());
       out["results"].push_back({{"schedule", v == 1 ? std::string(to_string(sched)) : std::string("interleaved")},
                                 {"virtual_stages", v},
+                                {"chunk_modules", *chunk_bounds},
                                 {"micro_batches", m},
                                 {"bubble", mean},
                                 {"bubble_theory", theory},
