@@ -3540,12 +3540,7 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
     return invalid_argument(key + " runs interleaved 1F1B; strata.pipeline_schedule = " +
                             std::string(to_string(s.pipeline_schedule)) + " with it is not built: use 1f1b");
   }
-  if (config.grad_accum % pp_size != 0) {
-    return invalid_argument(key + " with strata.pipeline_parallel_size = " + std::to_string(pp_size) +
-                            ": gradient_accumulation_steps = " + std::to_string(config.grad_accum) +
-                            " micro-batches is not a multiple of the " + std::to_string(pp_size) +
-                            " stages (interleaving moves groups of one micro-batch per stage through the chunks)");
-  }
+  STRATA_RETURN_IF_ERROR(offload_detail::check_interleaved_micro_batches(v, pp_size, config.grad_accum));
   STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
   const auto modules = static_cast<int>(layout.modules.size());
   if (v * pp_size > modules) {

@@ -112,6 +112,17 @@ inline std::vector<std::pair<int, int>> stage_ranges(const std::vector<int>& bou
   return r;
 }
 
+// Interleaved 1F1B moves groups of p micro-batches through the chunks: m must be a multiple of p
+// (the error names the key, both values and what is expected; the engine and the plan use it).
+inline Status check_interleaved_micro_batches(int chunks, int stages, std::int64_t micro_batches) {
+  if (chunks <= 1 || micro_batches % stages == 0) return ok_status();
+  return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(chunks) +
+                          " with strata.pipeline_parallel_size = " + std::to_string(stages) +
+                          ": gradient_accumulation_steps = " + std::to_string(micro_batches) +
+                          " micro-batches is not a multiple of the " + std::to_string(stages) +
+                          " stages (interleaving moves groups of one micro-batch per stage through the chunks)");
+}
+
 // The number of pipeline stages (processes) of the settings' bounds; 1 without a pipeline.
 inline int pipeline_stage_count(const OffloadSettings& settings) {
   if (settings.pipeline_bounds.size() < 2) return 1;

@@ -226,6 +226,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   int act_slots = 1;
   if (settings.pipeline_bounds.size() > 2 && chunks > 1) {
     // Interleaved: a slot holds every chunk of one micro-batch (docs/parallel.md "Schedules").
+    STRATA_RETURN_IF_ERROR(offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
     STRATA_ASSIGN_OR_RETURN(act_slots, interleaved_pipeline_micro_slots(pp_stages, settings.pp_stage, chunks,
                                                                          static_cast<int>(config.grad_accum)));
   } else if (settings.pipeline_bounds.size() > 2) {

@@ -516,9 +516,9 @@ int run_train(std::span<const std::string> argv) {
         const auto j = static_cast<std::size_t>(c * pp + st);
         modules += (c > 0 ? ", " : "") + std::to_string(b[j]) + "-" + std::to_string(b[j + 1] - 1);
       }
-      const std::string schedule =
-          v > 1 ? "interleaved 1f1b, " + std::to_string(v) + " chunks" : std::string(to_string(offload.pipeline_schedule));
-      std::printf("pipeline stage %d of %lld (modules %s, %s schedule, every rank of the stage):\n%s", st,
+      const std::string schedule = v > 1 ? "interleaved 1f1b schedule, " + std::to_string(v) + " chunks per stage"
+                                         : std::string(to_string(offload.pipeline_schedule)) + " schedule";
+      std::printf("pipeline stage %d of %lld (modules %s, %s, every rank of the stage):\n%s", st,
                   static_cast<long long>(pp), modules.c_str(), schedule.c_str(), sp->to_string().c_str());
     }
     return kExitOk;
@@ -658,9 +658,16 @@ int run_train(std::span<const std::string> argv) {
     }
   }
   if (pp > 1) {
-    std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
-                std::string(to_string(offload.pipeline_schedule)).c_str());
-    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
+    const int v = offload.pipeline_virtual_stages;
+    if (v > 1) {
+      // Interleaved: the v·p chunks in virtual-stage order (chunk j on stage j mod p).
+      std::printf("parallel %lld pipeline stages (interleaved 1f1b schedule, %d chunks per stage), chunks",
+                  static_cast<long long>(pp), v);
+    } else {
+      std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
+                  std::string(to_string(offload.pipeline_schedule)).c_str());
+    }
+    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp) * v, tc.seq_len);
     for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
       std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
     std::printf(
