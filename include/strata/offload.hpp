@@ -395,9 +395,13 @@ class OffloadEngine {
   // stage: the engine places, fetches and updates only the stage's modules
   // (pipeline_stages(config.model, size, config.seq_len)) and step() runs
   // settings.pipeline_schedule with the activations sent to the next stage and the activation
-  // gradients to the previous one. Collective over the group like the data-parallel group (every
-  // stage calls step() with the whole micro-batches: each uses the tokens or targets its modules
-  // need); the Comm must outlive the engine. With a data-parallel group too (pp x dp of
+  // gradients to the previous one. With settings.pipeline_virtual_stages = v > 1 (interleaved
+  // 1F1B) the stage runs chunks s, s + p, ... of pipeline_stages(config.model, v·size, seq_len)
+  // in interleaved_pipeline_ops order, each chunk's output going to stage (s + 1) mod size; the
+  // errors for what it refuses name strata.pipeline_virtual_stages. Collective over the group
+  // like the data-parallel group (every stage calls step() with the whole micro-batches: each
+  // uses the tokens or targets its modules need); the Comm must outlive the engine. With a
+  // data-parallel group too (pp x dp of
   // make_process_groups), each pipeline trains its share of the batch and the data-parallel
   // reductions run per stage over the stage's units. With a tensor-parallel group too (the
   // TP x PP x DP grid of make_process_groups), every stage is a tensor-parallel group: each rank
