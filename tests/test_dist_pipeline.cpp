@@ -566,7 +566,8 @@ TEST(PipelineEngine, InterleavedRefusals) {
   {
     OffloadSettings g = s;
     g.pipeline_schedule = PipelineSchedule::kGpipe;
-    refused(even, g, true, {"strata.pipeline_virtual_stages = 2", "pipeline_schedule = gpipe", "1f1b"}, "gpipe");
+    refused(even, g, true, {"strata.pipeline_virtual_stages = 2", "pipeline_schedule = gpipe", "1f1b"},
+            "gpipe");
   }
   {
     const TrainerConfig odd = testing::tiny(ModelKind::kLlama, DType::kF32, p + 1, 1.0);
@@ -584,7 +585,8 @@ TEST(PipelineEngine, InterleavedRefusals) {
             {"strata.pipeline_virtual_stages = 3", std::to_string(3 * p) + " chunks", "5 modules"},
             "more chunks than modules");
   }
-  refused(even, s, false, {"strata.pipeline_virtual_stages = 2", "pipeline_parallel_size > 1"}, "no pipeline");
+  refused(even, s, false, {"strata.pipeline_virtual_stages = 2", "pipeline_parallel_size > 1"},
+          "no pipeline");
   {
     OffloadSettings zero = s;
     zero.pipeline_virtual_stages = 0;
@@ -595,7 +597,8 @@ TEST(PipelineEngine, InterleavedRefusals) {
     ck.model.activation_checkpointing = true;
     OffloadSettings act = s;
     act.offload_activations = true;
-    refused(ck, act, true, {"strata.pipeline_virtual_stages = 2", "activation offload"}, "activation offload");
+    refused(ck, act, true, {"strata.pipeline_virtual_stages = 2", "activation offload"},
+            "activation offload");
   }
 }
 

@@ -276,8 +276,8 @@ TEST(PipelineSchedule, InterleavedOrderDependenciesAndSlots) {
             if (o.chunk != 0) continue;
             int& h = holder[static_cast<std::size_t>(o.micro % k)];
             if (o.forward) {
-              EXPECT_EQ(h, -1) << "slot " << o.micro % k << " still holds micro-batch " << h << " when " << o.micro
-                               << " starts: p=" << p << " v=" << v << " m=" << m << " s=" << s;
+              EXPECT_EQ(h, -1) << "slot " << o.micro % k << " still holds micro-batch " << h << " when "
+                               << o.micro << " starts: p=" << p << " v=" << v << " m=" << m << " s=" << s;
               h = o.micro;
               most_micro = std::max(most_micro, ++in_flight);
             } else {

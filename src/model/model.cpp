@@ -502,7 +502,8 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     m.ranges = {{m.first, m.end}};
     if (!options.module_ranges.empty()) {
       if (options.first_module != 0 || options.end_module != -1) {
-        return invalid_argument("model: Options::module_ranges with first_module / end_module set: give one or the other");
+        return invalid_argument(
+            "model: Options::module_ranges with first_module / end_module set: give one or the other");
       }
       if (options.offload_activations || options.sequence_parallel) {
         return invalid_argument(

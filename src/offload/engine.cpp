@@ -80,6 +80,8 @@
 #include <time.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -88,8 +90,6 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <array>
-#include <atomic>
 #include <optional>
 #include <thread>
 
@@ -545,7 +545,8 @@ struct OffloadEngine::Impl {
   }
   // The modules of chunk_ranges[chunk] (the whole model, or the stage's only range, for chunk 0).
   Status run_forward(bool for_backward, int chunk = 0);
-  Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr, int chunk = 0);
+  Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr,
+                      int chunk = 0);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
   // Pipeline parallel.
@@ -713,9 +714,9 @@ Status OffloadEngine::Impl::setup() {
     } else {
       // A slot holds every chunk of one micro-batch: as many as micro-batches in flight.
       mo.module_ranges = chunk_ranges;
-      STRATA_ASSIGN_OR_RETURN(mo.activation_slots,
-                              interleaved_pipeline_micro_slots(pp_size, pp_rank, chunks,
-                                                               static_cast<int>(config.grad_accum)));
+      STRATA_ASSIGN_OR_RETURN(
+          mo.activation_slots,
+          interleaved_pipeline_micro_slots(pp_size, pp_rank, chunks, static_cast<int>(config.grad_accum)));
     }
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
@@ -1462,7 +1463,8 @@ Status OffloadEngine::Impl::setup_pipeline() {
     for (int u = 0; u < M; ++u)
       if (in[static_cast<std::size_t>(u)]) unit_stage[static_cast<std::size_t>(u)] = st;
   }
-  const std::vector<char> last = offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1, chunks);
+  const std::vector<char> last =
+      offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1, chunks);
   for (int u = 0; u < M && tied_unit < 0; ++u)
     if (last[static_cast<std::size_t>(u)] && unit_stage[static_cast<std::size_t>(u)] != pp_size - 1) tied_unit = u;
   if (tied_unit >= 0 && unit_stage[static_cast<std::size_t>(tied_unit)] != 0) {
@@ -1578,7 +1580,8 @@ Status OffloadEngine::Impl::forward_stage() {
       STRATA_RETURN_IF_ERROR(
           pp_caller->recv(model->boundary_activation(first), count, wire, prev)
               .wait()
-              .with_context("pipeline (forward only): receive of the activations from stage " + std::to_string(prev)));
+              .with_context("pipeline (forward only): receive of the activations from stage " +
+                            std::to_string(prev)));
     }
     if (c == 0) begin_pass();
     STRATA_RETURN_IF_ERROR(run_forward(false, c));
@@ -1743,7 +1746,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // interleaved order with several.
   std::vector<ChunkOp> ops;
   if (v == 1) {
-    for (const PipelineOp& op : pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro)))
+    for (const PipelineOp& op :
+         pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro)))
       ops.push_back(ChunkOp{op.forward, op.micro, 0});
   } else {
     STRATA_ASSIGN_OR_RETURN(ops, interleaved_pipeline_ops(pp_size, pp_rank, v, static_cast<int>(micro)));
@@ -1787,8 +1791,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   };
   // The stream waits for one receive (timed: the stage's idle time, its share of the bubble),
   // then copies it to where the model reads it.
-  auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int buffer, void* dst,
-                     std::string what) -> Status {
+  auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int buffer,
+                     void* dst, std::string what) -> Status {
     const auto i = static_cast<std::size_t>(buffer);
     STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: " + what, [this, w = &works[i], what]() -> Status {
       const auto t0 = std::chrono::steady_clock::now();
@@ -1804,10 +1808,11 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     void* out = bufs[static_cast<std::size_t>(index)].data();
     STRATA_RETURN_IF_ERROR(compute->copy_async(out, src, bytes, CopyKind::kDeviceToDevice));
     pp_bytes += bytes;
-    return compute->host_fn("pipeline: send to stage " + std::to_string(peer), [this, c, out, count, wire, peer]() {
-      sends.push_back(c->send(out, count, wire, peer));
-      return ok_status();
-    });
+    return compute->host_fn("pipeline: send to stage " + std::to_string(peer),
+                            [this, c, out, count, wire, peer]() {
+                              sends.push_back(c->send(out, count, wire, peer));
+                              return ok_status();
+                            });
   };
   auto chunk_name = [&](const ChunkOp& op) {
     return v == 1 ? std::string() : " (chunk " + std::to_string(op.chunk) + ")";
@@ -1833,7 +1838,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
                                 " bytes, expected " + std::to_string(bytes));
         }
         if (receives(op)) {
-          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, recv_buffer[j], model->boundary_activation(first),
+          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, recv_buffer[j],
+                                         model->boundary_activation(first),
                                          "receive of micro-batch " + std::to_string(a) + "'s activations" +
                                              chunk_name(op) + " from stage " + std::to_string(prev)));
         }
@@ -1846,8 +1852,9 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
       } else {
         if (receives(op)) {
           STRATA_RETURN_IF_ERROR(receive(grad_recv_work, grad_recv, recv_buffer[j], model->activation_grad(),
-                                         "receive of micro-batch " + std::to_string(a) + "'s activation gradients" +
-                                             chunk_name(op) + " from stage " + std::to_string(next)));
+                                         "receive of micro-batch " + std::to_string(a) +
+                                             "'s activation gradients" + chunk_name(op) + " from stage " +
+                                             std::to_string(next)));
         }
         // Every unit is read by one chunk of this stage, whose backwards run in micro-batch
         // order: micro-batch 0 starts its gradient, micro-batch m − 1 completes it.
@@ -3521,19 +3528,24 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
   const std::string key = "strata.pipeline_virtual_stages = " + std::to_string(v);
   if (v < 1) return invalid_argument(key + " must be at least 1");
   if (pp_size < 2) {
-    return invalid_argument(key + " interleaves the chunks of a pipeline and needs strata.pipeline_parallel_size > 1 "
-                            "(this engine has no pipeline group, or one of size 1): set it to 1");
+    return invalid_argument(
+        key +
+        " interleaves the chunks of a pipeline and needs strata.pipeline_parallel_size > 1 "
+        "(this engine has no pipeline group, or one of size 1): set it to 1");
   }
   if (s.tp_size > 1) {
-    return invalid_argument(key + " with tensor parallelism (strata.tensor_parallel_size = " +
-                            std::to_string(s.tp_size) + ") is not built yet: set pipeline_virtual_stages to 1");
+    return invalid_argument(
+        key + " with tensor parallelism (strata.tensor_parallel_size = " + std::to_string(s.tp_size) +
+        ") is not built yet: set pipeline_virtual_stages to 1");
   }
   if (s.dp_size > 1) {
-    return invalid_argument(key + " with data parallelism (" + std::to_string(s.dp_size) +
-                            " pipelines) is not built yet: set pipeline_virtual_stages to 1, or run one pipeline");
+    return invalid_argument(
+        key + " with data parallelism (" + std::to_string(s.dp_size) +
+        " pipelines) is not built yet: set pipeline_virtual_stages to 1, or run one pipeline");
   }
   if (s.offload_activations) {
-    return invalid_argument(key + " with activation offload (activation_checkpointing.cpu_checkpointing) is not "
+    return invalid_argument(key +
+                            " with activation offload (activation_checkpointing.cpu_checkpointing) is not "
                             "built yet: turn one of them off");
   }
   if (s.pipeline_schedule != PipelineSchedule::kOneFOneB) {
@@ -3545,7 +3557,8 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
   const auto modules = static_cast<int>(layout.modules.size());
   if (v * pp_size > modules) {
     return invalid_argument(key + " with strata.pipeline_parallel_size = " + std::to_string(pp_size) + ": " +
-                            std::to_string(v * pp_size) + " chunks, but the model has " + std::to_string(modules) +
+                            std::to_string(v * pp_size) + " chunks, but the model has " +
+                            std::to_string(modules) +
                             " modules (every chunk needs one): lower pipeline_virtual_stages");
   }
   return ok_status();
@@ -3577,8 +3590,9 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   STRATA_RETURN_IF_ERROR(check_virtual_stages(config, settings, pp_size));
   if (pp_size > 1) {
     STRATA_RETURN_IF_ERROR(check_pipeline(settings, device, *pipeline));
-    STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds,
-                            pipeline_stages(config.model, pp_size * settings.pipeline_virtual_stages, config.seq_len));
+    STRATA_ASSIGN_OR_RETURN(
+        settings.pipeline_bounds,
+        pipeline_stages(config.model, pp_size * settings.pipeline_virtual_stages, config.seq_len));
     settings.pp_stage = pipeline->rank();
     settings.update_during_backward = false;  // the norm needs every stage's gradients
   }

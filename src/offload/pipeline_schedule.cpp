@@ -69,7 +69,8 @@ Result<int> interleaved_pipeline_slots(int stages, int stage, int chunks, int mi
 }
 
 Result<int> interleaved_pipeline_micro_slots(int stages, int stage, int chunks, int micro_batches) {
-  STRATA_ASSIGN_OR_RETURN(std::vector<ChunkOp> ops, interleaved_pipeline_ops(stages, stage, chunks, micro_batches));
+  STRATA_ASSIGN_OR_RETURN(std::vector<ChunkOp> ops,
+                          interleaved_pipeline_ops(stages, stage, chunks, micro_batches));
   // Chunk 0's forwards and backwards each run in micro-batch order: in flight = started - finished.
   int started = 0, finished = 0, most = 1;
   for (const ChunkOp& op : ops) {

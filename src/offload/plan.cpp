@@ -226,9 +226,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   int act_slots = 1;
   if (settings.pipeline_bounds.size() > 2 && chunks > 1) {
     // Interleaved: a slot holds every chunk of one micro-batch (docs/parallel.md "Schedules").
-    STRATA_RETURN_IF_ERROR(offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
+    STRATA_RETURN_IF_ERROR(
+        offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
     STRATA_ASSIGN_OR_RETURN(act_slots, interleaved_pipeline_micro_slots(pp_stages, settings.pp_stage, chunks,
-                                                                         static_cast<int>(config.grad_accum)));
+                                                                        static_cast<int>(config.grad_accum)));
   } else if (settings.pipeline_bounds.size() > 2) {
     act_slots = pipeline_slots(settings.pipeline_schedule, pp_stages, settings.pp_stage,
                                static_cast<int>(config.grad_accum));
@@ -253,7 +254,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // Interleaved (v chunks): both directions on every stage, a send buffer per (micro-batch, chunk).
     const int slots = act_slots;
     const int stages = pp_stages;
-    const int neighbours = chunks > 1 ? 2 : (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
+    const int neighbours =
+        chunks > 1 ? 2 : (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
     line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(slots - 1) *
              offload_detail::activation_bytes_estimate(config, act_offload));

@@ -43,7 +43,8 @@ constexpr FlagSpec kFlags[] = {
     {"seq-len", "T", "tokens per sequence (default 64)"},
     {"steps", "S", "measured steps per point, after one warm-up step (default 3)"},
     {"threads", "N", "compute threads per stage (default 1)"},
-    {"virtual-stages", "LIST", "interleaved 1F1B rows: chunks per stage, comma separated (default 2; 1: none)"},
+    {"virtual-stages", "LIST",
+     "interleaved 1F1B rows: chunks per stage, comma separated (default 2; 1: none)"},
     {"help", "", "show this help"},
 };
 
@@ -71,15 +72,16 @@ int run(const Args& args) {
     if (!s->ok()) return usage_error("bench pipeline", s->message(), usage());
   }
   std::vector<int> micros, virtuals;
-  for (auto [flag, fallback, list] : {std::tuple{"micro", "1,2,4,8", &micros}, std::tuple{"virtual-stages", "2", &virtuals}}) {
+  for (auto [flag, fallback, list] :
+       {std::tuple{"micro", "1,2,4,8", &micros}, std::tuple{"virtual-stages", "2", &virtuals}}) {
     std::stringstream ss(args.get(flag).value_or(fallback));
     std::string item;
     while (std::getline(ss, item, ',')) {
       char* end = nullptr;
       const long v = std::strtol(item.c_str(), &end, 10);
       if (item.empty() || *end != '\0' || v < 1 || v > 256) {
-        return usage_error("bench pipeline", std::string("--") + flag + ": '" + item + "' is not a count in [1, 256]",
-                           usage());
+        return usage_error("bench pipeline",
+                           std::string("--") + flag + ": '" + item + "' is not a count in [1, 256]", usage());
       }
       list->push_back(static_cast<int>(v));
     }
@@ -123,15 +125,16 @@ int run(const Args& args) {
   out["steps"] = *steps;
   out["results"] = nlohmann::json::array();
   // (schedule, chunks per stage): gpipe, 1f1b, then interleaved 1F1B for each --virtual-stages v > 1.
-  std::vector<std::pair<PipelineSchedule, int>> runs = {{PipelineSchedule::kGpipe, 1}, {PipelineSchedule::kOneFOneB, 1}};
+  std::vector<std::pair<PipelineSchedule, int>> runs = {{PipelineSchedule::kGpipe, 1},
+                                                        {PipelineSchedule::kOneFOneB, 1}};
   const int modules = static_cast<int>(*layers) + 2;  // embedding, blocks, head
   for (int v : virtuals) {
     if (v < 2) continue;
     if (v * p > modules) {
       return usage_error("bench pipeline",
-                         "--virtual-stages " + std::to_string(v) + " on " + std::to_string(p) + " stages needs " +
-                             std::to_string(v * p) + " modules; the model has " + std::to_string(modules) +
-                             " (raise --layers)",
+                         "--virtual-stages " + std::to_string(v) + " on " + std::to_string(p) +
+                             " stages needs " + std::to_string(v * p) + " modules; the model has " +
+                             std::to_string(modules) + " (raise --layers)",
                          usage());
     }
     runs.emplace_back(PipelineSchedule::kOneFOneB, v);
@@ -201,16 +204,17 @@ int run(const Args& args) {
       // The chunk bounds (v·p + 1 module bounds; stage s runs chunks s, s + p, ...).
       auto chunk_bounds = pipeline_stages(tc.model, p * v, tc.seq_len);
       if (!chunk_bounds.ok()) return fail(chunk_bounds.status());
-      out["results"].push_back({{"schedule", v == 1 ? std::string(to_string(sched)) : std::string("interleaved")},
-                                {"virtual_stages", v},
-                                {"chunk_modules", *chunk_bounds},
-                                {"micro_batches", m},
-                                {"bubble", mean},
-                                {"bubble_theory", theory},
-                                {"bubble_per_stage", per_stage},
-                                {"activation_slots", slots},
-                                {"step_seconds", step_seconds},
-                                {"step_wall_seconds", step_wall}});
+      out["results"].push_back(
+          {{"schedule", v == 1 ? std::string(to_string(sched)) : std::string("interleaved")},
+           {"virtual_stages", v},
+           {"chunk_modules", *chunk_bounds},
+           {"micro_batches", m},
+           {"bubble", mean},
+           {"bubble_theory", theory},
+           {"bubble_per_stage", per_stage},
+           {"activation_slots", slots},
+           {"step_seconds", step_seconds},
+           {"step_wall_seconds", step_wall}});
     }
   }
   if (me == 0) std::printf("%s\n", out.dump(2).c_str());
@@ -233,8 +237,9 @@ int bench_pipeline(std::span<const std::string> argv) {
 
 }  // namespace
 
-STRATA_CLI_BENCH(pipeline,
-                 "bubble fraction of the gpipe, 1f1b and interleaved pipeline schedules vs theory (under mpirun)",
-                 bench_pipeline);
+STRATA_CLI_BENCH(
+    pipeline,
+    "bubble fraction of the gpipe, 1f1b and interleaved pipeline schedules vs theory (under mpirun)",
+    bench_pipeline);
 
 }  // namespace strata::cli

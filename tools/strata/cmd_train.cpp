@@ -313,10 +313,11 @@ int run_train(std::span<const std::string> argv) {
     // not a multiple of the stages, more chunks than modules, ...), naming the key.
     const std::int64_t v = pp_options.get_int(Option::kPipelineVirtualStages);
     if (v < 1 || (v > 1 && pp < 2)) {
-      return usage(invalid_argument(pp_options.source(Option::kPipelineVirtualStages) + ": pipeline_virtual_stages = " +
-                                    std::to_string(v) +
-                                    (v < 1 ? " must be at least 1"
-                                           : " interleaves the chunks of a pipeline and needs pipeline_parallel_size > 1")));
+      return usage(invalid_argument(
+          pp_options.source(Option::kPipelineVirtualStages) +
+          ": pipeline_virtual_stages = " + std::to_string(v) +
+          (v < 1 ? " must be at least 1"
+                 : " interleaves the chunks of a pipeline and needs pipeline_parallel_size > 1")));
     }
     offload.pipeline_virtual_stages = static_cast<int>(v);
   }
@@ -479,7 +480,8 @@ int run_train(std::span<const std::string> argv) {
   if (pp > 1) {
     // A stage places only its modules' state: the plan, the device budget and the fit check are
     // this rank's stage's (create() picks the same stages).
-    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp) * offload.pipeline_virtual_stages, tc.seq_len);
+    auto bounds =
+        pipeline_stages(tc.model, static_cast<int>(pp) * offload.pipeline_virtual_stages, tc.seq_len);
     if (!bounds.ok()) {
       return usage(offload.pipeline_virtual_stages > 1
                        ? bounds.status().with_context("strata.pipeline_virtual_stages = " +
@@ -516,8 +518,9 @@ int run_train(std::span<const std::string> argv) {
         const auto j = static_cast<std::size_t>(c * pp + st);
         modules += (c > 0 ? ", " : "") + std::to_string(b[j]) + "-" + std::to_string(b[j + 1] - 1);
       }
-      const std::string schedule = v > 1 ? "interleaved 1f1b schedule, " + std::to_string(v) + " chunks per stage"
-                                         : std::string(to_string(offload.pipeline_schedule)) + " schedule";
+      const std::string schedule =
+          v > 1 ? "interleaved 1f1b schedule, " + std::to_string(v) + " chunks per stage"
+                : std::string(to_string(offload.pipeline_schedule)) + " schedule";
       std::printf("pipeline stage %d of %lld (modules %s, %s, every rank of the stage):\n%s", st,
                   static_cast<long long>(pp), modules.c_str(), schedule.c_str(), sp->to_string().c_str());
     }
