@@ -189,6 +189,51 @@ TEST(DistCliTrain, PipelineStagesTrainLikeOneProcess) {
       << mismatch.output;
 }
 
+// Interleaved 1F1B from the config (strata.pipeline_virtual_stages 2 on 2 stages: the tiny
+// model's 4 modules are 4 chunks, stage 0 runs the embedding and the second block, stage 1 the
+// first block and the head) trains like one process on the same batch (within the tied
+// embedding's rounding, as 1F1B); --plan names each stage's chunks; bad values name the key.
+TEST(DistCliTrain, InterleavedPipelineTrainsLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 4 ";
+  auto one = run_cli("train " + flags + "--metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string cfg = write_file(
+      dir / "v2.json", R"({"strata": {"pipeline_parallel_size": 2, "pipeline_virtual_stages": 2}})");
+  auto two = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --metrics " +
+                         (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_NE(two.output.find(
+                "2 pipeline stages (interleaved 1f1b schedule, 2 chunks per stage), chunks 0-0 1-1 2-2 3-3"),
+            std::string::npos)
+      << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 stages x 2 chunks");
+  auto plan = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --plan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find(
+                "pipeline stage 0 of 2 (modules 0-0, 2-2, interleaved 1f1b schedule, 2 chunks per stage"),
+            std::string::npos)
+      << plan.output;
+  EXPECT_NE(plan.output.find("pipeline stage 1 of 2 (modules 1-1, 3-3"), std::string::npos) << plan.output;
+  // m = 3 is not a multiple of the 2 stages.
+  auto odd =
+      run_command(mpirun(2) + "train " + kTiny + "--steps 1 --val-every 0 --grad-accum 3 --config " + cfg);
+  EXPECT_NE(odd.exit_code, 0) << odd.output;
+  EXPECT_NE(odd.output.find("strata.pipeline_virtual_stages = 2"), std::string::npos) << odd.output;
+  EXPECT_NE(odd.output.find("gradient_accumulation_steps = 3"), std::string::npos) << odd.output;
+  // Without a pipeline, and below 1.
+  const std::string alone = write_file(dir / "alone.json", R"({"strata": {"pipeline_virtual_stages": 2}})");
+  auto no_pp = run_cli("train " + flags + "--config " + alone);
+  EXPECT_NE(no_pp.exit_code, 0) << no_pp.output;
+  EXPECT_NE(no_pp.output.find("pipeline_virtual_stages = 2"), std::string::npos) << no_pp.output;
+  EXPECT_NE(no_pp.output.find("pipeline_parallel_size > 1"), std::string::npos) << no_pp.output;
+  const std::string zero = write_file(
+      dir / "zero.json", R"({"strata": {"pipeline_parallel_size": 2, "pipeline_virtual_stages": 0}})");
+  auto bad = run_command(mpirun(2) + "train " + flags + "--config " + zero);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("pipeline_virtual_stages = 0"), std::string::npos) << bad.output;
+}
+
 // A pipeline's run is as usable as one process's: with one micro-batch per step (the tied
 // embedding's two gradients add once, so the stages' sums are the single process's) 2 stages
 // train, validate and write their --out weights bit for bit as one process does; a checkpoint

@@ -227,6 +227,9 @@ TEST(PipelineSchedule, InterleavedOrderDependenciesAndSlots) {
             "F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 F2c0 B0c0 F3c0 B1c0 F2c1 B2c1 F3c1 B3c1 B2c0 B3c0 ");
   EXPECT_EQ(*interleaved_pipeline_slots(2, 0, 2, 4), 5);
   EXPECT_EQ(*interleaved_pipeline_slots(2, 1, 2, 4), 3);
+  // One slot per micro-batch in flight (every chunk of it): 0..3 on stage 0, at most 3 on stage 1.
+  EXPECT_EQ(*interleaved_pipeline_micro_slots(2, 0, 2, 4), 4);
+  EXPECT_EQ(*interleaved_pipeline_micro_slots(2, 1, 2, 4), 3);
   for (int p = 1; p <= 4; ++p) {
     for (int v = 1; v <= 3; ++v) {
       for (int g = 1; g <= 3; ++g) {
@@ -263,6 +266,27 @@ TEST(PipelineSchedule, InterleavedOrderDependenciesAndSlots) {
             EXPECT_EQ(b[static_cast<std::size_t>(c)], m);
           }
           EXPECT_EQ(*interleaved_pipeline_slots(p, s, v, m), most);
+          // The engine's slots (one per micro-batch, holding every chunk of it): micro-batch a in
+          // flight from its chunk-0 forward to its chunk-0 backward uses slot a % k, so no two in
+          // flight at once may share it, and k is the most in flight.
+          const int k = *interleaved_pipeline_micro_slots(p, s, v, m);
+          std::vector<int> holder(static_cast<std::size_t>(k), -1);
+          int in_flight = 0, most_micro = 0;
+          for (const ChunkOp& o : ops) {
+            if (o.chunk != 0) continue;
+            int& h = holder[static_cast<std::size_t>(o.micro % k)];
+            if (o.forward) {
+              EXPECT_EQ(h, -1) << "slot " << o.micro % k << " still holds micro-batch " << h << " when "
+                               << o.micro << " starts: p=" << p << " v=" << v << " m=" << m << " s=" << s;
+              h = o.micro;
+              most_micro = std::max(most_micro, ++in_flight);
+            } else {
+              EXPECT_EQ(h, o.micro);
+              h = -1;
+              --in_flight;
+            }
+          }
+          EXPECT_EQ(k, std::max(most_micro, 1)) << "p=" << p << " v=" << v << " m=" << m << " s=" << s;
         }
         // No deadlock, messages matched in order, and the bubble (equal chunks, free
         // communication) is 1F1B's divided by v: makespan 2m + 2(p−1)/v with t_f = t_b.

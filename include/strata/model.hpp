@@ -27,6 +27,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "strata/alloc.hpp"
@@ -283,6 +284,12 @@ class Model {
     // their activations are allocated; forward and backward passes start and end at the range.
     int first_module = 0;
     int end_module = -1;
+    // Interleaved 1F1B (docs/parallel.md "Schedules"): several module ranges instead of
+    // [first_module, end_module) (which must then be left at their defaults): non-empty,
+    // increasing, not touching. Every slot carves the activations of every range (a slot holds
+    // every chunk of one micro-batch); select_range() picks the range the passes run. Not with
+    // activation offload or sequence parallelism.
+    std::vector<std::pair<int, int>> module_ranges;
     // Activation offload (docs/offload.md "Activation offload"; DeepSpeed's
     // activation_checkpointing.cpu_checkpointing). Requires ModelConfig::activation_checkpointing.
     // The residual stream lives in a ring of kActivationRing device buffers per activation slot
@@ -377,9 +384,16 @@ class Model {
   Status select_slot(int slot);
   int slot() const;
   int activation_slots() const;
-  // The range of modules this model runs (Options::first_module / end_module).
+  // The range of modules this model runs (Options::first_module / end_module, or with
+  // Options::module_ranges the selected range).
   int first_module() const;
   int end_module() const;
+  // With Options::module_ranges: the range the passes of the selected slot run from now on
+  // (index into module_ranges). Each slot remembers, per range, whether that range's last
+  // forward kept activations (set_batch forgets them all: a new micro-batch), so a chunk's
+  // backward may follow other chunks' passes in the same slot. The forward of a range starts at
+  // its first module; a backward at its last. Error: no such range.
+  Status select_range(int range);
   // The residual stream between module `module` - 1 and `module` (1 <= module < num_modules())
   // in the selected slot: (B, T, C) in the working dtype, boundary_bytes() long. For a stage
   // [b, e): receive the forward input into boundary_activation(b) before forward_module(b),

@@ -147,9 +147,16 @@ struct OffloadSettings {
   // (pipeline_stages; empty: one process runs every module) and this process's stage. create()
   // sets both from its pipeline group; strata estimate may set them to ask "what would stage s
   // need". The plan then covers only the stage's units.
+  //
+  // Interleaved 1F1B (strata.pipeline_virtual_stages = v > 1, docs/parallel.md "Schedules"): the
+  // bounds are the v·p + 1 bounds of the v·p FLOP-balanced chunks (pipeline_stages(config, v·p,
+  // seq_len)) and stage s runs chunks s, s + p, ..., s + (v−1)p (interleaved_stage_ranges) in
+  // interleaved_pipeline_ops order; pipeline_schedule must then be kOneFOneB. v = 1: p + 1 bounds,
+  // one contiguous range per stage.
   std::vector<int> pipeline_bounds;
   int pp_stage = 0;
   PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
+  int pipeline_virtual_stages = 1;
 
   Status validate() const;
   // DeepSpeed's zero_optimization.offload_param / offload_optimizer / stage3_* and aio keys.
@@ -431,9 +438,13 @@ class OffloadEngine {
   // stage: the engine places, fetches and updates only the stage's modules
   // (pipeline_stages(config.model, size, config.seq_len)) and step() runs
   // settings.pipeline_schedule with the activations sent to the next stage and the activation
-  // gradients to the previous one. Collective over the group like the data-parallel group (every
-  // stage calls step() with the whole micro-batches: each uses the tokens or targets its modules
-  // need); the Comm must outlive the engine. With a data-parallel group too (pp x dp of
+  // gradients to the previous one. With settings.pipeline_virtual_stages = v > 1 (interleaved
+  // 1F1B) the stage runs chunks s, s + p, ... of pipeline_stages(config.model, v·size, seq_len)
+  // in interleaved_pipeline_ops order, each chunk's output going to stage (s + 1) mod size; the
+  // errors for what it refuses name strata.pipeline_virtual_stages. Collective over the group
+  // like the data-parallel group (every stage calls step() with the whole micro-batches: each
+  // uses the tokens or targets its modules need); the Comm must outlive the engine. With a
+  // data-parallel group too (pp x dp of
   // make_process_groups), each pipeline trains its share of the batch and the data-parallel
   // reductions run per stage over the stage's units. With a tensor-parallel group too (the
   // TP x PP x DP grid of make_process_groups), every stage is a tensor-parallel group: each rank

@@ -41,6 +41,7 @@ enum class Option : std::uint16_t {
   kPipelineParallelSize,    // pipeline stages (processes) per pipeline under mpirun
   kPipelineSchedule,        // pipeline schedule: gpipe | 1f1b
   kSequenceParallel,        // tensor parallel: split the residual stream's tokens over the group
+  kPipelineVirtualStages,   // pipeline parallel: module chunks per process (interleaved 1F1B)
   kCount
 };
 

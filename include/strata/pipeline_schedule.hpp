@@ -1,11 +1,11 @@
 // Interleaved 1F1B (virtual pipeline stages): the order of one process's work and the module
 // chunks it owns. docs/parallel.md "Pipeline parallel on the offload engine" (Schedules).
 //
-// Status: the schedule and the chunk assignment only. The engine does not run it yet (it runs one
-// contiguous module range per process, pipeline_ops in offload.hpp), so no configuration selects
-// it; these functions are what the engine's runner will iterate, and they are unit tested
-// (tests/test_model_pipeline.cpp: op order, dependencies, deadlock freedom by simulation over p
-// processes, message matching order, slot counts).
+// The engine runs it with strata.pipeline_virtual_stages = v > 1 (OffloadSettings::
+// pipeline_virtual_stages; engine.cpp run_pipeline iterates interleaved_pipeline_ops). Unit
+// tested in tests/test_model_pipeline.cpp (op order, dependencies, deadlock freedom by simulation
+// over p processes, message matching order, slot counts) and against one process in
+// tests/test_dist_pipeline.cpp.
 //
 // The model is split into v·p FLOP-balanced chunks (pipeline_stages(config, v·p, seq_len));
 // virtual stage j = c·p + s is chunk c of process s, so process s owns chunks s, s+p, ...,
@@ -47,6 +47,13 @@ Result<std::vector<ChunkOp>> interleaved_pipeline_ops(int stages, int stage, int
 // The most (micro-batch, chunk) forwards in flight (forward done, backward not) at once on that
 // process: the activation sets of its chunks it needs. Errors as interleaved_pipeline_ops.
 Result<int> interleaved_pipeline_slots(int stages, int stage, int chunks, int micro_batches);
+
+// The most micro-batches in flight at once on that process (a micro-batch is in flight from its
+// first chunk's forward to its first chunk's backward; both run in micro-batch order, so the
+// micro-batches in flight are consecutive and micro-batch a may use activation slot a mod this
+// count). The engine's activation slots each hold every chunk of one micro-batch. Errors as
+// interleaved_pipeline_ops.
+Result<int> interleaved_pipeline_micro_slots(int stages, int stage, int chunks, int micro_batches);
 
 // The module ranges process `stage` owns, in chunk order: [bounds[c·p + s], bounds[c·p + s + 1])
 // for c = 0 .. v−1, from the v·p + 1 bounds of pipeline_stages(config, v·p, seq_len). Errors: the

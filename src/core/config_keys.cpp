@@ -288,8 +288,8 @@ constexpr ConfigKey kKeys[] = {
     // ---- features Strata does not have ----
     {"elasticity", R, "elastic training is not supported; set the batch sizes directly", true},
     {"pipeline", R,
-     "DeepSpeed's pipeline section (PipelineModule) does not apply; set strata.pipeline_parallel_size and "
-     "strata.pipeline_schedule",
+     "DeepSpeed's pipeline section (PipelineModule) does not apply; set strata.pipeline_parallel_size, "
+     "strata.pipeline_schedule and strata.pipeline_virtual_stages (interleaved 1F1B)",
      true},
     {"sparse_attention", R, "sparse attention is not implemented; remove the section", true},
     {"curriculum_learning", R, "curriculum learning is not implemented; remove the section", true},

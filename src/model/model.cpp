@@ -129,6 +129,9 @@ struct ActState {
   int cached_block = -1;       // with checkpointing: the block whose activations the shared set holds
   int next_forward = 0;        // the module forward_module() expects next
   int next_backward = -1;      // the module backward_module() expects next (-1: none)
+  // Per module range (Options::module_ranges; one entry without): its last forward kept
+  // activations for backward and its backward has not consumed them yet.
+  std::vector<char> range_saved;
   // Activation offload (empty without): the pinned host copies of residual indices [lo, hi]; per
   // ring buffer the index it holds (-1: none), the compute stream's last use of it, the copy
   // stream's last copy into or out of it and whether the compute stream has yet to wait for that;
@@ -177,7 +180,22 @@ struct Model::Impl : ActState {
   std::vector<float*> unit_grads;
   std::vector<int> owner;
   std::vector<std::vector<int>> storage;
-  int first = 0, end = 0;  // the module range [first, end) this model runs
+  int first = 0, end = 0;  // the module range [first, end) the passes run (the selected range)
+  // Every range the model runs (Options::module_ranges, or the one [first, end)); activations are
+  // carved for all of them. `range`: the selected one.
+  std::vector<std::pair<int, int>> ranges;
+  int range = 0;
+  // Whether residual index l, or module m, is read or written by a range.
+  bool carves_resid(std::int64_t l) const {
+    for (const auto& [b, e] : ranges)
+      if (l >= std::max(b - 1, 0) && l <= std::min<std::int64_t>(e - 1, layout.config.n_layer)) return true;
+    return false;
+  }
+  bool runs_module(int module) const {
+    for (const auto& [b, e] : ranges)
+      if (module >= b && module < e) return true;
+    return false;
+  }
   std::vector<ActState> parked;  // per slot; the selected slot's entry is empty (its state is *this)
   int current = 0;               // the selected slot
   EmbedHeadParams eh;
@@ -382,14 +400,14 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
                                                          : Tensor{nullptr, wdt});
   } else {
     for (std::int64_t l = 0; l <= L; ++l)
-      resid.push_back(l >= resid_lo() && l <= resid_hi() ? c.tensor(Nl * C, wdt) : Tensor{nullptr, wdt});
+      resid.push_back(carves_resid(l) ? c.tensor(Nl * C, wdt) : Tensor{nullptr, wdt});
   }
   const bool shared = layout.config.activation_checkpointing || !with_grads;
   sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
   for (std::size_t i = 0; i < sets.size(); ++i) {
     BlockActs& a = sets[i];
     const int module = static_cast<int>(i) + 1;  // block l is module l + 1
-    if (!shared && (module < first || module >= end)) continue;
+    if (!shared && !runs_module(module)) continue;
     a.norm1 = c.tensor(Nl * C, wdt);
     a.qkv = c.tensor(N * Q, wdt);
     a.atty = c.tensor(N * H * D, wdt);
@@ -406,7 +424,8 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
   tokens = c.ints(N);
   targets = c.ints(N);
   losses = c.floats(N);  // zero rows of a stage without the head: its losses sum to 0
-  if (end < static_cast<int>(layout.modules.size())) return;  // the head runs elsewhere
+  range_saved.assign(ranges.size(), 0);
+  if (ranges.back().second < static_cast<int>(layout.modules.size())) return;  // the head runs elsewhere
   final_norm = c.tensor(Nl * C, wdt);
   final_mean = gpt2 ? c.floats(Nl) : nullptr;
   final_rstd = c.floats(Nl);
@@ -480,6 +499,31 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     }
     m.first = options.first_module;
     m.end = e;
+    m.ranges = {{m.first, m.end}};
+    if (!options.module_ranges.empty()) {
+      if (options.first_module != 0 || options.end_module != -1) {
+        return invalid_argument(
+            "model: Options::module_ranges with first_module / end_module set: give one or the other");
+      }
+      if (options.offload_activations || options.sequence_parallel) {
+        return invalid_argument(
+            "model: several module ranges (interleaved pipeline, strata.pipeline_virtual_stages > 1) with " +
+            std::string(options.offload_activations ? "activation offload" : "sequence parallelism") +
+            " are not built yet");
+      }
+      int prev_end = -1;
+      for (const auto& [b, e2] : options.module_ranges) {
+        if (b < 0 || e2 > M || b >= e2 || b <= prev_end) {
+          return invalid_argument("model: module range [" + std::to_string(b) + ", " + std::to_string(e2) +
+                                  ") of Options::module_ranges is empty, outside the " + std::to_string(M) +
+                                  " modules or not after the previous range with a gap");
+        }
+        prev_end = e2;
+      }
+      m.ranges = options.module_ranges;
+      m.first = m.ranges.front().first;
+      m.end = m.ranges.front().second;
+    }
   }
   if (options.offload_activations && !cfg.activation_checkpointing) {
     return invalid_argument(
@@ -725,6 +769,22 @@ int Model::activation_slots() const { return static_cast<int>(impl_->parked.size
 int Model::first_module() const { return impl_->first; }
 int Model::end_module() const { return impl_->end; }
 
+Status Model::select_range(int range) {
+  Impl& m = *impl_;
+  if (range < 0 || range >= static_cast<int>(m.ranges.size())) {
+    return invalid_argument("select_range: no module range " + std::to_string(range) + " (the model has " +
+                            std::to_string(m.ranges.size()) + ", Options::module_ranges)");
+  }
+  m.range = range;
+  m.first = m.ranges[static_cast<std::size_t>(range)].first;
+  m.end = m.ranges[static_cast<std::size_t>(range)].second;
+  const bool saved = m.range_saved[static_cast<std::size_t>(range)] != 0;
+  m.next_forward = m.first;
+  m.forward_saved = saved;
+  m.next_backward = saved ? m.end - 1 : -1;
+  return ok_status();
+}
+
 void* Model::boundary_activation(int module) const {
   const Impl& m = *impl_;
   if (module < 1 || module >= num_modules()) return nullptr;
@@ -862,6 +922,7 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
   m.forward_saved = false;
   m.next_forward = m.first;
   m.next_backward = -1;
+  std::fill(m.range_saved.begin(), m.range_saved.end(), 0);
   return ok_status();
 }
 
@@ -946,6 +1007,7 @@ Status Model::forward_module(int module, bool for_backward) {
   if (module + 1 == m.end) {
     m.forward_saved = for_backward;
     m.next_backward = for_backward ? module : -1;
+    m.range_saved[static_cast<std::size_t>(m.range)] = for_backward ? 1 : 0;
   } else {
     m.forward_saved = false;
     m.next_backward = -1;
@@ -969,7 +1031,10 @@ Status Model::backward_module(int module, float dloss) {
   STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
   STRATA_RETURN_IF_ERROR(m.offload_after_backward(module));
   m.next_backward = module == m.first ? -1 : module - 1;
-  if (module == m.first) m.forward_saved = false;  // backward consumed the saved activations
+  if (module == m.first) {  // backward consumed the saved activations
+    m.forward_saved = false;
+    m.range_saved[static_cast<std::size_t>(m.range)] = 0;
+  }
   return ok_status();
 }
 

@@ -56,7 +56,8 @@
 // buckets, reduces, scans and updates are identical on every rank, as without it.
 //
 // Pipeline parallel (docs/parallel.md "Pipeline parallel"). A stage runs modules [stage_first,
-// stage_end) and holds only the units they read (Units::in_stage; the others have no bytes, no
+// stage_end) (interleaved 1F1B: the v module ranges of chunk_ranges, chunks s, s + p, ...) and
+// holds only the units they read (Units::in_stage; the others have no bytes, no
 // plan lines, no NVMe keys, and count as updated every step). step() runs the schedule's
 // forwards and backwards (run_pipeline) with the same per-module fetches and gradient buckets as
 // one process, exchanging boundary tensors with the neighbouring stages; the gradient norm merges
@@ -81,6 +82,8 @@
 #include <time.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -89,8 +92,6 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <array>
-#include <atomic>
 #include <optional>
 #include <thread>
 
@@ -106,6 +107,7 @@
 #include "strata/log.hpp"
 #include "strata/optim.hpp"
 #include "strata/parallel.hpp"
+#include "strata/pipeline_schedule.hpp"
 #include "strata/safetensors.hpp"
 
 namespace strata {
@@ -389,13 +391,21 @@ struct OffloadEngine::Impl {
   Comm* pp = nullptr;
   int pp_size = 1, pp_rank = 0;
   int stage_first = 0, stage_end = 0;
+  // The module ranges this stage runs, in chunk order: one, [stage_first, stage_end), or with
+  // interleaved 1F1B (settings.pipeline_virtual_stages = v > 1) chunks s, s + p, ... of the v·p
+  // (stage_first / stage_end: the first chunk's start and the last one's end). {[0, M)} without
+  // a pipeline.
+  std::vector<std::pair<int, int>> chunk_ranges;
+  int chunks = 1;
   std::unique_ptr<Comm> pp_caller, pp_norm, pp_tied;
   int tied_unit = -1;                   // the unit both the first and the last stage hold (GPT-2's embedding)
   std::vector<int> unit_stage;          // per unit: the lowest stage holding it (whose statistics count)
   std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
   std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
-  std::vector<ArenaBuffer> act_send, grad_send;  // per micro-batch: the boundary tensors sent
-  // kPipelineRecvBuffers each, used alternately (micro-batch a: a % 2): the boundary tensors received
+  // Per micro-batch (interleaved: per micro-batch and chunk, a·v + c): the boundary tensors sent.
+  std::vector<ArenaBuffer> act_send, grad_send;
+  // kPipelineRecvBuffers each, used alternately (the n-th receive of a direction in the step: n % 2;
+  // with one chunk that is micro-batch n): the boundary tensors received
   std::vector<ArenaBuffer> act_recv, grad_recv;
   // The boundary exchange runs in compute-stream order (host functions on the stream's worker,
   // the only thread using pp_stream): a receive is posted when the stream starts the op before
@@ -403,6 +413,10 @@ struct OffloadEngine::Impl {
   // output is copied. The handles below are written by the worker and read by the caller only
   // after compute->synchronize().
   std::unique_ptr<Comm> pp_stream;
+  // Interleaved only: the activation gradients' Comm (pp_stream carries the activations). With
+  // p = 2 both directions of a pair go to the same peer, and MPI matches per (pair, Comm) in
+  // posting order; a Comm per direction keeps each direction's order its own.
+  std::unique_ptr<Comm> pp_stream_grads;
   std::vector<CommWork> act_recv_work, grad_recv_work;  // per receive buffer: its posted receive
   std::vector<CommWork> sends;          // this step's sends, waited at its end
   double pp_stream_wait_seconds = 0.0;  // compute stream's receive waits (worker; read after a sync)
@@ -576,8 +590,10 @@ struct OffloadEngine::Impl {
     if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
     return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
   }
-  Status run_forward(bool for_backward);
-  Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr);
+  // The modules of chunk_ranges[chunk] (the whole model, or the stage's only range, for chunk 0).
+  Status run_forward(bool for_backward, int chunk = 0);
+  Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr,
+                      int chunk = 0);
   Status run_micro_batches(std::span<const std::int32_t> inputs, std::span<const std::int32_t> targets,
                            std::int64_t micro, bool update, std::int64_t step, double lr);
   // Pipeline parallel.
@@ -738,13 +754,24 @@ Status OffloadEngine::Impl::setup() {
   mo.offload_activations = settings.offload_activations;
   stage_first = 0;
   stage_end = M;
+  chunk_ranges = {{0, M}};
   if (pp_size > 1) {
-    stage_first = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank)];
-    stage_end = settings.pipeline_bounds[static_cast<std::size_t>(pp_rank) + 1];
-    mo.first_module = stage_first;
-    mo.end_module = stage_end;
-    mo.activation_slots =
-        pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
+    chunks = settings.pipeline_virtual_stages;
+    chunk_ranges = offload_detail::stage_ranges(settings.pipeline_bounds, chunks, pp_rank);
+    stage_first = chunk_ranges.front().first;
+    stage_end = chunk_ranges.back().second;
+    if (chunks == 1) {
+      mo.first_module = stage_first;
+      mo.end_module = stage_end;
+      mo.activation_slots =
+          pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
+    } else {
+      // A slot holds every chunk of one micro-batch: as many as micro-batches in flight.
+      mo.module_ranges = chunk_ranges;
+      STRATA_ASSIGN_OR_RETURN(
+          mo.activation_slots,
+          interleaved_pipeline_micro_slots(pp_size, pp_rank, chunks, static_cast<int>(config.grad_accum)));
+    }
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
@@ -839,10 +866,12 @@ Status OffloadEngine::Impl::setup() {
   }
   first_touch.assign(static_cast<std::size_t>(M), -1);
   last_touch.assign(static_cast<std::size_t>(M), M);
-  for (int m = stage_first; m < stage_end; ++m) {  // this stage's modules (all without a pipeline)
-    for (int u : units.storage[static_cast<std::size_t>(m)]) {
-      first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
-      last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
+  for (const auto& [first, end] : chunk_ranges) {  // this stage's modules (all without a pipeline)
+    for (int m = first; m < end; ++m) {
+      for (int u : units.storage[static_cast<std::size_t>(m)]) {
+        first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
+        last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
+      }
     }
   }
 
@@ -1531,12 +1560,16 @@ Status OffloadEngine::Impl::setup_pipeline() {
   // The tied unit: held by the first stage (its own module) and by the last (read by the head).
   const ModelLayout& L = layout();
   unit_stage.assign(static_cast<std::size_t>(M), -1);
+  if (chunks > 1) {
+    STRATA_ASSIGN_OR_RETURN(pp_stream_grads, pp->split(0, pp_rank, "pp.stream_grads"));
+  }
   for (int st = pp_size - 1; st >= 0; --st) {
-    const std::vector<char> in = offload_detail::stage_units(L, settings.pipeline_bounds, st);
+    const std::vector<char> in = offload_detail::stage_units(L, settings.pipeline_bounds, st, chunks);
     for (int u = 0; u < M; ++u)
       if (in[static_cast<std::size_t>(u)]) unit_stage[static_cast<std::size_t>(u)] = st;
   }
-  const std::vector<char> last = offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1);
+  const std::vector<char> last =
+      offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1, chunks);
   for (int u = 0; u < M && tied_unit < 0; ++u)
     if (last[static_cast<std::size_t>(u)] && unit_stage[static_cast<std::size_t>(u)] != pp_size - 1) tied_unit = u;
   if (tied_unit >= 0 && unit_stage[static_cast<std::size_t>(tied_unit)] != 0) {
@@ -1553,27 +1586,30 @@ Status OffloadEngine::Impl::setup_pipeline() {
   pp_gathered.assign(static_cast<std::size_t>(M * pp_size), GradStats{});
   const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
                                  dtype_size(wdtype);
-  for (std::int64_t a = 0; a < config.grad_accum; ++a) {
-    if (pp_rank + 1 < pp_size) {
+  // Interleaved: every stage sends and receives in both directions (a chunk's output goes to the
+  // next stage, the last stage's to the first), one send buffer per (micro-batch, chunk).
+  const bool both = chunks > 1;
+  for (std::int64_t a = 0; a < config.grad_accum * chunks; ++a) {
+    if (both || pp_rank + 1 < pp_size) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_activations"));
       act_send.push_back(std::move(b));
     }
-    if (pp_rank > 0) {
+    if (both || pp_rank > 0) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer b, device->allocate(boundary, "pipeline.send_gradients"));
       grad_send.push_back(std::move(b));
     }
   }
   for (int i = 0; i < offload_detail::kPipelineRecvBuffers; ++i) {
-    if (pp_rank + 1 < pp_size) {
+    if (both || pp_rank + 1 < pp_size) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_gradients"));
       grad_recv.push_back(std::move(r));
     }
-    if (pp_rank > 0) {
+    if (both || pp_rank > 0) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_activations"));
       act_recv.push_back(std::move(r));
     }
   }
-  sends.reserve(static_cast<std::size_t>(2 * config.grad_accum));
+  sends.reserve(static_cast<std::size_t>(2 * config.grad_accum * chunks));
   act_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
   grad_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
   return ok_status();
@@ -1662,23 +1698,31 @@ Status OffloadEngine::Impl::forward_stage() {
   const DType wire = wire_dtype();
   const std::uint64_t bytes = model->boundary_bytes();
   const std::size_t count = bytes / dtype_size(wire);
-  if (pp_rank > 0) {
-    STRATA_RETURN_IF_ERROR(compute->synchronize());  // the input buffer's previous reader is done
-    STRATA_RETURN_IF_ERROR(
-        pp_caller->recv(model->boundary_activation(stage_first), count, wire, pp_rank - 1)
-            .wait()
-            .with_context("pipeline (forward only): receive of the activations from stage " +
-                          std::to_string(pp_rank - 1)));
-  }
-  begin_pass();
-  STRATA_RETURN_IF_ERROR(run_forward(false));
-  STRATA_RETURN_IF_ERROR(end_pass());
-  if (pp_rank + 1 < pp_size) {
-    STRATA_RETURN_IF_ERROR(compute->synchronize());
-    STRATA_RETURN_IF_ERROR(pp_caller->send(model->boundary_activation(stage_end), count, wire, pp_rank + 1)
-                               .wait()
-                               .with_context("pipeline (forward only): send of the activations to stage " +
-                                             std::to_string(pp_rank + 1)));
+  // Interleaved: chunk c's input comes from the previous stage (stage 0's chunks c > 0: from the
+  // last stage's chunk c − 1) and its output goes to the next (the last stage's: to stage 0).
+  // The chunks form one chain through the processes, so the blocking exchange cannot cycle.
+  const int prev = (pp_rank + pp_size - 1) % pp_size, next = (pp_rank + 1) % pp_size;
+  for (int c = 0; c < chunks; ++c) {
+    const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
+    if (chunks > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
+    if (pp_rank > 0 || c > 0) {
+      STRATA_RETURN_IF_ERROR(compute->synchronize());  // the input buffer's previous reader is done
+      STRATA_RETURN_IF_ERROR(
+          pp_caller->recv(model->boundary_activation(first), count, wire, prev)
+              .wait()
+              .with_context("pipeline (forward only): receive of the activations from stage " +
+                            std::to_string(prev)));
+    }
+    if (c == 0) begin_pass();
+    STRATA_RETURN_IF_ERROR(run_forward(false, c));
+    if (c + 1 == chunks) STRATA_RETURN_IF_ERROR(end_pass());
+    if (pp_rank + 1 < pp_size || c + 1 < chunks) {
+      STRATA_RETURN_IF_ERROR(compute->synchronize());
+      STRATA_RETURN_IF_ERROR(pp_caller->send(model->boundary_activation(end), count, wire, next)
+                                 .wait()
+                                 .with_context("pipeline (forward only): send of the activations to stage " +
+                                               std::to_string(next)));
+    }
   }
   return ok_status();
 }
@@ -1815,39 +1859,71 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   const std::int64_t B = config.micro_batch, T = config.seq_len;
   const auto per = static_cast<std::size_t>(B * T);
   const int k = model->activation_slots();
-  const bool first_stage = pp_rank == 0, last_stage = pp_rank + 1 == pp_size;
+  const int v = chunks;
+  const int prev = (pp_rank + pp_size - 1) % pp_size, next = (pp_rank + 1) % pp_size;
   const DType wire = wire_dtype();
   const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * config.model.n_embd) * dtype_size(wdtype);
   const std::size_t count = bytes / dtype_size(wire);
   const auto started = std::chrono::steady_clock::now();
   Comm* const comm = pp_stream.get();
+  // Interleaved: the activation gradients go on a Comm of their own (pp_stream_grads).
+  Comm* const grad_comm = v > 1 ? pp_stream_grads.get() : comm;
   sends.clear();
   pp_stream_wait_seconds = 0.0;
   cyclic = false;
   begin_pass();
-  const std::vector<PipelineOp> ops =
-      pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro));
+  // The stage's ops as (forward, micro-batch, chunk): the schedule's with one chunk, the
+  // interleaved order with several.
+  std::vector<ChunkOp> ops;
+  if (v == 1) {
+    for (const PipelineOp& op :
+         pipeline_ops(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(micro)))
+      ops.push_back(ChunkOp{op.forward, op.micro, 0});
+  } else {
+    STRATA_ASSIGN_OR_RETURN(ops, interleaved_pipeline_ops(pp_size, pp_rank, v, static_cast<int>(micro)));
+  }
+  // Whether an op receives its input (the first virtual stage's forward and the last one's
+  // backward do not) and sends its output (the last virtual stage's forward, the first's backward
+  // do not); virtual stage c·p + s is chunk c of stage s.
+  auto receives = [&](const ChunkOp& op) {
+    return op.forward ? !(pp_rank == 0 && op.chunk == 0) : !(pp_rank + 1 == pp_size && op.chunk + 1 == v);
+  };
+  auto sends_out = [&](const ChunkOp& op) {
+    return op.forward ? !(pp_rank + 1 == pp_size && op.chunk + 1 == v) : !(pp_rank == 0 && op.chunk == 0);
+  };
+  // Per op, the receive buffer it uses: the n-th receive of its direction in the step takes
+  // buffer n % kBuffers (with one chunk n is the micro-batch, as every op of a direction
+  // receives).
   constexpr int kBuffers = offload_detail::kPipelineRecvBuffers;
+  std::vector<int> recv_buffer(ops.size(), -1);
+  {
+    int n_act = 0, n_grad = 0;
+    for (std::size_t j = 0; j < ops.size(); ++j) {
+      if (!receives(ops[j])) continue;
+      recv_buffer[j] = (ops[j].forward ? n_act++ : n_grad++) % kBuffers;
+    }
+  }
   // Posts op j's receive, if it has one (in stream order, on the worker thread).
   auto post = [&](std::size_t j) -> Status {
     if (j >= ops.size()) return ok_status();
-    const PipelineOp& op = ops[j];
-    if (op.forward ? first_stage : last_stage) return ok_status();
-    const auto i = static_cast<std::size_t>(op.micro % kBuffers);
+    const ChunkOp& op = ops[j];
+    if (!receives(op)) return ok_status();
+    const auto i = static_cast<std::size_t>(recv_buffer[j]);
     void* buf = op.forward ? act_recv[i].data() : grad_recv[i].data();
     CommWork* work = op.forward ? &act_recv_work[i] : &grad_recv_work[i];
-    const int peer = op.forward ? pp_rank - 1 : pp_rank + 1;
+    const int peer = op.forward ? prev : next;
+    Comm* c = op.forward ? comm : grad_comm;
     return compute->host_fn("pipeline: post a receive from stage " + std::to_string(peer),
-                            [comm, buf, work, count, wire, peer]() {
-                              *work = comm->recv(buf, count, wire, peer);
+                            [c, buf, work, count, wire, peer]() {
+                              *work = c->recv(buf, count, wire, peer);
                               return ok_status();
                             });
   };
   // The stream waits for one receive (timed: the stage's idle time, its share of the bubble),
   // then copies it to where the model reads it.
-  auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int a, void* dst,
-                     std::string what) -> Status {
-    const auto i = static_cast<std::size_t>(a % kBuffers);
+  auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int buffer,
+                     void* dst, std::string what) -> Status {
+    const auto i = static_cast<std::size_t>(buffer);
     STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: " + what, [this, w = &works[i], what]() -> Status {
       const auto t0 = std::chrono::steady_clock::now();
       Status st = w->wait();
@@ -1856,46 +1932,66 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     }));
     return compute->copy_async(dst, bufs[i].data(), bytes, CopyKind::kDeviceToDevice);
   };
-  // Copies an output to its send buffer and issues the send behind it (stream order).
-  auto send = [&](std::vector<ArenaBuffer>& bufs, int a, const void* src, int peer) -> Status {
-    void* out = bufs[static_cast<std::size_t>(a)].data();
+  // Copies an output to its send buffer (index a·v + chunk) and issues the send behind it
+  // (stream order).
+  auto send = [&](std::vector<ArenaBuffer>& bufs, int index, const void* src, int peer, Comm* c) -> Status {
+    void* out = bufs[static_cast<std::size_t>(index)].data();
     STRATA_RETURN_IF_ERROR(compute->copy_async(out, src, bytes, CopyKind::kDeviceToDevice));
     pp_bytes += bytes;
-    return compute->host_fn("pipeline: send to stage " + std::to_string(peer), [this, comm, out, count, wire, peer]() {
-      sends.push_back(comm->send(out, count, wire, peer));
-      return ok_status();
-    });
+    return compute->host_fn("pipeline: send to stage " + std::to_string(peer),
+                            [this, c, out, count, wire, peer]() {
+                              sends.push_back(c->send(out, count, wire, peer));
+                              return ok_status();
+                            });
+  };
+  auto chunk_name = [&](const ChunkOp& op) {
+    return v == 1 ? std::string() : " (chunk " + std::to_string(op.chunk) + ")";
   };
   auto schedule = [&]() -> Status {
     STRATA_RETURN_IF_ERROR(post(0));
     for (std::size_t j = 0; j < ops.size(); ++j) {
-      const PipelineOp& op = ops[j];
-      const int a = op.micro;
+      const ChunkOp& op = ops[j];
+      const int a = op.micro, c = op.chunk;
+      const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
       STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
       STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
+      if (v > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
       if (op.forward) {
-        STRATA_RETURN_IF_ERROR(
-            model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+        // A slot's micro-batch starts with its first chunk's forward; later chunks find the batch
+        // (tokens, targets) in the slot.
+        if (c == 0) {
+          STRATA_RETURN_IF_ERROR(
+              model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+        }
         if (model->boundary_bytes() != bytes) {
           return internal_error("pipeline: boundary tensor of " + std::to_string(model->boundary_bytes()) +
                                 " bytes, expected " + std::to_string(bytes));
         }
-        if (!first_stage) {
-          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, a, model->boundary_activation(stage_first),
-                                         "receive of micro-batch " + std::to_string(a) + "'s activations from stage " +
-                                             std::to_string(pp_rank - 1)));
+        if (receives(op)) {
+          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, recv_buffer[j],
+                                         model->boundary_activation(first),
+                                         "receive of micro-batch " + std::to_string(a) + "'s activations" +
+                                             chunk_name(op) + " from stage " + std::to_string(prev)));
         }
-        STRATA_RETURN_IF_ERROR(run_forward(true));
-        STRATA_RETURN_IF_ERROR(model->copy_losses(a));
-        if (!last_stage) STRATA_RETURN_IF_ERROR(send(act_send, a, model->boundary_activation(stage_end), pp_rank + 1));
+        STRATA_RETURN_IF_ERROR(run_forward(true, c));
+        // The losses: the head's chunk (the last) computes them; a stage without the head copies zeros.
+        if (c + 1 == v) STRATA_RETURN_IF_ERROR(model->copy_losses(a));
+        if (sends_out(op)) {
+          STRATA_RETURN_IF_ERROR(send(act_send, a * v + c, model->boundary_activation(end), next, comm));
+        }
       } else {
-        if (!last_stage) {
-          STRATA_RETURN_IF_ERROR(receive(grad_recv_work, grad_recv, a, model->activation_grad(),
+        if (receives(op)) {
+          STRATA_RETURN_IF_ERROR(receive(grad_recv_work, grad_recv, recv_buffer[j], model->activation_grad(),
                                          "receive of micro-batch " + std::to_string(a) +
-                                             "'s activation gradients from stage " + std::to_string(pp_rank + 1)));
+                                             "'s activation gradients" + chunk_name(op) + " from stage " +
+                                             std::to_string(next)));
         }
-        STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr));
-        if (!first_stage) STRATA_RETURN_IF_ERROR(send(grad_send, a, model->activation_grad(), pp_rank - 1));
+        // Every unit is read by one chunk of this stage, whose backwards run in micro-batch
+        // order: micro-batch 0 starts its gradient, micro-batch m − 1 completes it.
+        STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr, c));
+        if (sends_out(op)) {
+          STRATA_RETURN_IF_ERROR(send(grad_send, a * v + c, model->activation_grad(), prev, grad_comm));
+        }
       }
     }
     return ok_status();
@@ -3146,8 +3242,9 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
   return ok_status();
 }
 
-Status OffloadEngine::Impl::run_forward(bool for_backward) {
-  for (int m = stage_first; m < stage_end; ++m) {
+Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
+  const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
+  for (int m = first; m < end; ++m) {
     note_access(m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
@@ -3160,8 +3257,9 @@ Status OffloadEngine::Impl::run_forward(bool for_backward) {
 }
 
 Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step,
-                                         double lr) {
-  for (int m = stage_end - 1; m >= stage_first; --m) {
+                                         double lr, int chunk) {
+  const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
+  for (int m = end - 1; m >= first; --m) {
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
@@ -3675,6 +3773,54 @@ Status check_pipeline(Device& device, const Comm& pp) {
   return ok_status();
 }
 
+// Interleaved 1F1B (strata.pipeline_virtual_stages = v > 1): what it needs and what is not built
+// with it yet (docs/parallel.md "Schedules"). Each error names the key and value.
+Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& s, int pp_size) {
+  const int v = s.pipeline_virtual_stages;
+  if (v == 1) return ok_status();
+  const std::string key = "strata.pipeline_virtual_stages = " + std::to_string(v);
+  if (v < 1) return invalid_argument(key + " must be at least 1");
+  if (pp_size < 2) {
+    return invalid_argument(
+        key +
+        " interleaves the chunks of a pipeline and needs strata.pipeline_parallel_size > 1 "
+        "(this engine has no pipeline group, or one of size 1): set it to 1");
+  }
+  if (s.tp_size > 1) {
+    return invalid_argument(
+        key + " with tensor parallelism (strata.tensor_parallel_size = " + std::to_string(s.tp_size) +
+        ") is not built yet: set pipeline_virtual_stages to 1");
+  }
+  if (s.gradients == Tier::kNvme) {
+    return invalid_argument(key + " with gradients on NVMe (--offload-gradients nvme) is not built yet (its tied "
+                                  "embedding sum is tested with one chunk per stage): set pipeline_virtual_stages to 1");
+  }
+  if (s.dp_size > 1) {
+    return invalid_argument(
+        key + " with data parallelism (" + std::to_string(s.dp_size) +
+        " pipelines) is not built yet: set pipeline_virtual_stages to 1, or run one pipeline");
+  }
+  if (s.offload_activations) {
+    return invalid_argument(key +
+                            " with activation offload (activation_checkpointing.cpu_checkpointing) is not "
+                            "built yet: turn one of them off");
+  }
+  if (s.pipeline_schedule != PipelineSchedule::kOneFOneB) {
+    return invalid_argument(key + " runs interleaved 1F1B; strata.pipeline_schedule = " +
+                            std::string(to_string(s.pipeline_schedule)) + " with it is not built: use 1f1b");
+  }
+  STRATA_RETURN_IF_ERROR(offload_detail::check_interleaved_micro_batches(v, pp_size, config.grad_accum));
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  const auto modules = static_cast<int>(layout.modules.size());
+  if (v * pp_size > modules) {
+    return invalid_argument(key + " with strata.pipeline_parallel_size = " + std::to_string(pp_size) + ": " +
+                            std::to_string(v * pp_size) + " chunks, but the model has " +
+                            std::to_string(modules) +
+                            " modules (every chunk needs one): lower pipeline_virtual_stages");
+  }
+  return ok_status();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const TrainerConfig& config,
@@ -3698,9 +3844,12 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
   STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings, pp_size));
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
+  STRATA_RETURN_IF_ERROR(check_virtual_stages(config, settings, pp_size));
   if (pp_size > 1) {
     STRATA_RETURN_IF_ERROR(check_pipeline(device, *pipeline));
-    STRATA_ASSIGN_OR_RETURN(settings.pipeline_bounds, pipeline_stages(config.model, pp_size, config.seq_len));
+    STRATA_ASSIGN_OR_RETURN(
+        settings.pipeline_bounds,
+        pipeline_stages(config.model, pp_size * settings.pipeline_virtual_stages, config.seq_len));
     settings.pp_stage = pipeline->rank();
     settings.update_during_backward = false;  // the norm needs every stage's gradients
   }

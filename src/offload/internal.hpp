@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "strata/alloc.hpp"
@@ -97,16 +98,50 @@ inline std::vector<std::vector<int>> storage_of(const ModelLayout& layout) {
 // op that reads it, so a stage holds two receive buffers per neighbour, used alternately.
 inline constexpr int kPipelineRecvBuffers = 2;
 
-// The units stage `stage` of a pipeline with module bounds `bounds` (pipeline_stages) reads: its
-// modules and what they read (GPT-2's last stage: the embedding, for the tied head). All units
-// without a pipeline (bounds empty).
-inline std::vector<char> stage_units(const ModelLayout& layout, const std::vector<int>& bounds, int stage) {
+// The module ranges stage `stage` runs, in chunk order: with `chunks` = v module chunks per stage
+// (interleaved 1F1B) and bounds of v·p + 1 chunk bounds, chunks stage, stage + p, ...,
+// stage + (v−1)p; with v = 1 the one range [bounds[stage], bounds[stage + 1]). The bounds are
+// pipeline_stages' (checked there), so the ranges are non-empty and increasing.
+inline std::vector<std::pair<int, int>> stage_ranges(const std::vector<int>& bounds, int chunks, int stage) {
+  const int p = static_cast<int>(bounds.size() - 1) / chunks;
+  std::vector<std::pair<int, int>> r;
+  for (int c = 0; c < chunks; ++c) {
+    const auto j = static_cast<std::size_t>(c * p + stage);
+    r.emplace_back(bounds[j], bounds[j + 1]);
+  }
+  return r;
+}
+
+// Interleaved 1F1B moves groups of p micro-batches through the chunks: m must be a multiple of p
+// (the error names the key, both values and what is expected; the engine and the plan use it).
+inline Status check_interleaved_micro_batches(int chunks, int stages, std::int64_t micro_batches) {
+  if (chunks <= 1 || micro_batches % stages == 0) return ok_status();
+  return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(chunks) +
+                          " with strata.pipeline_parallel_size = " + std::to_string(stages) +
+                          ": gradient_accumulation_steps = " + std::to_string(micro_batches) +
+                          " micro-batches is not a multiple of the " + std::to_string(stages) +
+                          " stages (interleaving moves groups of one micro-batch per stage through the chunks)");
+}
+
+// The number of pipeline stages (processes) of the settings' bounds; 1 without a pipeline.
+inline int pipeline_stage_count(const OffloadSettings& settings) {
+  if (settings.pipeline_bounds.size() < 2) return 1;
+  return static_cast<int>(settings.pipeline_bounds.size() - 1) / std::max(1, settings.pipeline_virtual_stages);
+}
+
+// The units stage `stage` of a pipeline with module bounds `bounds` (pipeline_stages; with
+// `chunks` > 1 the chunk bounds, see stage_ranges) reads: its modules and what they read (GPT-2's
+// last stage: the embedding, for the tied head). All units without a pipeline (bounds empty).
+inline std::vector<char> stage_units(const ModelLayout& layout, const std::vector<int>& bounds, int stage,
+                                     int chunks = 1) {
   const std::size_t M = layout.modules.size();
   if (bounds.size() < 2) return std::vector<char>(M, 1);
   std::vector<char> in(M, 0);
   const std::vector<std::vector<int>> st = storage_of(layout);
-  for (int m = bounds[static_cast<std::size_t>(stage)]; m < bounds[static_cast<std::size_t>(stage) + 1]; ++m) {
-    for (int u : st[static_cast<std::size_t>(m)]) in[static_cast<std::size_t>(u)] = 1;
+  for (const auto& [b, e] : stage_ranges(bounds, chunks, stage)) {
+    for (int m = b; m < e; ++m) {
+      for (int u : st[static_cast<std::size_t>(m)]) in[static_cast<std::size_t>(u)] = 1;
+    }
   }
   return in;
 }
@@ -135,7 +170,8 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   u.pbytes.resize(M);
   u.gbytes.resize(M);
   u.resident_offset.assign(M, 0);
-  u.in_stage = stage_units(layout, settings.pipeline_bounds, settings.pp_stage);
+  u.in_stage = stage_units(layout, settings.pipeline_bounds, settings.pp_stage,
+                           std::max(1, settings.pipeline_virtual_stages));
   u.grad_offset.assign(M, 0);
   const bool whole = settings.pipeline_bounds.size() < 2;
   u.grad_bytes = whole ? layout.grad_bytes : 0;

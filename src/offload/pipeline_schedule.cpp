@@ -68,6 +68,19 @@ Result<int> interleaved_pipeline_slots(int stages, int stage, int chunks, int mi
   return std::max(most, 1);
 }
 
+Result<int> interleaved_pipeline_micro_slots(int stages, int stage, int chunks, int micro_batches) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<ChunkOp> ops,
+                          interleaved_pipeline_ops(stages, stage, chunks, micro_batches));
+  // Chunk 0's forwards and backwards each run in micro-batch order: in flight = started - finished.
+  int started = 0, finished = 0, most = 1;
+  for (const ChunkOp& op : ops) {
+    if (op.chunk != 0) continue;
+    (op.forward ? started : finished) += 1;
+    most = std::max(most, started - finished);
+  }
+  return most;
+}
+
 Result<std::vector<std::pair<int, int>>> interleaved_stage_ranges(const std::vector<int>& bounds, int stages,
                                                                   int stage, int chunks) {
   STRATA_RETURN_IF_ERROR(check_counts(stages, stage, chunks, stages));

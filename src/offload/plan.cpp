@@ -12,6 +12,7 @@
 #include "strata/config.hpp"
 #include "strata/device.hpp"
 #include "strata/model.hpp"
+#include "strata/pipeline_schedule.hpp"
 
 namespace strata {
 
@@ -97,8 +98,18 @@ Status OffloadSettings::validate() const {
                             " data-parallel ranks is not built yet: keep the parameters on the device "
                             "(offload_param.device none) or turn strata.delayed_update off");
   }
+  if (pipeline_virtual_stages < 1) {
+    return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(pipeline_virtual_stages) +
+                            " must be at least 1 (1: one module range per pipeline stage)");
+  }
+  if (pipeline_virtual_stages > 1 && pipeline_schedule != PipelineSchedule::kOneFOneB) {
+    return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(pipeline_virtual_stages) +
+                            " runs interleaved 1F1B; strata.pipeline_schedule = " +
+                            std::string(to_string(pipeline_schedule)) + " with it is not built: use 1f1b");
+  }
   if (pipeline_bounds.size() > 2) {
-    const std::string stages = " with " + std::to_string(pipeline_bounds.size() - 1) + " pipeline stages";
+    const std::string stages =
+        " with " + std::to_string(offload_detail::pipeline_stage_count(*this)) + " pipeline stages";
     if (optimizer_ratio < 1.0) {
       return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) +
                               stages + " is not built yet: use ratio 1");
@@ -157,6 +168,7 @@ Status OffloadSettings::apply(const Config& config) {
   gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
   delayed_update = config.strata.get_bool(Option::kDelayedUpdate);
   sequence_parallel = config.strata.get_bool(Option::kSequenceParallel);
+  pipeline_virtual_stages = static_cast<int>(config.strata.get_int(Option::kPipelineVirtualStages));
   delayed_update_warmup = static_cast<int>(config.strata.get_int(Option::kDelayedUpdateWarmup));
   optimizer_ratio = z.offload_optimizer.ratio;
   return validate().with_context(config.source);
@@ -204,11 +216,19 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const std::uint64_t boundary =
       static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
       dtype_size(config.model.dtype);
-  const int act_slots =
-      settings.pipeline_bounds.size() > 2
-          ? pipeline_slots(settings.pipeline_schedule, static_cast<int>(settings.pipeline_bounds.size()) - 1,
-                           settings.pp_stage, static_cast<int>(config.grad_accum))
-          : 1;
+  const int pp_stages = offload_detail::pipeline_stage_count(settings);
+  const int chunks = settings.pipeline_virtual_stages;
+  int act_slots = 1;
+  if (settings.pipeline_bounds.size() > 2 && chunks > 1) {
+    // Interleaved: a slot holds every chunk of one micro-batch (docs/parallel.md "Schedules").
+    STRATA_RETURN_IF_ERROR(
+        offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
+    STRATA_ASSIGN_OR_RETURN(act_slots, interleaved_pipeline_micro_slots(pp_stages, settings.pp_stage, chunks,
+                                                                        static_cast<int>(config.grad_accum)));
+  } else if (settings.pipeline_bounds.size() > 2) {
+    act_slots = pipeline_slots(settings.pipeline_schedule, pp_stages, settings.pp_stage,
+                               static_cast<int>(config.grad_accum));
+  }
   line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
        offload_detail::activation_bytes_estimate(config, act_offload));
   if (act_offload) {
@@ -226,15 +246,18 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // A stage keeps one activation set per micro-batch in flight (bounded above by the whole
     // model's set each) and, per neighbour, a send buffer per micro-batch and two receive buffers
     // (docs/parallel.md, the boundary exchange).
+    // Interleaved (v chunks): both directions on every stage, a send buffer per (micro-batch, chunk).
     const int slots = act_slots;
-    const int stages = static_cast<int>(settings.pipeline_bounds.size()) - 1;
-    const int neighbours = (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
+    const int stages = pp_stages;
+    const int neighbours =
+        chunks > 1 ? 2 : (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
     line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(slots - 1) *
              offload_detail::activation_bytes_estimate(config, act_offload));
     line("pipeline: send and receive buffers", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(neighbours) *
-             static_cast<std::uint64_t>(config.grad_accum + offload_detail::kPipelineRecvBuffers) * boundary);
+             static_cast<std::uint64_t>(config.grad_accum * chunks + offload_detail::kPipelineRecvBuffers) *
+             boundary);
   }
   const bool pin = settings.pin_memory;
   const bool sharded = offload_detail::dp_sharded(settings);

@@ -8,6 +8,9 @@
 // mean of that fraction over the stages, next to the ideal pipeline's (p - 1) / (m + p - 1)
 // (equal stages, no communication cost). Both schedules have the same ideal bubble; 1F1B needs
 // min(p - s, m) activation slots on stage s instead of m, which the output lists too.
+// Interleaved 1F1B (schedule "interleaved", --virtual-stages v > 1: each stage runs v chunks of
+// the v·p FLOP-balanced chunks) is measured the same way for every m that is a multiple of p,
+// against interleaved_bubble_theory's (p - 1) / (v·m + p - 1).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +19,8 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -26,6 +31,7 @@
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
 #include "strata/parallel.hpp"
+#include "strata/pipeline_schedule.hpp"
 
 namespace strata::cli {
 namespace {
@@ -37,13 +43,16 @@ constexpr FlagSpec kFlags[] = {
     {"seq-len", "T", "tokens per sequence (default 64)"},
     {"steps", "S", "measured steps per point, after one warm-up step (default 3)"},
     {"threads", "N", "compute threads per stage (default 1)"},
+    {"virtual-stages", "LIST",
+     "interleaved 1F1B rows: chunks per stage, comma separated (default 2; 1: none)"},
     {"help", "", "show this help"},
 };
 
 std::string usage() {
   return "usage: mpirun -np P strata bench pipeline [flags]\n\n"
          "The measured bubble (the stages' mean fraction of a step spent waiting for a neighbour) of the\n"
-         "gpipe and 1f1b schedules on P stages, against the ideal (P-1)/(m+P-1).\n\nflags:\n" +
+         "gpipe and 1f1b schedules on P stages, against the ideal (P-1)/(m+P-1), and of interleaved 1F1B\n"
+         "with v chunks per stage (m a multiple of P) against (P-1)/(v*m+P-1).\n\nflags:\n" +
          format_flags(kFlags);
 }
 
@@ -62,17 +71,19 @@ int run(const Args& args) {
        {&layers.status(), &width.status(), &seq.status(), &steps.status(), &threads.status()}) {
     if (!s->ok()) return usage_error("bench pipeline", s->message(), usage());
   }
-  std::vector<int> micros;
-  {
-    std::stringstream ss(args.get("micro").value_or("1,2,4,8"));
+  std::vector<int> micros, virtuals;
+  for (auto [flag, fallback, list] :
+       {std::tuple{"micro", "1,2,4,8", &micros}, std::tuple{"virtual-stages", "2", &virtuals}}) {
+    std::stringstream ss(args.get(flag).value_or(fallback));
     std::string item;
     while (std::getline(ss, item, ',')) {
       char* end = nullptr;
       const long v = std::strtol(item.c_str(), &end, 10);
       if (item.empty() || *end != '\0' || v < 1 || v > 256) {
-        return usage_error("bench pipeline", "--micro: '" + item + "' is not a count in [1, 256]", usage());
+        return usage_error("bench pipeline",
+                           std::string("--") + flag + ": '" + item + "' is not a count in [1, 256]", usage());
       }
-      micros.push_back(static_cast<int>(v));
+      list->push_back(static_cast<int>(v));
     }
   }
   Options options;
@@ -113,8 +124,24 @@ int run(const Args& args) {
   out["stage_modules"] = *bounds;
   out["steps"] = *steps;
   out["results"] = nlohmann::json::array();
-  for (PipelineSchedule sched : {PipelineSchedule::kGpipe, PipelineSchedule::kOneFOneB}) {
+  // (schedule, chunks per stage): gpipe, 1f1b, then interleaved 1F1B for each --virtual-stages v > 1.
+  std::vector<std::pair<PipelineSchedule, int>> runs = {{PipelineSchedule::kGpipe, 1},
+                                                        {PipelineSchedule::kOneFOneB, 1}};
+  const int modules = static_cast<int>(*layers) + 2;  // embedding, blocks, head
+  for (int v : virtuals) {
+    if (v < 2) continue;
+    if (v * p > modules) {
+      return usage_error("bench pipeline",
+                         "--virtual-stages " + std::to_string(v) + " on " + std::to_string(p) +
+                             " stages needs " + std::to_string(v * p) + " modules; the model has " +
+                             std::to_string(modules) + " (raise --layers)",
+                         usage());
+    }
+    runs.emplace_back(PipelineSchedule::kOneFOneB, v);
+  }
+  for (const auto& [sched, v] : runs) {
     for (int m : micros) {
+      if (v > 1 && m % p != 0) continue;  // interleaving needs whole groups of p micro-batches
       tc.grad_accum = m;
       DeviceConfig dc;
       dc.kind = DeviceKind::kCpu;
@@ -125,6 +152,7 @@ int run(const Args& args) {
       if (!device.ok()) return fail(device.status());
       OffloadSettings os;
       os.pipeline_schedule = sched;
+      os.pipeline_virtual_stages = v;
       auto engine = OffloadEngine::create(tc, os, **device, nullptr, nullptr, nullptr, &pp);
       if (!engine.ok()) return fail(engine.status());
       const std::size_t n = static_cast<std::size_t>(m * tc.seq_len);
@@ -161,17 +189,32 @@ int run(const Args& args) {
             std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(3 * r + 1)]) / *steps);
         step_wall = std::max(step_wall, static_cast<double>(all[static_cast<std::size_t>(3 * r + 2)]) / *steps);
       }
+      // Activation slots per stage: with v > 1 each holds every chunk of one micro-batch.
       nlohmann::json slots = nlohmann::json::array();
-      for (int r = 0; r < p; ++r) slots.push_back(pipeline_slots(sched, p, r, m));
-      const double theory = static_cast<double>(p - 1) / static_cast<double>(m + p - 1);
-      out["results"].push_back({{"schedule", std::string(to_string(sched))},
-                                {"micro_batches", m},
-                                {"bubble", mean},
-                                {"bubble_theory", theory},
-                                {"bubble_per_stage", per_stage},
-                                {"activation_slots", slots},
-                                {"step_seconds", step_seconds},
-                                {"step_wall_seconds", step_wall}});
+      for (int r = 0; r < p; ++r) {
+        if (v == 1) {
+          slots.push_back(pipeline_slots(sched, p, r, m));
+        } else {
+          auto k = interleaved_pipeline_micro_slots(p, r, v, m);
+          if (!k.ok()) return fail(k.status());
+          slots.push_back(*k);
+        }
+      }
+      const double theory = interleaved_bubble_theory(p, v, m);  // v = 1: (p - 1) / (m + p - 1)
+      // The chunk bounds (v·p + 1 module bounds; stage s runs chunks s, s + p, ...).
+      auto chunk_bounds = pipeline_stages(tc.model, p * v, tc.seq_len);
+      if (!chunk_bounds.ok()) return fail(chunk_bounds.status());
+      out["results"].push_back(
+          {{"schedule", v == 1 ? std::string(to_string(sched)) : std::string("interleaved")},
+           {"virtual_stages", v},
+           {"chunk_modules", *chunk_bounds},
+           {"micro_batches", m},
+           {"bubble", mean},
+           {"bubble_theory", theory},
+           {"bubble_per_stage", per_stage},
+           {"activation_slots", slots},
+           {"step_seconds", step_seconds},
+           {"step_wall_seconds", step_wall}});
     }
   }
   if (me == 0) std::printf("%s\n", out.dump(2).c_str());
@@ -194,8 +237,9 @@ int bench_pipeline(std::span<const std::string> argv) {
 
 }  // namespace
 
-STRATA_CLI_BENCH(pipeline,
-                 "bubble fraction of the gpipe and 1f1b pipeline schedules vs theory (under mpirun)",
-                 bench_pipeline);
+STRATA_CLI_BENCH(
+    pipeline,
+    "bubble fraction of the gpipe, 1f1b and interleaved pipeline schedules vs theory (under mpirun)",
+    bench_pipeline);
 
 }  // namespace strata::cli

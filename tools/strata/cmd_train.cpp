@@ -309,6 +309,17 @@ int run_train(std::span<const std::string> argv) {
       return usage(invalid_argument(pp_options.source(Option::kPipelineSchedule) + ": " + schedule.status().message()));
     }
     offload.pipeline_schedule = *schedule;
+    // Interleaved 1F1B: the engine refuses what it does not run (a gpipe schedule, micro-batches
+    // not a multiple of the stages, more chunks than modules, ...), naming the key.
+    const std::int64_t v = pp_options.get_int(Option::kPipelineVirtualStages);
+    if (v < 1 || (v > 1 && pp < 2)) {
+      return usage(invalid_argument(
+          pp_options.source(Option::kPipelineVirtualStages) +
+          ": pipeline_virtual_stages = " + std::to_string(v) +
+          (v < 1 ? " must be at least 1"
+                 : " interleaves the chunks of a pipeline and needs pipeline_parallel_size > 1")));
+    }
+    offload.pipeline_virtual_stages = static_cast<int>(v);
   }
   const bool leader = rank == 0;
   if (tp_size < 1 || ranks % (tp_size * pp) != 0) {
@@ -469,8 +480,14 @@ int run_train(std::span<const std::string> argv) {
   if (pp > 1) {
     // A stage places only its modules' state: the plan, the device budget and the fit check are
     // this rank's stage's (create() picks the same stages).
-    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
-    if (!bounds.ok()) return usage(bounds.status());
+    auto bounds =
+        pipeline_stages(tc.model, static_cast<int>(pp) * offload.pipeline_virtual_stages, tc.seq_len);
+    if (!bounds.ok()) {
+      return usage(offload.pipeline_virtual_stages > 1
+                       ? bounds.status().with_context("strata.pipeline_virtual_stages = " +
+                                                      std::to_string(offload.pipeline_virtual_stages))
+                       : bounds.status());
+    }
     offload.pipeline_bounds = std::move(*bounds);
     offload.pp_stage = groups->coord.pp;
   }
@@ -494,11 +511,18 @@ int run_train(std::span<const std::string> argv) {
       stage_settings.pp_stage = st;
       auto sp = OffloadPlan::make(tc, stage_settings);
       if (!sp.ok()) return usage(sp.status().with_context("pipeline stage " + std::to_string(st)));
+      const int v = offload.pipeline_virtual_stages;
       const std::vector<int>& b = offload.pipeline_bounds;
-      std::printf("pipeline stage %d of %lld (modules %d-%d, %s schedule, every rank of the stage):\n%s", st,
-                  static_cast<long long>(pp), b[static_cast<std::size_t>(st)],
-                  b[static_cast<std::size_t>(st) + 1] - 1,
-                  std::string(to_string(offload.pipeline_schedule)).c_str(), sp->to_string().c_str());
+      std::string modules;  // "a-b", or the chunks' ranges "a-b, c-d" when interleaved
+      for (int c = 0; c < v; ++c) {
+        const auto j = static_cast<std::size_t>(c * pp + st);
+        modules += (c > 0 ? ", " : "") + std::to_string(b[j]) + "-" + std::to_string(b[j + 1] - 1);
+      }
+      const std::string schedule =
+          v > 1 ? "interleaved 1f1b schedule, " + std::to_string(v) + " chunks per stage"
+                : std::string(to_string(offload.pipeline_schedule)) + " schedule";
+      std::printf("pipeline stage %d of %lld (modules %s, %s, every rank of the stage):\n%s", st,
+                  static_cast<long long>(pp), modules.c_str(), schedule.c_str(), sp->to_string().c_str());
     }
     return kExitOk;
   }
@@ -637,9 +661,16 @@ int run_train(std::span<const std::string> argv) {
     }
   }
   if (pp > 1) {
-    std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
-                std::string(to_string(offload.pipeline_schedule)).c_str());
-    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp), tc.seq_len);
+    const int v = offload.pipeline_virtual_stages;
+    if (v > 1) {
+      // Interleaved: the v·p chunks in virtual-stage order (chunk j on stage j mod p).
+      std::printf("parallel %lld pipeline stages (interleaved 1f1b schedule, %d chunks per stage), chunks",
+                  static_cast<long long>(pp), v);
+    } else {
+      std::printf("parallel %lld pipeline stages (%s schedule), modules", static_cast<long long>(pp),
+                  std::string(to_string(offload.pipeline_schedule)).c_str());
+    }
+    auto bounds = pipeline_stages(tc.model, static_cast<int>(pp) * v, tc.seq_len);
     for (std::size_t st = 0; bounds.ok() && st + 1 < bounds->size(); ++st)
       std::printf(" %d-%d", (*bounds)[st], (*bounds)[st + 1] - 1);
     std::printf(
@@ -697,7 +728,9 @@ int run_train(std::span<const std::string> argv) {
   run["compute_threads"] = (*device)->info().compute_threads;
   run["data_parallel"] = Json{{"ranks", dp_size}, {"zero_stage", offload.zero_stage}};
   run["tensor_parallel"] = Json{{"ranks", tp_size}, {"sequence_parallel", offload.sequence_parallel}};
-  run["pipeline"] = Json{{"stages", pp}, {"schedule", std::string(to_string(offload.pipeline_schedule))}};
+  run["pipeline"] = Json{{"stages", pp},
+                         {"schedule", std::string(to_string(offload.pipeline_schedule))},
+                         {"virtual_stages", offload.pipeline_virtual_stages}};
   run["cpus"] = (*device)->cpu_budget().to_string();
   run["offload"] = Json{{"param", std::string(to_string(offload.params))},
                         {"optimizer", std::string(to_string(offload.optimizer))},
