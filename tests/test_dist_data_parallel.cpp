@@ -615,6 +615,13 @@ TEST(DataParallel, DeviceGradientsShardedPlan) {
     EXPECT_GT((*engine)->stats().bytes_dp, 0u);
   }
   EXPECT_EQ(bucket_bytes[0], bucket_bytes[1]) << "the buckets do not grow with the depth";
+  // A bucket of no elements is refused, naming the key.
+  OffloadSettings zero = s;
+  zero.reduce_bucket_elements = 0;
+  const Status bad = zero.validate();
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("zero_optimization.reduce_bucket_size: expected an integer >= 1"), std::string::npos)
+      << bad.message();
   // The gradients stay sharded in the reported state: loss_and_gradients has no whole gradient.
   const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, P, 0.0);
   auto device = testing::make_device();

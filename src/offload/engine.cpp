@@ -3172,6 +3172,7 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
       return ok_status();
     }));
   }
+  if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
