@@ -128,6 +128,8 @@ struct Case {
   bool delayed = false;  // strata.delayed_update (warm-up 0), in the reference too
   ModelKind kind = ModelKind::kGpt2;
   Tier gradients = Tier::kHost;  // kNvme: each rank's reduced slices on its NVMe (and in the reference)
+  std::int64_t bucket = 0;  // > 0: reduce_bucket_size in elements (the device optimizer's buckets)
+  bool overlap = false;     // overlap_comm
 };
 
 Snapshot train_dp(const TrainerConfig& global, const OffloadSettings& s, int steps) {
@@ -152,6 +154,8 @@ void check_case(const Case& c) {
   s.delayed_update = c.delayed;
   s.delayed_update_warmup = 0;
   s.gradients = c.gradients;
+  if (c.bucket > 0) s.reduce_bucket_elements = c.bucket;
+  s.overlap_comm = c.overlap;
   testing::TempDir swap_dp("strata-dp-swap"), swap_ref("strata-dp-swap");  // each rank its own
   const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
   if (nvme) s.nvme_path = {swap_dp.path().string()};
@@ -373,8 +377,8 @@ TEST(DataParallel, ShardedPlanHoldsOneShardPerRank) {
 }
 
 // Stages 1-3 with the optimizer on the device: each rank's master and moments in device memory are
-// its 1/N (the plan's lines, and the arena bytes the engine carved against stage 0's), the
-// gradients stay whole.
+// its 1/N (the plan's lines, and the arena bytes the engine carved against stage 0's); the
+// gradients stay whole at stage 1 and are this rank's slices plus the buckets at stages 2-3.
 TEST(DataParallel, DeviceShardedPlanHoldsOneShardPerRank) {
   const int P = world().size();
   const TrainerConfig global = testing::tiny(ModelKind::kLlama, DType::kBF16, P, 0.0);
@@ -422,16 +426,213 @@ TEST(DataParallel, DeviceShardedPlanHoldsOneShardPerRank) {
     const std::uint64_t staging = bytes_of((*engine)->plan(), "device region offload.dp_staging");
     EXPECT_GT(staging, 0u);
     // (Each carved block is rounded up to the arena's 256-byte alignment: 4 blocks differ.)
-    const auto got = static_cast<double>(device->memory().stats().live_bytes + saved);
-    EXPECT_NEAR(got, static_cast<double>(live0 + staging), 4 * 256.0) << "stage " << stage;
-    EXPECT_EQ(bytes_of((*engine)->plan(), "device region offload.grads"),
-              bytes_of(*single, "device region offload.grads"))
-        << "the gradients stay whole";
+    // Stage >= 2: the gradients are this rank's slices too, plus the bucket buffers and the reduce
+    // staging (checked in DeviceGradientsShardedPlan below).
+    std::uint64_t grad_saved = 0, grad_extra = 0;
+    if (stage >= 2) {
+      const std::uint64_t full = bytes_of(*single, "device region offload.grads"),
+                          mine = bytes_of((*engine)->plan(), "device region offload.grads (this rank's 1/");
+      EXPECT_GT(mine, 0u);
+      grad_saved = full - mine;
+      grad_extra = bytes_of((*engine)->plan(), "device region offload.grad_buckets");
+      EXPECT_GT(grad_extra, 0u);
+    }
+    const auto got = static_cast<double>(device->memory().stats().live_bytes + saved + grad_saved);
+    EXPECT_NEAR(got, static_cast<double>(live0 + staging + grad_extra), 4 * 256.0) << "stage " << stage;
+    if (stage == 1) {
+      EXPECT_EQ(bytes_of((*engine)->plan(), "device region offload.grads"),
+                bytes_of(*single, "device region offload.grads"))
+          << "the gradients stay whole";
+    }
     EXPECT_LT((*engine)->plan().device_bytes, single->device_bytes);
     Snapshot out;
     ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out));
     EXPECT_GT((*engine)->stats().bytes_dp, 0u);
   }
+}
+
+// ---- Gradient buckets (docs/parallel.md "Gradient buckets") --------------------------------------
+
+// The buckets every rank derives for a config and settings (dp_size: this job's ranks).
+offload_detail::GradBuckets buckets_of(const TrainerConfig& c, OffloadSettings s) {
+  s.dp_size = world().size();
+  auto layout = describe_model(c.model);
+  EXPECT_TRUE(layout.ok());
+  const offload_detail::Units units = offload_detail::describe_units(*layout, s);
+  return offload_detail::grad_buckets(units, s);
+}
+
+// A reduce_bucket_size that makes the tiny model's transformer blocks buckets of their own (each
+// block's unit is about 50k elements; a unit is never split).
+constexpr std::int64_t kSmallBucket = 20'000;
+
+// Stage 0 with the optimizer on the device: the all-reduce bucketed into backward is the
+// after-backward all-reduce of the same local sums, element by element, so every bucketing and
+// overlap_comm on or off give the same bits (2 ranks: a sum of two commutes whatever MPI's
+// algorithm; 3 ranks: measured, asserted here). Against one process: the existing tolerances.
+TEST(DataParallel, Stage0BucketedAllReduceIsBitwiseTheWholeAllReduce) {
+  const int P = world().size();
+  struct Run {
+    const char* name;
+    ModelKind kind;
+    DType dtype;
+    std::int64_t accum;
+  };
+  for (const Run& r : {Run{"GPT-2 fp32, accumulation 2", ModelKind::kGpt2, DType::kF32, 2},
+                       Run{"LLaMA bf16", ModelKind::kLlama, DType::kBF16, 1}}) {
+    const TrainerConfig global = testing::tiny(r.kind, r.dtype, r.accum * P, 1.0);
+    OffloadSettings s;
+    s.optimizer = Tier::kDevice;
+    s.zero_stage = 0;
+    ASSERT_EQ(buckets_of(global, s).units.size(), 1u) << "the default bucket holds the whole gradient";
+    const Snapshot whole = train_dp(global, s, 3);
+    s.reduce_bucket_elements = kSmallBucket;
+    ASSERT_GE(buckets_of(global, s).units.size(), 4u) << r.name;
+    s.overlap_comm = false;
+    const Snapshot serial = train_dp(global, s, 3);
+    s.overlap_comm = true;
+    const Snapshot overlapped = train_dp(global, s, 3);
+    expect_ranks_identical(overlapped);
+    testing::expect_same(serial, overlapped, std::string("stage 0 buckets, overlap_comm off vs on, ") + r.name);
+    testing::expect_same(whole, overlapped, std::string("stage 0, one bucket vs several, ") + r.name);
+    OffloadSettings single;
+    single.optimizer = Tier::kDevice;
+    const Snapshot ref = testing::train(global, single, 3);
+    expect_close(ref, overlapped, r.dtype == DType::kF32 ? Tolerance{} : bf16_tolerance(),
+                 std::string("stage 0 buckets vs one process, ") + r.name);
+  }
+}
+
+// Stage 2 (and 3) in device memory against one process on the same global batch: gradients
+// reduce-scattered per bucket during backward, every micro-batch, into each rank's slices.
+TEST(DataParallel, Stage2DeviceGradientsShardedFp32AccumulationClipping) {
+  Case c{"stage 2 in device memory, buckets, overlap, fp32, accumulation 2, clip 1", DType::kF32, 2, 1.0, 2,
+         Tier::kDevice, Tier::kDevice};
+  c.bucket = kSmallBucket;
+  c.overlap = true;
+  check_case(c);
+}
+
+TEST(DataParallel, Stage2DeviceGradientsShardedBf16Llama) {
+  Case c{"stage 2 in device memory, buckets, LLaMA, bf16, clip 1", DType::kBF16, 1, 1.0, 2, Tier::kDevice,
+         Tier::kDevice, false, ModelKind::kLlama};
+  c.bucket = kSmallBucket;
+  check_case(c);
+}
+
+// Stage 2 reduces every element over the same ranks' same local gradients as stage 1 when each
+// rank runs one micro-batch: bitwise stage 1 (GPT-2 with its tied embedding, whose bucket stays
+// open through backward; LLaMA; fp32 and bf16; clipping), whatever the bucketing and overlap_comm.
+// With accumulation stage 2 sums the reductions of each micro-batch, which is the host tier's
+// stage-2 arithmetic: bitwise the sharded host optimizer at stage 2.
+TEST(DataParallel, Stage2DeviceGradientsBitwiseStage1AndHostStage2) {
+  const int P = world().size();
+  for (ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const std::string what = std::string(kind == ModelKind::kGpt2 ? "GPT-2 " : "LLaMA ") +
+                               std::string(to_string(dtype));
+      const TrainerConfig global = testing::tiny(kind, dtype, P, 1.0);
+      OffloadSettings s;
+      s.optimizer = Tier::kDevice;
+      s.zero_stage = 1;
+      const Snapshot stage1 = train_dp(global, s, 3);
+      s.zero_stage = 2;
+      const Snapshot one_bucket = train_dp(global, s, 3);
+      s.reduce_bucket_elements = kSmallBucket;
+      s.overlap_comm = true;
+      const Snapshot buckets = train_dp(global, s, 3);
+      expect_ranks_identical(buckets);
+      testing::expect_same(stage1, one_bucket, "stage 1 vs stage 2 (one bucket), " + what);
+      testing::expect_same(stage1, buckets, "stage 1 vs stage 2 (buckets, overlap), " + what);
+    }
+  }
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, 2 * P, 1.0);
+    OffloadSettings s;
+    s.zero_stage = 2;
+    s.persistence_threshold = 0;
+    s.optimizer = Tier::kHost;
+    s.update_during_backward = false;
+    const Snapshot host = train_dp(global, s, 3);
+    s.optimizer = Tier::kDevice;
+    s.reduce_bucket_elements = kSmallBucket;
+    s.overlap_comm = false;
+    const Snapshot serial = train_dp(global, s, 3);
+    s.overlap_comm = true;
+    const Snapshot dev = train_dp(global, s, 3);
+    testing::expect_same(host, dev, "host stage 2 vs device stage 2, accumulation 2, " + std::string(to_string(dtype)));
+    testing::expect_same(serial, dev, "device stage 2, overlap_comm off vs on, " + std::string(to_string(dtype)));
+  }
+}
+
+// Stage 2 in device memory: each rank's device gradients are its 1/N slices (offload.grads) plus
+// a bounded set of bucket buffers that does not grow with the model's depth.
+TEST(DataParallel, DeviceGradientsShardedPlan) {
+  const int P = world().size();
+  const auto Pu = static_cast<std::uint64_t>(P);
+  auto bytes_of = [](const OffloadPlan& p, const std::string& prefix) {
+    std::uint64_t b = 0;
+    for (const PlanLine& l : p.lines)
+      if (l.what.rfind(prefix, 0) == 0 && l.tier == Tier::kDevice) b += l.bytes;
+    return b;
+  };
+  OffloadSettings s;
+  s.optimizer = Tier::kDevice;
+  s.zero_stage = 2;
+  s.reduce_bucket_elements = 60'000;
+  s.overlap_comm = true;
+  std::uint64_t bucket_bytes[2] = {0, 0};
+  int k = 0;
+  for (int layers : {3, 12}) {
+    TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, P, 0.0);
+    global.model.n_layer = layers;
+    OffloadSettings one = s;
+    one.zero_stage = 0;
+    one.dp_size = 1;
+    auto single = OffloadPlan::make(local_of(global), one);
+    ASSERT_TRUE(single.ok()) << single.status().to_string();
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    const OffloadPlan& plan = (*engine)->plan();
+    const std::uint64_t full = bytes_of(*single, "device region offload.grads");
+    const std::uint64_t mine = bytes_of(plan, "device region offload.grads (this rank's 1/" + std::to_string(P) + ")");
+    const offload_detail::GradBuckets g = buckets_of(global, s);
+    EXPECT_LE(mine, full / Pu + 64u * 4u * 2u * static_cast<std::uint64_t>(layers + 2)) << layers << " layers";
+    EXPECT_GE(mine, full / Pu) << layers << " layers";
+    const std::uint64_t buffers = bytes_of(plan, "device region offload.grad_buckets");
+    EXPECT_EQ(g.live, 2u) << "the tied embedding's bucket stays open through backward, beside one other";
+    // The open buckets and one in flight (overlap_comm), each the largest bucket padded to
+    // P chunks per unit plus its receive part.
+    EXPECT_EQ(buffers, (g.live + 1) * offload_detail::grad_bucket_slot_bytes(g));
+    EXPECT_LE(g.max_bytes, 4u * 60'000u + 4u * 64u * Pu * 8u) << "the bucket is reduce_bucket_size plus padding";
+    bucket_bytes[k++] = buffers;
+    // 12 layers: the shard and the buckets together below one process's whole gradient.
+    if (layers == 12) {
+      EXPECT_LT(mine + buffers, full);
+    }
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out));
+    EXPECT_GT((*engine)->stats().bytes_dp, 0u);
+  }
+  EXPECT_EQ(bucket_bytes[0], bucket_bytes[1]) << "the buckets do not grow with the depth";
+  // A bucket of no elements is refused, naming the key.
+  OffloadSettings zero = s;
+  zero.reduce_bucket_elements = 0;
+  const Status bad = zero.validate();
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("zero_optimization.reduce_bucket_size: expected an integer >= 1"), std::string::npos)
+      << bad.message();
+  // The gradients stay sharded in the reported state: loss_and_gradients has no whole gradient.
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, P, 0.0);
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  std::vector<std::int32_t> in, tg;
+  share(global, 0, in, tg);
+  auto r = (*engine)->loss_and_gradients(in, tg);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().to_string().find("use stage 0 or 1"), std::string::npos) << r.status().to_string();
 }
 
 // Saved by a data-parallel run, a checkpoint resumes bit for bit in the data-parallel run and

@@ -134,6 +134,15 @@ struct OffloadSettings {
   // "what would each rank need".
   int zero_stage = 0;
   int dp_size = 1;
+  // Gradient buckets of data parallel with the optimizer on the device (docs/parallel.md
+  // "Gradient buckets"): the units whose gradients are final in backward order are grouped into
+  // buckets of at most reduce_bucket_elements fp32 elements (zero_optimization.reduce_bucket_size;
+  // a larger unit is a bucket of its own); each bucket's collective (stage 0: all-reduce in place;
+  // stage >= 2: reduce-scatter into this rank's shard) is launched as backward leaves its last
+  // module. overlap_comm: the collective runs on the comm thread while backward continues (waited
+  // before its buffer is reused and before the update); off: the compute stream waits for it at once.
+  std::int64_t reduce_bucket_elements = 500'000'000;
+  bool overlap_comm = false;
   // Tensor parallel (docs/parallel.md "Tensor parallel"): the number of ranks each model is split
   // over. The engine of each rank places, offloads and updates only its shard; the plan is for
   // the largest shard. create() sets it from its tensor-parallel Comm.

@@ -5,8 +5,9 @@
 //
 // World size: under mpirun the engine is data parallel (docs/parallel.md): stage 0 all-reduces,
 // stages 1 and 2 shard the host optimizer over the ranks, stage 3 also the offloaded parameters.
-// Its reductions run one module at a time as the module's gradients land, so the bucket keys
-// have nothing to tune; those are "ignored" with that reason.
+// With the host optimizer its reductions run one module at a time as the module's gradients land;
+// with the optimizer on the device they run per gradient bucket (reduce_bucket_size, overlap_comm);
+// the other bucket keys are "ignored" with that reason.
 #include <algorithm>
 #include <array>
 #include <string>
@@ -193,9 +194,16 @@ constexpr ConfigKey kKeys[] = {
     {"zero_optimization.stage3_gather_fp16_weights_on_model_save", I,
      "older name of stage3_gather_16bit_weights_on_model_save; saved weights are always whole"},
     {"zero_optimization.contiguous_gradients", I,
-     "gradients always live in one contiguous region or its buckets"},
-    {"zero_optimization.overlap_comm", I, kNoComm},
-    {"zero_optimization.reduce_bucket_size", I, kNoComm, false, true, "Strata's default 5e8"},
+     "gradients are always written into contiguous buffers (the whole gradient region, or one bucket "
+     "buffer per open bucket)"},
+    {"zero_optimization.overlap_comm", H,
+     "data parallel with the optimizer on the device: each gradient bucket's collective runs while "
+     "backward goes on (off: backward waits for it; the same bits); the host optimizer always overlaps "
+     "its per-module reductions"},
+    {"zero_optimization.reduce_bucket_size", H,
+     "data parallel with the optimizer on the device: the most elements per gradient bucket (stage 0 "
+     "all-reduce, stages 2-3 reduce-scatter during backward); the host optimizer reduces per module",
+     false, true, "Strata's default 5e8"},
     {"zero_optimization.allgather_bucket_size", I, kNoComm},
     {"zero_optimization.allgather_partitions", I, kNoComm},
     {"zero_optimization.reduce_scatter", I, kNoComm},

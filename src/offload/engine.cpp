@@ -214,6 +214,7 @@ struct OffloadEngine::Impl {
   // Device storage.
   char* resident = nullptr;  // offload.params
   float* dgrads = nullptr;   // optimizer on the device: offload.grads ...
+  std::uint64_t dgrad_bytes = 0;  // ... its bytes (grad_sharded: this rank's slices)
   float* dmaster = nullptr;  // ... optim.master (16-bit only; fp32 masters are the resident params)
   float* dm = nullptr;
   float* dv = nullptr;
@@ -353,6 +354,34 @@ struct OffloadEngine::Impl {
   // stream (device_update_sharded) through the device region offload.dp_staging.
   bool dev_sharded = false;
   char* dev_staging = nullptr;
+  // Gradient buckets (docs/parallel.md "Gradient buckets"; optimizer on the device, cpu backend,
+  // no pipeline). `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place
+  // as backward leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2):
+  // offload.grads holds this rank's slices; backward writes into bucket buffers
+  // (offload.grad_buckets, each unit padded to size x chunk), reduce-scattered in place unit by
+  // unit into the slices every micro-batch. The caller thread assigns the
+  // buffers (stream order keeps their uses apart); the collectives, their waits and the slices'
+  // accumulation run in compute-stream host functions (the compute thread only) over dp_buckets.
+  bool bucketed = false, grad_sharded = false;
+  offload_detail::GradBuckets buckets;
+  std::unique_ptr<Comm> dp_buckets;
+  std::vector<char*> bucket_buf;       // offload.grad_buckets slots (units padded, then the receive part)
+  std::vector<int> bucket_buf_owner;   // per buffer: the open bucket using it, -1 free (caller)
+  std::vector<int> bucket_buf_of;      // per bucket: its buffer while open, -1 (caller)
+  struct InFlight {                    // stage >= 2: a bucket's reduce-scatters (compute thread only)
+    int bucket = -1, buf = -1;
+    bool accumulate = false;
+    std::vector<CommWork> work;        // one per unit of the bucket
+  };
+  std::deque<InFlight> in_flight;      // launch order
+  std::vector<std::pair<int, CommWork>> bucket_work;  // stage 0 in flight (compute thread)
+  // Stage 0: bucket b's range of offload.grads (its units are adjacent): byte offset and elements.
+  std::pair<std::uint64_t, std::uint64_t> bucket_range(int b) const {
+    const std::vector<int>& us = buckets.units[static_cast<std::size_t>(b)];
+    const int lo = us.back(), hi = us.front();  // backward order: highest unit first
+    const std::uint64_t begin = grad_begin(lo);
+    return {begin, (grad_begin(hi) + units.gbytes[static_cast<std::size_t>(hi)] - begin) / 4};
+  }
   std::vector<GradStats> shard_stats;  // per unit: this rank's slice's scan (compute stream)
   // Stage 3: every unit that is not resident keeps only this rank's slice of its working
   // parameters at its home (host or NVMe); a fetch all-gathers the slices on the h2d stream.
@@ -552,7 +581,20 @@ struct OffloadEngine::Impl {
   Status reduce_unit_grads(int u, bool accumulate, bool scan, float inv_scale);
   // A collective's wait, timed on the data-parallel track; errors name what it was for.
   Status dp_wait(int trace_track, CommWork w, const char* what, int u, std::uint64_t bytes);
-  Status all_reduce_device_grads();  // optimizer on the device: stage 0
+  Status all_reduce_device_grads();  // optimizer on the device: stage 0 (pipeline, cuda)
+  // Gradient buckets. Caller thread: open_buckets before module m's backward (a bucket's buffer
+  // taken and zeroed, its units bound), close_buckets after it (each bucket finished there gets its
+  // collective launched by a compute-stream host function). Compute thread: launch_bucket,
+  // finish_through (this rank's slices of reduced buckets copied or added into offload.grads),
+  // drain_buckets (every collective in flight waited and finished, in launch order; before the
+  // update). run_micro_batches waits out and drops a failed step's collectives first.
+  Status open_buckets(int m);
+  Status close_buckets(int m, bool first_micro, bool last_micro, std::int64_t step);
+  Status launch_bucket(int b, int buf, bool accumulate);  // buf: the bucket's buffer (stage >= 2)
+  // Stage >= 2: the buckets in flight finished in launch order, up to and including the one in
+  // buffer `buf` (all of them with -1); none when `buf` has none in flight.
+  Status finish_through(int buf);
+  Status drain_buckets();
   // Stage 3. A unit's working parameters between its layout (param_in_unit) and the fp32
   // element positions (grad_in_unit / 4, `w` bytes each) in which it is sliced.
   void to_elements(int u, const char* working, char* elements) const;
@@ -717,6 +759,13 @@ Status OffloadEngine::Impl::setup() {
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
   dev_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_sharded(settings);
   if (dev_sharded) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
+  // Gradient buckets: stage 0's all-reduce on the cpu backend (cuda keeps the one all-reduce after
+  // backward: a stream's host function may not call NCCL), and stage >= 2's reduce-scatter (the
+  // sharded device optimizer is cpu-only, check_data_parallel).
+  grad_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_grad_sharded(settings);
+  bucketed = grad_sharded || (dp != nullptr && dp->size() > 1 && offload_detail::dp_device_bucketed(settings) &&
+                              settings.zero_stage == 0 && dev.info().kind == DeviceKind::kCpu);
+  if (bucketed) buckets = offload_detail::grad_buckets(units, settings);
   kdev = static_cast<int>(units.device_opt_units);
   partial = !opt_on_device && kdev > 0;
   hshift = partial ? units.device_opt_bytes : 0;
@@ -788,7 +837,11 @@ Status OffloadEngine::Impl::setup() {
       bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
   }
   if (opt_on_device || partial) {
-    const std::uint64_t dbytes = opt_on_device ? units.grad_bytes : units.device_opt_bytes;
+    // Stage >= 2 (grad_sharded): this rank's slices of the gradients only.
+    const std::uint64_t dbytes = grad_sharded   ? offload_detail::device_state_bytes(units, settings)
+                                 : opt_on_device ? units.grad_bytes
+                                                 : units.device_opt_bytes;
+    dgrad_bytes = dbytes;
     // Sharded (dev_sharded): the state regions hold this rank's slices only.
     const std::uint64_t sbytes =
         opt_on_device ? offload_detail::device_state_bytes(units, settings) : units.device_opt_bytes;
@@ -810,8 +863,19 @@ Status OffloadEngine::Impl::setup() {
                                                                        units, settings, half ? 2 : 4)));
       dev_staging = reinterpret_cast<char*>(staging);
     }
-    for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
-      bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+    if (grad_sharded) {
+      // Backward writes into bucket buffers, bound per bucket (open_buckets).
+      for (std::uint32_t i = 0; i < offload_detail::grad_bucket_slots(buckets, settings); ++i) {
+        STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.grad_buckets"));
+        STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.grad_buckets", idx));
+        bucket_buf.push_back(base + off);
+      }
+      bucket_buf_owner.assign(bucket_buf.size(), -1);
+    } else {
+      for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
+        bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+    }
+    bucket_buf_of.assign(buckets.units.size(), -1);
   }
   STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
@@ -1537,6 +1601,12 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     dp_tracks[2] = tracer.add_track("data parallel: device update (reduce-scatter, statistics, all-gather)");
     shard_stats.assign(static_cast<std::size_t>(M), GradStats{});
     gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
+  }
+  if (bucketed) {
+    // The compute stream's gradient buckets, in bucket order on every rank.
+    STRATA_ASSIGN_OR_RETURN(dp_buckets, dp->split(0, dp_rank, "dp.buckets"));
+    dp_tracks[1] = tracer.add_track(grad_sharded ? "data parallel: gradient bucket reduce-scatter"
+                                                 : "data parallel: gradient bucket all-reduce");
   }
   if (sharded && settings.zero_stage == 3) {
     for (int u = 0; u < M; ++u) {
@@ -3263,13 +3333,142 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
     note_access(M + m);
     STRATA_RETURN_IF_ERROR(access_params(m));
     STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
+    if (grad_sharded) STRATA_RETURN_IF_ERROR(open_buckets(m));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
     STRATA_RETURN_IF_ERROR(release_grads(m, first_micro, last_micro, step, lr));
+    if (bucketed) STRATA_RETURN_IF_ERROR(close_buckets(m, first_micro, last_micro, step));
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
   return ok_status();
+}
+
+Status OffloadEngine::Impl::open_buckets(int m) {
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const int b = buckets.bucket_of[static_cast<std::size_t>(u)];
+    if (b < 0 || bucket_buf_of[static_cast<std::size_t>(b)] >= 0) continue;
+    int i = -1;
+    for (std::size_t k = 0; k < bucket_buf_owner.size() && i < 0; ++k)
+      if (bucket_buf_owner[k] < 0) i = static_cast<int>(k);
+    if (i < 0) {
+      return internal_error("offload: no gradient bucket buffer free for bucket " + std::to_string(b) + " at module " +
+                            std::to_string(m) + " (the plan counted " + std::to_string(bucket_buf.size()) + ")");
+    }
+    bucket_buf_owner[static_cast<std::size_t>(i)] = b;
+    bucket_buf_of[static_cast<std::size_t>(b)] = i;
+    char* buf = bucket_buf[static_cast<std::size_t>(i)];
+    // The buffer's previous bucket may still be reduce-scattering from it (overlap_comm): finished
+    // first, in compute-stream order, then zeroed (the padding to size x chunk included).
+    if (settings.overlap_comm) {
+      STRATA_RETURN_IF_ERROR(compute->host_fn("offload: gradient bucket buffer " + std::to_string(i) + " free",
+                                              [this, i]() { return finish_through(i); }));
+    }
+    STRATA_RETURN_IF_ERROR(compute->memset_async(buf, 0, buckets.bytes[static_cast<std::size_t>(b)]));
+    for (int v : buckets.units[static_cast<std::size_t>(b)]) {
+      bound_grads[static_cast<std::size_t>(v)] = reinterpret_cast<float*>(buf + buckets.offset[static_cast<std::size_t>(v)]);
+      STRATA_RETURN_IF_ERROR(bind(v));
+    }
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::close_buckets(int m, bool first_micro, bool last_micro, std::int64_t step) {
+  for (std::size_t b = 0; b < buckets.units.size(); ++b) {
+    if (buckets.close_after[b] != m) continue;
+    const int bi = static_cast<int>(b);
+    if (grad_sharded) {
+      // Every micro-batch: reduced into the slices (the first micro-batch's overwrite them).
+      const int i = bucket_buf_of[b];
+      if (i < 0) return internal_error("offload: gradient bucket " + std::to_string(b) + " closed but never opened");
+      const bool accumulate = !first_micro;
+      STRATA_RETURN_IF_ERROR(compute->host_fn("offload: data-parallel reduce-scatter of gradient bucket " + std::to_string(b),
+                                              [this, bi, i, accumulate]() -> Status {
+                                                return launch_bucket(bi, i, accumulate);
+                                              }));
+      bucket_buf_owner[static_cast<std::size_t>(i)] = -1;
+      bucket_buf_of[b] = -1;
+      for (int v : buckets.units[b]) {
+        bound_grads[static_cast<std::size_t>(v)] = nullptr;
+        STRATA_RETURN_IF_ERROR(bind(v));
+      }
+    } else if (last_micro && step > 0) {
+      // Stage 0: the local sum of every micro-batch, all-reduced once (earlier micro-batches only add).
+      STRATA_RETURN_IF_ERROR(compute->host_fn("offload: data-parallel all-reduce of gradient bucket " + std::to_string(b),
+                                              [this, bi]() -> Status { return launch_bucket(bi, -1, false); }));
+    }
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::launch_bucket(int b, int buf, bool accumulate) {
+  const std::size_t bb = static_cast<std::size_t>(b);
+  const std::vector<int>& us = buckets.units[bb];
+  if (!grad_sharded) {
+    const auto [begin, n] = bucket_range(b);
+    float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + begin);
+    CommWork w = dp_buckets->all_reduce(g, g, n, DType::kF32, ReduceOp::kSum);
+    if (settings.overlap_comm) {
+      bucket_work.emplace_back(b, std::move(w));
+      return ok_status();
+    }
+    return dp_wait(dp_tracks[1], std::move(w), "all-reduce gradient bucket", us.front(), 4 * n);
+  }
+  // Each unit sits in the buffer padded with zeros to size x chunk (the sharded optimizer's
+  // chunks): one reduce-scatter per unit, in place from there into the buffer's receive part.
+  char* base = bucket_buf[static_cast<std::size_t>(buf)];
+  float* recv = reinterpret_cast<float*>(base + offload_detail::grad_bucket_recv_offset(buckets));
+  InFlight f;
+  f.bucket = b;
+  f.buf = buf;
+  f.accumulate = accumulate;
+  for (int u : us) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    f.work.push_back(dp_buckets->reduce_scatter(base + buckets.offset[uu], recv + buckets.rs_at[uu], slices.chunk[uu],
+                                                DType::kF32, ReduceOp::kSum));
+  }
+  in_flight.push_back(std::move(f));
+  if (settings.overlap_comm) return ok_status();
+  return finish_through(buf);
+}
+
+Status OffloadEngine::Impl::finish_through(int buf) {
+  if (buf >= 0 && std::none_of(in_flight.begin(), in_flight.end(), [buf](const InFlight& f) { return f.buf == buf; }))
+    return ok_status();
+  const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
+  while (!in_flight.empty()) {
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    const std::vector<int>& us = buckets.units[static_cast<std::size_t>(f.bucket)];
+    const float* recv = reinterpret_cast<const float*>(bucket_buf[static_cast<std::size_t>(f.buf)] +
+                                                       offload_detail::grad_bucket_recv_offset(buckets));
+    for (std::size_t k = 0; k < us.size(); ++k) {
+      const std::size_t uu = static_cast<std::size_t>(us[k]);
+      STRATA_RETURN_IF_ERROR(
+          dp_wait(dp_tracks[1], f.work[k], "reduce-scatter gradient bucket", us[k], 4 * P * slices.chunk[uu]));
+      // This rank's slice: the first micro-batch's overwrites, later ones add (the host tier's
+      // stage-2 sum, in micro-batch order: buckets finish in launch order).
+      float* dst = dgrads + slices.offset[uu];
+      const float* src = recv + buckets.rs_at[uu];
+      const std::uint64_t len = slices.len[uu];
+      if (f.accumulate) {
+        for (std::uint64_t i = 0; i < len; ++i) dst[i] += src[i];
+      } else {
+        std::memcpy(dst, src, len * 4);
+      }
+    }
+    if (f.buf == buf) break;
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::drain_buckets() {
+  for (auto& [b, w] : bucket_work) {
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[1], w, "all-reduce gradient bucket",
+                                   buckets.units[static_cast<std::size_t>(b)].front(), 4 * bucket_range(b).second));
+  }
+  bucket_work.clear();
+  return finish_through(-1);
 }
 
 Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inputs,
@@ -3291,7 +3490,21 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
     count = static_cast<std::int64_t>(global);
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
-  if (opt_on_device) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.grad_bytes));
+  // grad_sharded: the slices are written, not added to, by each step's first micro-batch.
+  if (opt_on_device && !grad_sharded) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, dgrad_bytes));
+  if (bucketed) {
+    // A failed step may have left collectives in flight and buffers taken: wait them out, drop them.
+    std::fill(bucket_buf_owner.begin(), bucket_buf_owner.end(), -1);
+    std::fill(bucket_buf_of.begin(), bucket_buf_of.end(), -1);
+    STRATA_RETURN_IF_ERROR(compute->host_fn("offload: discard gradient buckets in flight", [this]() -> Status {
+      for (InFlight& f : in_flight)
+        for (CommWork& w : f.work) (void)w.wait();
+      in_flight.clear();
+      for (auto& [b, w] : bucket_work) (void)w.wait();
+      bucket_work.clear();
+      return ok_status();
+    }));
+  }
   if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
@@ -3438,9 +3651,10 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
       "optimizer step (sharded)", [this, lr, step, loss_scale](const kernels::KernelContext&) -> Status {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
         const std::uint64_t cmax = slices.max_chunk;
-        float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
-        float* rs_out = rs_in + P * cmax;                      // chunk
-        char* ag_in = reinterpret_cast<char*>(rs_out + cmax);  // chunk, working dtype
+        float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk (stage 1)
+        float* rs_out = rs_in + P * cmax;                      // chunk (stage 1)
+        // chunk, working dtype (stages 2-3: the staging holds only the all-gather's part)
+        char* ag_in = grad_sharded ? dev_staging : reinterpret_cast<char*>(rs_out + cmax);
         char* ag_out = ag_in + w * cmax;                       // P x chunk
         const auto inv_scale = static_cast<float>(1.0 / loss_scale);
         // 1. Each unit's gradients reduce-scattered; this rank's slice is written back in place (the
@@ -3452,6 +3666,13 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
           const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], b = slices.begin[uu],
                               len = slices.len[uu];
           if (n == 0) continue;  // the same on every rank
+          if (grad_sharded) {
+            // Stage >= 2: reduced per bucket during backward (drain_buckets ran before this).
+            STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u,
+                                                         reinterpret_cast<const char*>(dgrads + slices.offset[uu]),
+                                                         b, len, inv_scale));
+            continue;
+          }
           float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
           std::memcpy(rs_in, g, n * 4);
           std::fill(rs_in + n, rs_in + P * c, 0.0f);
@@ -3525,7 +3746,8 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
             OptimizerBuffers ob;
             ob.master = half ? dmaster + off + (lo - b)
                              : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
-            ob.grad = reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
+            ob.grad = grad_sharded ? reinterpret_cast<char*>(dgrads + off + (lo - b))
+                                   : reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
             ob.grad_dtype = DType::kF32;
             ob.exp_avg = dm + off + (lo - b);
             ob.exp_avg_sq = dv + off + (lo - b);
@@ -3932,8 +4154,15 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
-    // Sharded (stages 1-3): the device update reduce-scatters the gradients itself.
-    if (s.ok() && t.dp_size > 1 && !t.dev_sharded) s = t.all_reduce_device_grads();
+    // Gradient buckets (stage 0 on the cpu backend, stage >= 2; data parallel alone): their
+    // collectives were launched during backward; every one is waited (and stage >= 2's slices
+    // complete) before the update.
+    if (s.ok() && t.bucketed)
+      s = t.compute->host_fn("offload: wait for the gradient buckets", [&t]() { return t.drain_buckets(); });
+    // Stage 1 (and stages 2-3 with tensor or pipeline parallelism): the device update
+    // reduce-scatters the gradients itself; stage 0 without buckets (a pipeline, tensor
+    // parallelism, cuda): one all-reduce after backward.
+    if (s.ok() && t.dp_size > 1 && !t.dev_sharded && !t.bucketed) s = t.all_reduce_device_grads();
     // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
     // slices, summed inside device_update_sharded).
     if (s.ok() && t.pp_tied && !t.dev_sharded) {
@@ -4043,6 +4272,13 @@ Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> i
     return failed_precondition("loss_and_gradients: needs the optimizer (and gradients) on the device");
   }
   STRATA_RETURN_IF_ERROR(t.single_stage("loss_and_gradients"));
+  if (t.grad_sharded) {
+    return failed_precondition("loss_and_gradients: with zero_optimization.stage " +
+                               std::to_string(t.settings.zero_stage) + " and the optimizer on the device over " +
+                               std::to_string(t.dp_size) +
+                               " data-parallel ranks each rank keeps only its slice of the reduced gradients; "
+                               "use stage 0 or 1 to read whole gradients");
+  }
   const auto micro = static_cast<std::int64_t>(inputs.size()) / (t.config.micro_batch * t.config.seq_len);
   if (micro < 1 || micro > t.config.grad_accum) {
     return invalid_argument("loss_and_gradients: expected 1 to " + std::to_string(t.config.grad_accum) +

@@ -298,10 +298,119 @@ inline bool dp_device_sharded(const OffloadSettings& s) {
 inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& settings);
 
 // The data-parallel staging of the sharded device optimizer, in device memory: the reduce-scatter's
-// input (size x chunk fp32) and output (chunk), the parameter all-gather's input (chunk) and output
-// (size x chunk) in the working dtype (`w` bytes), for the largest chunk.
+// input (size x chunk fp32) and output (chunk; stage 1 only: stages 2-3 reduce in their gradient
+// buckets), the parameter all-gather's input (chunk) and output (size x chunk) in the working dtype
+// (`w` bytes), for the largest chunk.
 inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
                                              std::uint64_t w);
+
+// Stage >= 2 with the optimizer on the device and more than one rank: the gradients are
+// reduce-scattered per bucket during backward and each rank keeps only its slices of them
+// (offload.grads holds this rank's shard; the full-size gradients exist only in the bucket
+// buffers offload.grad_buckets). docs/parallel.md "Gradient buckets". Data parallelism alone: with
+// tensor or pipeline parallelism stages 2-3 shard the optimizer state only, like stage 1 (the
+// buckets' backward hooks and their order are the single-range, one-tensor-rank schedule's).
+inline bool dp_device_grad_sharded(const OffloadSettings& s) {
+  return dp_device_sharded(s) && s.zero_stage >= 2 && s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+}
+
+// The gradient buckets of data parallel with the optimizer on the device (no pipeline). Units
+// are taken in the order backward finishes them (their last backward module, latest first; ties
+// by unit, highest first) and grouped while the bucket stays within reduce_bucket_elements and
+// the units stay adjacent (unit u after u + 1: a bucket is one contiguous range of the fp32
+// layout, which stage 0 all-reduces in place). A unit is never split. Every rank computes the same
+// buckets from the layout, so every rank launches the same collectives in the same order.
+struct GradBuckets {
+  std::vector<std::vector<int>> units;        // per bucket, in backward-finish order
+  std::vector<int> bucket_of;                 // per unit (-1: no gradients)
+  std::vector<int> open_at, close_after;      // per bucket: first backward module touching it, last
+  std::vector<std::uint64_t> bytes;           // per bucket: its buffer (stage >= 2): units padded to
+                                              // size x chunk elements, 256-aligned
+  std::vector<std::uint64_t> offset;          // per unit: its gradients' offset in its bucket's buffer
+  std::vector<std::uint64_t> rs_chunk;        // per bucket: elements each rank receives (sum of chunks)
+  std::vector<std::uint64_t> rs_at;           // per unit: its chunk's offset in a rank's part
+  std::uint32_t live = 0;                     // the most buckets open at once during backward
+  std::uint64_t max_bytes = 0, max_rs_chunk = 0;
+};
+
+inline bool dp_device_bucketed(const OffloadSettings& s) {
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+}
+
+inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings) {
+  GradBuckets g;
+  const int M = static_cast<int>(u.gbytes.size());
+  std::vector<int> first(static_cast<std::size_t>(M), -1), last(static_cast<std::size_t>(M), M);
+  for (int m = 0; m < M; ++m) {
+    for (int x : u.storage[static_cast<std::size_t>(m)]) {
+      first[static_cast<std::size_t>(x)] = std::max(first[static_cast<std::size_t>(x)], m);
+      last[static_cast<std::size_t>(x)] = std::min(last[static_cast<std::size_t>(x)], m);
+    }
+  }
+  std::vector<int> order;
+  for (int x = 0; x < M; ++x)
+    if (u.gbytes[static_cast<std::size_t>(x)] > 0 && first[static_cast<std::size_t>(x)] >= 0) order.push_back(x);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const int la = last[static_cast<std::size_t>(a)], lb = last[static_cast<std::size_t>(b)];
+    return la != lb ? la > lb : a > b;
+  });
+  g.bucket_of.assign(static_cast<std::size_t>(M), -1);
+  g.offset.assign(static_cast<std::size_t>(M), 0);
+  g.rs_at.assign(static_cast<std::size_t>(M), 0);
+  const std::uint64_t cap = 4 * static_cast<std::uint64_t>(std::max<std::int64_t>(settings.reduce_bucket_elements, 1));
+  const int P = std::max(settings.dp_size, 1);
+  std::uint64_t held = 0;  // bytes of the bucket being filled
+  for (int x : order) {
+    const std::size_t xx = static_cast<std::size_t>(x);
+    bool adjacent = !g.units.empty();  // no unit with gradients between x and the bucket's last
+    for (int y = x + 1; adjacent && y < g.units.back().back(); ++y) adjacent = u.gbytes[static_cast<std::size_t>(y)] == 0;
+    const bool start = !adjacent || held + u.gbytes[xx] > cap;
+    if (start) {
+      g.units.emplace_back();
+      g.open_at.push_back(-1);
+      g.close_after.push_back(M);
+      g.bytes.push_back(0);
+      g.rs_chunk.push_back(0);
+      held = 0;
+    }
+    const std::size_t b = g.units.size() - 1;
+    g.units[b].push_back(x);
+    g.bucket_of[xx] = static_cast<int>(b);
+    g.open_at[b] = std::max(g.open_at[b], first[xx]);
+    g.close_after[b] = std::min(g.close_after[b], last[xx]);
+    const std::uint64_t c = dp_slice_of(u.gbytes[xx] / 4, P, 0).chunk;
+    g.offset[xx] = g.bytes[b];
+    g.bytes[b] += align_up(4 * static_cast<std::uint64_t>(P) * c, kParamAlignment);  // padded to P chunks
+    g.rs_at[xx] = g.rs_chunk[b];
+    g.rs_chunk[b] += c;
+    held += u.gbytes[xx];
+    g.max_bytes = std::max(g.max_bytes, g.bytes[b]);
+    g.max_rs_chunk = std::max(g.max_rs_chunk, g.rs_chunk[b]);
+  }
+  // Backward runs modules M-1 .. 0: bucket b is open from open_at (its buffer zeroed) through
+  // close_after (its collective launched after that module's backward).
+  for (int cur = M - 1; cur >= 0; --cur) {
+    std::uint32_t open = 0;
+    for (std::size_t b = 0; b < g.units.size(); ++b)
+      if (g.open_at[b] >= cur && g.close_after[b] <= cur) ++open;
+    g.live = std::max(g.live, open);
+  }
+  return g;
+}
+
+// Stage >= 2 (dp_device_grad_sharded): the bucket buffers, each a bucket's units laid out padded to
+// size x chunk elements (each unit is reduce-scattered in place from there) followed by the
+// receive buffer of this rank's chunks (rs_chunk); the most buckets open at once, plus one whose
+// reduce-scatter is in flight with overlap_comm.
+inline std::uint32_t grad_bucket_slots(const GradBuckets& g, const OffloadSettings& s) {
+  return std::max<std::uint32_t>(g.live, 1) + (s.overlap_comm ? 1 : 0);
+}
+inline std::uint64_t grad_bucket_recv_offset(const GradBuckets& g) {
+  return align_up(std::max<std::uint64_t>(g.max_bytes, 4), kParamAlignment);
+}
+inline std::uint64_t grad_bucket_slot_bytes(const GradBuckets& g) {
+  return grad_bucket_recv_offset(g) + align_up(std::max<std::uint64_t>(4 * g.max_rs_chunk, 4), kParamAlignment);
+}
 
 inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const Units& u,
                                               const OffloadSettings& settings) {
@@ -311,7 +420,14 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   const std::uint64_t gb = std::max<std::uint64_t>(u.grad_bytes, kParamAlignment);
   if (settings.optimizer == Tier::kDevice) {
     const std::uint64_t sb = device_state_bytes(u, settings);
-    r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
+    if (dp_device_grad_sharded(settings)) {
+      // This rank's reduced slices (rank 0's, the largest), and the buckets backward writes into.
+      const GradBuckets g = grad_buckets(u, settings);
+      r.push_back(RegionSpec{"offload.grads", sb, 0, 0});
+      r.push_back(RegionSpec{"offload.grad_buckets", 0, grad_bucket_slot_bytes(g), grad_bucket_slots(g, settings)});
+    } else {
+      r.push_back(RegionSpec{"offload.grads", gb, 0, 0});
+    }
     if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", sb, 0, 0});
     r.push_back(RegionSpec{"optim.exp_avg", sb, 0, 0});
     r.push_back(RegionSpec{"optim.exp_avg_sq", sb, 0, 0});
@@ -380,7 +496,9 @@ inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettin
                                              std::uint64_t w) {
   const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
   const std::uint64_t c = dp_slices(u, settings.dp_size, 0).max_chunk;
-  return std::max<std::uint64_t>((4 + w) * (P + 1) * c, kParamAlignment);
+  // Stage >= 2 reduces in its gradient buckets: only the all-gather's part.
+  const std::uint64_t per = dp_device_grad_sharded(settings) ? w : 4 + w;
+  return std::max<std::uint64_t>(per * (P + 1) * c, kParamAlignment);
 }
 
 // Device bytes of the model's activations, activation gradients and io buffers (model.cpp's

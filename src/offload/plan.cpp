@@ -24,6 +24,10 @@ Result<Tier> parse_tier(std::string_view text) {
 }
 
 Status OffloadSettings::validate() const {
+  if (reduce_bucket_elements < 1) {
+    return invalid_argument("zero_optimization.reduce_bucket_size: expected an integer >= 1 (elements per "
+                            "gradient bucket), found " + std::to_string(reduce_bucket_elements));
+  }
   if (params != Tier::kDevice && optimizer == Tier::kDevice) {
     return invalid_argument(
         "zero_optimization.offload_param.device = " + std::string(to_string(params)) +
@@ -163,6 +167,8 @@ Status OffloadSettings::apply(const Config& config) {
   nvme_buffer_count = static_cast<int>(std::clamp<std::int64_t>(z.offload_optimizer.buffer_count, 2, 64));
   sub_group_size = z.sub_group_size;
   zero_stage = static_cast<int>(z.stage);
+  reduce_bucket_elements = z.reduce_bucket_size;
+  overlap_comm = z.overlap_comm;
   // Strata's own tunables of the placement (the `strata` section, or STRATA_OFFLOAD_*).
   prefetch_modules = static_cast<int>(config.strata.get_int(Option::kOffloadPrefetchModules));
   gradients = config.strata.get_string(Option::kOffloadGradients) == "nvme" ? Tier::kNvme : Tier::kHost;
@@ -196,9 +202,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
                            : r.name.rfind("offload.grad", 0) == 0 ? StateKind::kGradients
                                                                    : StateKind::kParameters;
     // Sharded device optimizer: the state regions hold this rank's slices (rank 0's, the largest).
-    const std::string of = offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer
-                               ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
-                               : std::string();
+    // Stage >= 2 in device memory: offload.grads is this rank's slices of the gradients too.
+    const bool mine = (offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer) ||
+                      (offload_detail::dp_device_grad_sharded(settings) && r.name == "offload.grads");
+    const std::string of = mine ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")" : std::string();
     line("device region " + r.name + of, Tier::kDevice, kind,
          r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
