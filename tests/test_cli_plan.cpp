@@ -48,6 +48,7 @@ TEST(CliPlan, WritesAConfigThatConfigAndTrainAccept) {
               r["predicted"]["parts_s"]["compute"].get<double>() * 0.999);
   }
   EXPECT_GT(j["machine"]["h2d_bytes_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["machine"]["host_copy_bytes_per_s"].get<double>(), 0.0);
   EXPECT_TRUE(j["machine"]["nvme_measured"].get<bool>());
   // The file is the config printed, and the rest of the toolchain takes it.
   const auto written = nlohmann::json::parse(read_file(cfg));

@@ -57,7 +57,7 @@ MachineRates rates() {
   r.forward_seconds = {1, 1, 1, 1};
   r.backward_seconds = {2, 2, 2, 2};
   r.device_update_seconds = 0.5;
-  r.h2d_bytes_per_s = r.d2h_bytes_per_s = 1e18;
+  r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.host_copy_bytes_per_s = 1e18;
   r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e18;
   r.adam_elements_per_s = r.scan_elements_per_s = 1e18;
   return r;
@@ -242,6 +242,45 @@ TEST(CostModel, DelayedUpdateHidesTheUpdateUntilItIsLongerThanTheStep) {
   ASSERT_TRUE(ordinary.ok() && delayed.ok());
   EXPECT_NEAR(delayed->step_seconds, 30.0, 1e-9);
   EXPECT_GT(ordinary->step_seconds, delayed->step_seconds + 1.0);
+}
+
+TEST(CostModel, DelayedUpdateWithHostHomesCopiesEachNextVersionOnTheCallerBeforeTheStepReturns) {
+  // Parameters at home in host memory: publish_delayed copies each unit's next version over the
+  // published one on the caller's thread, after every stream is idle and before step() returns,
+  // so the copy adds to the step in full. 5 s of copies (all units' working bytes at a rate that
+  // makes them 5 s) lengthen the step by 5 s; NVMe homes flip a version and copy nothing.
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  const std::uint64_t pbytes = std::accumulate(u.param_bytes.begin(), u.param_bytes.end(), 0ull);
+  OffloadSettings d;
+  d.params = Tier::kHost;
+  d.optimizer = Tier::kHost;
+  d.persistence_threshold = 0;  // every module at home in host memory
+  d.delayed_update = true;
+  MachineRates r = rates();
+  auto fast = predict_step(c, d, r);
+  r.host_copy_bytes_per_s = static_cast<double>(pbytes) / 5.0;
+  auto slow = predict_step(c, d, r);
+  ASSERT_TRUE(fast.ok() && slow.ok()) << slow.status().to_string();
+  EXPECT_EQ(slow->host_copy_bytes, pbytes);
+  EXPECT_NEAR(slow->host_copy, 5.0, 1e-9);
+  EXPECT_NEAR(slow->step_seconds, fast->step_seconds + 5.0, 1e-6);
+  EXPECT_NE(slow->to_string().find("host copy"), std::string::npos);
+  OffloadSettings n = d;
+  n.params = Tier::kNvme;
+  n.nvme_path = {"/tmp/unused"};
+  auto flip = predict_step(c, n, r);
+  ASSERT_TRUE(flip.ok()) << flip.status().to_string();
+  EXPECT_EQ(flip->host_copy_bytes, 0u);
+  OffloadSettings plain = d;
+  plain.delayed_update = false;
+  auto ordinary = predict_step(c, plain, r);
+  ASSERT_TRUE(ordinary.ok());
+  EXPECT_EQ(ordinary->host_copy_bytes, 0u);
+  r.host_copy_bytes_per_s = 0;
+  auto bad = predict_step(c, d, r);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("host_copy_bytes_per_s"), std::string::npos) << bad.status().to_string();
 }
 
 TEST(CostModel, ActivationOffloadCopiesEachEvictedInputOutAndBack) {

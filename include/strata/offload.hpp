@@ -264,6 +264,9 @@ struct MachineRates {
   double device_update_seconds = 0;  // the optimizer step on the device (optimizer = device)
   double h2d_bytes_per_s = 0;        // pinned host -> device copies
   double d2h_bytes_per_s = 0;
+  // Host memory to host memory (a memcpy on the caller's thread): the delayed update's publish of
+  // the units whose home is host memory copies their next version over the published one.
+  double host_copy_bytes_per_s = 0;
   double nvme_read_bytes_per_s = 0;  // through the swap store, checksums on
   double nvme_write_bytes_per_s = 0;
   double nvme_request_seconds = 0;  // fixed cost of one swap request on top of its bytes
@@ -325,6 +328,7 @@ struct StepPrediction {
   double compute = 0;       // forward + backward (+ the device optimizer)
   double h2d = 0;           // parameter fetches, gradient restores, uploads of updated parameters
   double d2h = 0;           // gradients out
+  double host_copy = 0;     // the caller's host copies (the delayed update's publish, host homes)
   double nvme_read = 0;     // parameter fetches, optimizer state and gradients in
   double nvme_write = 0;    // optimizer state, gradients and updated parameters out
   double optimizer = 0;     // host optimizer thread: gradient scans and CPU Adam
@@ -333,6 +337,7 @@ struct StepPrediction {
   double contention = 0;    // shared_cores: the other engines' CPU work taken from compute
   double dp = 0;            // data-parallel collectives (busy seconds of the link, all threads)
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  std::uint64_t host_copy_bytes = 0;
   std::uint64_t dp_bytes = 0;     // their buffer bytes (as OffloadStats::bytes_dp counts them)
   std::string to_string() const;  // one line per part
 };

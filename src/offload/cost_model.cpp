@@ -98,6 +98,7 @@ Status MachineRates::validate(std::size_t modules) const {
   }
   const std::pair<const char*, double> positive[] = {{"h2d_bytes_per_s", h2d_bytes_per_s},
                                                      {"d2h_bytes_per_s", d2h_bytes_per_s},
+                                                     {"host_copy_bytes_per_s", host_copy_bytes_per_s},
                                                      {"nvme_read_bytes_per_s", nvme_read_bytes_per_s},
                                                      {"nvme_write_bytes_per_s", nvme_write_bytes_per_s},
                                                      {"adam_elements_per_s", adam_elements_per_s},
@@ -251,6 +252,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   StepPrediction p;
   auto h2d = [&](std::uint64_t b) { return static_cast<double>(b) / rates.h2d_bytes_per_s; };
   auto d2h = [&](std::uint64_t b) { return static_cast<double>(b) / rates.d2h_bytes_per_s; };
+  auto host_copy = [&](std::uint64_t b) { return static_cast<double>(b) / rates.host_copy_bytes_per_s; };
 
   // Activation offload (docs/offload.md "Activation offload"): block l's input x_l (l = 0..L,
   // x_L the head's) lives in a ring of R = min(3, L + 1) device buffers; an input a later write
@@ -547,12 +549,21 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     // The step's end: every stream synchronised, then the norm from the optimizer thread.
     host = std::max({host, compute, h2d_stream, grads});
     if (delayed) {
-      // publish_delayed: the previous step's update of every unit, then their uploads (units off
-      // the device: a host copy or a version flip, left out).
+      // publish_delayed: the previous step's update of every unit, then their uploads; a unit at
+      // home in host memory instead has its next version copied over the published one on the
+      // caller's thread (before the step returns), an NVMe-homed unit flips its version (no I/O).
       for (int u = 0; u < M; ++u) host = std::max(host, updated[static_cast<std::size_t>(u)]);
       for (int u = 0; u < M; ++u) {
         const std::size_t uu = static_cast<std::size_t>(u);
-        if (units.home[uu] != Tier::kDevice || units.pbytes[uu] == 0) continue;
+        if (units.pbytes[uu] == 0) continue;
+        if (units.home[uu] == Tier::kHost) {
+          const double c = host_copy(units.pbytes[uu]);
+          host += c;
+          cur.host_copy += c;
+          cur.host_copy_bytes += units.pbytes[uu];
+          continue;
+        }
+        if (units.home[uu] != Tier::kDevice) continue;
         upload_lane = std::max(upload_lane, host) + h2d(units.pbytes[uu]);
         uploaded[uu] = upload_lane;
         cur.h2d += h2d(units.pbytes[uu]);
@@ -703,7 +714,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         // The other engines' CPU work, as far as it ran while compute ran, takes its share of
         // the cores compute would have used.
         // The collectives are CPU work here too (the MPI backend copies through shared memory).
-        const double cpu_work = cur.h2d + cur.d2h + cur.optimizer + cur.dp +
+        const double cpu_work = cur.h2d + cur.d2h + cur.host_copy + cur.optimizer + cur.dp +
                                 rates.nvme_cpu_fraction * (cur.nvme_read + cur.nvme_write);
         const double overlap = period > 0 ? std::min(1.0, cur.compute / period) : 1.0;
         cur.contention = cpu_work * overlap / static_cast<double>(rates.cores);
@@ -732,6 +743,8 @@ std::string StepPrediction::to_string() const {
   line("compute", compute, 0, "forward + backward (+ the device optimizer)");
   line("h2d", h2d, h2d_bytes, "parameter fetches, gradient restores, uploads of updated parameters");
   line("d2h", d2h, d2h_bytes, "gradients out");
+  if (host_copy_bytes > 0)
+    line("host copy", host_copy, host_copy_bytes, "delayed update: next versions published in host memory");
   line("nvme read", nvme_read, nvme_read_bytes, "parameters, optimizer state, gradients in");
   line("nvme write", nvme_write, nvme_write_bytes, "optimizer state, gradients, updated parameters out");
   line("optimizer", optimizer, 0, "host optimizer thread: gradient scans and CPU Adam");

@@ -494,6 +494,7 @@ int run_plan(std::span<const std::string> argv) {
                     {"device_update_s", r.device_update_seconds},
                     {"h2d_bytes_per_s", r.h2d_bytes_per_s},
                     {"d2h_bytes_per_s", r.d2h_bytes_per_s},
+                    {"host_copy_bytes_per_s", r.host_copy_bytes_per_s},
                     {"nvme_measured", !ms.nvme_dir.empty()},
                     {"nvme_read_bytes_per_s", ms.nvme_dir.empty() ? 0.0 : r.nvme_read_bytes_per_s},
                     {"nvme_write_bytes_per_s", ms.nvme_dir.empty() ? 0.0 : r.nvme_write_bytes_per_s},
@@ -531,8 +532,9 @@ int run_plan(std::span<const std::string> argv) {
               report.measured_layers != rs.trainer.model.n_layer
                   ? (", measured at " + std::to_string(report.measured_layers) + " layers and scaled").c_str()
                   : "");
-  std::printf("  copies    h2d %.2f GB/s, d2h %.2f GB/s (%s each way)\n", r.h2d_bytes_per_s / 1e9,
-              r.d2h_bytes_per_s / 1e9, format_bytes(report.copy_bytes).c_str());
+  std::printf("  copies    h2d %.2f GB/s, d2h %.2f GB/s, host to host %.2f GB/s (%s each)\n",
+              r.h2d_bytes_per_s / 1e9, r.d2h_bytes_per_s / 1e9, r.host_copy_bytes_per_s / 1e9,
+              format_bytes(report.copy_bytes).c_str());
   if (!ms.nvme_dir.empty()) {
     std::printf("  nvme      read %.2f GB/s, write %.2f GB/s, %.3f ms per request, %.0f%% CPU (%s in %s)\n",
                 r.nvme_read_bytes_per_s / 1e9, r.nvme_write_bytes_per_s / 1e9, 1e3 * r.nvme_request_seconds,

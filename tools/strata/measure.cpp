@@ -68,6 +68,20 @@ Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int
   return median(t);
 }
 
+double time_host_copy(std::uint64_t bytes, int reps) {
+  if (bytes == 0) return 0.0;
+  std::vector<char> from(bytes, 1), to(bytes, 0);
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = Clock::now();
+    std::memcpy(to.data(), from.data(), bytes);
+    t.push_back(seconds_since(t0));
+  }
+  // The copy is read back, so it cannot be optimised away.
+  if (to[bytes / 2] != 1) return 0.0;
+  return median(t);
+}
+
 Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps) {
   CpuOptimizerConfig oc;
   STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));
@@ -312,11 +326,13 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
                             time_copy(*device, settings.copy_bytes, CopyKind::kHostToDevice, 5));
     STRATA_ASSIGN_OR_RETURN(rep.copy_d2h_s,
                             time_copy(*device, settings.copy_bytes, CopyKind::kDeviceToHost, 5));
+    rep.copy_host_s = time_host_copy(settings.copy_bytes, 5);
     rep.copy_bytes = settings.copy_bytes;
   }
   const double copy_bytes = static_cast<double>(std::max<std::uint64_t>(settings.copy_bytes, 1));
   rates.h2d_bytes_per_s = copy_bytes / std::max(rep.copy_h2d_s, 1e-9);
   rates.d2h_bytes_per_s = copy_bytes / std::max(rep.copy_d2h_s, 1e-9);
+  rates.host_copy_bytes_per_s = copy_bytes / std::max(rep.copy_host_s, 1e-9);
 
   // ---- NVMe ----
   if (!settings.nvme_dir.empty() && settings.nvme_bytes > 0) {

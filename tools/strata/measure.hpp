@@ -22,6 +22,8 @@ Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int
 // CPU Adam over n parameters (fp32 master, moments and gradients; working copy in `dtype`) on
 // `threads` threads, median of `reps` after one that touches the pages.
 Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps);
+// A memcpy of `bytes` between two host buffers whose pages are touched first, median of `reps`.
+double time_host_copy(std::uint64_t bytes, int reps);
 // The same on a thread pinned as the engine's host optimizer thread is (the budget's host cpus),
 // with its threads.
 Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps);
@@ -61,6 +63,7 @@ struct MeasureReport {
   double forward_s = 0;              // one micro-batch, forward only
   double forward_backward_s = 0;     // one micro-batch, forward and backward
   double copy_h2d_s = 0, copy_d2h_s = 0;
+  double copy_host_s = 0;  // host memory to host memory (memcpy), copy_bytes
   std::uint64_t copy_bytes = 0;
   NvmeTimes nvme;
   std::uint64_t nvme_bytes = 0;
