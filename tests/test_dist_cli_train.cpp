@@ -420,12 +420,14 @@ TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
             std::string::npos)
       << plan.output;
   EXPECT_NE(plan.output.find("device region offload.param_slots"), std::string::npos) << plan.output;
-  EXPECT_NE(plan.output.find("data-parallel parameter fetch staging (pinned)"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("data-parallel parameter fetch staging (pinned)"), std::string::npos)
+      << plan.output;
   std::vector<double> losses[2];
   std::string weights[2];
   for (int stage : {2, 3}) {
     const std::filesystem::path out = dir / ("run" + std::to_string(stage));
-    auto run = run_command(mpirun(2) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
+    auto run =
+        run_command(mpirun(2) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
     ASSERT_EQ(run.exit_code, 0) << run.output;
     losses[stage - 2] = losses_of(out / "metrics.jsonl");
     weights[stage - 2] = read_file(out / "weights.safetensors");
