@@ -400,6 +400,45 @@ TEST(DistCliTrain, PlanUnderMpirunIsTheRanksShardedPlan) {
   EXPECT_EQ(fits.exit_code, 0) << "budget " << budget << " bytes\n" << fits.output;
 }
 
+// Stage 3 in device memory under mpirun (docs/parallel.md "Stage 3 in device memory"): --plan
+// prints each rank's slices of the working parameters, the param slots and the fetch staging;
+// the run trains with stage 2's losses bit for bit (the same collectives' sums) and writes the
+// same weights file (the slices gathered).
+TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
+  TempDir dir("strata-dist-cli");
+  auto config = [&](int stage) {
+    return write_file(dir / ("stage" + std::to_string(stage) + ".json"),
+                      R"({"zero_optimization": {"stage": )" + std::to_string(stage) +
+                          R"(, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+                          "stage3_param_persistence_threshold": 0}})");
+  };
+  const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto plan = run_command(mpirun(2) + "train " + flags + "--config " + config(3) + " --plan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_NE(plan.output.find("device region offload.params (this rank's 1/2 of the modules above "
+                             "stage3_param_persistence_threshold)"),
+            std::string::npos)
+      << plan.output;
+  EXPECT_NE(plan.output.find("device region offload.param_slots"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("data-parallel parameter fetch staging (pinned)"), std::string::npos)
+      << plan.output;
+  std::vector<double> losses[2];
+  std::string weights[2];
+  for (int stage : {2, 3}) {
+    const std::filesystem::path out = dir / ("run" + std::to_string(stage));
+    auto run =
+        run_command(mpirun(2) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    losses[stage - 2] = losses_of(out / "metrics.jsonl");
+    weights[stage - 2] = read_file(out / "weights.safetensors");
+  }
+  ASSERT_EQ(losses[0].size(), 4u);
+  EXPECT_EQ(losses[0], losses[1]) << "stage 3 in device memory trains as stage 2, bit for bit";
+  EXPECT_LT(losses[1].back(), losses[1].front());
+  ASSERT_GT(weights[0].size(), 1000u);
+  EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
+}
+
 // Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
 // directory); what the engine cannot do yet (the delayed update with tensor parallelism) is
 // refused on every rank, naming the rank and the key.

@@ -635,6 +635,180 @@ TEST(DataParallel, DeviceGradientsShardedPlan) {
   EXPECT_NE(r.status().to_string().find("use stage 0 or 1"), std::string::npos) << r.status().to_string();
 }
 
+// ---- Stage 3 in device memory (docs/parallel.md "Stage 3 in device memory") ----------------------
+
+// The smallest unit with elements: a persistence threshold at its size keeps it whole while every
+// larger unit is sliced (persistent and sliced modules in one run).
+std::int64_t smallest_unit(const TrainerConfig& c) {
+  auto layout = describe_model(c.model);
+  EXPECT_TRUE(layout.ok());
+  std::int64_t least = -1;
+  for (const ModuleDesc& m : layout->modules) {
+    const auto n = static_cast<std::int64_t>((m.grad_end - m.grad_begin) / 4);
+    if (n > 0 && (least < 0 || n < least)) least = n;
+  }
+  return least;
+}
+
+// Stage 3 gathers each sliced unit's working parameters before use; the gathered bits are the
+// ones stage 2's all-gather after the update laid into its whole copy, the gradients go through
+// the same buckets and reduce-scatters, and the update runs the same arithmetic on the same
+// slices. So stage 3 equals stage 2 on the same ranks bit for bit: losses, norms, parameters,
+// masters and moments. GPT-2 (tied embedding: the head reads a sliced unit it does not own) fp32
+// and bf16 with accumulation 2, clipping, small buckets with overlap, one persistent module;
+// LLaMA bf16.
+TEST(DataParallel, Stage3DeviceParamsShardedBitwiseStage2) {
+  const int P = world().size();
+  struct C {
+    ModelKind kind;
+    DType dtype;
+    std::int64_t accum;
+    bool small_buckets;
+  };
+  for (const C& c : {C{ModelKind::kGpt2, DType::kF32, 2, true}, C{ModelKind::kGpt2, DType::kBF16, 2, false},
+                     C{ModelKind::kLlama, DType::kBF16, 1, true}}) {
+    const std::string what = std::string(c.kind == ModelKind::kGpt2 ? "GPT-2 " : "LLaMA ") +
+                             std::string(to_string(c.dtype)) + ", accumulation " + std::to_string(c.accum);
+    const TrainerConfig global = testing::tiny(c.kind, c.dtype, c.accum * P, 1.0);
+    OffloadSettings s;
+    s.optimizer = Tier::kDevice;
+    s.persistence_threshold = smallest_unit(global);
+    if (c.small_buckets) {
+      s.reduce_bucket_elements = kSmallBucket;
+      s.overlap_comm = true;
+    }
+    s.zero_stage = 2;
+    const Snapshot stage2 = train_dp(global, s, 3);
+    s.zero_stage = 3;
+    // The settings slice every unit but the smallest.
+    OffloadSettings sd = s;
+    sd.dp_size = P;
+    auto layout = describe_model(local_of(global).model);
+    ASSERT_TRUE(layout.ok());
+    const offload_detail::Units u = offload_detail::describe_units(*layout, sd);
+    const auto sliced = std::count(u.sliced.begin(), u.sliced.end(), 1);
+    EXPECT_GE(sliced, 4) << what;
+    EXPECT_LT(sliced, std::count_if(u.gbytes.begin(), u.gbytes.end(), [](std::uint64_t b) { return b > 0; }))
+        << what << ": the smallest module stays whole";
+    const Snapshot stage3 = train_dp(global, s, 3);
+    expect_ranks_identical(stage3);
+    testing::expect_same(stage2, stage3, "stage 2 vs stage 3 in device memory, " + what);
+  }
+}
+
+// Stage 3 in device memory against one process on the same global batch (the existing
+// Stage3DeviceOptimizerBf16Llama case covers LLaMA bf16): GPT-2 fp32 with accumulation 2 and
+// clipping, within the fp32 tolerances.
+TEST(DataParallel, Stage3DeviceParamsShardedFp32AgainstOneProcess) {
+  Case c{"stage 3 in device memory, fp32, accumulation 2, clip 1", DType::kF32, 2, 1.0, 3, Tier::kDevice,
+         Tier::kDevice};
+  c.bucket = kSmallBucket;
+  c.overlap = true;
+  check_case(c);
+}
+
+// Each rank's device memory holds 1/N of the sliced modules' working parameters: the plan's
+// offload.params is stage 2's less (N - 1)/N of the sliced units' bytes (within each unit's
+// rounding to 64 elements and the 256-byte alignment), the param slots hold the gathered units,
+// and the arena's live bytes are stage 2's less that saving plus the slots. loss() and
+// evaluate() gather the units too: the same values as stage 2 on the same ranks.
+TEST(DataParallel, Stage3DevicePlanShardsParameters) {
+  const int P = world().size();
+  const auto Pu = static_cast<std::uint64_t>(P);
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, P, 0.0);
+  auto bytes_of = [](const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
+    std::uint64_t b = 0;
+    for (const PlanLine& l : p.lines)
+      if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
+    return b;
+  };
+  OffloadSettings s;
+  s.optimizer = Tier::kDevice;
+  s.persistence_threshold = smallest_unit(global);
+  std::uint64_t params[2] = {0, 0}, live[2] = {0, 0}, slots = 0;
+  std::uint64_t accesses[2] = {0, 0}, hits[2] = {0, 0}, dp_bytes[2] = {0, 0};
+  double losses[2] = {0, 0};
+  EvalResult evals[2];
+  for (int stage : {2, 3}) {
+    s.zero_stage = stage;
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    const OffloadPlan& plan = (*engine)->plan();
+    const int k = stage - 2;
+    params[k] = bytes_of(plan, "device region offload.params");
+    live[k] = device->memory().stats().live_bytes;
+    if (stage == 3) {
+      EXPECT_GT(bytes_of(plan, "device region offload.params (this rank's 1/" + std::to_string(P) +
+                                   " of the modules above stage3_param_persistence_threshold)"),
+                0u);
+      slots = bytes_of(plan, "device region offload.param_slots");
+      EXPECT_EQ(slots, static_cast<std::uint64_t>(plan.param_slots) * plan.param_slot_bytes);
+      EXPECT_GT(plan.param_slots, 0u);
+      EXPECT_GT(bytes_of(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
+    } else {
+      EXPECT_EQ(bytes_of(plan, "device region offload.param_slots"), 0u);
+    }
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out));
+    const OffloadStats st = (*engine)->stats();
+    accesses[k] = st.param_accesses;
+    hits[k] = st.prefetch_hits;
+    dp_bytes[k] = st.bytes_dp;
+    std::vector<std::int32_t> in, tg;
+    share(global, 2, in, tg);
+    auto l = (*engine)->loss(in, tg);
+    ASSERT_TRUE(l.ok()) << l.status().to_string();
+    losses[k] = *l;
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(3 * (global.seq_len + 1)));
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7 + 3) % 97);
+    auto e = (*engine)->evaluate(tokens, 3);
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    evals[k] = *e;
+  }
+  // The sliced units' working bytes (bf16) and what rank 0 keeps of them.
+  OffloadSettings sd = s;
+  sd.dp_size = P;
+  auto layout = describe_model(local_of(global).model);
+  ASSERT_TRUE(layout.ok());
+  const offload_detail::Units u = offload_detail::describe_units(*layout, sd);
+  std::uint64_t whole = 0, units_sliced = 0;
+  for (std::size_t m = 0; m < u.sliced.size(); ++m) {
+    if (!u.sliced[m]) continue;
+    whole += u.pbytes[m];
+    ++units_sliced;
+  }
+  ASSERT_GT(units_sliced, 0u);
+  const std::uint64_t saving = whole - whole / Pu;  // (N - 1)/N of the sliced units
+  const std::uint64_t slack = units_sliced * (2u * 64u + 2u * 256u);
+  EXPECT_LE(params[1], params[0] - saving + slack) << "stage 3 keeps 1/" << P << " of the sliced modules";
+  EXPECT_GE(params[1] + slack, params[0] - saving);
+  EXPECT_LT(params[1], params[0]);
+  EXPECT_NEAR(static_cast<double>(live[1]), static_cast<double>(live[0] - (params[0] - params[1]) + slots),
+              4 * 256.0);
+  // Stage 3 fetches the sliced units (forward and backward), the second step ahead of use from
+  // the first step's trace; each fetch is an all-gather (stage 2 gathers once, after the update).
+  EXPECT_EQ(accesses[0], 0u);
+  EXPECT_GE(accesses[1], 2u * 2u * units_sliced) << "every sliced unit fetched in forward and backward";
+  EXPECT_GT(hits[1], 0u) << "the trace-driven prefetch gathers ahead of use";
+  EXPECT_GT(dp_bytes[1], dp_bytes[0]);
+  EXPECT_EQ(losses[0], losses[1]) << "loss() at stage 3 reads the gathered units";
+  EXPECT_EQ(evals[0].loss, evals[1].loss) << "evaluate() at stage 3 reads the gathered units";
+  EXPECT_EQ(evals[0].tokens, evals[1].tokens);
+  EXPECT_GT(evals[1].tokens, 0);
+  // With tensor or pipeline parallelism stage 3 keeps the parameters whole (as stage 2).
+  OffloadSettings tp = sd;
+  tp.zero_stage = 3;
+  tp.tp_size = 2;
+  EXPECT_FALSE(offload_detail::dp_device_param_sharded(tp));
+  OffloadSettings pp = sd;
+  pp.zero_stage = 3;
+  pp.pipeline_bounds = {0, 2, static_cast<int>(layout->modules.size())};
+  EXPECT_FALSE(offload_detail::dp_device_param_sharded(pp));
+  sd.zero_stage = 3;
+  EXPECT_TRUE(offload_detail::dp_device_param_sharded(sd));
+}
+
 // Saved by a data-parallel run, a checkpoint resumes bit for bit in the data-parallel run and
 // loads into a single process with the very state the ranks held.
 void check_checkpoint(int stage, Tier params, Tier optimizer = Tier::kHost) {
@@ -706,6 +880,11 @@ TEST(DataParallel, CheckpointResumesBitwiseStage2) { check_checkpoint(2, Tier::k
 TEST(DataParallel, CheckpointResumesBitwiseStage3) { check_checkpoint(3, Tier::kHost); }
 TEST(DataParallel, CheckpointResumesBitwiseStage2DeviceOptimizer) {
   check_checkpoint(2, Tier::kDevice, Tier::kDevice);
+}
+// Stage 3 in device memory: every module's working parameters sliced (threshold 0); the save
+// gathers the slices, the load keeps this rank's slice, one process loads the whole model.
+TEST(DataParallel, CheckpointResumesBitwiseStage3DeviceParams) {
+  check_checkpoint(3, Tier::kDevice, Tier::kDevice);
 }
 
 // Saved weights are the same file whichever stage trained them (stage 3 gathers the slices).

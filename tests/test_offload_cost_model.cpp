@@ -462,6 +462,49 @@ TEST(CostModel, DataParallelStages2And3CommunicatePerMicroBatchAndPerFetch) {
   EXPECT_EQ(half->reduce_scatter_bytes, three->reduce_scatter_bytes);
 }
 
+// The optimizer on the device over 3 ranks (data parallelism alone): stage 2 reduce-scatters
+// every bucket every micro-batch and all-gathers once after the update; stage 3 in device memory
+// (docs/parallel.md "Stage 3 in device memory") moves exactly the host tier's stage-3 bytes: the
+// same reduce-scatters and an all-gather per fetch of the same trace and slots, none after the
+// update (measured equal on 2 ranks, docs/performance.md). Persistent modules are gathered after
+// their update as at stage 2.
+TEST(CostModel, DataParallelDeviceStage3GathersPerFetchAsTheHostTier) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 2;
+  const Units u = units_of(c);
+  std::vector<std::uint64_t> buf;
+  for (std::uint64_t n : u.elements) buf.push_back(4 * 3 * dp_chunk(n, 3));
+  const std::uint64_t sum = std::accumulate(buf.begin(), buf.end(), 0ull);
+  OffloadSettings s;
+  s.optimizer = Tier::kDevice;
+  s.dp_size = 3;
+  s.zero_stage = 2;
+  s.prefetch_modules = 1;
+  s.persistence_threshold = 0;
+  auto two = dp_traffic(c, s);
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->reduce_scatter_bytes, 2 * sum);  // every micro-batch (the buckets)
+  EXPECT_EQ(two->all_gather_bytes, sum);          // once, after the update
+  s.zero_stage = 3;
+  auto dev3 = dp_traffic(c, s);
+  ASSERT_TRUE(dev3.ok()) << dev3.status().to_string();
+  OffloadSettings host = s;
+  host.optimizer = Tier::kHost;
+  host.params = Tier::kHost;
+  auto host3 = dp_traffic(c, host);
+  ASSERT_TRUE(host3.ok()) << host3.status().to_string();
+  EXPECT_EQ(dev3->reduce_scatter_bytes, host3->reduce_scatter_bytes);
+  EXPECT_EQ(dev3->all_gather_bytes, host3->all_gather_bytes);
+  EXPECT_EQ(dev3->all_gather_bytes, 5 * buf[0] + 4 * buf[1] + 4 * buf[2] + 2 * buf[3]);
+  EXPECT_EQ(dev3->collectives, host3->collectives);
+  // Every module persistent: stage 3 keeps the parameters whole and moves stage 2's bytes.
+  s.persistence_threshold = 1'000'000'000;
+  auto whole = dp_traffic(c, s);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(whole->all_gather_bytes, two->all_gather_bytes);
+  EXPECT_EQ(whole->reduce_scatter_bytes, two->reduce_scatter_bytes);
+}
+
 TEST(CostModel, DataParallelDeviceShardedStagesRunSeriallyAfterBackward) {
   // Optimizer on the device at stage 1 over 2 ranks: after backward, per module a reduce-scatter
   // and an all-gather, nothing overlapped; the device update covers this rank's slices.

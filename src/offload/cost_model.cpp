@@ -201,23 +201,32 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
     return t;
   }
   t.overlapped = !d.device_opt;
-  // Device-sharded stages run as stage 1 (docs/parallel.md: gradient sharding not built there).
-  const std::uint64_t rs_times = d.device_opt || d.stage == 1 ? 1 : A;
+  // With the optimizer on the device, stage 1 (and stages 2-3 with tensor or pipeline
+  // parallelism) reduces once in the update; stages 2-3 of data parallelism alone reduce each
+  // bucket every micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's stage 2.
+  const bool device_buckets = d.device_opt && offload_detail::dp_device_grad_sharded(settings);
+  const std::uint64_t rs_times = (d.device_opt && !device_buckets) || d.stage == 1 ? 1 : A;
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (d.rs_bytes[uu] == 0) continue;
     t.reduce_scatter_bytes += rs_times * d.rs_bytes[uu];
     t.collectives += rs_times;
-    if (d.device_opt || d.gathers_after_update(units, u)) {
+    // Stage 3 in device memory: a sliced unit is not gathered after its update (its fetches are).
+    if (!units.sliced[uu] && (d.device_opt || d.gathers_after_update(units, u))) {
       t.all_gather_bytes += d.ag_bytes[uu];
       ++t.collectives;
     }
   }
-  if (!d.device_opt && d.stage == 3) {
+  const bool any_sliced = std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+  if ((!d.device_opt && d.stage == 3) || any_sliced) {
+    // The sliced units are fetched as units at home on the host are (the same trace and slots).
+    Units fetched = units;
+    for (std::size_t m = 0; m < fetched.home.size(); ++m)
+      if (units.sliced[m]) fetched.home[m] = Tier::kHost;
     const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
-    for (const std::vector<int>& at : fetches_of_step(units, M, config.grad_accum, k)) {
+    for (const std::vector<int>& at : fetches_of_step(fetched, M, config.grad_accum, k)) {
       for (int u : at) {
-        if (!d.gathers_at_fetch(units, u)) continue;
+        if (!units.sliced[static_cast<std::size_t>(u)] && !d.gathers_at_fetch(units, u)) continue;
         t.all_gather_bytes += d.ag_bytes[static_cast<std::size_t>(u)];
         ++t.collectives;
       }

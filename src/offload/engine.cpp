@@ -386,6 +386,10 @@ struct OffloadEngine::Impl {
   // Stage 3: every unit that is not resident keeps only this rank's slice of its working
   // parameters at its home (host or NVMe); a fetch all-gathers the slices on the h2d stream.
   std::vector<char> psharded;  // per unit
+  // Stage 3 in device memory (offload_detail::dp_device_param_sharded): the psharded units' slices
+  // live in offload.params (Units::sliced), read and written there by read_param_slice /
+  // write_param_slice; the device update writes only the slice (no all-gather after it).
+  bool dev_params_sliced = false;
   std::unique_ptr<Comm> dp_caller, dp_grads, dp_params, dp_fetch;  // one per thread that talks
   HostMem fetch_send, fetch_recv;  // h2d stream: this rank's slice, and the gathered unit
   offload_detail::DpSlices slices;
@@ -502,6 +506,12 @@ struct OffloadEngine::Impl {
     return failed_precondition(std::string(what) + " with " + std::to_string(pp_size) +
                                " pipeline stages is not built yet (this stage holds modules " +
                                std::to_string(stage_first) + ".." + std::to_string(stage_end - 1) + ")");
+  }
+  // The unit's whole working parameters live in offload.params (not a stage-3 slice: those are
+  // fetched into param slots like units at home on the host).
+  bool resident_unit(int u) const {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    return units.home[uu] == Tier::kDevice && !units.sliced[uu];
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -833,7 +843,7 @@ Status OffloadEngine::Impl::setup() {
   bound_params.assign(static_cast<std::size_t>(M), nullptr);
   bound_grads.assign(static_cast<std::size_t>(M), nullptr);
   for (int u = 0; u < M; ++u) {
-    if (units.home[static_cast<std::size_t>(u)] == Tier::kDevice)
+    if (resident_unit(u))  // a sliced unit (stage 3 in device memory) is bound to its slot when fetched
       bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
   }
   if (opt_on_device || partial) {
@@ -1114,6 +1124,7 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
     // Collective: every rank's slice, all-gathered on the caller's Comm.
     const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
     std::vector<char> mine(c * w), all(c * w * static_cast<std::size_t>(dp_size));
+    if (dev_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // the slice is read in place
     return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data(),
                               /*agree=*/state_reads_can_fail());
   }
@@ -1608,10 +1619,23 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     dp_tracks[1] = tracer.add_track(grad_sharded ? "data parallel: gradient bucket reduce-scatter"
                                                  : "data parallel: gradient bucket all-reduce");
   }
-  if (sharded && settings.zero_stage == 3) {
+  // Stage 3 in device memory (dev_params_sliced): the units describe_units sliced keep their
+  // slice in offload.params and are gathered by the same fetch.
+  dev_params_sliced = offload_detail::dp_device_param_sharded(settings);
+  if (!dev_params_sliced && settings.zero_stage == 3 && opt_on_device && settings.params == Tier::kDevice &&
+      dp_rank == 0) {
+    STRATA_LOG(kInfo, kOffload) << "offload: zero_optimization.stage 3 with offload_param.device none and "
+                                   "offload_optimizer.device none keeps the working parameters whole with "
+                                   "tensor or pipeline parallelism (stage 3 then trains as stage 2; "
+                                   "docs/parallel.md \"Stage 3 in device memory\")";
+  }
+  if ((sharded && settings.zero_stage == 3) || dev_params_sliced) {
     for (int u = 0; u < M; ++u) {
       const std::size_t uu = static_cast<std::size_t>(u);
-      psharded[uu] = units.home[uu] != Tier::kDevice && units.pbytes[uu] > 0 ? 1 : 0;
+      psharded[uu] = (dev_params_sliced ? units.sliced[uu] != 0 : units.home[uu] != Tier::kDevice) &&
+                             units.pbytes[uu] > 0
+                         ? 1
+                         : 0;
     }
     STRATA_ASSIGN_OR_RETURN(dp_fetch, dp->split(0, dp_rank, "dp.fetch"));
     dp_tracks[3] = tracer.add_track("data parallel: parameter fetch all-gather");
@@ -2114,6 +2138,14 @@ Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
   const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
   if (units.home[uu] == Tier::kNvme) return swap->read(param_key(u), slice, bytes).wait();
+  if (units.sliced[uu]) {
+    // Stage 3 in device memory, cpu backend only (check_data_parallel): the arena is host memory.
+    // Read on the h2d stream (a fetch, ordered after the update by the caller's synchronisation of
+    // the compute stream at the end of the step) or by the caller with the compute stream idle
+    // (read_unit_params).
+    std::memcpy(slice, resident + units.resident_offset[uu], bytes);
+    return ok_status();
+  }
   std::memcpy(slice, host_params.bytes() + host_param_offset[uu], bytes);
   return ok_status();
 }
@@ -2125,6 +2157,10 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
   if (units.home[uu] == Tier::kNvme) {
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
     return swap->write(param_key(u), slice, bytes).wait();
+  }
+  if (units.sliced[uu]) {
+    STRATA_RETURN_IF_ERROR(stager->upload(resident + units.resident_offset[uu], slice, bytes));
+    return compute->synchronize();
   }
   std::memcpy(host_params.bytes() + host_param_offset[uu], slice, bytes);
   return ok_status();
@@ -3087,7 +3123,7 @@ Status OffloadEngine::Impl::access_params(int m) {
     // The delayed update's caller publishes what this pass may read before the pass starts (the
     // update in flight is the next step's to see); compute then waits for the upload alone.
     if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
-    if (units.home[uu] == Tier::kDevice) {
+    if (resident_unit(u)) {
       if (!opt_on_device && uploaded_recorded[uu]) {
         STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
         STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
@@ -3142,7 +3178,7 @@ Status OffloadEngine::Impl::prefetch_ahead() {
     if (code < 0) break;
     for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
       const std::size_t uu = static_cast<std::size_t>(u);
-      if (units.home[uu] == Tier::kDevice || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
+      if (resident_unit(u) || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
       // A unit whose update is still running is waited for: the forward reaches it a few modules
       // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
       // of how fast the optimizer thread runs. Not with the delayed update: the update in flight
@@ -3729,12 +3765,15 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
         const float scale = update_scale(norm, loss_scale);
         // 3. Per unit in forward order: this rank's slice updated in place (master, moments, and the
         //    working copy's elements), its working elements all-gathered into every rank's copy.
+        //    Stage 3 in device memory: a sliced unit's working copy is the slice itself (element e
+        //    at (e - b) * w), written in place and not gathered (the next fetch gathers it).
         for (int u = 0; u < M; ++u) {
           const std::size_t uu = static_cast<std::size_t>(u);
           const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
                               off = slices.offset[uu];
           if (units.gbytes[uu] == 0) continue;
           char* unit_params = resident + units.resident_offset[uu];
+          const bool slice_only = units.sliced[uu] != 0;
           std::memset(ag_in, 0, c * w);
           for (int k : owned_of_unit[uu]) {
             const OwnedParam& o = owned[static_cast<std::size_t>(k)];
@@ -3742,7 +3781,7 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
             const std::uint64_t lo = std::max<std::uint64_t>(a, b),
                                 hi = std::min<std::uint64_t>(a + o.n, b + len);
             if (lo >= hi) continue;
-            char* wp = unit_params + o.param_in_unit + (lo - a) * w;
+            char* wp = slice_only ? unit_params + (lo - b) * w : unit_params + o.param_in_unit + (lo - a) * w;
             OptimizerBuffers ob;
             ob.master = half ? dmaster + off + (lo - b)
                              : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
@@ -3757,8 +3796,9 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
             ob.n = hi - lo;
             STRATA_RETURN_IF_ERROR(
                 device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
-            std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
+            if (!slice_only) std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
           }
+          if (slice_only) continue;  // the same units on every rank: the same collectives
           // Moves bits: fp16 travels as 16-bit words.
           STRATA_RETURN_IF_ERROR(dp_wait(
               dp_tracks[2], dp_params->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
@@ -4171,6 +4211,9 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
         s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)),
                                 t.units.gbytes[static_cast<std::size_t>(t.tied_unit)] / 4);
     }
+    // Stage 3 in device memory: every fetch (a prefetch the pass did not use included) has read
+    // its slice before the update rewrites the slices, and a failed fetch fails the step here.
+    if (s.ok() && t.dev_params_sliced) s = t.h2d->synchronize();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);
     if (s.ok())

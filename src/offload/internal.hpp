@@ -50,7 +50,22 @@ struct Units {
   std::vector<char> in_stage;
   std::vector<std::uint64_t> grad_offset;
   std::uint64_t grad_bytes = 0;
+  // Stage 3 in device memory (dp_device_param_sharded): per module, 1 when its home is the device
+  // but offload.params holds only this rank's slice of its working parameters (DpSlices, in the
+  // working dtype, laid out as the unit's fp32 elements: element e of the unit at (e - begin) * w).
+  // Every rank reserves rank 0's chunk (the largest) at resident_offset; a sliced unit is
+  // all-gathered into a param slot before use (param_slots, param_slot_bytes).
+  std::vector<char> sliced;
 };
+
+// Stage 3 with the optimizer and the working parameters in device memory, data parallelism alone
+// (docs/parallel.md "Stage 3 in device memory"): every module above
+// stage3_param_persistence_threshold keeps only this rank's slice of its working parameters.
+// With tensor or pipeline parallelism stage 3 keeps the parameters whole (as stage 2).
+inline bool dp_device_param_sharded(const OffloadSettings& s) {
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.params == Tier::kDevice && s.zero_stage == 3 &&
+         s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+}
 
 // Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
 // padding between parameters). A parameter is split only at multiples of 64 of its own elements,
@@ -170,6 +185,9 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   u.pbytes.resize(M);
   u.gbytes.resize(M);
   u.resident_offset.assign(M, 0);
+  u.sliced.assign(M, 0);
+  const bool slice_params = dp_device_param_sharded(settings);
+  const std::uint64_t w = dtype_size(layout.config.dtype);
   u.in_stage = stage_units(layout, settings.pipeline_bounds, settings.pp_stage,
                            std::max(1, settings.pipeline_virtual_stages));
   u.grad_offset.assign(M, 0);
@@ -214,7 +232,14 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     max_grad = std::max(max_grad, u.gbytes[m]);
     const auto elements = static_cast<std::int64_t>(u.gbytes[m] / 4);
     u.home[m] = elements <= settings.persistence_threshold || m < kdev ? Tier::kDevice : settings.params;
-    if (u.home[m] == Tier::kDevice) {
+    if (u.home[m] == Tier::kDevice && slice_params && elements > settings.persistence_threshold) {
+      // Stage 3 in device memory: this rank's slice at home, the whole unit only in a slot.
+      u.sliced[m] = 1;
+      u.resident_offset[m] = u.resident_bytes;
+      const std::uint64_t chunk = dp_slice_of(u.gbytes[m] / 4, settings.dp_size, 0).chunk;
+      u.resident_bytes += align_up(std::max<std::uint64_t>(w * chunk, 1), kParamAlignment);
+      u.param_slot_bytes = std::max(u.param_slot_bytes, u.pbytes[m]);
+    } else if (u.home[m] == Tier::kDevice) {
       u.resident_offset[m] = u.resident_bytes;
       u.resident_bytes += align_up(std::max<std::uint64_t>(u.pbytes[m], 1), kParamAlignment);
     } else {

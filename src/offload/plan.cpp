@@ -203,9 +203,16 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
                                                                    : StateKind::kParameters;
     // Sharded device optimizer: the state regions hold this rank's slices (rank 0's, the largest).
     // Stage >= 2 in device memory: offload.grads is this rank's slices of the gradients too.
+    // Stage 3 in device memory: offload.params holds this rank's slices of the modules above the
+    // persistence threshold (and the persistent ones whole).
     const bool mine = (offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer) ||
                       (offload_detail::dp_device_grad_sharded(settings) && r.name == "offload.grads");
-    const std::string of = mine ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")" : std::string();
+    const bool sliced = offload_detail::dp_device_param_sharded(settings) && r.name == "offload.params" &&
+                        std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+    const std::string of = mine     ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
+                           : sliced ? " (this rank's 1/" + std::to_string(settings.dp_size) +
+                                          " of the modules above stage3_param_persistence_threshold)"
+                                    : std::string();
     line("device region " + r.name + of, Tier::kDevice, kind,
          r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
@@ -377,6 +384,14 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
     line("parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
          static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+  }
+  if (offload_detail::dp_device_param_sharded(settings) && units.param_slots > 0) {
+    // Stage 3 in device memory: a fetch gathers the slices in pinned buffers (this rank's slice,
+    // every rank's) and lays the unit out in its slot's pinned staging before the copy.
+    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+    const std::uint64_t w = dtype_size(config.model.dtype), P = static_cast<std::uint64_t>(settings.dp_size);
+    line("data-parallel parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
+         w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
   }
   plan.swap_bytes = offload_detail::swap_capacity(plan, units, settings);
   return plan;
