@@ -887,6 +887,75 @@ TEST(DataParallel, DeviceDownloadFailureOnOneRankFailsEveryRankAtOnce) {
   }
 }
 
+// The cost model's NVMe bytes per step (predict_step, what `strata plan` and `estimate` charge)
+// against the engine's measured counters (OffloadStats::bytes_nvme_read / written over one step
+// after warm-up): with P data-parallel ranks each rank moves its slices only — stage 3's working
+// parameters of the gathered units (read at each fetch, written at the publish), the reduced
+// gradients (stage 2 reads its slice back on later micro-batches to add; stage 1's earlier
+// micro-batches write and restore the unsharded local sum whole) and the optimizer state's
+// sub-groups. Exact on rank 0 (the model charges rank 0's slice, the largest); the other ranks'
+// slices are no larger.
+TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
+  const int P = world().size();
+  struct Want {
+    const char* what;
+    int stage;
+    Tier params, gradients;
+    int accum;
+  };
+  for (const Want& w : {Want{"stage 3, parameters and optimizer on NVMe", 3, Tier::kNvme, Tier::kHost, 1},
+                        Want{"stage 3, parameters and optimizer on NVMe, accumulation 2", 3, Tier::kNvme,
+                             Tier::kHost, 2},
+                        Want{"stage 2, gradients and optimizer on NVMe, accumulation 2", 2, Tier::kDevice,
+                             Tier::kNvme, 2},
+                        Want{"stage 1, gradients and optimizer on NVMe, accumulation 2", 1, Tier::kDevice,
+                             Tier::kNvme, 2}}) {
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, w.accum * P, 1.0);
+    const TrainerConfig local = local_of(global);
+    testing::TempDir swap("strata-dp-cost");  // each rank its own
+    OffloadSettings s;
+    s.zero_stage = w.stage;
+    s.params = w.params;
+    s.optimizer = Tier::kNvme;
+    s.gradients = w.gradients;
+    s.persistence_threshold = 0;
+    s.update_during_backward = false;
+    s.nvme_path = {swap.path().string()};
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local, s, *device, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << w.what << ": " << engine.status().to_string();
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out)) << w.what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << w.what;
+    const OffloadStats before = (*engine)->stats();
+    ASSERT_TRUE(run_dp_steps(**engine, global, 2, 3, out)) << w.what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << w.what;
+    const OffloadStats after = (*engine)->stats();
+    const std::uint64_t read = after.bytes_nvme_read - before.bytes_nvme_read;
+    const std::uint64_t written = after.bytes_nvme_written - before.bytes_nvme_written;
+
+    OffloadSettings planned = s;
+    planned.dp_size = P;
+    MachineRates r;
+    const std::size_t M = (*engine)->model().layout().modules.size();
+    r.forward_seconds.assign(M, 1e-3);
+    r.backward_seconds.assign(M, 2e-3);
+    r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e9;
+    r.adam_elements_per_s = r.scan_elements_per_s = 1e9;
+    r.dp_bus_bytes_per_s = 1e9;
+    auto p = predict_step(local, planned, r);
+    ASSERT_TRUE(p.ok()) << w.what << ": " << p.status().to_string();
+    EXPECT_GT(p->nvme_read_bytes, 0u) << w.what;
+    if (world().rank() == 0) {
+      EXPECT_EQ(read, p->nvme_read_bytes) << w.what << ": NVMe bytes read per step";
+      EXPECT_EQ(written, p->nvme_write_bytes) << w.what << ": NVMe bytes written per step";
+    } else {
+      EXPECT_LE(read, p->nvme_read_bytes) << w.what << ": NVMe bytes read per step, rank " << world().rank();
+      EXPECT_LE(written, p->nvme_write_bytes) << w.what << ": NVMe bytes written per step, rank " << world().rank();
+    }
+  }
+}
+
 // Gradients on NVMe: each rank keeps only its reduced slices, as the optimizer's sub-groups, on
 // its own NVMe; one process reference with its gradients on NVMe too. Stage 1 with accumulation
 // carries the unsharded local sum on NVMe between micro-batches.
