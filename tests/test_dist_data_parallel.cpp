@@ -873,7 +873,8 @@ TEST(DataParallel, DeviceDownloadFailureOnOneRankFailsEveryRankAtOnce) {
     same_text_everywhere(ck.status().message());
     ASSERT_TRUE(world().barrier().wait().ok());
     if (world().rank() == 0) {
-      EXPECT_FALSE(std::filesystem::exists(root + "/ckpt/latest")) << what << ": a failed checkpoint was published";
+      EXPECT_FALSE(std::filesystem::exists(root + "/ckpt/latest"))
+          << what << ": a failed checkpoint was published";
     }
     // The ranks are still in step: with the copies working again the same engines read and save.
     offload_detail::EngineFaults::fail_state_downloads(**engine, ok_status());
@@ -903,13 +904,11 @@ TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
     Tier params, gradients;
     int accum;
   };
-  for (const Want& w : {Want{"stage 3, parameters and optimizer on NVMe", 3, Tier::kNvme, Tier::kHost, 1},
-                        Want{"stage 3, parameters and optimizer on NVMe, accumulation 2", 3, Tier::kNvme,
-                             Tier::kHost, 2},
-                        Want{"stage 2, gradients and optimizer on NVMe, accumulation 2", 2, Tier::kDevice,
-                             Tier::kNvme, 2},
-                        Want{"stage 1, gradients and optimizer on NVMe, accumulation 2", 1, Tier::kDevice,
-                             Tier::kNvme, 2}}) {
+  for (const Want& w :
+       {Want{"stage 3, parameters and optimizer on NVMe", 3, Tier::kNvme, Tier::kHost, 1},
+        Want{"stage 3, parameters and optimizer on NVMe, accumulation 2", 3, Tier::kNvme, Tier::kHost, 2},
+        Want{"stage 2, gradients and optimizer on NVMe, accumulation 2", 2, Tier::kDevice, Tier::kNvme, 2},
+        Want{"stage 1, gradients and optimizer on NVMe, accumulation 2", 1, Tier::kDevice, Tier::kNvme, 2}}) {
     const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, w.accum * P, 1.0);
     const TrainerConfig local = local_of(global);
     testing::TempDir swap("strata-dp-cost");  // each rank its own
@@ -951,7 +950,8 @@ TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
       EXPECT_EQ(written, p->nvme_write_bytes) << w.what << ": NVMe bytes written per step";
     } else {
       EXPECT_LE(read, p->nvme_read_bytes) << w.what << ": NVMe bytes read per step, rank " << world().rank();
-      EXPECT_LE(written, p->nvme_write_bytes) << w.what << ": NVMe bytes written per step, rank " << world().rank();
+      EXPECT_LE(written, p->nvme_write_bytes)
+          << w.what << ": NVMe bytes written per step, rank " << world().rank();
     }
   }
 }

@@ -4607,8 +4607,8 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
       Status g = gather(u);
       if (!g.ok()) {
         if (first.ok()) {
-          first = Status(g.code(), stage_name + " could not read module " + std::to_string(u) + "'s state: " +
-                                       g.message());
+          first = Status(g.code(), stage_name + " could not read module " + std::to_string(u) +
+                                       "'s state: " + g.message());
         }
         continue;
       }
@@ -4628,7 +4628,8 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
       }
       w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
       if (first.ok()) first = write_checkpoint_file(w, dir + "/" + module_file(u));
-      if (!first.ok()) first = Status(first.code(), stage_name + " could not write its part: " + first.message());
+      if (!first.ok())
+        first = Status(first.code(), stage_name + " could not write its part: " + first.message());
     }
     if (writer && scaler && first.ok() && !dir.empty()) {  // every stage holds the same scaler state
       const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
@@ -4669,8 +4670,8 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
           local = write_stage(got.ok() ? *got : std::string());
           Status all = agree(got.ok() ? local : got.status());
           if (got.ok() && got->empty()) {
-            return invalid_argument("checkpoint: the temporary directory's path '" + dir + "' is longer than " +
-                                    std::to_string(4 * (kWords - 1) - 1) + " bytes");
+            return invalid_argument("checkpoint: the temporary directory's path '" + dir +
+                                    "' is longer than " + std::to_string(4 * (kWords - 1) - 1) + " bytes");
           }
           STRATA_RETURN_IF_ERROR(got.status());
           STRATA_RETURN_IF_ERROR(all);
@@ -4722,8 +4723,9 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
     const std::string why(text, strnlen(text, 4 * (kWords - 2)));
     if (why.empty()) {
       STRATA_RETURN_IF_ERROR(local);
-      return io_error("checkpoint under '" + root +
-                      "': the first rank of the first pipeline stage, which publishes it, failed (its log says why)");
+      return io_error(
+          "checkpoint under '" + root +
+          "': the first rank of the first pipeline stage, which publishes it, failed (its log says why)");
     }
     const auto code = word[1] == 0 || word[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
                           ? StatusCode::kIoError
