@@ -180,6 +180,63 @@ TEST(CliPlan, TheStrataKeysItWritesReachTheOffloadSettings) {
       << bad.status().message();
 }
 
+// --ranks N (no mpirun: it plans for N ranks): every candidate's data-parallel term is the one
+// `strata estimate --ranks N` gives the same placement at the stage plan writes for it (0 all
+// on the device, 2 with the optimizer off it, 3 with the parameters off it): its buffer bytes
+// per step (OffloadStats::bytes_dp's count) and the link's busy seconds for them at the given
+// bandwidth and latency (plan's parts_s.data_parallel sums every collective's time, whichever
+// thread waits for it: estimate's count x latency + wire bytes / bandwidth). Both
+// commands call the library's cost model; what is checked is that plan asks it about the
+// placement and stage it writes, with --ranks and the link flags passed through.
+TEST(CliPlan, RanksGiveTheDataParallelTermOfEstimate) {
+  const std::string link = "--ranks 2 --link-bandwidth 2 --link-latency-us 50";
+  const auto j = plan_json(link);
+  ASSERT_TRUE(j.contains("placements")) << j.dump();
+  EXPECT_EQ(j["machine"]["ranks"], 2);
+  EXPECT_DOUBLE_EQ(j["machine"]["dp_bus_bytes_per_s"].get<double>(), 2e9);
+  EXPECT_DOUBLE_EQ(j["machine"]["dp_collective_s"].get<double>(), 50e-6);
+  auto e = run_cli("estimate --json " + link + " " + kShape);
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const auto est = nlohmann::json::parse(e.output);
+  ASSERT_GT(j["placements"].size(), 0u);
+  int checked_seconds = 0;
+  for (const auto& row : j["placements"]) {
+    const std::string params = row["offload_param"], optimizer = row["offload_optimizer"];
+    const int stage = params != "device" ? 3 : optimizer != "device" ? 2 : 0;
+    const nlohmann::json* match = nullptr;
+    for (const auto& r : est["placements"]) {
+      if (r["zero_stage"] == stage && r["offload_param"] == params && r["offload_optimizer"] == optimizer)
+        match = &r;
+    }
+    ASSERT_NE(match, nullptr) << "no estimate row for " << row.dump();
+    const auto& dp = (*match)["data_parallel"];
+    const std::string what = row["placement"].get<std::string>() + ", stage " + std::to_string(stage);
+    EXPECT_GT(dp["buffer_bytes"].get<std::uint64_t>(), 0u) << what;
+    if (stage == 3) {
+      // Stage 3's gathers per fetch follow the prefetch depth, which plan tunes per candidate:
+      // at least the estimate's gathers after the update and reduce-scatters.
+      EXPECT_GE(row["predicted"]["bytes_per_step"]["data_parallel"].get<std::uint64_t>(),
+                dp["reduce_scatter_bytes"].get<std::uint64_t>())
+          << what;
+      continue;
+    }
+    EXPECT_EQ(row["predicted"]["bytes_per_step"]["data_parallel"].get<std::uint64_t>(),
+              dp["buffer_bytes"].get<std::uint64_t>())
+        << what;
+    EXPECT_NEAR(row["predicted"]["parts_s"]["data_parallel"].get<double>(), dp["seconds"].get<double>(),
+                1e-12 + 1e-9 * dp["seconds"].get<double>())
+        << what;
+    if (optimizer == "device") ++checked_seconds;
+  }
+  EXPECT_GT(checked_seconds, 0) << "no all-device candidate (stage 0: one all-reduce)";
+  // One rank: no data-parallel term at all.
+  const auto one = plan_json("");
+  for (const auto& row : one["placements"]) {
+    EXPECT_EQ(row["predicted"]["bytes_per_step"]["data_parallel"].get<std::uint64_t>(), 0u) << row.dump();
+    EXPECT_EQ(row["predicted"]["parts_s"]["data_parallel"].get<double>(), 0.0) << row.dump();
+  }
+}
+
 TEST(CliPlan, BadFlagsNameTheFlag) {
   struct Case {
     std::string flags;
@@ -192,6 +249,8 @@ TEST(CliPlan, BadFlagsNameTheFlag) {
       {"--measure-steps 0", 2, "--measure-steps"},
       {"--measure-nvme 12", 2, "--measure-nvme"},
       {"--frobnicate", 2, "--frobnicate"},
+      {"--ranks 0", 2, "--ranks"},
+      {"--ranks 2 --link-bandwidth 0", 2, "link-bandwidth"},
       {"extra", 2, "unexpected argument 'extra'"},
       {"--out /nonexistent-dir/plan.json", 1, "/nonexistent-dir"},
       {"--nvme-path /nonexistent-dir", 1, "--nvme-path '/nonexistent-dir'"},

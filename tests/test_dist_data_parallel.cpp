@@ -993,6 +993,148 @@ TEST(DataParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
   }
 }
 
+// The device-sharded optimizer (stage 1, the optimizer state in device memory): the last rank's
+// device-to-host copies fail (injected at the engine's stager, as a failing copy returns). Reading
+// a parameter's state and saving a checkpoint gather every rank's slice (collective), so the
+// failing rank keeps its place in the unit's exchange and every rank returns the same error
+// naming it and the module at once; the job's STRATA_COMM_TIMEOUT=60 is only a backstop (a
+// regression fails with a timeout error instead of hanging). Nothing is published; with the fault
+// cleared the same engines read and save again.
+TEST(DataParallel, DeviceDownloadFailureOnOneRankFailsEveryRankAtOnce) {
+  const int P = world().size(), failing = P - 1;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const std::string what = std::string("device-sharded, ") + std::string(to_string(dtype));
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, P, 1.0);
+    OffloadSettings s;
+    s.zero_stage = 1;
+    s.persistence_threshold = 0;
+    s.optimizer = Tier::kDevice;
+    s.update_during_backward = false;
+    auto device = testing::make_device();
+    auto engine =
+        offload_detail::EngineFaults::create(local_of(global), s, *device, nullptr, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out)) << what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << what;
+    const std::string root = shared_temp_dir("dfault");
+    if (world().rank() == failing) {
+      offload_detail::EngineFaults::fail_state_downloads(**engine,
+                                                         io_error("device-to-host copy failed (injected)"));
+    }
+    const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
+                              " could not read its slice of module '";
+    auto same_text_everywhere = [&](const std::string& text) {
+      std::array<std::uint32_t, 64> mine{};
+      std::memcpy(mine.data(), text.data(), std::min<std::size_t>(text.size(), sizeof mine - 1));
+      std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
+      ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok());
+      for (int r = 0; r < P; ++r)
+        EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
+            << what << ": rank " << r << " vs " << world().rank();
+    };
+    // A state getter (the exp_avg of the first parameter: its unit's slices gathered).
+    auto m = (*engine)->get_exp_avg(0);
+    ASSERT_FALSE(m.ok()) << what << ": rank " << world().rank();
+    EXPECT_EQ(m.status().code(), StatusCode::kIoError) << m.status().to_string();
+    EXPECT_NE(m.status().message().find(named), std::string::npos)
+        << what << ": rank " << world().rank() << ": " << m.status().to_string();
+    EXPECT_NE(m.status().message().find("(injected)"), std::string::npos) << m.status().to_string();
+    EXPECT_EQ(m.status().message().find("comm timeout"), std::string::npos) << m.status().to_string();
+    same_text_everywhere(m.status().message());
+
+    auto ck = (*engine)->save_checkpoint(root + "/ckpt");
+    ASSERT_FALSE(ck.ok()) << what << ": rank " << world().rank();
+    EXPECT_EQ(ck.status().code(), StatusCode::kIoError) << ck.status().to_string();
+    EXPECT_NE(ck.status().message().find(named), std::string::npos)
+        << what << ": rank " << world().rank() << ": " << ck.status().to_string();
+    EXPECT_EQ(ck.status().message().find("comm timeout"), std::string::npos) << ck.status().to_string();
+    same_text_everywhere(ck.status().message());
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) {
+      EXPECT_FALSE(std::filesystem::exists(root + "/ckpt/latest"))
+          << what << ": a failed checkpoint was published";
+    }
+    // The ranks are still in step: with the copies working again the same engines read and save.
+    offload_detail::EngineFaults::fail_state_downloads(**engine, ok_status());
+    auto again = (*engine)->get_exp_avg(0);
+    ASSERT_TRUE(again.ok()) << what << ": " << again.status().to_string();
+    auto saved = (*engine)->save_checkpoint(root + "/ckpt");
+    ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
+    EXPECT_EQ(*saved, root + "/ckpt/step-00000001") << what;
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) std::filesystem::remove_all(root);
+  }
+}
+
+// The cost model's NVMe bytes per step (predict_step, what `strata plan` and `estimate` charge)
+// against the engine's measured counters (OffloadStats::bytes_nvme_read / written over one step
+// after warm-up): with P data-parallel ranks each rank moves its slices only — stage 3's working
+// parameters of the gathered units (read at each fetch, written at the publish), the reduced
+// gradients (stage 2 reads its slice back on later micro-batches to add; stage 1's earlier
+// micro-batches write and restore the unsharded local sum whole) and the optimizer state's
+// sub-groups. Exact on rank 0 (the model charges rank 0's slice, the largest); the other ranks'
+// slices are no larger.
+TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
+  const int P = world().size();
+  struct Want {
+    const char* what;
+    int stage;
+    Tier params, gradients;
+    int accum;
+  };
+  for (const Want& w :
+       {Want{"stage 3, parameters and optimizer on NVMe", 3, Tier::kNvme, Tier::kHost, 1},
+        Want{"stage 3, parameters and optimizer on NVMe, accumulation 2", 3, Tier::kNvme, Tier::kHost, 2},
+        Want{"stage 2, gradients and optimizer on NVMe, accumulation 2", 2, Tier::kDevice, Tier::kNvme, 2},
+        Want{"stage 1, gradients and optimizer on NVMe, accumulation 2", 1, Tier::kDevice, Tier::kNvme, 2}}) {
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, w.accum * P, 1.0);
+    const TrainerConfig local = local_of(global);
+    testing::TempDir swap("strata-dp-cost");  // each rank its own
+    OffloadSettings s;
+    s.zero_stage = w.stage;
+    s.params = w.params;
+    s.optimizer = Tier::kNvme;
+    s.gradients = w.gradients;
+    s.persistence_threshold = 0;
+    s.update_during_backward = false;
+    s.nvme_path = {swap.path().string()};
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local, s, *device, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << w.what << ": " << engine.status().to_string();
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out)) << w.what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << w.what;
+    const OffloadStats before = (*engine)->stats();
+    ASSERT_TRUE(run_dp_steps(**engine, global, 2, 3, out)) << w.what;
+    ASSERT_TRUE((*engine)->synchronize().ok()) << w.what;
+    const OffloadStats after = (*engine)->stats();
+    const std::uint64_t read = after.bytes_nvme_read - before.bytes_nvme_read;
+    const std::uint64_t written = after.bytes_nvme_written - before.bytes_nvme_written;
+
+    OffloadSettings planned = s;
+    planned.dp_size = P;
+    MachineRates r;
+    const std::size_t M = (*engine)->model().layout().modules.size();
+    r.forward_seconds.assign(M, 1e-3);
+    r.backward_seconds.assign(M, 2e-3);
+    r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e9;
+    r.adam_elements_per_s = r.scan_elements_per_s = 1e9;
+    r.dp_bus_bytes_per_s = 1e9;
+    auto p = predict_step(local, planned, r);
+    ASSERT_TRUE(p.ok()) << w.what << ": " << p.status().to_string();
+    EXPECT_GT(p->nvme_read_bytes, 0u) << w.what;
+    if (world().rank() == 0) {
+      EXPECT_EQ(read, p->nvme_read_bytes) << w.what << ": NVMe bytes read per step";
+      EXPECT_EQ(written, p->nvme_write_bytes) << w.what << ": NVMe bytes written per step";
+    } else {
+      EXPECT_LE(read, p->nvme_read_bytes) << w.what << ": NVMe bytes read per step, rank " << world().rank();
+      EXPECT_LE(written, p->nvme_write_bytes)
+          << w.what << ": NVMe bytes written per step, rank " << world().rank();
+    }
+  }
+}
+
 // Gradients on NVMe: each rank keeps only its reduced slices, as the optimizer's sub-groups, on
 // its own NVMe; one process reference with its gradients on NVMe too. Stage 1 with accumulation
 // carries the unsharded local sum on NVMe between micro-batches.

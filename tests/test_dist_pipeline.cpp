@@ -217,6 +217,48 @@ void check_case(const Case& c) {
 // - where the two runs hold the same bits (`exact`), one process trained for 2 steps writes the
 //   very checkpoint files (modules, manifest) and weights file the pipeline wrote, and a pipeline
 //   resumed from that checkpoint continues the pipeline's run bit for bit.
+// Every stage writes its own part of a checkpoint (docs/parallel.md "Saving and loading a
+// pipeline"): each module's file is written by the lowest stage holding the module (GPT-2's tied
+// embedding: the first stage), so this rank (every rank is a stage's first one here: the world
+// is the pipeline) wrote exactly the bytes of those files, as the manifest lists them; together
+// the stages wrote every file once.
+void check_written_by_stage(OffloadEngine& engine, const std::string& dir, std::uint64_t written,
+                            const std::string& what) {
+  const ModelLayout& L = engine.model().layout();
+  const std::size_t M = L.modules.size();
+  std::vector<float> mine(M, 0.0f), all(M * static_cast<std::size_t>(world().size()));
+  for (std::size_t i = 0; i < L.params.size(); ++i) {
+    if (L.params[i].owns_storage() && engine.get_param(static_cast<int>(i)).ok())
+      mine[static_cast<std::size_t>(L.params[i].module)] = 1.0f;
+  }
+  ASSERT_TRUE(world().all_gather(mine.data(), all.data(), M, DType::kF32).wait().ok());
+  auto manifest = read_checkpoint_manifest(dir, true);
+  ASSERT_TRUE(manifest.ok()) << what << ": " << manifest.status().to_string();
+  std::uint64_t expected = 0, total = 0;
+  for (const CheckpointFile& f : manifest->files) {
+    total += f.bytes;
+    int u = -1;
+    ASSERT_EQ(std::sscanf(f.name.c_str(), "module-%d.safetensors", &u), 1) << what << ": " << f.name;
+    ASSERT_TRUE(u >= 0 && static_cast<std::size_t>(u) < M) << what << ": " << f.name;
+    int lowest = -1;
+    for (int r = 0; r < world().size() && lowest < 0; ++r)
+      if (all[static_cast<std::size_t>(r) * M + static_cast<std::size_t>(u)] == 1.0f) lowest = r;
+    EXPECT_GE(lowest, 0) << what << ": no stage holds " << f.name;
+    if (lowest == world().rank()) expected += f.bytes;
+  }
+  EXPECT_EQ(written, expected) << what << ": stage " << world().rank() << " wrote other files than its own";
+  // The counts travel as raw bits (an all-gather moves bits).
+  std::vector<std::uint64_t> each(static_cast<std::size_t>(world().size()));
+  ASSERT_TRUE(world().all_gather(&written, each.data(), 2, DType::kF32).wait().ok());
+  std::uint64_t sum = 0, beyond_first = 0;
+  for (std::size_t r = 0; r < each.size(); ++r) {
+    sum += each[r];
+    if (r > 0) beyond_first += each[r];
+  }
+  EXPECT_EQ(sum, total) << what << ": the stages together wrote every file once";
+  EXPECT_GT(beyond_first, 0u) << what << ": only the first stage wrote";
+}
+
 void check_state_files(const Case& c) {
   const std::string what =
       name_of(c) + " on " + std::to_string(world().size()) + " stages (checkpoint, weights)";
@@ -251,9 +293,11 @@ void check_state_files(const Case& c) {
     auto engine = create_pp(device);
     ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
     ASSERT_TRUE(testing::run_steps(**engine, config, 0, 2, straight)) << what;
+    const std::uint64_t written_before = (*engine)->stats().bytes_checkpoint_written;
     auto saved = (*engine)->save_checkpoint(pp_root, client, 2);
     ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
     dir = *saved;
+    check_written_by_stage(**engine, dir, (*engine)->stats().bytes_checkpoint_written - written_before, what);
     Status w = (*engine)->save_weights(pp_weights);
     ASSERT_TRUE(w.ok()) << what << ": " << w.to_string();
     ASSERT_TRUE(testing::run_steps(**engine, config, 2, 4, straight)) << what;

@@ -408,6 +408,11 @@ struct OffloadStats {
   double pipeline_seconds = 0.0;
   double pipeline_wait_seconds = 0.0;
   std::uint64_t bytes_pp = 0;
+  // Checkpoints: bytes of the checkpoint files this rank wrote (data and tensor parallel: the
+  // first rank writes every file; a pipeline: each stage's first rank writes its stage's module
+  // files, the first stage's first rank also the manifest's companions; the manifest itself is not
+  // counted).
+  std::uint64_t bytes_checkpoint_written = 0;
   // Activation offload: checkpointed block inputs copied to the host and back (also in
   // bytes_d2h / bytes_h2d, which count every copy of the device).
   std::uint64_t bytes_activations_to_host = 0;

@@ -49,6 +49,7 @@ class HostStager {
 
   // Synchronizes the stream, then copies `bytes` from device address `src` to host `dst`.
   Status download(void* dst, const void* src, std::uint64_t bytes) {
+    if (!download_fault_.ok()) return download_fault_;
     STRATA_RETURN_IF_ERROR(stream_.synchronize());
     for (std::uint64_t done = 0; done < bytes; done += bytes_) {
       const std::uint64_t n = std::min(bytes_, bytes - done);
@@ -60,6 +61,10 @@ class HostStager {
     return ok_status();
   }
 
+  // Tests only (offload_detail::EngineFaults): every download returns `s` until it is cleared
+  // (ok), as a failing device copy would. Set while no download runs.
+  void set_download_fault(Status s) { download_fault_ = std::move(s); }
+
   void* data() const { return buffer_.data(); }
   std::uint64_t bytes() const { return bytes_; }
   Event& free_event() { return *free_; }
@@ -70,6 +75,7 @@ class HostStager {
   std::uint64_t bytes_ = 0;
   ArenaBuffer buffer_;
   std::unique_ptr<Event> free_;
+  Status download_fault_;
 };
 
 }  // namespace strata::detail

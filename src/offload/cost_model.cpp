@@ -397,6 +397,14 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   auto scan = [&](std::uint64_t n) { return static_cast<double>(n) / rates.scan_elements_per_s; };
   // The host optimizer scans and updates this rank's slice of each unit (the whole unit alone).
   auto elements = [&](int u) { return dps.slice_elements[static_cast<std::size_t>(u)]; };
+  // What the engine moves to and from NVMe per rank (docs/offload.md "Predicting the step"):
+  // stage 3 keeps only this rank's slice of a gathered unit's working parameters there (read at
+  // the fetch, written at the publish); everything else the whole unit.
+  auto param_io = [&](int u) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (!dps.gathers_at_fetch(units, u) || units.gbytes[uu] == 0) return units.pbytes[uu];
+    return units.pbytes[uu] / (units.gbytes[uu] / 4) * elements(u);
+  };
 
   // Backward touches: a unit's bucket lives from its first backward touch to its last.
   std::vector<int> first_touch(MM, -1), last_touch(MM, M);
@@ -443,9 +451,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         cur.h2d += d;
         cur.h2d_bytes += units.pbytes[uu];
         if (units.home[uu] == Tier::kNvme) {
-          const double r = nvme_read(units.pbytes[uu]);
+          const double r = nvme_read(param_io(u));
           cur.nvme_read += r;
-          cur.nvme_read_bytes += units.pbytes[uu];
+          cur.nvme_read_bytes += param_io(u);
           d += r;
         }
         if (dps.gathers_at_fetch(units, u)) {
@@ -476,8 +484,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         const std::size_t uu = static_cast<std::size_t>(u);
         ready = std::max(ready, units.home[uu] == Tier::kDevice ? uploaded[uu] : fetched[uu]);
       }
-      // acquire_grads: later micro-batches restore the bucket (grads stream) first.
-      if (backward) {
+      // acquire_grads: later micro-batches restore the bucket (grads stream) first; data parallel
+      // at stage 2-3 reduces every micro-batch on its own, so the bucket starts from zero instead.
+      if (backward && !(dps.active() && dps.stage >= 2)) {
         for (int u : units.storage[mm]) {
           const std::size_t uu = static_cast<std::size_t>(u);
           if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0 || u < kdev) continue;
@@ -518,9 +527,20 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           cur.d2h += d;
           cur.d2h_bytes += units.gbytes[uu];
           if (grads_nvme) {
-            const double w = nvme_write(units.gbytes[uu]);
+            // Data parallel: a reduced bucket leaves this rank's slice on NVMe (stage 2-3 read it
+            // back first on later micro-batches, to add); stage 1's earlier micro-batches write
+            // the unsharded local sum whole.
+            const bool reduced = dps.active() && (last_micro || dps.stage >= 2);
+            const std::uint64_t out = reduced ? 4 * elements(u) : units.gbytes[uu];
+            if (reduced && dps.stage >= 2 && micro > 0) {
+              const double r = nvme_read(4 * elements(u));
+              cur.nvme_read += r;
+              cur.nvme_read_bytes += 4 * elements(u);
+              d += r;
+            }
+            const double w = nvme_write(out);
             cur.nvme_write += w;
-            cur.nvme_write_bytes += units.gbytes[uu];
+            cur.nvme_write_bytes += out;
             d += w;
             if (last_micro) {
               d += scan(elements(u));
@@ -608,10 +628,10 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           worker += adam(elements(u));
           cur.optimizer += adam(elements(u));
           if (units.home[uu] == Tier::kNvme) {
-            const double w = nvme_write(units.pbytes[uu]);  // published synchronously
+            const double w = nvme_write(param_io(u));  // published synchronously
             worker += w;
             cur.nvme_write += w;
-            cur.nvme_write_bytes += units.pbytes[uu];
+            cur.nvme_write_bytes += param_io(u);
           }
           if (dps.gathers_after_update(units, u)) {
             // The optimizer thread all-gathers the updated parameters before they count as updated.
@@ -694,9 +714,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           if (!it.last) continue;
           const std::size_t uu = static_cast<std::size_t>(it.unit);
           if (units.home[uu] == Tier::kNvme) {
-            const double pw = nvme_write(units.pbytes[uu]);
+            const double pw = nvme_write(param_io(it.unit));
             cur.nvme_write += pw;
-            cur.nvme_write_bytes += units.pbytes[uu];
+            cur.nvme_write_bytes += param_io(it.unit);
             writes.push_back({++seq, disk_op(pw), it.unit});
             out_seq[(units_started - 1) % 2] = seq;
           } else {

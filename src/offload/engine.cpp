@@ -67,9 +67,11 @@
 // device optimizer: its reduced slice, inside device_update_sharded).
 // loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
 // the last stage's result. Weights and checkpoints are the single process's files: each stage
-// reads the full state of the units it holds (the tied unit: the first stage's copy) and sends it
-// to the first stage's first rank, which writes them (save_weights_pp, save_checkpoint_pp);
-// loading reads the files on every rank and keeps the stage's units.
+// reads the full state of the units it holds (the tied unit: the first stage's copy). The weights
+// go to the first stage's first rank, which writes the file (save_weights_pp); a checkpoint's
+// module files are written by each stage's first rank into the shared temporary directory, and
+// the first stage's first rank publishes the manifest once every stage agreed its files are
+// durable (save_checkpoint_pp); loading reads the files on every rank and keeps the stage's units.
 //
 // The TP x PP x DP grid (docs/parallel.md "Tensor x pipeline x data parallel"). Every stage is a
 // tensor-parallel group of shard engines: the shard layout restricted to the stage's units. The
@@ -89,6 +91,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -456,6 +459,8 @@ struct OffloadEngine::Impl {
   std::optional<Command> tied_landed;   // host optimizer: the tied unit, landed but not yet summed
   double pp_seconds = 0.0, pp_wait_seconds = 0.0;  // OffloadStats::pipeline_seconds / _wait_seconds
   std::uint64_t pp_bytes = 0;
+  // Bytes of checkpoint files this rank wrote (write_checkpoint_file; caller thread).
+  std::uint64_t checkpoint_bytes = 0;
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
@@ -627,7 +632,12 @@ struct OffloadEngine::Impl {
   // "tensor-parallel") and `what`, with that rank's message. Lets a rank that cannot read its
   // part keep its place in the collectives instead of leaving its peers to the comm timeout.
   static constexpr std::size_t kAgreeWords = 64;
-  Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group);
+  // `verb` names what failed ("read"; the pipeline checkpoint's stages agree on "write").
+  Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group,
+                       const char* verb = "read");
+  // A checkpoint file written (SafetensorsWriter::write: temporary name, fsync, rename) and its
+  // bytes added to checkpoint_bytes. Caller thread.
+  Status write_checkpoint_file(const SafetensorsWriter& w, const std::string& path);
   // Whether a state read can fail on one rank alone: NVMe reads (I/O errors, checksums) can; host
   // memcpy cannot, and a device download failing on one rank only is left out. The same on every
   // rank (the settings are), so the exchanges above are skipped, on every rank alike, where
@@ -1352,24 +1362,30 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   // state_reads_can_fail).
   if (!params.ok() && !psharded.empty() && psharded[static_cast<std::size_t>(u)]) return params;
   if (!dev_unit(u)) return read_unit_optim(u, blob, params);
-  STRATA_RETURN_IF_ERROR(params);
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::size_t n = units.gbytes[uu] / 4;
   blob.assign(3 * n, 0.0f);
-  if (n == 0) return ok_status();
+  if (n == 0) return params;
   // This rank's elements [first, first + len) of the state (the whole unit unless sharded).
   const std::uint64_t first = dev_state_first(u), len = dev_state_len(u);
-  if (half) {
-    STRATA_RETURN_IF_ERROR(stager->download(blob.data() + first, dev_state(u, 1), len * 4));
-  } else {  // fp32 on the device: the resident parameters are the master (whole on every rank)
+  Status read = params;  // this rank's first failure (a device copy can fail on one rank alone)
+  if (read.ok() && half) {
+    read = stager->download(blob.data() + first, dev_state(u, 1), len * 4);
+  } else if (read.ok()) {  // fp32 on the device: the resident parameters are the master (whole on every rank)
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       std::memcpy(blob.data() + o.grad_in_unit / 4, pbytes.data() + o.param_in_unit, o.n * 4);
     }
   }
-  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + n + first, dev_state(u, 2), len * 4));
-  STRATA_RETURN_IF_ERROR(stager->download(blob.data() + 2 * n + first, dev_state(u, 3), len * 4));
-  if (!dev_sharded) return ok_status();
+  if (read.ok()) read = stager->download(blob.data() + n + first, dev_state(u, 2), len * 4);
+  if (read.ok()) read = stager->download(blob.data() + 2 * n + first, dev_state(u, 3), len * 4);
+  if (!dev_sharded) return read;
+  // The gather below is collective: a rank whose download failed keeps its place and every rank
+  // returns the same error naming it, at once (not its peers after the comm timeout). Always
+  // exchanged, unlike the host tier's (state_reads_can_fail): any device copy can fail.
+  STRATA_RETURN_IF_ERROR(agree_on_read(
+      *dp_caller, read, "its slice of module '" + layout().modules[uu].name + "' (state on the device)",
+      "data-parallel"));
   // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm (as
   // read_unit_optim does for the host tier's shards).
   const std::uint64_t c = slices.chunk[uu];
@@ -1563,7 +1579,7 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_tp(const std::string& r
         w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
         char name[40];
         std::snprintf(name, sizeof name, "module-%04d.safetensors", u);
-        STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+        STRATA_RETURN_IF_ERROR(write_checkpoint_file(w, dir + "/" + name));
         names->push_back(name);
       }
       if (scaler) return failed_precondition("fp16 is not trained tensor-parallel");  // refused at create
@@ -2189,8 +2205,16 @@ Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_trac
   return ok_status();
 }
 
+Status OffloadEngine::Impl::write_checkpoint_file(const SafetensorsWriter& w, const std::string& path) {
+  STRATA_RETURN_IF_ERROR(w.write(path));
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(path, ec);
+  if (!ec) checkpoint_bytes += bytes;
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const std::string& what,
-                                          const char* group) {
+                                          const char* group, const char* verb) {
   // Word 0: 1 read, 0 failed; word 1: the status code; then the message's first bytes (NUL-padded).
   std::array<std::uint32_t, kAgreeWords> word{};
   word[0] = mine.ok() ? 1 : 0;
@@ -2213,7 +2237,7 @@ Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const 
                           ? StatusCode::kIoError
                           : static_cast<StatusCode>(theirs[1]);
     return Status(code, std::string(group) + " rank " + std::to_string(r) + " of " +
-                            std::to_string(comm.size()) + " could not read " + what + ": " + cause);
+                            std::to_string(comm.size()) + " could not " + verb + " " + what + ": " + cause);
   }
   return ok_status();
 }
@@ -3932,6 +3956,10 @@ Result<std::unique_ptr<OffloadEngine>> offload_detail::EngineFaults::create(
                                            pipeline, faults);
 }
 
+void offload_detail::EngineFaults::fail_state_downloads(OffloadEngine& engine, Status fault) {
+  engine.impl_->stager->set_download_fault(std::move(fault));
+}
+
 namespace {
 
 // What tensor parallelism supports today; the errors say what to use instead.
@@ -4542,14 +4570,19 @@ std::string config_difference(const std::string& saved, const std::string& curre
 
 }  // namespace
 
-// A checkpoint of a pipeline (docs/parallel.md "Saving and loading a pipeline"): the first
-// stage's first rank (the writer) publishes the single process's files. Unit by unit in module
-// order, the stage holding the unit reads the full state of its parameters (collective over the
-// stage's tensor- and data-parallel groups), its first rank sends it to the writer, and the
-// writer writes the unit's file into the checkpoint's temporary directory; `latest` moves only
-// after every file and the manifest are durable (publish_checkpoint), so a rank that dies
-// mid-save leaves the previous checkpoint current. Every rank takes part in every unit even
-// after a failure (no peer waits forever); the outcome is then broadcast to every rank.
+// A checkpoint of a pipeline (docs/parallel.md "Saving and loading a pipeline"): the single
+// process's files, each stage writing its own. The first stage's first rank (the writer) opens
+// the checkpoint's temporary directory (publish_checkpoint) and broadcasts its path over its
+// pipeline group, whose members are the stages' first ranks (the stage writers). Every stage then
+// reads, in module order, the full state of the units it holds (collective over the stage's
+// tensor- and data-parallel groups) and its first rank writes each unit's file (temporary name,
+// fsync, rename) into that directory; the stage writers then agree (an all-gather over the
+// pipeline group) that every stage's files are durable, or on the lowest failing stage's error.
+// Only then does the writer checksum the files from disk and write the manifest, last; `latest`
+// moves after that (publish_checkpoint), so a rank that dies mid-save leaves the previous
+// checkpoint current (the writer's agreement fails, or the writer is gone and nothing is
+// published). Every rank takes part in every collective even after a failure (no peer waits
+// forever); the outcome is then broadcast to every rank.
 Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& root,
                                                             const CheckpointManifest& manifest, int keep) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
@@ -4563,13 +4596,13 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
     if (full.params[i].owns_storage())
       params_of[static_cast<std::size_t>(full.params[i].module)].push_back(static_cast<int>(i));
   }
-  // A unit travels as, per parameter, [working copy | master | exp_avg | exp_avg_sq] of the full
-  // parameter, then one 16-bit flag: 1 when its stage read it (0: the writer fails the save).
+  // A unit is gathered as, per parameter, [working copy | master | exp_avg | exp_avg_sq] of the
+  // full parameter.
   auto unit_bytes = [&](int u) {
     std::uint64_t b = 0;
     for (int i : params_of[static_cast<std::size_t>(u)])
       b += static_cast<std::uint64_t>(full.params[static_cast<std::size_t>(i)].numel()) * (wsize + 12);
-    return b + 2;
+    return b;
   };
   std::vector<char> buf, pbytes;
   std::vector<float> blob;
@@ -4600,86 +4633,124 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
         }
       }
     }
-    if (out + 2 != buf.data() + buf.size()) return internal_error("pipeline checkpoint: unit size");
-    const std::uint16_t one = 1;
-    std::memcpy(out, &one, 2);
+    if (out != buf.data() + buf.size()) return internal_error("pipeline checkpoint: unit size");
     return ok_status();
   };
-  // This rank's part in unit u: its stage gathers and sends it, or (the writer) receives it in buf.
-  auto take_part = [&](int u) -> Status {
-    if (params_of[static_cast<std::size_t>(u)].empty()) return ok_status();
-    const int h = holder(u);
-    const std::string what = "module " + std::to_string(u) + "'s state";
-    if (h == pp_rank) {
+  const std::string stage_name = "pipeline stage " + std::to_string(pp_rank);
+  // Every rank: its stage's units in module order, each gathered over the stage's groups
+  // (collective, so every unit even after a failure: no peer waits for a rank that stopped); the
+  // stage's first rank writes each unit's file into `dir` (empty: the save already failed, only
+  // the gathers run). The first rank of the first stage also writes the loss scaler's file.
+  // Returns this rank's first failure, naming the stage.
+  auto write_stage = [&](const std::string& dir) -> Status {
+    Status first;
+    for (int u = 0; u < M; ++u) {
+      const auto& mine = params_of[static_cast<std::size_t>(u)];
+      if (mine.empty() || holder(u) != pp_rank) continue;
       Status g = gather(u);
-      if (!g.ok()) buf.assign(unit_bytes(u), 0);  // flag 0
-      if (stage_writer && pp_rank != 0) {
-        Status sent = pp_send_bytes(buf.data(), buf.size(), 0, what);
-        if (g.ok()) g = sent;
+      if (!g.ok()) {
+        if (first.ok()) {
+          first = Status(g.code(), stage_name + " could not read module " + std::to_string(u) +
+                                       "'s state: " + g.message());
+        }
+        continue;
       }
-      return g;
+      if (!stage_writer || dir.empty() || !first.ok()) continue;
+      SafetensorsWriter w;  // points into buf until written
+      const char* in = buf.data();
+      for (int i : mine) {
+        const ParamDesc& p = full.params[static_cast<std::size_t>(i)];
+        const auto n = static_cast<std::uint64_t>(p.numel());
+        Status added = w.add("param/" + p.name, working, p.shape, in, n * wsize);
+        in += n * wsize;
+        for (const char* kind : {"master/", "exp_avg/", "exp_avg_sq/"}) {
+          if (added.ok()) added = w.add(kind + p.name, "F32", p.shape, in, n * 4);
+          in += n * 4;
+        }
+        if (!added.ok()) first = added;
+      }
+      w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
+      if (first.ok()) first = write_checkpoint_file(w, dir + "/" + module_file(u));
+      if (!first.ok())
+        first = Status(first.code(), stage_name + " could not write its part: " + first.message());
     }
-    if (!writer) return ok_status();
-    buf.assign(unit_bytes(u), 0);
-    STRATA_RETURN_IF_ERROR(pp_recv_bytes(buf.data(), buf.size(), h, what));
-    std::uint16_t flag = 0;
-    std::memcpy(&flag, buf.data() + buf.size() - 2, 2);
-    if (flag != 1) {
-      return io_error("checkpoint: pipeline stage " + std::to_string(h) + " could not read " + what +
-                      " (its log says why)");
+    if (writer && scaler && first.ok() && !dir.empty()) {  // every stage holds the same scaler state
+      const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
+      SafetensorsWriter w;
+      first = w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields);
+      if (first.ok()) first = write_checkpoint_file(w, dir + "/" + kScalerFile);
     }
-    return ok_status();
+    return first;
   };
-  int next = 0;  // the next unit this rank takes part in
+  // Stage writers (the pp group of world rank 0): the writer's temporary directory, as 4-byte
+  // words (1 and the path; 0: no directory, the save failed before its files).
+  constexpr std::size_t kWords = 1 + 256;
+  auto share_dir = [&](const std::string& dir) -> Result<std::string> {
+    std::array<std::uint32_t, kWords> word{};
+    if (writer && !dir.empty() && dir.size() < 4 * (kWords - 1)) {
+      word[0] = 1;
+      std::memcpy(word.data() + 1, dir.data(), dir.size());
+    }
+    STRATA_RETURN_IF_ERROR(pp_caller->broadcast(word.data(), kWords, DType::kF32, 0)
+                               .wait()
+                               .with_context("checkpoint: sharing the temporary directory"));
+    if (word[0] != 1) return std::string();
+    return std::string(reinterpret_cast<const char*>(word.data() + 1));
+  };
+  // Stage writers: the agreement that every stage's files are durable (each file was fsync'd and
+  // renamed into place before its writer got here), or the lowest failing stage's error on all.
+  auto agree = [&](const Status& mine) {
+    return agree_on_read(*pp_caller, mine, "its part of the checkpoint", "pipeline stage", "write");
+  };
+  Status local;  // this rank's first failure in its part
   Result<std::string> published = std::string();
   if (writer) {
+    bool shared = false;
     published = publish_checkpoint(
         root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
-          while (next < M) {
-            const int u = next++;
-            STRATA_RETURN_IF_ERROR(take_part(u));
-            const auto& mine = params_of[static_cast<std::size_t>(u)];
-            if (mine.empty()) continue;
-            SafetensorsWriter w;  // points into buf until written
-            const char* in = buf.data();
-            for (int i : mine) {
-              const ParamDesc& p = full.params[static_cast<std::size_t>(i)];
-              const auto n = static_cast<std::uint64_t>(p.numel());
-              STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, in, n * wsize));
-              in += n * wsize;
-              for (const char* kind : {"master/", "exp_avg/", "exp_avg_sq/"}) {
-                STRATA_RETURN_IF_ERROR(w.add(kind + p.name, "F32", p.shape, in, n * 4));
-                in += n * 4;
-              }
-            }
-            w.set_metadata("module", full.modules[static_cast<std::size_t>(u)].name);
-            const std::string name = module_file(u);
-            STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
-            names->push_back(name);
+          shared = true;
+          Result<std::string> got = share_dir(dir);
+          local = write_stage(got.ok() ? *got : std::string());
+          Status all = agree(got.ok() ? local : got.status());
+          if (got.ok() && got->empty()) {
+            return invalid_argument("checkpoint: the temporary directory's path '" + dir +
+                                    "' is longer than " + std::to_string(4 * (kWords - 1) - 1) + " bytes");
           }
-          if (scaler) {  // the same state on every stage (the overflow decision is the global norm's)
-            const std::array<double, kScalerFields> fields = scaler_fields(scaler->state());
-            SafetensorsWriter w;
-            STRATA_RETURN_IF_ERROR(
-                w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
-            STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
-            names->push_back(kScalerFile);
+          STRATA_RETURN_IF_ERROR(got.status());
+          STRATA_RETURN_IF_ERROR(all);
+          // The names one process lists, in its order: modules, then the scaler.
+          for (int u = 0; u < M; ++u) {
+            if (!params_of[static_cast<std::size_t>(u)].empty()) names->push_back(module_file(u));
           }
+          if (scaler) names->push_back(kScalerFile);
           return ok_status();
         });
+    if (!shared) {  // publishing failed before the files: the stages still meet in every collective
+      Result<std::string> got = share_dir(std::string());
+      local = write_stage(std::string());
+      (void)agree(got.ok() ? local : got.status());
+    }
+  } else if (stage_writer) {
+    Result<std::string> got = share_dir(std::string());
+    local = write_stage(got.ok() ? *got : std::string());
+    Status all = agree(got.ok() ? local : got.status());
+    if (local.ok()) local = got.ok() ? ok_status() : got.status();
+    (void)all;  // another stage's failure reaches this rank in the outcome below
+  } else {
+    local = write_stage(std::string());
   }
-  Status local;  // this rank's first failure in its part
-  while (next < M) {
-    Status st = take_part(next++);
-    if (local.ok() && !st.ok()) local = st;
-  }
-  // The outcome, as 4-byte words: from the writer over its tensor-parallel group, then over the
-  // first stage's data-parallel groups, then from the first stage over every pipeline group.
-  constexpr std::size_t kWords = 1 + 256;
+  // The outcome, as 4-byte words: 1 and the published directory, or 0, the status code and the
+  // first bytes of the writer's error (so every rank returns the same error, naming the stage
+  // that failed); from the writer over its tensor-parallel group, then over the first stage's
+  // data-parallel groups, then from the first stage over every pipeline group.
   std::array<std::uint32_t, kWords> word{};
   if (writer && published.ok() && published->size() < 4 * (kWords - 1)) {
     word[0] = 1;
     std::memcpy(word.data() + 1, published->data(), published->size());
+  } else if (writer && !published.ok()) {
+    const std::string& m = published.status().message();
+    word[1] = static_cast<std::uint32_t>(published.status().code());
+    std::memcpy(word.data() + 2, m.data(), std::min<std::size_t>(m.size(), 4 * (kWords - 2) - 1));
   }
   Status b;
   if (tp_size > 1) b = tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait();
@@ -4690,12 +4761,21 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
   if (b.ok()) b = pp_caller->broadcast(word.data(), kWords, DType::kF32, 0).wait();
   if (writer) return published;
   STRATA_RETURN_IF_ERROR(b.with_context("checkpoint: broadcast of the outcome"));
-  STRATA_RETURN_IF_ERROR(local);
   if (word[0] != 1) {
-    return io_error(
-        "checkpoint under '" + root +
-        "': the first rank of the first pipeline stage, which writes it, failed (its log says why)");
+    const char* text = reinterpret_cast<const char*>(word.data() + 2);
+    const std::string why(text, strnlen(text, 4 * (kWords - 2)));
+    if (why.empty()) {
+      STRATA_RETURN_IF_ERROR(local);
+      return io_error(
+          "checkpoint under '" + root +
+          "': the first rank of the first pipeline stage, which publishes it, failed (its log says why)");
+    }
+    const auto code = word[1] == 0 || word[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
+                          ? StatusCode::kIoError
+                          : static_cast<StatusCode>(word[1]);
+    return Status(code, why);
   }
+  STRATA_RETURN_IF_ERROR(local);
   return std::string(reinterpret_cast<const char*>(word.data() + 1));
 }
 
@@ -4753,7 +4833,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
       }
       w.set_metadata("module", L.modules[static_cast<std::size_t>(u)].name);
       const std::string name = module_file(u);
-      STRATA_RETURN_IF_ERROR(w.write(dir + "/" + name));
+      STRATA_RETURN_IF_ERROR(t.write_checkpoint_file(w, dir + "/" + name));
       names->push_back(name);
     }
     gathered_through = t.M;
@@ -4761,7 +4841,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
       const std::array<double, kScalerFields> fields = scaler_fields(t.scaler->state());
       SafetensorsWriter w;
       STRATA_RETURN_IF_ERROR(w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
-      STRATA_RETURN_IF_ERROR(w.write(dir + "/" + kScalerFile));
+      STRATA_RETURN_IF_ERROR(t.write_checkpoint_file(w, dir + "/" + kScalerFile));
       names->push_back(kScalerFile);
     }
     return ok_status();
@@ -4966,6 +5046,7 @@ OffloadStats OffloadEngine::stats() const {
   s.pipeline_seconds = t.pp_seconds;
   s.pipeline_wait_seconds = t.pp_wait_seconds;
   s.bytes_pp = t.pp_bytes;
+  s.bytes_checkpoint_written = t.checkpoint_bytes;
   if (t.model) {
     const Model::ActivationTraffic a = t.model->activation_traffic();
     s.bytes_activations_to_host = a.to_host;

@@ -583,6 +583,10 @@ struct EngineFaults {
   // Tests only: parameter `index`'s working copy set to `values`, its fp32 master left as it is
   // (the delayed update's reference: gradients taken at other parameters than the ones updated).
   static Status set_working_param(OffloadEngine& engine, int index, std::span<const float> values);
+  // Tests only: every device-to-host copy of the engine's state (parameters, master, moments read
+  // for get_param, the state getters, save_weights, checkpoints) returns `fault` until it is
+  // cleared with ok_status(), as a failing device copy would. Caller thread, between calls.
+  static void fail_state_downloads(OffloadEngine& engine, Status fault);
 };
 
 }  // namespace strata::offload_detail
