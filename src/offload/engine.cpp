@@ -4026,11 +4026,10 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
         " interleaves the chunks of a pipeline and needs strata.pipeline_parallel_size > 1 "
         "(this engine has no pipeline group, or one of size 1): set it to 1");
   }
-  if (s.tp_size > 1) {
-    return invalid_argument(
-        key + " with tensor parallelism (strata.tensor_parallel_size = " + std::to_string(s.tp_size) +
-        ") is not built yet: set pipeline_virtual_stages to 1");
-  }
+  // Tensor parallelism needs nothing of its own either: a chunk's modules run their tp
+  // collectives in compute-stream order, the same chunk order on every tp rank of the stage, and
+  // each tp rank exchanges the (replicated) boundary tensors with the same tp rank of its
+  // neighbours, as without interleaving (docs/parallel.md "Tensor × pipeline × data parallel").
   if (s.gradients == Tier::kNvme) {
     return invalid_argument(key + " with gradients on NVMe (--offload-gradients nvme) is not built yet (its tied "
                                   "embedding sum is tested with one chunk per stage): set pipeline_virtual_stages to 1");
