@@ -192,7 +192,8 @@ TEST(DistCliTrain, PipelineStagesTrainLikeOneProcess) {
 // Interleaved 1F1B from the config (strata.pipeline_virtual_stages 2 on 2 stages: the tiny
 // model's 4 modules are 4 chunks, stage 0 runs the embedding and the second block, stage 1 the
 // first block and the head) trains like one process on the same batch (within the tied
-// embedding's rounding, as 1F1B); --plan names each stage's chunks; bad values name the key.
+// embedding's rounding, as 1F1B), also as 2 data-parallel pipelines on 4 ranks; --plan names
+// each stage's chunks and its per-chunk activation slots; bad values name the key.
 TEST(DistCliTrain, InterleavedPipelineTrainsLikeOneProcess) {
   TempDir dir("strata-dist-cli");
   const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 4 ";
@@ -208,6 +209,15 @@ TEST(DistCliTrain, InterleavedPipelineTrainsLikeOneProcess) {
             std::string::npos)
       << two.output;
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 stages x 2 chunks");
+  // With data parallelism: 2 stages x 2 chunks x 2 pipelines on 4 ranks, each pipeline half of the
+  // global batch (2 micro-batches: one group per step).
+  auto four =
+      run_command(mpirun(4) + "train " + kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 2 " +
+                  "--config " + cfg + " --metrics " + (dir / "four.jsonl").string());
+  ASSERT_EQ(four.exit_code, 0) << four.output;
+  EXPECT_NE(four.output.find("2 pipeline(s) of data parallel"), std::string::npos) << four.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "four.jsonl"),
+                     "2 stages x 2 chunks x 2 pipelines");
   auto plan = run_command(mpirun(2) + "train " + flags + "--config " + cfg + " --plan");
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
   EXPECT_NE(plan.output.find(
@@ -215,6 +225,7 @@ TEST(DistCliTrain, InterleavedPipelineTrainsLikeOneProcess) {
             std::string::npos)
       << plan.output;
   EXPECT_NE(plan.output.find("pipeline stage 1 of 2 (modules 1-1, 3-3"), std::string::npos) << plan.output;
+  EXPECT_NE(plan.output.find("carved per (micro-batch, chunk)"), std::string::npos) << plan.output;
   // m = 3 is not a multiple of the 2 stages.
   auto odd =
       run_command(mpirun(2) + "train " + kTiny + "--steps 1 --val-every 0 --grad-accum 3 --config " + cfg);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
 #include "strata/device.hpp"
 #include "strata/model.hpp"
@@ -321,6 +323,108 @@ TEST(PipelineSchedule, InterleavedOrderDependenciesAndSlots) {
   EXPECT_NE(short_bounds.status().message().find("expected 5"), std::string::npos);
 }
 
+// Activation slots carved per (micro-batch, chunk): as many slots as the schedule's peak of live
+// chunk forwards (interleaved_pipeline_slots), no slot holding two live pairs, each slot listing
+// the chunks it holds. p = 2, v = 2, m = 4 on stage 0: 5 slots of one chunk each, where slots
+// per micro-batch needed 4 of both chunks (8 chunk sets).
+TEST(PipelineSchedule, InterleavedSlotsPerChunk) {
+  const InterleavedSlots two = *interleaved_slot_assignment(2, 0, 2, 4);
+  EXPECT_EQ(two.slot_chunks.size(), 5u);
+  std::size_t sets = 0;
+  for (const auto& held : two.slot_chunks) sets += held.size();
+  EXPECT_LT(sets, 2u * static_cast<std::size_t>(*interleaved_pipeline_micro_slots(2, 0, 2, 4)));
+  for (int p = 1; p <= 4; ++p) {
+    for (int v = 1; v <= 3; ++v) {
+      for (int g = 1; g <= 3; ++g) {
+        const int m = g * p;
+        for (int s = 0; s < p; ++s) {
+          const std::string at = "p=" + std::to_string(p) + " v=" + std::to_string(v) +
+                                 " m=" + std::to_string(m) + " s=" + std::to_string(s);
+          const InterleavedSlots a = *interleaved_slot_assignment(p, s, v, m);
+          EXPECT_EQ(static_cast<int>(a.slot_chunks.size()), *interleaved_pipeline_slots(p, s, v, m)) << at;
+          std::vector<std::pair<int, int>> holder(a.slot_chunks.size(), {-1, -1});
+          const std::vector<ChunkOp> ops = *interleaved_pipeline_ops(p, s, v, m);
+          for (const ChunkOp& o : ops) {
+            const int k = a.slot(o.micro, o.chunk, v);
+            ASSERT_GE(k, 0) << at;
+            ASSERT_LT(k, static_cast<int>(a.slot_chunks.size())) << at;
+            const auto& held = a.slot_chunks[static_cast<std::size_t>(k)];
+            EXPECT_NE(std::find(held.begin(), held.end(), o.chunk), held.end())
+                << at << ": slot " << k << " is not listed for chunk " << o.chunk;
+            auto& h = holder[static_cast<std::size_t>(k)];
+            if (o.forward) {
+              EXPECT_EQ(h.first, -1) << at << ": slot " << k << " still holds micro-batch " << h.first
+                                     << " chunk " << h.second;
+              h = {o.micro, o.chunk};
+            } else {
+              EXPECT_EQ(h, std::make_pair(o.micro, o.chunk)) << at;
+              h = {-1, -1};
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_FALSE(interleaved_slot_assignment(2, 0, 2, 3).ok());
+}
+
+// The plan of an interleaved stage states the per-chunk slots: one line whose count is the
+// schedule's peak of live chunk forwards and whose bytes are, per slot, the largest chunk it
+// holds (activation_slot_estimate); less than slots per micro-batch holding every chunk once
+// the schedule has a steady state (m > p).
+TEST(PipelineSchedule, InterleavedPlanCountsChunkSlots) {
+  TrainerConfig config;
+  config.model = small(ModelKind::kLlama, 6);
+  config.micro_batch = 2;
+  config.seq_len = 16;
+  const int p = 2, v = 2;
+  for (std::int64_t m : {2, 4, 6}) {
+    config.grad_accum = m;
+    for (int s = 0; s < p; ++s) {
+      OffloadSettings settings;
+      settings.pipeline_virtual_stages = v;
+      settings.pipeline_bounds = *pipeline_stages(config.model, p * v, config.seq_len);
+      settings.pp_stage = s;
+      auto plan = OffloadPlan::make(config, settings);
+      ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+      const InterleavedSlots a = *interleaved_slot_assignment(p, s, v, static_cast<int>(m));
+      const auto ranges = offload_detail::stage_ranges(settings.pipeline_bounds, v, s);
+      std::uint64_t want = 0, every_chunk = 0;
+      for (const auto& held : a.slot_chunks) {
+        std::uint64_t most = 0;
+        for (int c : held) {
+          const auto [b, e] = ranges[static_cast<std::size_t>(c)];
+          most = std::max(most, offload_detail::activation_slot_estimate(config, b, e));
+        }
+        want += most;
+      }
+      for (const auto& [b, e] : ranges) every_chunk += offload_detail::activation_slot_estimate(config, b, e);
+      const int peak = *interleaved_pipeline_slots(p, s, v, static_cast<int>(m));
+      const std::string at = "m=" + std::to_string(m) + " stage " + std::to_string(s);
+      int found = 0;
+      for (const PlanLine& line : plan->lines) {
+        EXPECT_EQ(line.what.find("more activation slots"), std::string::npos) << at;
+        if (line.what.rfind("pipeline: activation slots (", 0) != 0) continue;
+        ++found;
+        EXPECT_NE(line.what.find("(" + std::to_string(peak) + " carved per (micro-batch, chunk)"),
+                  std::string::npos)
+            << at << ": " << line.what;
+        EXPECT_EQ(line.bytes, want) << at;
+        // One group (m = p: every forward first) keeps every pair live at once: equal there.
+        const std::uint64_t per_micro =
+            static_cast<std::uint64_t>(*interleaved_pipeline_micro_slots(p, s, v, static_cast<int>(m))) *
+            every_chunk;
+        if (m > p) {
+          EXPECT_LT(line.bytes, per_micro) << at;
+        } else {
+          EXPECT_LE(line.bytes, per_micro) << at;
+        }
+      }
+      EXPECT_EQ(found, 1) << at << "\n" << plan->to_string();
+    }
+  }
+}
+
 struct Batches {
   std::vector<std::vector<std::int32_t>> in, tg;
 };
@@ -432,6 +536,67 @@ TEST(ModelSlots, OneFOneBOrderGivesTheSequentialGradients) {
     ASSERT_TRUE(model->select_slot(0).ok());
     EXPECT_FALSE(model->backward(kDloss).ok());
   }
+}
+
+// Slots carved per chunk (Options::slot_ranges, what interleaved 1F1B's engine uses): each slot
+// carves only the ranges it lists, aliased, so the model is smaller than with slots holding every
+// range; select_range refuses a range the selected slot was not carved for; share_batch carries a
+// batch (tokens, targets, target count) into the slot of the batch's next chunk.
+TEST(ModelSlots, PerChunkSlotsCarveTheirRangesOnly) {
+  const ModelConfig c = small(ModelKind::kLlama, 3);  // modules: embedding, 3 blocks, head
+  auto layout = describe_model(c);
+  ASSERT_TRUE(layout.ok());
+  Model::Options o;
+  o.max_batch = 2;
+  o.max_seq_len = 16;
+  o.activation_slots = 2;
+  o.module_ranges = {{0, 2}, {3, 5}};  // a stage's two chunks: embedding + block 0, block 2 + head
+  auto every_device = testing::make_device();
+  auto every_stream = every_device->create_stream("compute");
+  auto every = Model::create(*layout, *every_device, **every_stream, o);
+  ASSERT_TRUE(every.ok()) << every.status().to_string();
+  auto device = testing::make_device();
+  auto stream = device->create_stream("compute");
+  Model::Options per = o;
+  per.slot_ranges = {{0}, {1}};
+  auto chunked = Model::create(*layout, *device, **stream, per);
+  ASSERT_TRUE(chunked.ok()) << chunked.status().to_string();
+  EXPECT_LT((*chunked)->activation_bytes(), (*every)->activation_bytes());
+  Model& m = **chunked;
+  ASSERT_TRUE(m.initialize(42).ok());
+  const Batches b = make_batches(c, 1, 32);
+  ASSERT_TRUE(m.select_slot(0).ok());
+  ASSERT_TRUE(m.select_range(0).ok());
+  auto wrong = m.select_range(1);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.message().find("slot 0 is not carved for module range 1"), std::string::npos)
+      << wrong.to_string();
+  ASSERT_TRUE(m.set_batch(b.in[0], b.tg[0], 2, 16).ok());
+  ASSERT_TRUE(m.forward(true).ok());
+  // The second chunk in slot 1: the batch comes from slot 0 (the head reads the targets).
+  ASSERT_TRUE(m.select_slot(1).ok());
+  ASSERT_FALSE(m.select_range(0).ok());
+  ASSERT_TRUE(m.select_range(1).ok());
+  EXPECT_FALSE(m.copy_losses(0).ok()) << "slot 1 holds no batch yet";
+  EXPECT_FALSE(m.share_batch(2).ok());
+  ASSERT_TRUE(m.share_batch(0).ok());
+  ASSERT_TRUE(m.forward(true).ok());
+  ASSERT_TRUE(m.copy_losses(0).ok());
+  ASSERT_TRUE((*stream)->synchronize().ok());
+  const auto targets = std::count_if(b.tg[0].begin(), b.tg[0].end(), [](std::int32_t t) { return t >= 0; });
+  EXPECT_EQ(m.loss_sum(0).count, targets);
+  EXPECT_TRUE(std::isfinite(m.loss_sum(0).sum));
+  // Bad slot lists.
+  Model::Options bad = per;
+  bad.plan_arena = false;  // the arena is planned for the model above
+  bad.slot_ranges = {{0}};
+  auto short_list = Model::create(*layout, *device, **stream, bad);
+  ASSERT_FALSE(short_list.ok());
+  EXPECT_NE(short_list.status().message().find("one entry per activation slot (2)"), std::string::npos);
+  bad.slot_ranges = {{0}, {2}};
+  auto no_range = Model::create(*layout, *device, **stream, bad);
+  ASSERT_FALSE(no_range.ok());
+  EXPECT_NE(no_range.status().message().find("slot_ranges[1]"), std::string::npos);
 }
 
 // Two stage models (each with all parameters, initialised alike), the boundary tensors copied

@@ -290,6 +290,14 @@ class Model {
     // every chunk of one micro-batch); select_range() picks the range the passes run. Not with
     // activation offload or sequence parallelism.
     std::vector<std::pair<int, int>> module_ranges;
+    // With module_ranges, activation slots carved per chunk (docs/parallel.md "Schedules"): one
+    // entry per slot (activation_slots must equal its size), listing the ranges (indices into
+    // module_ranges) that slot may hold, one at a time. The slot carves the tokens, targets and
+    // losses once and, over them, each listed range's residuals, block sets and head buffers
+    // from the same offset (they alias: the largest range sets the slot's size). select_range()
+    // refuses a range the selected slot was not carved for. Empty: every slot holds every range
+    // at once (as above).
+    std::vector<std::vector<int>> slot_ranges;
     // Activation offload (docs/offload.md "Activation offload"; DeepSpeed's
     // activation_checkpointing.cpu_checkpointing). Requires ModelConfig::activation_checkpointing.
     // The residual stream lives in a ring of kActivationRing device buffers per activation slot
@@ -394,6 +402,11 @@ class Model {
   // backward may follow other chunks' passes in the same slot. The forward of a range starts at
   // its first module; a backward at its last. Error: no such range.
   Status select_range(int range);
+  // Copies slot `from`'s batch (tokens, targets, batch shape and target count) into the selected
+  // slot, in stream order, and forgets the selected slot's saved passes, as set_batch does: the
+  // batch's next chunk in a slot carved for that chunk (Options::slot_ranges). No-op when `from`
+  // is the selected slot. Error: no such slot, or it holds no batch.
+  Status share_batch(int from);
   // The residual stream between module `module` - 1 and `module` (1 <= module < num_modules())
   // in the selected slot: (B, T, C) in the working dtype, boundary_bytes() long. For a stage
   // [b, e): receive the forward input into boundary_activation(b) before forward_module(b),

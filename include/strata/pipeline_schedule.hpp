@@ -51,9 +51,26 @@ Result<int> interleaved_pipeline_slots(int stages, int stage, int chunks, int mi
 // The most micro-batches in flight at once on that process (a micro-batch is in flight from its
 // first chunk's forward to its first chunk's backward; both run in micro-batch order, so the
 // micro-batches in flight are consecutive and micro-batch a may use activation slot a mod this
-// count). The engine's activation slots each hold every chunk of one micro-batch. Errors as
-// interleaved_pipeline_ops.
+// count). Slots holding every chunk of one micro-batch would need this many; the engine carves
+// them per chunk instead (interleaved_slot_assignment). Errors as interleaved_pipeline_ops.
 Result<int> interleaved_pipeline_micro_slots(int stages, int stage, int chunks, int micro_batches);
+
+// Activation slots carved per (micro-batch, chunk): which slot each forward of the interleaved
+// order keeps its activations in until its backward. Walking interleaved_pipeline_ops, a forward
+// takes the lowest free slot that has held its chunk before, else the lowest free slot, else a
+// new one; its backward frees it. So there are exactly interleaved_pipeline_slots slots (a new
+// one opens only when every slot is live), no slot holds two live (micro-batch, chunk) pairs,
+// and a slot mostly holds one chunk (it is carved for the largest chunk it ever holds: the
+// chunks' activations alias each other in it, as they are never live in it at once).
+struct InterleavedSlots {
+  std::vector<int> slot_of;                   // index micro·chunks + chunk -> slot
+  std::vector<std::vector<int>> slot_chunks;  // per slot, the chunks it holds, ascending
+  int slot(int micro, int chunk, int chunks) const {
+    return slot_of[static_cast<std::size_t>(micro * chunks + chunk)];
+  }
+};
+// Errors as interleaved_pipeline_ops.
+Result<InterleavedSlots> interleaved_slot_assignment(int stages, int stage, int chunks, int micro_batches);
 
 // The module ranges process `stage` owns, in chunk order: [bounds[c·p + s], bounds[c·p + s + 1])
 // for c = 0 .. v−1, from the v·p + 1 bounds of pipeline_stages(config, v·p, seq_len). Errors: the

@@ -89,6 +89,8 @@ class Carver {
     return static_cast<std::int32_t*>(take(static_cast<std::uint64_t>(n) * 4));
   }
   std::uint64_t used() const { return used_; }
+  // Carves the next tensors from `to` again: what follows aliases what was carved after it.
+  void rewind(std::uint64_t to) { used_ = to; }
 
  private:
   char* base_;
@@ -185,17 +187,6 @@ struct Model::Impl : ActState {
   // carved for all of them. `range`: the selected one.
   std::vector<std::pair<int, int>> ranges;
   int range = 0;
-  // Whether residual index l, or module m, is read or written by a range.
-  bool carves_resid(std::int64_t l) const {
-    for (const auto& [b, e] : ranges)
-      if (l >= std::max(b - 1, 0) && l <= std::min<std::int64_t>(e - 1, layout.config.n_layer)) return true;
-    return false;
-  }
-  bool runs_module(int module) const {
-    for (const auto& [b, e] : ranges)
-      if (module >= b && module < e) return true;
-    return false;
-  }
   std::vector<ActState> parked;  // per slot; the selected slot's entry is empty (its state is *this)
   int current = 0;               // the selected slot
   EmbedHeadParams eh;
@@ -249,7 +240,9 @@ struct Model::Impl : ActState {
   BlockActs& acts(int layer) { return sets.size() == 1 ? sets[0] : sets[static_cast<std::size_t>(layer)]; }
 
   Status bind_params();
-  void carve_activations(Carver& c, bool with_grads);
+  // Carves one slot: the batch and losses, then the activations of `slot_ranges` (indices into
+  // `ranges`), aliased when the slots are carved per chunk (Options::slot_ranges).
+  void carve_activations(Carver& c, bool with_grads, const std::vector<int>& slot_ranges);
   Status block_forward(int l, const BlockActs& A, bool recompute);
   Status block_backward(int l, const BlockActs& A);
   // Activation offload around one module (no-ops without it); see the file comment.
@@ -386,28 +379,14 @@ Status Model::Impl::bind_params() {
   return ok_status();
 }
 
-void Model::Impl::carve_activations(Carver& c, bool with_grads) {
+void Model::Impl::carve_activations(Carver& c, bool with_grads, const std::vector<int>& slot_ranges) {
   const std::int64_t N = Bmax * Tmax;
   const std::int64_t Nl = N / sp;  // rows of the residual stream and norms (all of them without SP)
   const std::int64_t L = layout.config.n_layer;
   const std::int64_t ff1 = gpt2 ? F : 2 * F;
-  resid.clear();
-  if (ring > 0) {
-    std::vector<Tensor> bufs;
-    for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(N * C, wdt));
-    for (std::int64_t l = 0; l <= L; ++l)
-      resid.push_back(l >= resid_lo() && l <= resid_hi() ? bufs[static_cast<std::size_t>(l % ring)]
-                                                         : Tensor{nullptr, wdt});
-  } else {
-    for (std::int64_t l = 0; l <= L; ++l)
-      resid.push_back(carves_resid(l) ? c.tensor(Nl * C, wdt) : Tensor{nullptr, wdt});
-  }
+  const int M = static_cast<int>(layout.modules.size());
   const bool shared = layout.config.activation_checkpointing || !with_grads;
-  sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
-  for (std::size_t i = 0; i < sets.size(); ++i) {
-    BlockActs& a = sets[i];
-    const int module = static_cast<int>(i) + 1;  // block l is module l + 1
-    if (!shared && !runs_module(module)) continue;
+  auto carve_set = [&](BlockActs& a) {
     a.norm1 = c.tensor(Nl * C, wdt);
     a.qkv = c.tensor(N * Q, wdt);
     a.atty = c.tensor(N * H * D, wdt);
@@ -420,21 +399,53 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads) {
     a.mean2 = gpt2 ? c.floats(Nl) : nullptr;
     a.rstd2 = c.floats(Nl);
     a.lse = c.floats(N * H);
-  }
+  };
+  // What every range of the slot uses: the batch, the losses (zero rows of a stage without the
+  // head: its losses sum to 0) and, with checkpointing, the one block set.
   tokens = c.ints(N);
   targets = c.ints(N);
-  losses = c.floats(N);  // zero rows of a stage without the head: its losses sum to 0
+  losses = c.floats(N);
+  sets.assign(shared ? 1 : static_cast<std::size_t>(L), BlockActs{});
+  if (shared) carve_set(sets[0]);
   range_saved.assign(ranges.size(), 0);
-  if (ranges.back().second < static_cast<int>(layout.modules.size())) return;  // the head runs elsewhere
-  final_norm = c.tensor(Nl * C, wdt);
-  final_mean = gpt2 ? c.floats(Nl) : nullptr;
-  final_rstd = c.floats(Nl);
-  logits = c.tensor(N * Vp, wdt);
-  ce_lse = c.floats(N);
-  if (tp != nullptr) {
-    ce_max = c.floats(N);
-    ce_sums = c.floats(2 * N);
+  resid.assign(static_cast<std::size_t>(L + 1), Tensor{nullptr, wdt});
+  final_norm = logits = Tensor{};
+  final_mean = final_rstd = ce_lse = ce_max = ce_sums = nullptr;
+  // Per range: its residuals, block sets and (with the head) head buffers. A slot carved per
+  // chunk (Options::slot_ranges) holds one of its ranges at a time, so they start at the same
+  // offset; a slot holding every range at once carves them one after another.
+  const bool alias = !options.slot_ranges.empty();
+  const std::uint64_t base = c.used();
+  std::uint64_t most = base;
+  for (int r : slot_ranges) {
+    const auto [b, e] = ranges[static_cast<std::size_t>(r)];
+    if (alias) c.rewind(base);
+    const std::int64_t lo = std::max(b - 1, 0), hi = std::min<std::int64_t>(e - 1, L);
+    if (ring > 0) {  // one range (activation offload refuses several)
+      std::vector<Tensor> bufs;
+      for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(N * C, wdt));
+      for (std::int64_t l = lo; l <= hi; ++l)
+        resid[static_cast<std::size_t>(l)] = bufs[static_cast<std::size_t>(l % ring)];
+    } else {
+      for (std::int64_t l = lo; l <= hi; ++l) resid[static_cast<std::size_t>(l)] = c.tensor(Nl * C, wdt);
+    }
+    for (int module = std::max(b, 1); !shared && module < e && module <= L; ++module) {
+      carve_set(sets[static_cast<std::size_t>(module - 1)]);  // block l is module l + 1
+    }
+    if (e == M) {
+      final_norm = c.tensor(Nl * C, wdt);
+      final_mean = gpt2 ? c.floats(Nl) : nullptr;
+      final_rstd = c.floats(Nl);
+      logits = c.tensor(N * Vp, wdt);
+      ce_lse = c.floats(N);
+      if (tp != nullptr) {
+        ce_max = c.floats(N);
+        ce_sums = c.floats(2 * N);
+      }
+    }
+    most = std::max(most, c.used());
   }
+  c.rewind(most);
 }
 
 std::vector<RegionSpec> Model::regions(const ModelLayout& layout, const Options& options) {
@@ -523,6 +534,29 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
       m.ranges = options.module_ranges;
       m.first = m.ranges.front().first;
       m.end = m.ranges.front().second;
+    }
+    if (!options.slot_ranges.empty()) {
+      if (options.module_ranges.empty() ||
+          static_cast<int>(options.slot_ranges.size()) != options.activation_slots) {
+        return invalid_argument(
+            "model: Options::slot_ranges lists " + std::to_string(options.slot_ranges.size()) +
+            " slots; it needs Options::module_ranges and one entry per activation slot (" +
+            std::to_string(options.activation_slots) + ")");
+      }
+      for (std::size_t k = 0; k < options.slot_ranges.size(); ++k) {
+        const auto& list = options.slot_ranges[k];
+        for (std::size_t i = 0; i < list.size(); ++i) {
+          if (list[i] < 0 || list[i] >= static_cast<int>(m.ranges.size()) ||
+              (i > 0 && list[i] <= list[i - 1])) {
+            return invalid_argument("model: Options::slot_ranges[" + std::to_string(k) +
+                                    "] is not an increasing list of module range indices below " +
+                                    std::to_string(m.ranges.size()));
+          }
+        }
+        if (list.empty()) {
+          return invalid_argument("model: Options::slot_ranges[" + std::to_string(k) + "] holds no range");
+        }
+      }
     }
   }
   if (options.offload_activations && !cfg.activation_checkpointing) {
@@ -619,12 +653,16 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     STRATA_ASSIGN_OR_RETURN(m.copy_stream, device.create_stream("model.activation_offload"));
   }
   m.parked.resize(static_cast<std::size_t>(options.activation_slots));
+  std::vector<int> every_range(m.ranges.size());
+  for (std::size_t r = 0; r < every_range.size(); ++r) every_range[r] = static_cast<int>(r);
   for (int k = options.activation_slots - 1; k >= 0; --k) {
+    const std::vector<int>& held =
+        options.slot_ranges.empty() ? every_range : options.slot_ranges[static_cast<std::size_t>(k)];
     Carver measure(nullptr);
-    m.carve_activations(measure, options.with_grads);
+    m.carve_activations(measure, options.with_grads, held);
     STRATA_ASSIGN_OR_RETURN(m.act_block, device.allocate(measure.used(), "model.activations"));
     Carver carve(static_cast<char*>(m.act_block.data()));
-    m.carve_activations(carve, options.with_grads);
+    m.carve_activations(carve, options.with_grads, held);
     if (m.ring > 0) {
       if (options.with_grads) {
         STRATA_ASSIGN_OR_RETURN(
@@ -775,6 +813,14 @@ Status Model::select_range(int range) {
     return invalid_argument("select_range: no module range " + std::to_string(range) + " (the model has " +
                             std::to_string(m.ranges.size()) + ", Options::module_ranges)");
   }
+  if (!m.options.slot_ranges.empty()) {
+    const auto& held = m.options.slot_ranges[static_cast<std::size_t>(m.current)];
+    if (std::find(held.begin(), held.end(), range) == held.end()) {
+      return failed_precondition("select_range: activation slot " + std::to_string(m.current) +
+                                 " is not carved for module range " + std::to_string(range) +
+                                 " (Options::slot_ranges)");
+    }
+  }
   m.range = range;
   m.first = m.ranges[static_cast<std::size_t>(range)].first;
   m.end = m.ranges[static_cast<std::size_t>(range)].second;
@@ -782,6 +828,30 @@ Status Model::select_range(int range) {
   m.next_forward = m.first;
   m.forward_saved = saved;
   m.next_backward = saved ? m.end - 1 : -1;
+  return ok_status();
+}
+
+Status Model::share_batch(int from) {
+  Impl& m = *impl_;
+  if (from < 0 || from >= static_cast<int>(m.parked.size())) {
+    return invalid_argument("share_batch: no activation slot " + std::to_string(from) + " (the model has " +
+                            std::to_string(m.parked.size()) + ")");
+  }
+  if (from == m.current) return ok_status();
+  const ActState& src = m.parked[static_cast<std::size_t>(from)];
+  if (!src.have_batch)
+    return failed_precondition("share_batch: slot " + std::to_string(from) + " holds no batch");
+  const std::uint64_t bytes = static_cast<std::uint64_t>(src.B * src.T) * 4;
+  STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.tokens, src.tokens, bytes, CopyKind::kDeviceToDevice));
+  STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.targets, src.targets, bytes, CopyKind::kDeviceToDevice));
+  m.B = src.B;
+  m.T = src.T;
+  m.target_count = src.target_count;
+  m.have_batch = true;
+  m.forward_saved = false;
+  m.next_forward = m.first;
+  m.next_backward = -1;
+  std::fill(m.range_saved.begin(), m.range_saved.end(), 0);
   return ok_status();
 }
 

@@ -433,6 +433,10 @@ struct OffloadEngine::Impl {
   // a pipeline.
   std::vector<std::pair<int, int>> chunk_ranges;
   int chunks = 1;
+  // Interleaved: the activation slot of each (micro-batch, chunk) of the step's schedule, and
+  // per chunk a slot carved for it (forward only runs the chunks through these).
+  InterleavedSlots chunk_slots;
+  std::vector<int> forward_slot;
   std::unique_ptr<Comm> pp_caller, pp_norm, pp_tied;
   int tied_unit = -1;                   // the unit both the first and the last stage hold (GPT-2's embedding)
   std::vector<int> unit_stage;          // per unit: the lowest stage holding it (whose statistics count)
@@ -835,11 +839,18 @@ Status OffloadEngine::Impl::setup() {
       mo.activation_slots =
           pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
     } else {
-      // A slot holds every chunk of one micro-batch: as many as micro-batches in flight.
+      // Slots carved per (micro-batch, chunk), as many as the schedule's peak of live chunk
+      // forwards (docs/parallel.md "Schedules").
       mo.module_ranges = chunk_ranges;
-      STRATA_ASSIGN_OR_RETURN(
-          mo.activation_slots,
-          interleaved_pipeline_micro_slots(pp_size, pp_rank, chunks, static_cast<int>(config.grad_accum)));
+      STRATA_ASSIGN_OR_RETURN(chunk_slots, interleaved_slot_assignment(pp_size, pp_rank, chunks,
+                                                                       static_cast<int>(config.grad_accum)));
+      mo.activation_slots = static_cast<int>(chunk_slots.slot_chunks.size());
+      mo.slot_ranges = chunk_slots.slot_chunks;
+      forward_slot.assign(static_cast<std::size_t>(chunks), -1);
+      for (int k = mo.activation_slots - 1; k >= 0; --k) {
+        for (int c : chunk_slots.slot_chunks[static_cast<std::size_t>(k)])
+          forward_slot[static_cast<std::size_t>(c)] = k;
+      }
     }
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
@@ -1812,9 +1823,16 @@ Status OffloadEngine::Impl::forward_stage() {
   // last stage's chunk c − 1) and its output goes to the next (the last stage's: to stage 0).
   // The chunks form one chain through the processes, so the blocking exchange cannot cycle.
   const int prev = (pp_rank + pp_size - 1) % pp_size, next = (pp_rank + 1) % pp_size;
+  // Interleaved: each chunk runs in a slot carved for it (forward_slot), which takes the batch
+  // from the slot it was set in.
+  const int batch_slot = model->slot();
   for (int c = 0; c < chunks; ++c) {
     const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
-    if (chunks > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
+    if (chunks > 1) {
+      STRATA_RETURN_IF_ERROR(model->select_slot(forward_slot[static_cast<std::size_t>(c)]));
+      STRATA_RETURN_IF_ERROR(model->share_batch(batch_slot));
+      STRATA_RETURN_IF_ERROR(model->select_range(c));
+    }
     if (pp_rank > 0 || c > 0) {
       STRATA_RETURN_IF_ERROR(compute->synchronize());  // the input buffer's previous reader is done
       STRATA_RETURN_IF_ERROR(
@@ -2064,12 +2082,12 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
       const int a = op.micro, c = op.chunk;
       const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
       STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
-      STRATA_RETURN_IF_ERROR(model->select_slot(a % k));
+      // Interleaved: each (micro-batch, chunk) has a slot of its own, which gets the batch
+      // (the tokens for the embedding's chunk, the targets for the head's) at its forward.
+      STRATA_RETURN_IF_ERROR(model->select_slot(v > 1 ? chunk_slots.slot(a, c, v) : a % k));
       if (v > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
       if (op.forward) {
-        // A slot's micro-batch starts with its first chunk's forward; later chunks find the batch
-        // (tokens, targets) in the slot.
-        if (c == 0) {
+        if (c == 0 || v > 1) {
           STRATA_RETURN_IF_ERROR(
               model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
         }
@@ -4076,20 +4094,18 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
         " interleaves the chunks of a pipeline and needs strata.pipeline_parallel_size > 1 "
         "(this engine has no pipeline group, or one of size 1): set it to 1");
   }
-  if (s.tp_size > 1) {
-    return invalid_argument(
-        key + " with tensor parallelism (strata.tensor_parallel_size = " + std::to_string(s.tp_size) +
-        ") is not built yet: set pipeline_virtual_stages to 1");
-  }
+  // Tensor parallelism needs nothing of its own either: a chunk's modules run their tp
+  // collectives in compute-stream order, the same chunk order on every tp rank of the stage, and
+  // each tp rank exchanges the (replicated) boundary tensors with the same tp rank of its
+  // neighbours, as without interleaving (docs/parallel.md "Tensor × pipeline × data parallel").
   if (s.gradients == Tier::kNvme) {
     return invalid_argument(key + " with gradients on NVMe (--offload-gradients nvme) is not built yet (its tied "
                                   "embedding sum is tested with one chunk per stage): set pipeline_virtual_stages to 1");
   }
-  if (s.dp_size > 1) {
-    return invalid_argument(
-        key + " with data parallelism (" + std::to_string(s.dp_size) +
-        " pipelines) is not built yet: set pipeline_virtual_stages to 1, or run one pipeline");
-  }
+  // Data parallelism needs nothing of its own: the ranks of one dp group are the same stage and
+  // run the same op list, so their per-unit reductions (issued as each unit's last micro-batch
+  // backward releases it) come in the same order on every rank (docs/parallel.md "Interleaved
+  // 1F1B with data parallelism").
   if (s.offload_activations) {
     return invalid_argument(key +
                             " with activation offload (activation_checkpointing.cpu_checkpointing) is not "

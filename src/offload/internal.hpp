@@ -547,6 +547,30 @@ inline std::uint64_t activation_bytes_estimate(const TrainerConfig& config,
   return acts + acts / 16 + (1u << 20);
 }
 
+// The part of activation_bytes_estimate one activation slot holds for modules [b, e) of the
+// model (Model::carve_activations, per token): the residuals the range reads and writes, its
+// blocks' sets (one shared set with checkpointing), the head's buffers where the range ends with
+// the head, and the batch, losses and statistics; with the same 1/16 slack. [0, M) is every
+// module's: a slot of plain 1F1B or GPipe (bounded above by the whole model's set).
+inline std::uint64_t activation_slot_estimate(const TrainerConfig& config, int b, int e,
+                                              bool offload_activations = false) {
+  const ModelConfig& c = config.model;
+  const std::int64_t L = c.n_layer, M = L + 2;
+  const std::int64_t N = config.micro_batch * config.seq_len;
+  const std::int64_t C = c.n_embd, F = c.ffn(), Q = (c.n_head + 2 * c.kv_heads()) * c.head_dim();
+  const std::int64_t per_set = 4 * C + Q + (c.kind == ModelKind::kGpt2 ? 2 * F : 3 * F);
+  const std::int64_t resid = std::min<std::int64_t>(e - 1, L) - std::max(b - 1, 0) + 1;
+  const std::int64_t blocks = std::min<std::int64_t>(e, L + 1) - std::max(b, 1);
+  const std::int64_t sets = c.activation_checkpointing ? 1 : std::max<std::int64_t>(blocks, 0);
+  const std::int64_t head = e == M ? C + c.padded_vocab() : 0;
+  const std::uint64_t w = dtype_size(c.dtype);
+  const std::uint64_t acts =
+      static_cast<std::uint64_t>(N) *
+      (w * static_cast<std::uint64_t>((offload_activations ? 0 : resid * C) + sets * per_set + head) +
+       4 * static_cast<std::uint64_t>(sets * (4 + c.n_head) + 4));
+  return acts + acts / 16;
+}
+
 inline constexpr std::uint64_t kCudaWorkspaceBytes = 64ull << 20;
 
 // Swap space: every key once; room for the versions being rewritten (a write goes to fresh

@@ -81,6 +81,42 @@ Result<int> interleaved_pipeline_micro_slots(int stages, int stage, int chunks, 
   return most;
 }
 
+Result<InterleavedSlots> interleaved_slot_assignment(int stages, int stage, int chunks, int micro_batches) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<ChunkOp> ops,
+                          interleaved_pipeline_ops(stages, stage, chunks, micro_batches));
+  InterleavedSlots out;
+  out.slot_of.assign(static_cast<std::size_t>(micro_batches * chunks), -1);
+  std::vector<char> live;  // per slot
+  for (const ChunkOp& op : ops) {
+    const auto key = static_cast<std::size_t>(op.micro * chunks + op.chunk);
+    if (!op.forward) {
+      live[static_cast<std::size_t>(out.slot_of[key])] = 0;
+      continue;
+    }
+    // Prefer a slot already carved for this chunk: the slots' sizes stay their chunks' own.
+    int pick = -1;
+    for (std::size_t j = 0; j < live.size() && pick < 0; ++j) {
+      const auto& held = out.slot_chunks[j];
+      if (!live[j] && std::find(held.begin(), held.end(), op.chunk) != held.end()) pick = static_cast<int>(j);
+    }
+    for (std::size_t j = 0; j < live.size() && pick < 0; ++j) {
+      if (!live[j]) pick = static_cast<int>(j);
+    }
+    if (pick < 0) {
+      pick = static_cast<int>(live.size());
+      live.push_back(0);
+      out.slot_chunks.emplace_back();
+    }
+    auto& held = out.slot_chunks[static_cast<std::size_t>(pick)];
+    if (std::find(held.begin(), held.end(), op.chunk) == held.end()) {
+      held.insert(std::upper_bound(held.begin(), held.end(), op.chunk), op.chunk);
+    }
+    live[static_cast<std::size_t>(pick)] = 1;
+    out.slot_of[key] = pick;
+  }
+  return out;
+}
+
 Result<std::vector<std::pair<int, int>>> interleaved_stage_ranges(const std::vector<int>& bounds, int stages,
                                                                   int stage, int chunks) {
   STRATA_RETURN_IF_ERROR(check_counts(stages, stage, chunks, stages));

@@ -233,18 +233,41 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const int pp_stages = offload_detail::pipeline_stage_count(settings);
   const int chunks = settings.pipeline_virtual_stages;
   int act_slots = 1;
+  // Interleaved: slots carved per (micro-batch, chunk); per slot, the largest chunk it holds.
+  std::uint64_t chunk_slot_bytes = 0;
   if (settings.pipeline_bounds.size() > 2 && chunks > 1) {
-    // Interleaved: a slot holds every chunk of one micro-batch (docs/parallel.md "Schedules").
     STRATA_RETURN_IF_ERROR(
         offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
-    STRATA_ASSIGN_OR_RETURN(act_slots, interleaved_pipeline_micro_slots(pp_stages, settings.pp_stage, chunks,
-                                                                        static_cast<int>(config.grad_accum)));
+    STRATA_ASSIGN_OR_RETURN(InterleavedSlots assigned,
+                            interleaved_slot_assignment(pp_stages, settings.pp_stage, chunks,
+                                                        static_cast<int>(config.grad_accum)));
+    const auto ranges = offload_detail::stage_ranges(settings.pipeline_bounds, chunks, settings.pp_stage);
+    act_slots = static_cast<int>(assigned.slot_chunks.size());
+    for (const std::vector<int>& held : assigned.slot_chunks) {
+      std::uint64_t most = 0;
+      for (int c : held) {
+        const auto [b, e] = ranges[static_cast<std::size_t>(c)];
+        most = std::max(most, offload_detail::activation_slot_estimate(config, b, e, act_offload));
+      }
+      chunk_slot_bytes += most;
+    }
   } else if (settings.pipeline_bounds.size() > 2) {
     act_slots = pipeline_slots(settings.pipeline_schedule, pp_stages, settings.pp_stage,
                                static_cast<int>(config.grad_accum));
   }
-  line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
-       offload_detail::activation_bytes_estimate(config, act_offload));
+  const std::uint64_t act_bytes = offload_detail::activation_bytes_estimate(config, act_offload);
+  if (chunks > 1 && settings.pipeline_bounds.size() > 2) {
+    // The shared part only (activation gradients, token staging, tables): the slots follow.
+    const int M = static_cast<int>(config.model.n_layer) + 2;
+    line("activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
+         act_bytes - offload_detail::activation_slot_estimate(config, 0, M, act_offload));
+    line("pipeline: activation slots (" + std::to_string(act_slots) +
+             " carved per (micro-batch, chunk): the schedule's most live chunk forwards)",
+         Tier::kDevice, StateKind::kActivations, chunk_slot_bytes);
+  } else {
+    line("activations, activation gradients, token buffers", Tier::kDevice, StateKind::kActivations,
+         act_bytes);
+  }
   if (act_offload) {
     // docs/offload.md "Activation offload": per activation slot a ring of block inputs on the
     // device and every block input's copy in the pinned pool.
@@ -265,9 +288,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     const int stages = pp_stages;
     const int neighbours =
         chunks > 1 ? 2 : (settings.pp_stage > 0 ? 1 : 0) + (settings.pp_stage + 1 < stages ? 1 : 0);
-    line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
-         static_cast<std::uint64_t>(slots - 1) *
-             offload_detail::activation_bytes_estimate(config, act_offload));
+    if (chunks == 1) {
+      line("pipeline: more activation slots", Tier::kDevice, StateKind::kActivations,
+           static_cast<std::uint64_t>(slots - 1) * act_bytes);
+    }
     line("pipeline: send and receive buffers", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(neighbours) *
              static_cast<std::uint64_t>(config.grad_accum * chunks + offload_detail::kPipelineRecvBuffers) *

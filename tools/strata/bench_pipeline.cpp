@@ -189,13 +189,14 @@ int run(const Args& args) {
             std::max(step_seconds, static_cast<double>(all[static_cast<std::size_t>(3 * r + 1)]) / *steps);
         step_wall = std::max(step_wall, static_cast<double>(all[static_cast<std::size_t>(3 * r + 2)]) / *steps);
       }
-      // Activation slots per stage: with v > 1 each holds every chunk of one micro-batch.
+      // Activation slots per stage: with v > 1 each holds one chunk of one micro-batch at a time
+      // (carved per (micro-batch, chunk): the schedule's most live chunk forwards).
       nlohmann::json slots = nlohmann::json::array();
       for (int r = 0; r < p; ++r) {
         if (v == 1) {
           slots.push_back(pipeline_slots(sched, p, r, m));
         } else {
-          auto k = interleaved_pipeline_micro_slots(p, r, v, m);
+          auto k = interleaved_pipeline_slots(p, r, v, m);
           if (!k.ok()) return fail(k.status());
           slots.push_back(*k);
         }
