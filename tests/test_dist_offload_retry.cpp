@@ -12,6 +12,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
@@ -42,6 +44,10 @@ struct Case {
   // Rank 1's writes fail once this share of one step's write bytes went through (1: at the last
   // write, for a stage whose first module holds most of its bytes).
   double fail_share = 0.5;
+  // The call after the failed update is the next step() instead of synchronize(): with data or
+  // tensor parallelism it runs the forward up to the failed module (stage 3's all-gathers, the
+  // tensor all-reduces of the modules before it) and fails there on every rank.
+  bool next_is_step = false;
 };
 
 OffloadSettings settings(const testing::TempDir& dir, const Case& k) {
@@ -77,7 +83,8 @@ Result<std::unique_ptr<OffloadEngine>> make_engine(const TrainerConfig& c, const
 void retry_case(const Case& which) {
   const int stage = which.stage;
   const DType dtype = which.dtype;
-  SCOPED_TRACE(std::string(name_of(which.group)) + ", stage " + std::to_string(stage) + ", " +
+  SCOPED_TRACE(std::string(name_of(which.group)) + (which.next_is_step ? " (next call: step)" : "") + ", stage " +
+               std::to_string(stage) + ", " +
                std::string(to_string(dtype)) + ", parameters on " + std::string(to_string(which.params)) +
                ", optimizer on " + std::string(to_string(which.optimizer)));
   const int P = world().size();
@@ -91,6 +98,25 @@ void retry_case(const Case& which) {
   if (data) c.grad_accum = global.grad_accum / P;
   auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
     return data ? testing::run_share(e, global, R, P, to, out, from) : testing::run_steps(e, c, from, to, out);
+  };
+  // One step of batch `index` (this rank's share of it), its status only.
+  auto step_status = [&](OffloadEngine& e, int index) -> Status {
+    std::vector<std::int32_t> in, tg;
+    testing::batch(global, index, in, tg);
+    if (data) {
+      const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+      std::vector<std::int32_t> a, b;
+      for (std::size_t i = static_cast<std::size_t>(R); i < static_cast<std::size_t>(global.grad_accum);
+           i += static_cast<std::size_t>(P)) {
+        a.insert(a.end(), in.begin() + static_cast<std::ptrdiff_t>(i * per),
+                 in.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+        b.insert(b.end(), tg.begin() + static_cast<std::ptrdiff_t>(i * per),
+                 tg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+      }
+      in = std::move(a);
+      tg = std::move(b);
+    }
+    return e.step(in, tg).status();
   };
   // This rank's state: a pipeline stage holds its own modules only.
   auto capture = [&](OffloadEngine& e, Snapshot& out) {
@@ -130,7 +156,7 @@ void retry_case(const Case& which) {
   if (R == failing) faults.fail_writes_after_bytes = b2 + through;
   ASSERT_TRUE(run(e, k, k + 1, got));  // returns once the norm is known
   const std::string step_name = "step " + std::to_string(k + 1);
-  Status first = e.synchronize();
+  Status first = which.next_is_step ? step_status(e, k + 1) : e.synchronize();
   ASSERT_FALSE(first.ok()) << "rank " << R << ": the update of " << step_name << " did not fail";
   if (R == failing) {
     EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
@@ -181,6 +207,11 @@ TEST(DistOffloadRetry, HostUpdateWriteErrorOnOneRankIsRetriedInPlaceOnEveryRank)
   retry_case({Group::kData, 3, DType::kF32});   // stage 3: each rank's slice of the parameters is written at home
   // Stage 0 with the host optimizer shards the optimizer state as stage 1 does: the same path.
   retry_case({Group::kData, 0, DType::kF32});
+  // The next call is a step: stage 3's forward all-gathers the modules before the failed one on
+  // every rank, then fails on every rank where it waits for the failed one.
+  Case step_next{Group::kData, 3, DType::kF32};
+  step_next.next_is_step = true;
+  retry_case(step_next);
 }
 
 // The NVMe optimizer: each rank streams its slice's [master | m | v] sub-groups through the ring
@@ -205,6 +236,9 @@ TEST(DistOffloadRetry, TensorParallelWriteErrorOnOneRankIsRetriedInPlaceOnEveryR
   ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
   retry_case({Group::kTensor, 0, DType::kBF16});                                 // host optimizer, parameters on NVMe
   retry_case({Group::kTensor, 0, DType::kF32, Tier::kNvme, Tier::kNvme, 4097});  // NVMe optimizer
+  Case step_next{Group::kTensor, 0, DType::kBF16};  // the next call is a step (its forward's all-reduces)
+  step_next.next_is_step = true;
+  retry_case(step_next);
 }
 
 // A pipeline: each stage updates its own modules; the stages agree once per update and a call
@@ -218,6 +252,10 @@ TEST(DistOffloadRetry, PipelineWriteErrorOnOneStageIsRetriedInPlaceOnEveryStage)
   retry_case({Group::kPipeline, 0, DType::kBF16, Tier::kNvme, Tier::kHost, 1'000'000'000, ModelKind::kLlama, 1.0});
   // The NVMe optimizer (GPT-2: its tied embedding is updated on the first and the last stage).
   retry_case({Group::kPipeline, 0, DType::kF32, Tier::kDevice, Tier::kNvme, 4097});
+  // The next call is a step: every stage reports at its start, before any send or receive.
+  Case step_next{Group::kPipeline, 0, DType::kF32, Tier::kDevice, Tier::kNvme, 4097};
+  step_next.next_is_step = true;
+  retry_case(step_next);
 }
 
 }  // namespace
