@@ -1,16 +1,19 @@
-// Retrying a failed host update in place with several data-parallel processes (docs/offload.md
-// "Faults"), on real MPI processes (tests/mpi_run.sh, label `dist`). The host optimizer's state is
-// sharded over the ranks (ZeRO stage 2, parameters on NVMe): every rank updates its slice of a
-// module, the slices are all-gathered, and each rank writes the module's new parameters to its
-// own NVMe directory. Rank 1's disk fails part-way through one step's update; the ranks agree
-// per module before it counts as updated, so every rank stops at the same module, every rank
-// reports the failure at its next call (rank 1 its I/O error, the others naming rank 1), a retry
-// while the disk is still failing fails again on every rank, and once it is back the next call
-// finishes the update in place on every rank. The run then continues bit for bit as the same
-// ranks without the fault: the reduction order is the same, so the comparison is bitwise.
+// Retrying a failed host update in place with several processes (docs/offload.md "Faults"), on
+// real MPI processes (tests/mpi_run.sh, label `dist`). The world is one group: data parallel (the
+// optimizer state sharded over the ranks), tensor parallel (each rank its shard of every
+// module) or a pipeline (each rank a stage). Rank 1's disk fails part-way through one step's
+// update. The ranks agree before anything counts as updated (per module over the data-parallel
+// and tensor groups, per step over the stages), so every rank reports the failure at its next
+// call (rank 1 its I/O error naming its swap file, the others naming rank 1), a retry while the
+// disk is still failing fails again on every rank, and once it is back the next call finishes
+// the update in place on every rank. The run then continues bit for bit as the same ranks
+// without the fault: the reduction order is the same, so the comparison is bitwise (losses,
+// norms, and every parameter, master and moment this rank holds).
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
@@ -25,68 +28,145 @@ namespace {
 using testing::Snapshot;
 using testing::world;
 
-TrainerConfig local_of(const TrainerConfig& global) {
-  TrainerConfig c = global;
-  c.grad_accum = global.grad_accum / world().size();
-  return c;
-}
+enum class Group { kData, kTensor, kPipeline };
 
-OffloadSettings settings(const testing::TempDir& dir, int stage) {
+// One case: how the world is used, the ZeRO stage, the dtype, where the working parameters and
+// the optimizer state live and (NVMe optimizer) the sub-group size, small enough that a
+// module's state is written in several pieces and a failure can stop inside a module.
+struct Case {
+  Group group;
+  int stage;
+  DType dtype;
+  Tier params = Tier::kNvme;
+  Tier optimizer = Tier::kHost;
+  std::int64_t sub_group_size = 1'000'000'000;
+  ModelKind kind = ModelKind::kGpt2;
+  // Rank 1's writes fail once this share of one step's write bytes went through (1: at the last
+  // write, for a stage whose first module holds most of its bytes).
+  double fail_share = 0.5;
+  // The call after the failed update is the next step() instead of synchronize(): with data or
+  // tensor parallelism it runs the forward up to the failed module (stage 3's all-gathers, the
+  // tensor all-reduces of the modules before it) and fails there on every rank.
+  bool next_is_step = false;
+};
+
+OffloadSettings settings(const testing::TempDir& dir, const Case& k) {
   OffloadSettings s;
-  s.params = Tier::kNvme;
-  s.optimizer = Tier::kHost;
-  s.zero_stage = stage;
-  s.persistence_threshold = 0;  // every module's parameters at home on NVMe
+  s.params = k.params;
+  s.optimizer = k.optimizer;
+  s.zero_stage = k.stage;
+  s.sub_group_size = k.sub_group_size;
+  s.persistence_threshold = 0;  // every module's parameters at their home
   s.nvme_path = {dir.path().string()};
   return s;
 }
 
-void retry_case(int stage, DType dtype) {
-  SCOPED_TRACE("stage " + std::to_string(stage) + ", " + std::string(to_string(dtype)));
+const char* name_of(Group g) {
+  switch (g) {
+    case Group::kData: return "data parallel";
+    case Group::kTensor: return "tensor parallel";
+    case Group::kPipeline: return "pipeline";
+  }
+  return "?";
+}
+
+// The engine of this rank for `k.group` (the world as its group), with `faults` when given.
+Result<std::unique_ptr<OffloadEngine>> make_engine(const TrainerConfig& c, const OffloadSettings& s, Device& device,
+                                                   const Case& k, const nvme_detail::IoFaults* faults) {
+  Comm* dp = k.group == Group::kData ? &world() : nullptr;
+  Comm* tp = k.group == Group::kTensor ? &world() : nullptr;
+  Comm* pp = k.group == Group::kPipeline ? &world() : nullptr;
+  if (faults == nullptr) return OffloadEngine::create(c, s, device, nullptr, dp, tp, pp);
+  return offload_detail::EngineFaults::create(c, s, device, faults, pp, dp, tp);
+}
+
+void retry_case(const Case& which) {
+  const int stage = which.stage;
+  const DType dtype = which.dtype;
+  SCOPED_TRACE(std::string(name_of(which.group)) + (which.next_is_step ? " (next call: step)" : "") + ", stage " +
+               std::to_string(stage) + ", " +
+               std::string(to_string(dtype)) + ", parameters on " + std::string(to_string(which.params)) +
+               ", optimizer on " + std::string(to_string(which.optimizer)));
   const int P = world().size();
   const int R = world().rank();
   const int failing = 1;  // the rank whose disk fails
-  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, P, 1.0);
-  const TrainerConfig c = local_of(global);
+  const bool data = which.group == Group::kData;
+  // Data parallel: the global batch of P micro-batches, each rank its share; otherwise every rank
+  // runs the whole batch (two micro-batches: the pipeline's schedule has something to overlap).
+  const TrainerConfig global = testing::tiny(which.kind, dtype, data ? P : 2, 1.0);
+  TrainerConfig c = global;
+  if (data) c.grad_accum = global.grad_accum / P;
+  auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
+    return data ? testing::run_share(e, global, R, P, to, out, from) : testing::run_steps(e, c, from, to, out);
+  };
+  // One step of batch `index` (this rank's share of it), its status only.
+  auto step_status = [&](OffloadEngine& e, int index) -> Status {
+    std::vector<std::int32_t> in, tg;
+    testing::batch(global, index, in, tg);
+    if (data) {
+      const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+      std::vector<std::int32_t> a, b;
+      for (std::size_t i = static_cast<std::size_t>(R); i < static_cast<std::size_t>(global.grad_accum);
+           i += static_cast<std::size_t>(P)) {
+        a.insert(a.end(), in.begin() + static_cast<std::ptrdiff_t>(i * per),
+                 in.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+        b.insert(b.end(), tg.begin() + static_cast<std::ptrdiff_t>(i * per),
+                 tg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+      }
+      in = std::move(a);
+      tg = std::move(b);
+    }
+    return e.step(in, tg).status();
+  };
+  // This rank's state: a pipeline stage holds its own modules only.
+  auto capture = [&](OffloadEngine& e, Snapshot& out) {
+    if (which.group != Group::kPipeline) return testing::capture_state(e, out);
+    std::vector<int> held;
+    return testing::capture_stage(e, out, held) && !held.empty();
+  };
   constexpr int kSteps = 5, k = 2;  // batch index k's update fails (step k + 1)
   testing::TempDir ref_dir("strata-dist-retry-ref"), dir("strata-dist-retry");  // each rank its own
 
   Snapshot ref;
   {
     auto device = testing::make_device();
-    auto engine = OffloadEngine::create(c, settings(ref_dir, stage), *device, nullptr, &world());
+    auto engine = make_engine(c, settings(ref_dir, which), *device, which, nullptr);
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(testing::run_share(**engine, global, R, P, kSteps, ref));
-    ASSERT_TRUE(testing::capture_state(**engine, ref));
+    ASSERT_TRUE(run(**engine, 0, kSteps, ref));
+    ASSERT_TRUE(capture(**engine, ref));
   }
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
-  auto engine = offload_detail::EngineFaults::create(c, settings(dir, stage), *device, &faults, nullptr, &world());
+  auto engine = make_engine(c, settings(dir, which), *device, which, &faults);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   OffloadEngine& e = **engine;
   Snapshot got;
-  ASSERT_TRUE(testing::run_share(e, global, R, P, k - 1, got));
+  ASSERT_TRUE(run(e, 0, k - 1, got));
   ASSERT_TRUE(e.synchronize().ok());
   const std::uint64_t b1 = faults.write_bytes_started.load();
-  ASSERT_TRUE(testing::run_share(e, global, R, P, k, got, k - 1));
+  ASSERT_TRUE(run(e, k - 1, k, got));
   ASSERT_TRUE(e.synchronize().ok());
   const std::uint64_t b2 = faults.write_bytes_started.load();
   const std::uint64_t per_step = b2 - b1;
   ASSERT_GT(per_step, 0u);
-  // Rank 1's writes fail after half of one step's bytes went through.
-  if (R == failing) faults.fail_writes_after_bytes = b2 + per_step / 2;
-  ASSERT_TRUE(testing::run_share(e, global, R, P, k + 1, got, k));  // returns once the norm is known
+  // Rank 1's writes fail part-way through one step's update.
+  const std::uint64_t through = which.fail_share >= 1.0 ? per_step - 1
+                                                        : static_cast<std::uint64_t>(which.fail_share * per_step);
+  if (R == failing) faults.fail_writes_after_bytes = b2 + through;
+  ASSERT_TRUE(run(e, k, k + 1, got));  // returns once the norm is known
   const std::string step_name = "step " + std::to_string(k + 1);
-  Status first = e.synchronize();
+  Status first = which.next_is_step ? step_status(e, k + 1) : e.synchronize();
   ASSERT_FALSE(first.ok()) << "rank " << R << ": the update of " << step_name << " did not fail";
   if (R == failing) {
     EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
     EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
   } else {
+    const std::string named = which.group == Group::kData     ? "failed on data-parallel rank "
+                              : which.group == Group::kTensor ? "failed on tensor-parallel rank "
+                                                              : "failed on pipeline stage ";
     EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-    EXPECT_NE(first.message().find("failed on data-parallel rank " + std::to_string(failing)), std::string::npos)
-        << first.to_string();
+    EXPECT_NE(first.message().find(named + std::to_string(failing)), std::string::npos) << first.to_string();
   }
   EXPECT_EQ(e.steps_done(), k + 1);
   // Still failing: every rank's retry fails again, together.
@@ -94,16 +174,19 @@ void retry_case(int stage, DType dtype) {
   ASSERT_FALSE(again.ok()) << "rank " << R;
   EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos) << again.to_string();
   // The disk is back: the next call finishes the update in place on every rank, writing less
-  // than a whole step on the failing rank (what went through is not written again).
+  // than a whole step on every rank (what went through is not written again; a pipeline stage
+  // that finished its part writes nothing).
   faults.fail_writes_after_bytes = 0;
   const std::uint64_t before_retry = faults.write_bytes_started.load();
   Status retried = e.synchronize();
   ASSERT_TRUE(retried.ok()) << "rank " << R << ": " << retried.to_string();
   const std::uint64_t retry_bytes = faults.write_bytes_started.load() - before_retry;
-  EXPECT_GT(retry_bytes, 0u);
+  if (which.group != Group::kPipeline || R == failing) {
+    EXPECT_GT(retry_bytes, 0u) << "rank " << R;
+  }
   EXPECT_LT(retry_bytes, per_step) << "rank " << R << ": the retry rewrote what had already gone through";
-  ASSERT_TRUE(testing::run_share(e, global, R, P, kSteps, got, k + 1));
-  ASSERT_TRUE(testing::capture_state(e, got));
+  ASSERT_TRUE(run(e, k + 1, kSteps, got));
+  ASSERT_TRUE(capture(e, got));
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   for (std::size_t i = 0; i < ref.losses.size(); ++i) {
     EXPECT_EQ(ref.losses[i], got.losses[i]) << "loss of step " << i + 1;
@@ -120,8 +203,59 @@ void retry_case(int stage, DType dtype) {
 
 TEST(DistOffloadRetry, HostUpdateWriteErrorOnOneRankIsRetriedInPlaceOnEveryRank) {
   ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
-  retry_case(2, DType::kBF16);  // the parameters' write after the all-gather fails
-  retry_case(3, DType::kF32);   // stage 3: each rank's slice of the parameters is written at home
+  retry_case({Group::kData, 2, DType::kBF16});  // the parameters' write after the all-gather fails
+  retry_case({Group::kData, 3, DType::kF32});   // stage 3: each rank's slice of the parameters is written at home
+  // Stage 0 with the host optimizer shards the optimizer state as stage 1 does: the same path.
+  retry_case({Group::kData, 0, DType::kF32});
+  // The next call is a step: stage 3's forward all-gathers the modules before the failed one on
+  // every rank, then fails on every rank where it waits for the failed one.
+  Case step_next{Group::kData, 3, DType::kF32};
+  step_next.next_is_step = true;
+  retry_case(step_next);
+}
+
+// The NVMe optimizer: each rank streams its slice's [master | m | v] sub-groups through the ring
+// and writes them back while the next ones are read; rank 1's sub-group (or parameter) write
+// fails part-way. The ranks agree once a module's writes retired, so they stop at the same module
+// and its all-gather is never left waiting for a peer; the retry reads back the sub-groups that
+// were written (taking only the working parameters from their master) and updates the rest.
+TEST(DistOffloadRetry, NvmeOptimizerWriteErrorOnOneRankIsRetriedInPlaceOnEveryRank) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  // Parameters on the device: only the sub-groups' writes can fail.
+  retry_case({Group::kData, 1, DType::kF32, Tier::kDevice, Tier::kNvme, 4097});
+  // Parameters on NVMe too (bf16): the parameters' write after the all-gather fails as well.
+  retry_case({Group::kData, 2, DType::kBF16, Tier::kNvme, Tier::kNvme, 4097});
+  // Stage 3: each rank's slice of the parameters is written at home after its sub-groups.
+  retry_case({Group::kData, 3, DType::kF32, Tier::kNvme, Tier::kNvme, 4097});
+}
+
+// Tensor parallelism: each rank updates its own shard of every module (no collective inside the
+// update); the tensor group agrees per module, so every rank's next forward stops at the same
+// module, before that module's all-reduces.
+TEST(DistOffloadRetry, TensorParallelWriteErrorOnOneRankIsRetriedInPlaceOnEveryRank) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  retry_case({Group::kTensor, 0, DType::kBF16});                                 // host optimizer, parameters on NVMe
+  retry_case({Group::kTensor, 0, DType::kF32, Tier::kNvme, Tier::kNvme, 4097});  // NVMe optimizer
+  Case step_next{Group::kTensor, 0, DType::kBF16};  // the next call is a step (its forward's all-reduces)
+  step_next.next_is_step = true;
+  retry_case(step_next);
+}
+
+// A pipeline: each stage updates its own modules; the stages agree once per update and a call
+// waits for that verdict first, so no stage starts the next step's sends or receives while
+// another reports the failure.
+TEST(DistOffloadRetry, PipelineWriteErrorOnOneStageIsRetriedInPlaceOnEveryStage) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  // The host optimizer with the parameters on NVMe (LLaMA: no tied embedding). The last stage's
+  // first module (a block) holds most of its bytes, so half-way would fail inside it and the
+  // retry would rewrite everything: its last write fails instead.
+  retry_case({Group::kPipeline, 0, DType::kBF16, Tier::kNvme, Tier::kHost, 1'000'000'000, ModelKind::kLlama, 1.0});
+  // The NVMe optimizer (GPT-2: its tied embedding is updated on the first and the last stage).
+  retry_case({Group::kPipeline, 0, DType::kF32, Tier::kDevice, Tier::kNvme, 4097});
+  // The next call is a step: every stage reports at its start, before any send or receive.
+  Case step_next{Group::kPipeline, 0, DType::kF32, Tier::kDevice, Tier::kNvme, 4097};
+  step_next.next_is_step = true;
+  retry_case(step_next);
 }
 
 }  // namespace

@@ -97,6 +97,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "kernels/bf16.hpp"
 #include "model/launcher.hpp"
@@ -268,9 +269,9 @@ struct OffloadEngine::Impl {
   //     recorded factor. The gradients wait: the next step cannot overwrite a unit's gradients
   //     before that unit holds this step (its forward, or with the delayed update its
   //     gradients' copy-out, waits for the unit's update first).
-  //   kNone: not retryable — more than one process (except data parallel with the sharded host
-  //     optimizer, whose ranks agree on every unit: worker_main's agree_unit); or
-  //     update_during_backward, where units are
+  //   kNone: not retryable — more than one process and a failure before the norm was published
+  //     (after it the ranks agree: agree_unit per unit over the data-parallel and tensor groups,
+  //     agree_stages per step over the pipeline stages); or update_during_backward, where units are
   //     updated while the step's call is still running (only a non-finite gradient or a stream
   //     error can fail there, and neither goes away by retrying): sticky until load_checkpoint.
   // Which units (and NVMe sub-groups) already hold the step is what updated_step,
@@ -294,6 +295,9 @@ struct OffloadEngine::Impl {
   std::condition_variable cv;
   std::deque<Command> commands;
   std::vector<std::int64_t> updated_step;  // per unit
+  // Optimizer thread (and load_checkpoint, with the worker drained), pipeline only: per unit, the
+  // step whose update this stage finished, before the stages agreed on it (unit_done).
+  std::vector<std::int64_t> stage_done;
   std::int64_t norm_step = 0;              // the last step whose norm is known
   double norm_value = 0.0;                 // unscaled; inf or nan when the gradients overflowed
   // The step in flight (set by step() before its first micro-batch): its optimizer update number
@@ -540,6 +544,29 @@ struct OffloadEngine::Impl {
   // A caller's entry: reports an update error once, then retries the failed update in place
   // (FailedUpdate); ok once the engine may go on.
   Status recover();
+  // Several processes whose failed host update is retried in place (docs/offload.md "Faults").
+  // The ranks that update the same units together (data parallel with the optimizer state
+  // sharded over them; the tensor group, each rank its shard) agree on every unit before it
+  // counts as updated (agree_per_unit, agree_unit), so a failure stops them all at the same unit
+  // and none waits in a unit's all-gather its peer skipped. Pipeline stages update different
+  // units: each stage's optimizer thread agrees once more at the end of the update
+  // (agree_stages) and marks its units updated only then (defer_marks), and a call first waits
+  // for the update in flight (recover), so every stage's call sees the same verdict before it
+  // sends or receives anything of the next step.
+  bool agree_per_unit() const { return (sharded && dp_params != nullptr) || tp_size > 1; }
+  bool defer_marks() const { return pp_size > 1; }
+  // Several ranks agreeing per unit, no pipeline: a failed update is reported by the call that
+  // waits for the first unit not holding the step (recover, wait_update_of). On a pipeline
+  // every call first waits for the verdict instead, and reports it at once.
+  bool report_at_wait() const { return agree_per_unit() && !defer_marks(); }
+  // Optimizer thread (agree_per_unit): whether every rank's update of unit u succeeded: one
+  // 4-byte all-reduce over dp_params, then one over tp_norm, in the update's unit order on every
+  // rank. A rank whose own update failed returns its error, the others kUnavailable naming the
+  // failing rank; either way no rank marks u (or a later unit) updated.
+  Status agree_unit(int u, std::int64_t step, Status own);
+  // Optimizer thread (defer_marks): whether every stage's update of `step` succeeded, one
+  // all-reduce over pp_norm; the same contract as agree_unit.
+  Status agree_stages(std::int64_t step, Status own);
   void note_reported() {
     std::lock_guard<std::mutex> lock(mu);
     if (!worker_error.ok()) failed.reported = true;
@@ -550,10 +577,25 @@ struct OffloadEngine::Impl {
                            std::int64_t done_step);
   Status publish_params(int u, const char* bytes);
   void mark_updated(int u, std::int64_t step);
+  // Unit u's update of `step` is done on this rank: marked updated, or on a pipeline
+  // (defer_marks) recorded in stage_done until every stage agreed.
+  void unit_done(int u, std::int64_t step) {
+    if (defer_marks()) {
+      stage_done[static_cast<std::size_t>(u)] = step;
+    } else {
+      mark_updated(u, step);
+    }
+  }
+  // Whether unit u's update of `step` is done here (a retry skips it).
+  bool unit_holds(int u, std::int64_t step) const {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    return (defer_marks() ? stage_done[uu] : updated_step[uu]) >= step;
+  }
   Status check_worker();
   // Waits until unit u holds step `step`'s update (wait_updated: the last step's).
-  Status wait_update_of(int u, std::int64_t step);
-  Status wait_updated(int u) { return wait_update_of(u, steps); }
+  // `report`: a failed update's error returned here counts as reported (report_at_wait).
+  Status wait_update_of(int u, std::int64_t step, bool report = true);
+  Status wait_updated(int u, bool report = true) { return wait_update_of(u, steps, report); }
   // Waits for every update in flight; `publish` (the default): a delayed update is uploaded too,
   // so the device holds the latest parameters.
   Status wait_all_updates(bool publish = true);
@@ -1096,6 +1138,7 @@ Status OffloadEngine::Impl::setup() {
     }
   }
   updated_step.assign(static_cast<std::size_t>(M), 0);
+  stage_done.assign(static_cast<std::size_t>(M), 0);
   host_opt_step.assign(static_cast<std::size_t>(M), 0);
   group_step.resize(static_cast<std::size_t>(M));
   for (int u = 0; u < M; ++u) {
@@ -2519,8 +2562,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   for (int u : order) {
     const std::size_t groups = units.sub_groups[static_cast<std::size_t>(u)].size() - 1;
     for (std::size_t c = 0; c < groups; ++c) items.push_back({u, c});
-    // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to update.
-    if (groups == 0 && sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) items.push_back({u, kNoGroup});
+    // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to
+    // update; agreeing per unit, in every unit's agreement.
+    if (groups == 0 && ((sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) || agree_per_unit()))
+      items.push_back({u, kNoGroup});
   }
   const std::size_t R = ring.size();
   std::vector<IoHandle> reads(items.size()), grad_reads(items.size());
@@ -2543,6 +2588,18 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   // unit's own sub-group writes retire before its last entry): a retry finishes the rest, and
   // group_step says which of their sub-groups are on disk already.
   bool write_failed = false;
+  // Several ranks (agree_per_unit): a unit counts as updated only once every rank's update of it
+  // succeeded. A rank's failure inside a unit (a read, the optimizer, a write retiring) is kept
+  // in unit_status and the rank goes on through the unit's collectives (the parameters'
+  // all-gather) without computing or writing more; at the unit's end its writes are retired and
+  // the ranks agree (agree_unit). Every rank thus stops at the same unit and none waits in a
+  // collective its peer skipped. The writes of a unit retire before the next unit's update starts
+  // (its reads are already in flight), so that the verdict covers them.
+  const bool agree = agree_per_unit();
+  Status unit_status;
+  auto note = [&](Status s) {
+    if (!s.ok() && unit_status.ok()) unit_status = std::move(s);
+  };
   auto retire_through = [&](std::uint64_t through) -> Status {
     Status first;
     while (!writes.empty() && writes.front().seq <= through) {
@@ -2557,7 +2614,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       if (s.ok() && p.group >= 0) {
         group_step[static_cast<std::size_t>(p.unit)][static_cast<std::size_t>(p.group)] = done_step;
       }
-      if (!write_failed && p.unit_done >= 0) mark_updated(p.unit_done, done_step);
+      if (!agree && !write_failed && p.unit_done >= 0) unit_done(p.unit_done, done_step);
     }
     return first;
   };
@@ -2570,11 +2627,14 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const auto& b = units.sub_groups[static_cast<std::size_t>(it.unit)];
     return std::pair<std::uint64_t, std::uint64_t>{b[it.group], b[it.group + 1]};
   };
+  // Returns the error of the write it retired first (agree: the read is issued all the same, the
+  // ring buffer being free once that write ended either way).
   auto issue = [&](std::size_t i) -> Status {
     if (items[i].group == kNoGroup) return ok_status();
     const std::size_t r = i % R;
     // The ring buffer's previous sub-group must be fully written back before it is overwritten.
-    STRATA_RETURN_IF_ERROR(retire_through(ring_seq[r]));
+    Status retired = retire_through(ring_seq[r]);
+    if (!retired.ok() && !agree) return retired;
     const auto [b0, b1] = bounds(items[i]);
     const TensorKey key{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)};
     read_issued_at[i] = tracer.now_ns();
@@ -2583,27 +2643,32 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       grad_reads[i] = swap->read(TensorKey{unit_key("grad", items[i].unit), key.shard}, ring[r].bytes() + 12 * (b1 - b0),
                                  4 * (b1 - b0));
     }
-    return ok_status();
+    return retired;
   };
   const std::uint64_t wsize = half ? 2 : 4;
   Status first_error;
   std::size_t issued = 0, units_started = 0;
   char* out_unit = nullptr;
-  // After a unit's last sub-group: its updated parameters to their home. Sharded, this rank's
-  // slice is in ag_send: written back as the slice (stage 3) or all-gathered into out_unit.
-  auto finish_unit = [&](int u) -> Status {
+  // After a unit's last sub-group. Sharded, this rank's slice of the updated parameters is in
+  // ag_send: all-gathered into out_unit unless each rank keeps its slice (stage 3). A collective:
+  // every rank runs it for every unit it reaches.
+  auto gather_unit = [&](int u) -> Status {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (sharded) {
-      if (psharded[uu]) {
-        STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes()));
-        push_write(IoHandle(), u, -1, u, 0, 0);
-        return ok_status();
-      }
-      const std::uint64_t c = slices.chunk[uu];
-      STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
-                                     dp_params->all_gather(ag_send.data(), ag_recv.data(), c, half ? DType::kBF16 : DType::kF32),
-                                     "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * wsize));
-      from_elements(u, ag_recv.bytes(), out_unit);
+    if (!sharded || psharded[uu] || units.pbytes[uu] == 0) return ok_status();
+    const std::uint64_t c = slices.chunk[uu];
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
+                                   dp_params->all_gather(ag_send.data(), ag_recv.data(), c, half ? DType::kBF16 : DType::kF32),
+                                   "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * wsize));
+    from_elements(u, ag_recv.bytes(), out_unit);
+    return ok_status();
+  };
+  // Then its updated parameters (or, stage 3, this rank's slice) to their home.
+  auto publish_unit = [&](int u) -> Status {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (sharded && psharded[uu]) {
+      STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes()));
+      push_write(IoHandle(), u, -1, u, 0, 0);
+      return ok_status();
     }
     if (units.home[uu] == Tier::kNvme) {
       const std::int64_t t0 = tracer.now_ns();
@@ -2616,10 +2681,51 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     push_write(IoHandle(), u, -1, u, 0, 0);
     return ok_status();
   };
+  auto finish_unit = [&](int u) -> Status {
+    if (!agree) {
+      STRATA_RETURN_IF_ERROR(gather_unit(u));
+      return publish_unit(u);
+    }
+    // A rank that failed in the unit still takes part in the all-gather; a peer that did not
+    // publishes parameters holding its stale slice, which the agreed retry publishes again
+    // before anything reads them (the unit is not marked updated). A failed all-gather is the
+    // communicator's: reported as it is, not agreed on.
+    STRATA_RETURN_IF_ERROR(gather_unit(u));
+    if (unit_status.ok() && units.pbytes[static_cast<std::size_t>(u)] > 0) note(publish_unit(u));
+    note(retire_through(UINT64_MAX));
+    Status own = std::exchange(unit_status, ok_status());
+    STRATA_RETURN_IF_ERROR(agree_unit(u, done_step, std::move(own)));
+    unit_done(u, done_step);
+    return ok_status();
+  };
+  // A sub-group whose new version is on disk already (a retry): only the working parameters are
+  // taken from its master (read back), into out_unit or, sharded, this rank's slice in ag_send.
+  auto rebuild_from_master = [&](int u, const float* master, std::uint64_t b0, std::uint64_t len) -> Status {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (!sharded) return working_from_master(u, master, b0, len, out_unit);
+    for (int k : owned_of_unit[uu]) {
+      const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+      const std::uint64_t a = o.grad_in_unit / 4;
+      const std::uint64_t lo = std::max<std::uint64_t>(a, b0), hi = std::min<std::uint64_t>(a + o.n, b0 + len);
+      if (lo >= hi) continue;
+      char* out = ag_send.bytes() + (lo - slices.begin[uu]) * wsize;
+      if (half) {
+        STRATA_RETURN_IF_ERROR(convert(master + (lo - b0), DType::kF32, out, wdtype, hi - lo));
+      } else {
+        std::memcpy(out, master + (lo - b0), (hi - lo) * 4);
+      }
+    }
+    return ok_status();
+  };
   for (std::size_t i = 0; i < items.size() && first_error.ok(); ++i) {
     while (issued < items.size() && issued < i + R - 1) {
-      first_error = issue(issued++);
-      if (!first_error.ok()) break;
+      Status s = issue(issued++);
+      if (agree) {
+        note(std::move(s));
+      } else if (!s.ok()) {
+        first_error = std::move(s);
+        break;
+      }
     }
     if (!first_error.ok()) break;
     const std::size_t r = i % R;
@@ -2629,6 +2735,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       ++units_started;
       first_error = retire_through(out_seq[(units_started - 1) % 2]);
       out_unit = param_out[(units_started - 1) % 2].bytes();
+      if (agree) {
+        note(std::move(first_error));
+        first_error = ok_status();
+      }
       if (first_error.ok()) first_error = finish_unit(u);
       continue;
     }
@@ -2637,33 +2747,55 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const bool first_group = items[i].group == 0;
     const bool last_group = items[i].group + 2 == units.sub_groups[uu].size();
     Status s = reads[i].wait();
-    if (s.ok() && grads_on_nvme) s = grad_reads[i].wait();
+    if (grads_on_nvme) {
+      // Waited also when the state's read failed: the ring buffer is reused by a later read.
+      Status g = grad_reads[i].wait();
+      if (s.ok()) s = std::move(g);
+    }
     if (s.ok()) {
       tracer.add_span(track.nvme_ring + static_cast<int>(r), TraceCounter::kNvmeRead, "read", u,
                       (grads_on_nvme ? 16 : 12) * len, read_issued_at[i]);
     }
     if (!s.ok()) {
-      first_error = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "' (sub-group " +
-                                   std::to_string(items[i].group) + ")");
-      break;
+      s = s.with_context("NVMe optimizer state of module '" + layout().modules[uu].name + "' (sub-group " +
+                         std::to_string(items[i].group) + ")");
+      if (!agree) {
+        first_error = std::move(s);
+        break;
+      }
+      note(std::move(s));
     }
     if (first_group) {
       ++units_started;
       // The staging buffer's previous unit must be written to its home first.
-      first_error = retire_through(out_seq[(units_started - 1) % 2]);
-      if (!first_error.ok()) break;
+      Status retired = retire_through(out_seq[(units_started - 1) % 2]);
+      if (!agree && !retired.ok()) {
+        first_error = std::move(retired);
+        break;
+      }
+      note(std::move(retired));
       out_unit = param_out[(units_started - 1) % 2].bytes();
     }
+    if (agree && !unit_status.ok()) {
+      // Failed in this unit: nothing more is computed or written; its end still agrees.
+      if (last_group) first_error = finish_unit(u);
+      continue;
+    }
     float* master = ring[r].floats();
-    if (!sharded && group_step[uu][items[i].group] >= done_step) {
+    if (group_step[uu][items[i].group] >= done_step) {
       // A retry: this sub-group's new version is on disk (read back above); only the unit's
       // working parameters are needed from it.
-      first_error = working_from_master(u, master, b0, len, out_unit);
-      if (!first_error.ok()) break;
+      Status rebuilt = rebuild_from_master(u, master, b0, len);
+      if (!agree && !rebuilt.ok()) {
+        first_error = std::move(rebuilt);
+        break;
+      }
+      note(std::move(rebuilt));
       if (last_group) first_error = finish_unit(u);
       continue;
     }
     std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
+    Status updated;
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       const std::uint64_t a = o.grad_in_unit / 4;
@@ -2682,12 +2814,20 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       b.param_out = half ? out : nullptr;
       b.out_dtype = wdtype;
       b.n = hi - lo;
-      first_error = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
-      if (!first_error.ok()) break;
+      updated = host_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, b);
+      if (!updated.ok()) break;
       if (!half) std::memcpy(out, b.master, b.n * 4);  // fp32: the working copy is the master
     }
     span.reset();
-    if (!first_error.ok()) break;
+    if (!updated.ok()) {
+      if (!agree) {
+        first_error = std::move(updated);
+        break;
+      }
+      note(std::move(updated));
+      if (last_group) first_error = finish_unit(u);
+      continue;
+    }
     ring_seq[r] =
         push_write(swap->write(TensorKey{unit_key("optim", u), static_cast<std::uint32_t>(items[i].group)},
                                master, 12 * len),
@@ -2728,37 +2868,19 @@ void OffloadEngine::Impl::worker_main() {
                             std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
   // A retry needs no other process to agree on it (FailedUpdate) ...
   const bool can_retry = dp_size == 1 && tp_size == 1 && pp_size == 1;
-  // ... or, data parallel with the host optimizer sharded over the ranks, every rank agreeing on
-  // each unit before it counts as updated (agree_unit): then a failed update stops at the same
-  // unit on every rank, and every rank retries the same units (docs/offload.md "Faults").
-  const bool dp_retry = sharded && dp_params && settings.optimizer == Tier::kHost && tp_size == 1 && pp_size == 1;
+  // ... or, several processes, the ranks agreeing on each unit before it counts as updated
+  // (agree_unit; the NVMe optimizer agrees inside update_units_nvme, after the unit's writes
+  // retired) and the pipeline stages on each step (agree_stages): then a failed update stops at
+  // the same unit on every rank, and every rank retries the same units (docs/offload.md "Faults").
+  const bool agreed_retry = agree_per_unit() || defer_marks();
   auto fail = [&](Status s, FailPhase phase, const Command& c) {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) {
       worker_error = std::move(s);
-      const bool retryable = can_retry || (dp_retry && phase == FailPhase::kAfterNorm);
+      const bool retryable = can_retry || (agreed_retry && phase == FailPhase::kAfterNorm);
       failed = FailedUpdate{retryable ? phase : FailPhase::kNone, c, false};
     }
     cv.notify_all();
-  };
-  // Data parallel (dp_retry): whether every rank's update of unit u succeeded, over the optimizer
-  // thread's communicator, in the update's unit order on every rank. A rank whose own update
-  // failed returns its error; the others an error naming the lowest failing rank. Either way no
-  // rank marks u (or a later unit) updated.
-  auto agree_unit = [&](int u, std::int64_t step, Status own) -> Status {
-    const float mine = own.ok() ? 0.0f : static_cast<float>(dp_rank + 1);
-    float worst = 0.0f;
-    // Max over the ranks of (rank + 1) of a failing rank: which one is named does not matter, only
-    // that every rank sees the same verdict.
-    STRATA_RETURN_IF_ERROR(
-        dp_wait(dp_tracks[2], dp_params->all_reduce(&mine, &worst, 1, DType::kF32, ReduceOp::kMax),
-                "agree on the update", u, 4));
-    if (!own.ok()) return own;
-    if (worst == 0.0f) return ok_status();
-    return unavailable("step " + std::to_string(step) + ": the update of module '" +
-                       layout().modules[static_cast<std::size_t>(u)].name + "' failed on data-parallel rank " +
-                       std::to_string(static_cast<int>(worst) - 1) +
-                       " (its error names the cause); every rank retries it in place at the call after the next");
   };
   // A failure before the step's first unit update leaves nothing to finish.
   auto phase_of = [&](const Command& c, FailPhase started) {
@@ -2789,7 +2911,7 @@ void OffloadEngine::Impl::worker_main() {
     return ok_status();
   };
   // The step's update of every unit that does not hold it yet, `scale` = clip / loss scale.
-  auto apply_update = [&](const Command& c, float scale) -> Status {
+  auto update_stage = [&](const Command& c, float scale) -> Status {
     applied_step = c.step;
     for (int u = 0; u < M; ++u)
       if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
@@ -2798,7 +2920,7 @@ void OffloadEngine::Impl::worker_main() {
       for (int u : update_order) {
         // Partial offload: units [0, kdev) are the device's.
         if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] &&
-            updated_step[static_cast<std::size_t>(u)] < c.step)
+            !unit_holds(u, c.step))
           order.push_back(u);
       }
       return update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
@@ -2806,13 +2928,24 @@ void OffloadEngine::Impl::worker_main() {
     for (int u : update_order) {
       if (u < kdev) continue;  // partial offload: on the device
       if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
-      if (updated_step[static_cast<std::size_t>(u)] >= c.step) continue;  // a retry: done before the failure
-      if (dp_retry) {
+      if (unit_holds(u, c.step)) continue;  // a retry: done before the failure
+      if (agree_per_unit()) {
         STRATA_RETURN_IF_ERROR(agree_unit(u, c.step, update_unit_host(u, c.opt_step, c.lr, scale, c.step)));
       } else {
         STRATA_RETURN_IF_ERROR(update_unit_host(u, c.opt_step, c.lr, scale, c.step));
       }
-      mark_updated(u, c.step);
+      unit_done(u, c.step);
+    }
+    return ok_status();
+  };
+  // Pipeline: this stage's units count as updated once every stage's update succeeded. A retry
+  // on a stage that finished (stage_done) only agrees again.
+  auto apply_update = [&](const Command& c, float scale) -> Status {
+    Status s = update_stage(c, scale);
+    if (!defer_marks()) return s;
+    STRATA_RETURN_IF_ERROR(agree_stages(c.step, std::move(s)));
+    for (int u = kdev; u < M; ++u) {
+      if (units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);
     }
     return ok_status();
   };
@@ -2938,13 +3071,70 @@ Status OffloadEngine::Impl::check_worker() {
   return worker_error;
 }
 
+Status OffloadEngine::Impl::agree_unit(int u, std::int64_t step, Status own) {
+  // The verdict: 0 when every rank succeeded, else 1 + a failing rank's place in the grid
+  // (data-parallel rank + dp_size * tensor rank); the max over the data-parallel group, then over
+  // the tensor group, is the same number on every rank. Which failing rank is named does not
+  // matter, only that every rank sees the same verdict.
+  const bool over_dp = sharded && dp_params != nullptr;
+  const int dps = over_dp ? dp_size : 1, dpr = over_dp ? dp_rank : 0;
+  float verdict = own.ok() ? 0.0f : static_cast<float>(1 + dpr + dps * tp_rank);
+  if (over_dp) {
+    float worst = 0.0f;
+    STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
+                                   dp_params->all_reduce(&verdict, &worst, 1, DType::kF32, ReduceOp::kMax),
+                                   "agree on the update", u, 4));
+    verdict = worst;
+  }
+  if (tp_size > 1) {
+    float worst = 0.0f;
+    Status s = tp_norm->all_reduce(&verdict, &worst, 1, DType::kF32, ReduceOp::kMax).wait();
+    if (!s.ok()) {
+      return s.with_context("tensor parallel: agree on the update of module '" +
+                            layout().modules[static_cast<std::size_t>(u)].name + "'");
+    }
+    verdict = worst;
+  }
+  if (!own.ok()) return own;
+  if (verdict == 0.0f) return ok_status();
+  const int r = static_cast<int>(verdict) - 1;
+  const std::string where = tp_size == 1 ? "data-parallel rank " + std::to_string(r % dps)
+                            : dps == 1   ? "tensor-parallel rank " + std::to_string(r / dps)
+                                         : "data-parallel rank " + std::to_string(r % dps) +
+                                             " of tensor-parallel rank " + std::to_string(r / dps);
+  return unavailable("step " + std::to_string(step) + ": the update of module '" +
+                     layout().modules[static_cast<std::size_t>(u)].name + "' failed on " + where +
+                     " (its error names the cause); every rank retries it in place at the call after the next");
+}
+
+Status OffloadEngine::Impl::agree_stages(std::int64_t step, Status own) {
+  const float mine = own.ok() ? 0.0f : static_cast<float>(pp_rank + 1);
+  float worst = 0.0f;
+  Status s = pp_norm->all_reduce(&mine, &worst, 1, DType::kF32, ReduceOp::kMax).wait();
+  if (!s.ok()) return s.with_context("pipeline: agree on the update of step " + std::to_string(step));
+  if (!own.ok()) return own;
+  if (worst == 0.0f) return ok_status();
+  return unavailable("step " + std::to_string(step) + ": the update failed on pipeline stage " +
+                     std::to_string(static_cast<int>(worst) - 1) +
+                     " (its error names the cause); every stage retries it in place at the call after the next");
+}
+
 Status OffloadEngine::Impl::recover() {
   if (opt_on_device) return ok_status();
+  // Pipeline: the verdict on the update in flight is agreed by the stages' optimizer threads;
+  // waiting for it makes every stage's call report (or not) alike, before this call sends or
+  // receives anything (defer_marks).
+  if (defer_marks()) drain_worker();
   FailedUpdate f;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) return ok_status();
     if (failed.phase == FailPhase::kNone || !failed.reported) {
+      // Several ranks agreeing per unit: this rank's optimizer thread may know the verdict before
+      // a peer's caller does, so the call goes on and reports the error where it waits for the
+      // first unit that does not hold the step (wait_update_of), as every rank's call does,
+      // after the same collectives of the units before it.
+      if (failed.phase == FailPhase::kAfterNorm && report_at_wait()) return ok_status();
       // Reported once as it is (an asynchronous failure surfaces at the next call); retried by
       // the call after that.
       failed.reported = true;
@@ -2981,13 +3171,19 @@ Status OffloadEngine::Impl::recover() {
   return worker_error.with_context("retrying the update of " + which);
 }
 
-Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step) {
+Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step, bool report) {
   if (opt_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
   auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= step; };
   if (!ready()) {
     detail::HostSpan span(tracer, track.caller, TraceCounter::kUpdateStall, "wait update", u);
     cv.wait(lock, ready);
+  }
+  if (!worker_error.ok() && failed.phase == FailPhase::kAfterNorm && report_at_wait()) {
+    // The marks are agreed: a unit that holds the step is read alike on every rank; the first
+    // that does not fails the call on every rank, which reports the error (recover retries).
+    if (updated_step[static_cast<std::size_t>(u)] >= step) return ok_status();
+    if (report) failed.reported = true;
   }
   return worker_error;
 }
@@ -4338,7 +4534,7 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     // the update is not this step's (its norm is known): the next call reports it, and the
     // baseline is taken after a later step.
     bool settled = true;
-    for (int u = 0; u < t.M && settled; ++u) settled = t.wait_updated(u).ok();
+    for (int u = 0; u < t.M && settled; ++u) settled = t.wait_updated(u, /*report=*/false).ok();
     if (settled && !t.opt_on_device) settled = t.h2d->synchronize().ok();
     if (settled) {
       t.alloc_baseline = t.allocation_count();
@@ -5017,6 +5213,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     std::lock_guard<std::mutex> lock(t.mu);
     t.steps = manifest.step;
     std::fill(t.updated_step.begin(), t.updated_step.end(), manifest.step);
+    std::fill(t.stage_done.begin(), t.stage_done.end(), manifest.step);
     t.norm_step = manifest.step;
     // The worker is drained: the checkpoint's state holds no later step anywhere.
     std::fill(t.host_opt_step.begin(), t.host_opt_step.end(), manifest.step);
