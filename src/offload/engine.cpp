@@ -552,9 +552,13 @@ struct OffloadEngine::Impl {
   // units: each stage's optimizer thread agrees once more at the end of the update
   // (agree_stages) and marks its units updated only then (defer_marks), and a call first waits
   // for the update in flight (recover), so every stage's call sees the same verdict before it
-  // sends or receives anything of the next step.
+  // sends or receives anything of the next step. That costs the pipeline the overlap of the
+  // update with the next step's forward, so it is paid only where the update can fail after the
+  // norm (`pp_update_may_fail`: the NVMe optimizer, NVMe gradients or NVMe parameter homes,
+  // whose writes can fail); an update in memory cannot (a failed collective is not retried).
   bool agree_per_unit() const { return (sharded && dp_params != nullptr) || tp_size > 1; }
-  bool defer_marks() const { return pp_size > 1; }
+  bool pp_update_may_fail = false;  // set by setup()
+  bool defer_marks() const { return pp_update_may_fail; }
   // Several ranks agreeing per unit, no pipeline: a failed update is reported by the call that
   // waits for the first unit not holding the step (recover, wait_update_of). On a pipeline
   // every call first waits for the verdict instead, and reports it at once.
@@ -823,6 +827,9 @@ Status OffloadEngine::Impl::setup() {
   STRATA_RETURN_IF_ERROR(setup_tensor_parallel());
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model, TensorParallel{tp_size, tp_rank}));
   units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
+  pp_update_may_fail = pp_size > 1 && !opt_on_device &&
+                       (settings.optimizer == Tier::kNvme || settings.gradients == Tier::kNvme ||
+                        std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; }));
   dev_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_sharded(settings);
   if (dev_sharded) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
   // Gradient buckets: stage 0's all-reduce on the cpu backend (cuda keeps the one all-reduce after
