@@ -416,7 +416,7 @@ TEST(DelayedUpdateCheckpoint, SaveWaitsForTheUpdateInFlightAndResumeContinuesBit
 }
 
 // The setting is refused where it has no meaning or is not built, naming the key.
-TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrParametersOffItWithDataParallel) {
+TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrAPipeline) {
   TempDir dir("strata-dpu");
   OffloadSettings s = delayed(Tier::kHost, dir, 1);
   EXPECT_TRUE(s.validate().ok());
@@ -430,14 +430,22 @@ TEST(DelayedUpdateSettings, RefusedWithTheOptimizerOnTheDeviceOrParametersOffItW
     OffloadSettings off = s;
     off.params = params;
     EXPECT_TRUE(off.validate().ok()) << "one process takes parameters off the device";
-    // Not built: data parallel with parameters off the device (stage 3 keeps slices at home).
-    off.dp_size = 2;
-    Status p = off.validate();
-    EXPECT_FALSE(p.ok());
-    EXPECT_NE(p.message().find("strata.delayed_update"), std::string::npos) << p.message();
-    EXPECT_NE(p.message().find("offload_param.device"), std::string::npos) << p.message();
-    EXPECT_NE(p.message().find("data-parallel"), std::string::npos) << p.message();
+    // Data parallel with parameters off the device is built (stage 3: two versions of each
+    // rank's slice; tests/test_dist_offload_dpu.cpp trains it).
+    for (int stage : {1, 2, 3}) {
+      off.dp_size = 2;
+      off.zero_stage = stage;
+      Status p = off.validate();
+      EXPECT_TRUE(p.ok()) << "stage " << stage << ": " << p.message();
+    }
   }
+  // A pipeline is not built: refused naming the key.
+  OffloadSettings piped = s;
+  piped.pipeline_bounds = {0, 2, 5};
+  Status pe = piped.validate();
+  EXPECT_FALSE(pe.ok());
+  EXPECT_NE(pe.message().find("strata.delayed_update"), std::string::npos) << pe.message();
+  EXPECT_NE(pe.message().find("pipeline stages"), std::string::npos) << pe.message();
   OffloadSettings neg = s;
   neg.delayed_update_warmup = -1;
   EXPECT_NE(neg.validate().message().find("strata.delayed_update_warmup"), std::string::npos);

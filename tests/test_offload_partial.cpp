@@ -272,6 +272,15 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   OffloadSettings dp = partial(0.5);
   dp.dp_size = 2;
   refused(dp, "data-parallel");
+  // Every stage with data parallelism (designed in docs/offload.md, not built), and a pipeline.
+  for (int stage : {1, 2, 3}) {
+    OffloadSettings st = dp;
+    st.zero_stage = stage;
+    refused(st, "data-parallel");
+  }
+  OffloadSettings piped = partial(0.5);
+  piped.pipeline_bounds = {0, 2, 5};
+  refused(piped, "pipeline stages");
   OffloadSettings dpu = partial(0.5);
   dpu.delayed_update = true;
   refused(dpu, "strata.delayed_update");

@@ -666,7 +666,9 @@ struct OffloadEngine::Impl {
   void from_elements(int u, const char* elements, char* working) const;
   // This rank's slice (len x w bytes) at the unit's home, and back.
   Status read_param_slice(int u, char* slice);
-  Status write_param_slice(int u, const char* slice);
+  // `next`: the delayed update's next version (publish_delayed makes it the published one);
+  // otherwise the published slice (initialisation, set_param, load_checkpoint).
+  Status write_param_slice(int u, const char* slice, bool next = false);
   // The unit gathered from every rank's slice into `working` (its layout), on `comm` (collective):
   // `send` holds chunk elements, `recv` size x chunk. `agree`: the ranks first exchange whether
   // they read their slice (agree_on_read), so a rank whose read failed still takes part and every
@@ -1052,7 +1054,9 @@ Status OffloadEngine::Impl::setup() {
       for (int u = 0; u < M; ++u) {
         const std::size_t uu = static_cast<std::size_t>(u);
         next_offset[uu] = next;
-        if (units.home[uu] == Tier::kHost) next += units.pbytes[uu];
+        // Stage 3: the next version of this rank's slice only (what write_param_slice writes).
+        if (units.home[uu] == Tier::kHost)
+          next += psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : units.pbytes[uu];
       }
       if (next > 0) {
         STRATA_ASSIGN_OR_RETURN(delayed_next, HostMem::make(dev, pin, next, "offload.delayed_next_params"));
@@ -2234,19 +2238,23 @@ Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
   return ok_status();
 }
 
-Status OffloadEngine::Impl::write_param_slice(int u, const char* slice) {
+Status OffloadEngine::Impl::write_param_slice(int u, const char* slice, bool next) {
   const std::size_t uu = static_cast<std::size_t>(u);
   const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
   if (units.home[uu] == Tier::kNvme) {
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
-    return swap->write(param_key(u), slice, bytes).wait();
-  }
-  if (units.sliced[uu]) {
+    STRATA_RETURN_IF_ERROR(swap->write(param_key(u, next), slice, bytes).wait());
+  } else if (units.sliced[uu]) {
+    // Stage 3 in device memory (the device optimizer, so never the delayed update's next version).
     STRATA_RETURN_IF_ERROR(stager->upload(resident + units.resident_offset[uu], slice, bytes));
-    return compute->synchronize();
+    STRATA_RETURN_IF_ERROR(compute->synchronize());
+  } else {
+    std::memcpy(next ? delayed_next.bytes() + next_offset[uu] : host_params.bytes() + host_param_offset[uu],
+                slice, bytes);
   }
-  std::memcpy(host_params.bytes() + host_param_offset[uu], slice, bytes);
+  // Set before the unit is marked updated (publish_delayed reads it after waiting for that).
+  if (next) next_fresh[uu] = 1;
   return ok_status();
 }
 
@@ -2521,7 +2529,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
       }
       host_opt_step[uu] = done_step;
     }
-    if (psharded[uu]) return write_param_slice(u, ag_send.bytes());  // gathered when next fetched
+    if (psharded[uu]) return write_param_slice(u, ag_send.bytes(), delayed);  // gathered when next fetched
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c,
                                                                         // moves bits: fp16 travels as 16-bit words
                                                                         half ? DType::kBF16 : DType::kF32),
@@ -2673,7 +2681,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   auto publish_unit = [&](int u) -> Status {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (sharded && psharded[uu]) {
-      STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes()));
+      STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes(), delayed));
       push_write(IoHandle(), u, -1, u, 0, 0);
       return ok_status();
     }
@@ -3246,7 +3254,10 @@ Status OffloadEngine::Impl::publish_delayed() {
       if (!next_fresh[uu]) continue;  // a skipped step (fp16 overflow): the published version stands
       next_fresh[uu] = 0;
       if (units.home[uu] == Tier::kHost) {
-        std::memcpy(host_params.bytes() + host_param_offset[uu], delayed_next.bytes() + next_offset[uu], n);
+        // Stage 3: this rank's slice only (write_param_slice).
+        const std::uint64_t bytes = psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : n;
+        std::memcpy(host_params.bytes() + host_param_offset[uu], delayed_next.bytes() + next_offset[uu],
+                    bytes);
       } else {
         param_shard[uu] = 1 - param_shard[uu];
       }

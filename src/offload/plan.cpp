@@ -96,12 +96,6 @@ Status OffloadSettings::validate() const {
         "with the next step anyway): set zero_optimization.offload_optimizer.device to cpu or nvme, or turn "
         "strata.delayed_update off");
   }
-  if (delayed_update && params != Tier::kDevice && dp_size > 1) {
-    return invalid_argument("strata.delayed_update = true with zero_optimization.offload_param.device = " +
-                            std::string(to_string(params)) + " and " + std::to_string(dp_size) +
-                            " data-parallel ranks is not built yet: keep the parameters on the device "
-                            "(offload_param.device none) or turn strata.delayed_update off");
-  }
   if (pipeline_virtual_stages < 1) {
     return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(pipeline_virtual_stages) +
                             " must be at least 1 (1: one module range per pipeline stage)");
@@ -342,8 +336,23 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
       line("working parameters" + of, Tier::kHost, StateKind::kParameters, host_slices, pin);
       line("data-parallel parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
            w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+      if (settings.delayed_update && host_slices > 0) {
+        // The slices the delayed update in flight writes while the step's fetches gather the
+        // published ones.
+        line("working parameters (the delayed update's next version, this rank's 1/" +
+                 std::to_string(settings.dp_size) + ")",
+             Tier::kHost, StateKind::kParameters, host_slices, pin);
+      }
     } else {
       line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+      std::uint64_t next = 0;
+      for (std::size_t m = 0; m < units.home.size(); ++m) {
+        if (units.home[m] == Tier::kHost) next += units.pbytes[m];
+      }
+      if (settings.delayed_update && next > 0) {
+        line("working parameters (the delayed update's next version)", Tier::kHost, StateKind::kParameters,
+             next, pin);
+      }
     }
     if (settings.optimizer == Tier::kHost) {
       line("fp32 master weights" + of, Tier::kHost, StateKind::kOptimizer, shard, pin);
@@ -400,6 +409,11 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
     line("working parameters (this rank's 1/" + std::to_string(settings.dp_size) + ")", Tier::kNvme,
          StateKind::kParameters, slices);  // fetch staging: counted with the data-parallel lines
+    if (settings.delayed_update) {
+      line("working parameters (the delayed update's next version, this rank's 1/" +
+               std::to_string(settings.dp_size) + ")",
+           Tier::kNvme, StateKind::kParameters, slices);
+    }
   } else if (units.nvme_param_bytes > 0) {
     line("working parameters", Tier::kNvme, StateKind::kParameters, units.nvme_param_bytes);
     if (settings.delayed_update) {
@@ -531,7 +545,7 @@ Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const 
   // from one base): the others are estimated without them. The delayed update adds a second
   // version of the parameters off the device;
   // the partial optimizer split applies to the host or NVMe optimizer in one process.
-  if (s.optimizer == Tier::kDevice || (s.params != Tier::kDevice && s.dp_size > 1)) s.delayed_update = false;
+  if (s.optimizer == Tier::kDevice) s.delayed_update = false;
   if (s.optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) {
     s.optimizer_ratio = 1.0;
   }
