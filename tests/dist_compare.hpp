@@ -98,21 +98,41 @@ inline bool capture_held(OffloadEngine& engine, const std::vector<int>& held, Sn
   return true;
 }
 
+// Data-parallel rank dp's (of DP) share of step s's global batch (`global` has grad_accum =
+// A x DP): global micro-batches dp, dp + DP, ...
+inline void share_of(const TrainerConfig& global, int s, int dp, int DP, std::vector<std::int32_t>& in,
+                     std::vector<std::int32_t>& tg) {
+  std::vector<std::int32_t> gin, gtg;
+  testing::batch(global, s, gin, gtg);
+  const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+  in.clear();
+  tg.clear();
+  for (std::size_t i = static_cast<std::size_t>(dp); i < static_cast<std::size_t>(global.grad_accum);
+       i += static_cast<std::size_t>(DP)) {
+    in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
+              gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+    tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
+              gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
+  }
+}
+
+// Every world rank a data-parallel rank: this rank's share, and the config each rank runs.
+inline void share(const TrainerConfig& global, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
+  share_of(global, s, world().rank(), world().size(), in, tg);
+}
+inline TrainerConfig local_of(const TrainerConfig& global) {
+  TrainerConfig c = global;
+  c.grad_accum = global.grad_accum / world().size();
+  return c;
+}
+
 // Steps [from, steps) of the global batch: this data-parallel rank's share (global micro-batches
 // d, d + DP, ...).
 inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,
                       Snapshot& out, int from = 0) {
-  const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
+  std::vector<std::int32_t> in, tg;
   for (int step = from; step < steps; ++step) {
-    std::vector<std::int32_t> gin, gtg, in, tg;
-    testing::batch(global, step, gin, gtg);
-    for (std::size_t i = static_cast<std::size_t>(dp); i < static_cast<std::size_t>(global.grad_accum);
-         i += static_cast<std::size_t>(DP)) {
-      in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
-                gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-      tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
-                gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-    }
+    share_of(global, step, dp, DP, in, tg);
     auto m = engine.step(in, tg);
     EXPECT_TRUE(m.ok()) << m.status().to_string();
     if (!m.ok()) return false;

@@ -40,26 +40,8 @@ using testing::Tolerance;
 
 using testing::world;
 
-// This rank's share of step s's global batch (`global` has grad_accum = A x ranks).
-void share(const TrainerConfig& global, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
-  std::vector<std::int32_t> gin, gtg;
-  testing::batch(global, s, gin, gtg);
-  const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
-  const std::size_t P = static_cast<std::size_t>(world().size());
-  const std::size_t micro = static_cast<std::size_t>(global.grad_accum);
-  in.clear();
-  tg.clear();
-  for (std::size_t i = static_cast<std::size_t>(world().rank()); i < micro; i += P) {
-    in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per), gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-    tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per), gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-  }
-}
-
-TrainerConfig local_of(const TrainerConfig& global) {
-  TrainerConfig c = global;
-  c.grad_accum = global.grad_accum / world().size();
-  return c;
-}
+using testing::local_of;
+using testing::share;
 
 bool run_dp_steps(OffloadEngine& engine, const TrainerConfig& global, int from, int to, Snapshot& out) {
   std::vector<std::int32_t> in, tg;
@@ -1118,7 +1100,7 @@ TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
     const std::size_t M = (*engine)->model().layout().modules.size();
     r.forward_seconds.assign(M, 1e-3);
     r.backward_seconds.assign(M, 2e-3);
-    r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e9;
+    r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.host_copy_bytes_per_s = r.nvme_read_bytes_per_s = r.nvme_write_bytes_per_s = 1e9;
     r.adam_elements_per_s = r.scan_elements_per_s = 1e9;
     r.dp_bus_bytes_per_s = 1e9;
     auto p = predict_step(local, planned, r);

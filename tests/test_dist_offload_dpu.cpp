@@ -26,29 +26,8 @@ namespace {
 using testing::Snapshot;
 using testing::world;
 
-// This rank's share of step s's global batch (`global` has grad_accum = A x ranks): global
-// micro-batches r, r + N, ...
-void share(const TrainerConfig& global, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
-  std::vector<std::int32_t> gin, gtg;
-  testing::batch(global, s, gin, gtg);
-  const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
-  const std::size_t P = static_cast<std::size_t>(world().size());
-  in.clear();
-  tg.clear();
-  for (std::size_t i = static_cast<std::size_t>(world().rank());
-       i < static_cast<std::size_t>(global.grad_accum); i += P) {
-    in.insert(in.end(), gin.begin() + static_cast<std::ptrdiff_t>(i * per),
-              gin.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-    tg.insert(tg.end(), gtg.begin() + static_cast<std::ptrdiff_t>(i * per),
-              gtg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-  }
-}
-
-TrainerConfig local_of(const TrainerConfig& global) {
-  TrainerConfig c = global;
-  c.grad_accum = global.grad_accum / world().size();
-  return c;
-}
+using testing::local_of;
+using testing::share;
 
 // `steps` steps of the global batch on this rank; with `flush_after` > 0 the state is read
 // (a flush: the update in flight is waited for and published) after that many steps.
