@@ -126,6 +126,18 @@ inline TrainerConfig local_of(const TrainerConfig& global) {
   return c;
 }
 
+// Every world rank holds the same `text` (its first 255 bytes): an error every rank returns alike.
+inline void expect_same_text_on_every_rank(const std::string& text, const std::string& what) {
+  std::array<std::uint32_t, 64> mine{};
+  std::memcpy(mine.data(), text.data(), std::min<std::size_t>(text.size(), sizeof mine - 1));
+  const int P = world().size();
+  std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
+  ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok()) << what;
+  for (int r = 0; r < P; ++r)
+    EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
+        << what << ": rank " << r << " vs " << world().rank();
+}
+
 // Steps [from, steps) of the global batch: this data-parallel rank's share (global micro-batches
 // d, d + DP, ...).
 inline bool run_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,

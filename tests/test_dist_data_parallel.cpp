@@ -945,13 +945,7 @@ TEST(DataParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
   EXPECT_NE(w.message().find(weights), std::string::npos) << w.to_string();
   EXPECT_EQ(w.message().find("comm timeout"), std::string::npos) << w.to_string();
   // Every rank returns the same text (the failing rank's cause included).
-  std::array<std::uint32_t, 64> mine{};
-  std::memcpy(mine.data(), w.message().data(), std::min<std::size_t>(w.message().size(), sizeof mine - 1));
-  std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
-  ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok());
-  for (int r = 0; r < P; ++r)
-    EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
-        << "rank " << r << " vs " << world().rank();
+  testing::expect_same_text_on_every_rank(w.message(), "save_weights");
 
   auto ck = (*engine)->save_checkpoint(root + "/ckpt");
   ASSERT_FALSE(ck.ok()) << "rank " << world().rank();
@@ -1006,15 +1000,7 @@ TEST(DataParallel, DeviceDownloadFailureOnOneRankFailsEveryRankAtOnce) {
     }
     const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
                               " could not read its slice of module '";
-    auto same_text_everywhere = [&](const std::string& text) {
-      std::array<std::uint32_t, 64> mine{};
-      std::memcpy(mine.data(), text.data(), std::min<std::size_t>(text.size(), sizeof mine - 1));
-      std::vector<std::uint32_t> all(mine.size() * static_cast<std::size_t>(P));
-      ASSERT_TRUE(world().all_gather(mine.data(), all.data(), mine.size(), DType::kF32).wait().ok());
-      for (int r = 0; r < P; ++r)
-        EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
-            << what << ": rank " << r << " vs " << world().rank();
-    };
+    auto same_text_everywhere = [&](const std::string& text) { testing::expect_same_text_on_every_rank(text, what); };
     // A state getter (the exp_avg of the first parameter: its unit's slices gathered).
     auto m = (*engine)->get_exp_avg(0);
     ASSERT_FALSE(m.ok()) << what << ": rank " << world().rank();

@@ -148,6 +148,17 @@ struct ActState {
 }  // namespace
 
 struct Model::Impl : ActState {
+  // A batch of b x t tokens (`count` targets) now fills the selected slot: no forward ran on it.
+  void batch_arrived(std::int64_t b, std::int64_t t, std::int64_t count) {
+    B = b;
+    T = t;
+    target_count = count;
+    have_batch = true;
+    forward_saved = false;
+    next_forward = first;
+    next_backward = -1;
+    std::fill(range_saved.begin(), range_saved.end(), 0);
+  }
   ModelLayout layout;
   Device* device = nullptr;
   Stream* stream = nullptr;
@@ -844,14 +855,7 @@ Status Model::share_batch(int from) {
   const std::uint64_t bytes = static_cast<std::uint64_t>(src.B * src.T) * 4;
   STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.tokens, src.tokens, bytes, CopyKind::kDeviceToDevice));
   STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.targets, src.targets, bytes, CopyKind::kDeviceToDevice));
-  m.B = src.B;
-  m.T = src.T;
-  m.target_count = src.target_count;
-  m.have_batch = true;
-  m.forward_saved = false;
-  m.next_forward = m.first;
-  m.next_backward = -1;
-  std::fill(m.range_saved.begin(), m.range_saved.end(), 0);
+  m.batch_arrived(src.B, src.T, src.target_count);
   return ok_status();
 }
 
@@ -985,14 +989,7 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
   STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.tokens, pin, n * 4, CopyKind::kHostToDevice));
   STRATA_RETURN_IF_ERROR(m.stream->copy_async(m.targets, pin + n, n * 4, CopyKind::kHostToDevice));
   STRATA_RETURN_IF_ERROR(m.stream->record(*m.tokens_copied));
-  m.B = B;
-  m.T = T;
-  m.target_count = count;
-  m.have_batch = true;
-  m.forward_saved = false;
-  m.next_forward = m.first;
-  m.next_backward = -1;
-  std::fill(m.range_saved.begin(), m.range_saved.end(), 0);
+  m.batch_arrived(B, T, count);
   return ok_status();
 }
 
