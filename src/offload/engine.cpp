@@ -1707,7 +1707,7 @@ Status OffloadEngine::Impl::setup_data_parallel() {
       dp_rank == 0) {
     STRATA_LOG(kInfo, kOffload) << "offload: zero_optimization.stage 3 with offload_param.device none and "
                                    "offload_optimizer.device none keeps the working parameters whole with "
-                                   "tensor or pipeline parallelism (stage 3 then trains as stage 2; "
+                                   "pipeline parallelism (stage 3 then trains as stage 1; "
                                    "docs/parallel.md \"Stage 3 in device memory\")";
   }
   if ((sharded && settings.zero_stage == 3) || dev_params_sliced) {
