@@ -25,6 +25,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -58,14 +60,21 @@ ProcessGroups groups() {
 }
 
 std::string name_of(ModelKind kind, DType dtype, std::int64_t micro) {
-  return std::string(to_string(kind)) + " " + std::string(to_string(dtype)) + ", tp 2 x dp 2, m=" +
-         std::to_string(micro);
+  return std::string(to_string(kind)) + " " + std::string(to_string(dtype)) +
+         ", tp 2 x dp 2, m=" + std::to_string(micro);
+}
+
+std::uint64_t bytes_of(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
+  std::uint64_t b = 0;
+  for (const PlanLine& l : p.lines)
+    if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
+  return b;
 }
 
 // Trains kSteps of `global` (grad_accum = micro x DP) with `s` on the grid; the state of every
 // parameter gathered full, the loss and norm bits checked equal on every rank.
-Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t micro, const OffloadSettings& s,
-                    const std::string& what) {
+Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t micro,
+                    const OffloadSettings& s, const std::string& what) {
   Snapshot out;
   const int DP = g.grid.dp();
   TrainerConfig local = global;
@@ -74,6 +83,16 @@ Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t 
   auto engine = OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), g.tp.get());
   EXPECT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
   if (!engine.ok()) return out;
+  // The device optimizer's stages 2-3 take the bucketed path (and stage 3 slices the shard's
+  // parameters), not stage 1's reduction in the update: a bitwise match with stage 1 says
+  // something only then.
+  const OffloadPlan& plan = (*engine)->plan();
+  if (s.optimizer == Tier::kDevice && s.zero_stage >= 2) {
+    EXPECT_GT(bytes_of(plan, "device region offload.grad_buckets"), 0u) << what << ": gradient buckets";
+  }
+  if (s.optimizer == Tier::kDevice && s.zero_stage == 3) {
+    EXPECT_GT(bytes_of(plan, "device region offload.param_slots"), 0u) << what << ": parameter slices";
+  }
   if (!run_share(**engine, global, g.coord.dp, DP, kSteps, out)) return out;
   out.scales.assign(out.losses.size(), 1.0);  // fp32 and bf16: scale 1, never skipped
   out.skipped.assign(out.losses.size(), 0);
@@ -180,7 +199,8 @@ TEST(DeviceTensorParallel, Stage2AccumulationBitwiseHostStage2) {
     const Snapshot dev = train_grid(g, global, 2, s, what + ", device stage 2, overlap");
     testing::expect_same(host, dev, what + ": host stage 2 vs device stage 2");
     testing::expect_same(serial, dev, what + ": device stage 2, overlap_comm off vs on");
-    if (dtype == DType::kF32) expect_close(one_process(global, s), dev, Tolerance{}, what + " against one process");
+    if (dtype == DType::kF32)
+      expect_close(one_process(global, s), dev, Tolerance{}, what + " against one process");
   }
 }
 
@@ -211,7 +231,8 @@ TEST(DeviceTensorParallel, Stage3SlicesBitwiseStage2) {
     std::int64_t micro;
     bool small_buckets;
   };
-  for (const C& c : {C{ModelKind::kGpt2, DType::kF32, 2, true}, C{ModelKind::kLlama, DType::kBF16, 1, false}}) {
+  for (const C& c :
+       {C{ModelKind::kGpt2, DType::kF32, 2, true}, C{ModelKind::kLlama, DType::kBF16, 1, false}}) {
     const std::string what = name_of(c.kind, c.dtype, c.micro) + ", clip 1";
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, c.micro * DP, 1.0);
     OffloadSettings s = device_settings(2);
@@ -229,7 +250,8 @@ TEST(DeviceTensorParallel, Stage3SlicesBitwiseStage2) {
         << what << ": the smallest module stays whole";
     const Snapshot stage3 = train_grid(g, global, c.micro, s, what + ", stage 3");
     testing::expect_same(stage2, stage3, what + ": stage 2 vs stage 3 in device memory");
-    if (c.dtype == DType::kF32) expect_close(one_process(global, s), stage3, Tolerance{}, what + " against one process");
+    if (c.dtype == DType::kF32)
+      expect_close(one_process(global, s), stage3, Tolerance{}, what + " against one process");
   }
 }
 
@@ -250,13 +272,6 @@ TEST(DeviceTensorParallel, Stage0BucketsBitwiseOneBucket) {
   const Snapshot buckets = train_grid(g, global, 2, s, what + ", buckets");
   testing::expect_same(whole, buckets, what + ": one bucket vs several");
   expect_close(one_process(global, s), buckets, Tolerance{}, what + " against one process");
-}
-
-std::uint64_t bytes_of(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
-  std::uint64_t b = 0;
-  for (const PlanLine& l : p.lines)
-    if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
-  return b;
 }
 
 // The plan of a rank: OffloadPlan::make with the tp and dp sizes (strata train --plan under
@@ -309,11 +324,14 @@ TEST(DeviceTensorParallel, PlanShrinksToOneOverDp) {
       EXPECT_GT(bytes_of(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
     }
   }
-  const offload_detail::Units u1 = shard_units(local, [&] {
-    OffloadSettings t = s;
-    t.zero_stage = 1;
-    return t;
-  }(), g.coord.tp);
+  const offload_detail::Units u1 = shard_units(
+      local,
+      [&] {
+        OffloadSettings t = s;
+        t.zero_stage = 1;
+        return t;
+      }(),
+      g.coord.tp);
   const auto M = u1.gbytes.size();
   // Stage 1 holds the shard's whole gradient; stage 2 this rank's slices of it.
   EXPECT_GE(grads[2], grads[1] / DPu);
@@ -344,6 +362,113 @@ TEST(DeviceTensorParallel, PlanShrinksToOneOverDp) {
   }
   EXPECT_LT(live[2], live[1]);
   EXPECT_LT(live[3], live[2] + slots[3]);
+}
+
+// Stage 3 on tp 2 x dp 2, the state read back through the slices and the shards: a checkpoint
+// (collective: each unit's slices gathered over dp, the shards over tp, the first rank writes)
+// resumes in a fresh engine bit for bit against the uninterrupted run and loads into one process
+// with the grid's state bit for bit; loss() and evaluate() (collective fetches) give stage 2's
+// values on the same ranks.
+TEST(DeviceTensorParallel, Stage3CheckpointLossAndEvaluate) {
+  ASSERT_EQ(world().size(), 4);
+  ProcessGroups g = groups();
+  const int DP = g.grid.dp();
+  const std::string what = name_of(ModelKind::kLlama, DType::kBF16, 2) + ", stage 3";
+  const TrainerConfig global = testing::tiny(ModelKind::kLlama, DType::kBF16, 2 * DP, 1.0);
+  TrainerConfig local = global;
+  local.grad_accum = 2;
+  const std::string root = testing::shared_temp_dir("device-tp-state");
+  auto create = [&](std::unique_ptr<Device>& device, int stage) {
+    device = testing::make_device();
+    OffloadSettings s = device_settings(stage);
+    s.reduce_bucket_elements = kSmallBucket;
+    s.overlap_comm = true;
+    return OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), g.tp.get());
+  };
+  std::vector<std::int32_t> in, tg;
+  testing::share_of(global, 3, g.coord.dp, DP, in, tg);
+  in.resize(static_cast<std::size_t>(global.micro_batch * global.seq_len));  // loss(): one micro-batch
+  tg.resize(in.size());
+  const std::vector<std::int32_t> tokens = testing::eval_tokens(global);
+  double losses[2] = {0, 0};
+  EvalResult evals[2];
+  Snapshot straight, resumed;
+  std::string dir;
+  for (int stage : {2, 3}) {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, stage);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    Snapshot warm;
+    ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 2, warm)) << what;
+    if (stage == 3) {
+      auto saved = (*engine)->save_checkpoint(root + "/ck", "{}", 1);
+      ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
+      dir = *saved;
+    }
+    auto l = (*engine)->loss(in, tg);
+    ASSERT_TRUE(l.ok()) << what << ": " << l.status().to_string();
+    losses[stage - 2] = *l;
+    auto e = (*engine)->evaluate(tokens, 3);
+    ASSERT_TRUE(e.ok()) << what << ": " << e.status().to_string();
+    evals[stage - 2] = *e;
+    if (stage == 3) {
+      ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 3, straight, 2)) << what;
+      std::vector<int> held;
+      ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
+    }
+  }
+  EXPECT_EQ(losses[0], losses[1]) << what << ": loss() at stage 2 vs 3";
+  EXPECT_EQ(evals[0].loss, evals[1].loss) << what << ": evaluate() at stage 2 vs 3";
+  EXPECT_EQ(evals[0].tokens, evals[1].tokens) << what;
+  {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, 3);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(dir);
+    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+    EXPECT_EQ(m->step, 2) << what;
+    ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 3, resumed, 2)) << what;
+    std::vector<int> held;
+    ASSERT_TRUE(capture_stage(**engine, resumed, held)) << what;
+  }
+  for (Snapshot* snap : {&straight, &resumed}) {
+    snap->scales.assign(snap->losses.size(), 1.0);
+    snap->skipped.assign(snap->losses.size(), 0);
+  }
+  testing::expect_same(straight, resumed, what + ": resumed against uninterrupted");
+  {
+    // One process loads the grid's checkpoint: every parameter's state as the grid held it after
+    // step 2 (a fresh grid engine loading it gathers that state again).
+    Snapshot grid_state, single_state;
+    std::vector<int> held;
+    {
+      std::unique_ptr<Device> device;
+      auto engine = create(device, 3);
+      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+      ASSERT_TRUE((*engine)->load_checkpoint(dir).ok()) << what;
+      ASSERT_TRUE(capture_stage(**engine, grid_state, held)) << what;
+    }
+    auto device = testing::make_device();
+    OffloadSettings single = device_settings(0);
+    auto engine = OffloadEngine::create(global, single, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(dir);
+    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+    ASSERT_TRUE(capture_held(**engine, held, single_state)) << what;
+    ASSERT_EQ(grid_state.param.size(), single_state.param.size()) << what;
+    for (std::size_t i = 0; i < grid_state.param.size(); ++i) {
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.param[i], single_state.param[i]))
+          << what << ": param " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.master[i], single_state.master[i]))
+          << what << ": master " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.m[i], single_state.m[i]))
+          << what << ": exp_avg " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.v[i], single_state.v[i]))
+          << what << ": exp_avg_sq " << held[i];
+    }
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
 }  // namespace
