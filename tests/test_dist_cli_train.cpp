@@ -450,6 +450,45 @@ TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
   EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
 }
 
+// The same with tensor parallelism (docs/parallel.md "With tensor parallelism"): 4 ranks, tp 2 x
+// dp 2. --plan prints each rank's slices of its tp shard (gradients at stage 2, and working
+// parameters at stage 3) and the gradient buckets; stage 3 trains with stage 2's losses bit for
+// bit and writes the same weights file (the shards gathered, then the slices).
+TEST(DistCliTrain, DeviceStagesWithTensorParallelPlanAndTrainingUnderMpirun) {
+  TempDir dir("strata-dist-cli");
+  auto config = [&](int stage) {
+    return write_file(dir / ("tp-stage" + std::to_string(stage) + ".json"),
+                      R"({"strata": {"tensor_parallel_size": 2}, "zero_optimization": {"stage": )" +
+                          std::to_string(stage) +
+                          R"(, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+                          "stage3_param_persistence_threshold": 0}})");
+  };
+  const std::string flags = kTiny + "--steps 3 --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto plan = run_command(mpirun(4) + "train " + flags + "--config " + config(3) + " --plan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  for (const char* line : {"device region offload.params (this rank's 1/2 of the modules above "
+                           "stage3_param_persistence_threshold)",
+                           "device region offload.grads (this rank's 1/2)", "device region offload.grad_buckets",
+                           "device region offload.param_slots"}) {
+    EXPECT_NE(plan.output.find(line), std::string::npos) << line << "\n" << plan.output;
+  }
+  std::vector<double> losses[2];
+  std::string weights[2];
+  for (int stage : {2, 3}) {
+    const std::filesystem::path out = dir / ("tp-run" + std::to_string(stage));
+    auto run =
+        run_command(mpirun(4) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    losses[stage - 2] = losses_of(out / "metrics.jsonl");
+    weights[stage - 2] = read_file(out / "weights.safetensors");
+  }
+  ASSERT_EQ(losses[0].size(), 3u);
+  EXPECT_EQ(losses[0], losses[1]) << "stage 3 with tensor parallelism trains as stage 2, bit for bit";
+  EXPECT_LT(losses[1].back(), losses[1].front());
+  ASSERT_GT(weights[0].size(), 1000u);
+  EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
+}
+
 // Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
 // directory); what the engine cannot do yet (the delayed update with tensor parallelism) is
 // refused on every rank, naming the rank and the key.

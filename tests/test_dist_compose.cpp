@@ -11,9 +11,10 @@
 //   reductions, scans and updates; only where the fp32 gradients wait differs), and the optimizer
 //   sharded in device memory against the optimizer sharded in host memory (the sharded device
 //   update reduces, scans, merges and updates as the host tier does, the tied embedding's slices
-//   included; its stages 2 and 3 reduce once after the last micro-batch, so their bits are the
-//   host tier's stage 1). Losses, norms, and every held parameter's working copy, master and
-//   moments.
+//   included; with a pipeline its stages 2 and 3 reduce once after the last micro-batch, so their
+//   bits are the host tier's stage 1; without one they reduce every micro-batch in their gradient
+//   buckets, the host tier's stage 2). Losses, norms, and every held parameter's working copy,
+//   master and moments.
 // - Every rank reports the same loss and norm bits.
 // - Against one process on the whole global batch (fp32): dist_compare.hpp's Tolerance (the fp32
 //   tensor-parallel bounds, which the pipeline's tied-gradient order and the data-parallel sum
@@ -95,10 +96,12 @@ bool train_grid(const Case& c, const Placement& p, ProcessGroups& g, const Train
   local.grad_accum = c.micro;
   testing::TempDir swap("strata-compose-swap");  // this rank's own directory
   OffloadSettings s = settings_of(c, p, swap);
-  // The device optimizer's stages 2 and 3 train as its stage 1 (one reduction after the last
-  // micro-batch; docs/parallel.md "ZeRO stages 1-3 in device memory"), while the host tier's
-  // stage 2 reduces every micro-batch: the bits to equal are the host tier's stage 1.
-  if (p.optimizer == Tier::kHost && c.tested.optimizer == Tier::kDevice && s.zero_stage >= 2)
+  // With a pipeline the device optimizer's stages 2 and 3 train as its stage 1 (one reduction
+  // after the last micro-batch; docs/parallel.md "ZeRO stages 1-3 in device memory"), while the
+  // host tier's stage 2 reduces every micro-batch: the bits to equal are the host tier's stage 1.
+  // Without one (tp x dp) they reduce every micro-batch in their gradient buckets, as the host
+  // tier's stage 2 ("Gradient buckets"): the same stage.
+  if (p.optimizer == Tier::kHost && c.tested.optimizer == Tier::kDevice && s.zero_stage >= 2 && c.pp > 1)
     s.zero_stage = 1;
   auto device = testing::make_device();
   auto engine = OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? g.dp.get() : nullptr,
@@ -259,7 +262,9 @@ TEST(ComposeNp4, NvmeGradientsGrid) {
 }
 
 // TP 2 x DP 2, the optimizer sharded in device memory: the device update merges the statistics
-// over dp, then over the tp group (replicated parameters counted on tp rank 0 only).
+// over dp, then over the tp group (replicated parameters counted on tp rank 0 only). Stages 2-3
+// reduce-scatter each tp shard's gradient buckets during backward (stage 3 also slices the
+// shard's parameters): bitwise the host tier's stage 2 (3), which also reduces every micro-batch.
 TEST(ComposeNp4, DeviceShardedTensorParallel) {
   ASSERT_EQ(world().size(), 4);
   check({2, 1, ModelKind::kLlama, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});

@@ -778,15 +778,18 @@ TEST(DataParallel, Stage3DevicePlanShardsParameters) {
   EXPECT_EQ(evals[0].loss, evals[1].loss) << "evaluate() at stage 3 reads the gathered units";
   EXPECT_EQ(evals[0].tokens, evals[1].tokens);
   EXPECT_GT(evals[1].tokens, 0);
-  // With tensor or pipeline parallelism stage 3 keeps the parameters whole (as stage 2).
+  // With a pipeline stage 3 keeps the parameters whole (as stage 2); with tensor parallelism it
+  // slices each tp rank's shard (tests/test_dist_device_tp.cpp).
   OffloadSettings tp = sd;
   tp.zero_stage = 3;
   tp.tp_size = 2;
-  EXPECT_FALSE(offload_detail::dp_device_param_sharded(tp));
+  EXPECT_TRUE(offload_detail::dp_device_param_sharded(tp));
+  EXPECT_TRUE(offload_detail::dp_device_grad_sharded(tp));
   OffloadSettings pp = sd;
   pp.zero_stage = 3;
   pp.pipeline_bounds = {0, 2, static_cast<int>(layout->modules.size())};
   EXPECT_FALSE(offload_detail::dp_device_param_sharded(pp));
+  EXPECT_FALSE(offload_detail::dp_device_grad_sharded(pp));
   sd.zero_stage = 3;
   EXPECT_TRUE(offload_detail::dp_device_param_sharded(sd));
 }

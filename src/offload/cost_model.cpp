@@ -201,9 +201,10 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
     return t;
   }
   t.overlapped = !d.device_opt;
-  // With the optimizer on the device, stage 1 (and stages 2-3 with tensor or pipeline
-  // parallelism) reduces once in the update; stages 2-3 of data parallelism alone reduce each
-  // bucket every micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's stage 2.
+  // With the optimizer on the device, stage 1 (and stages 2-3 with a pipeline) reduces once in
+  // the update; stages 2-3 without a pipeline (data parallelism alone or with tensor parallelism)
+  // reduce each bucket every micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's
+  // stage 2.
   const bool device_buckets = d.device_opt && offload_detail::dp_device_grad_sharded(settings);
   const std::uint64_t rs_times = (d.device_opt && !device_buckets) || d.stage == 1 ? 1 : A;
   for (int u = 0; u < M; ++u) {

@@ -1707,7 +1707,7 @@ Status OffloadEngine::Impl::setup_data_parallel() {
       dp_rank == 0) {
     STRATA_LOG(kInfo, kOffload) << "offload: zero_optimization.stage 3 with offload_param.device none and "
                                    "offload_optimizer.device none keeps the working parameters whole with "
-                                   "tensor or pipeline parallelism (stage 3 then trains as stage 2; "
+                                   "pipeline parallelism (stage 3 then trains as stage 1; "
                                    "docs/parallel.md \"Stage 3 in device memory\")";
   }
   if ((sharded && settings.zero_stage == 3) || dev_params_sliced) {
@@ -4452,14 +4452,13 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
-    // Gradient buckets (stage 0 on the cpu backend, stage >= 2; data parallel alone): their
-    // collectives were launched during backward; every one is waited (and stage >= 2's slices
-    // complete) before the update.
+    // Gradient buckets (stage 0 on the cpu backend, stage >= 2; no pipeline, each tp rank's
+    // shard): their collectives were launched during backward; every one is waited (and stage
+    // >= 2's slices complete) before the update.
     if (s.ok() && t.bucketed)
       s = t.compute->host_fn("offload: wait for the gradient buckets", [&t]() { return t.drain_buckets(); });
-    // Stage 1 (and stages 2-3 with tensor or pipeline parallelism): the device update
-    // reduce-scatters the gradients itself; stage 0 without buckets (a pipeline, tensor
-    // parallelism, cuda): one all-reduce after backward.
+    // Stage 1 (and stages 2-3 with a pipeline): the device update reduce-scatters the gradients
+    // itself; stage 0 without buckets (a pipeline, cuda): one all-reduce after backward.
     if (s.ok() && t.dp_size > 1 && !t.dev_sharded && !t.bucketed) s = t.all_reduce_device_grads();
     // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
     // slices, summed inside device_update_sharded).

@@ -58,13 +58,15 @@ struct Units {
   std::vector<char> sliced;
 };
 
-// Stage 3 with the optimizer and the working parameters in device memory, data parallelism alone
+// Stage 3 with the optimizer and the working parameters in device memory, no pipeline
 // (docs/parallel.md "Stage 3 in device memory"): every module above
 // stage3_param_persistence_threshold keeps only this rank's slice of its working parameters.
-// With tensor or pipeline parallelism stage 3 keeps the parameters whole (as stage 2).
+// With tensor parallelism the slices are of this tensor rank's shard (its own layout: every rank
+// of one data-parallel group has the same tensor rank, so the same units and slices). With a
+// pipeline stage 3 keeps the parameters whole (as stage 2).
 inline bool dp_device_param_sharded(const OffloadSettings& s) {
   return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.params == Tier::kDevice && s.zero_stage == 3 &&
-         s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+         s.pipeline_bounds.size() < 2;
 }
 
 // Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
@@ -332,11 +334,13 @@ inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettin
 // Stage >= 2 with the optimizer on the device and more than one rank: the gradients are
 // reduce-scattered per bucket during backward and each rank keeps only its slices of them
 // (offload.grads holds this rank's shard; the full-size gradients exist only in the bucket
-// buffers offload.grad_buckets). docs/parallel.md "Gradient buckets". Data parallelism alone: with
-// tensor or pipeline parallelism stages 2-3 shard the optimizer state only, like stage 1 (the
-// buckets' backward hooks and their order are the single-range, one-tensor-rank schedule's).
+// buffers offload.grad_buckets). docs/parallel.md "Gradient buckets". With tensor parallelism the
+// buckets are computed from this tensor rank's shard layout, the same on every rank of its
+// data-parallel group. With a pipeline stages 2-3 shard the optimizer state only, like stage 1
+// (the buckets' backward hooks and their order are the single-range schedule's, not a stage's
+// interleaved forwards and backwards).
 inline bool dp_device_grad_sharded(const OffloadSettings& s) {
-  return dp_device_sharded(s) && s.zero_stage >= 2 && s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+  return dp_device_sharded(s) && s.zero_stage >= 2 && s.pipeline_bounds.size() < 2;
 }
 
 // The gradient buckets of data parallel with the optimizer on the device (no pipeline). Units
@@ -359,7 +363,7 @@ struct GradBuckets {
 };
 
 inline bool dp_device_bucketed(const OffloadSettings& s) {
-  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.tp_size <= 1 && s.pipeline_bounds.size() < 2;
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.pipeline_bounds.size() < 2;
 }
 
 inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings) {
