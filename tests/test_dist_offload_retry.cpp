@@ -303,6 +303,8 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
   ASSERT_TRUE(run(e, k - 1, k, got));
   ASSERT_TRUE(e.synchronize().ok());
   const std::uint64_t b2 = faults.write_bytes_started.load();
+  Snapshot before;  // the state the failed step must leave as it is
+  ASSERT_TRUE(capture(e, before));
   // Every rank's first owning parameter it holds (a pipeline stage its own; tensor parallel reads
   // are collective: every rank reads the same ones in the same order).
   int index = -1;
@@ -361,6 +363,11 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
     ASSERT_TRUE(e.set_param(index, original).ok());
   }
   faults.fail_writes_after_bytes = 0;
+  // Nothing of the failed step was applied on any rank: every parameter, master and moment this
+  // rank holds is as before it (and the step count, checked above).
+  Snapshot after;
+  ASSERT_TRUE(capture(e, after));
+  expect_bitwise(before, after);
   ASSERT_TRUE(run(e, k, kSteps, got));
   ASSERT_TRUE(capture(e, got));
   expect_bitwise(ref, got);
