@@ -28,7 +28,9 @@ namespace {
 using testing::Snapshot;
 using testing::world;
 
-enum class Group { kData, kTensor, kPipeline };
+// kDataTensor: the 2 x 2 grid of 4 ranks (data 2 x tensor 2, make_process_groups); the others
+// use the whole world as their one group.
+enum class Group { kData, kTensor, kPipeline, kDataTensor };
 
 // One case: how the world is used, the ZeRO stage, the dtype, where the working parameters and
 // the optimizer state live and (NVMe optimizer) the sub-group size, small enough that a
@@ -66,18 +68,74 @@ const char* name_of(Group g) {
     case Group::kData: return "data parallel";
     case Group::kTensor: return "tensor parallel";
     case Group::kPipeline: return "pipeline";
+    case Group::kDataTensor: return "data 2 x tensor 2";
   }
   return "?";
 }
 
-// The engine of this rank for `k.group` (the world as its group), with `faults` when given.
+// This rank's groups for `g`: the world as the one group, or the data 2 x tensor 2 grid.
+struct Groups {
+  Comm* dp = nullptr;
+  Comm* tp = nullptr;
+  Comm* pp = nullptr;
+  int dp_rank = 0, dp_size = 1;  // this rank's share of the global batch
+  Result<ProcessGroups> grid = failed_precondition("no grid");
+
+  explicit Groups(Group g) {
+    switch (g) {
+      case Group::kData:
+        dp = &world();
+        dp_rank = world().rank();
+        dp_size = world().size();
+        break;
+      case Group::kTensor: tp = &world(); break;
+      case Group::kPipeline: pp = &world(); break;
+      case Group::kDataTensor:
+        grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
+        if (!grid.ok()) break;
+        dp = grid->dp.get();
+        tp = grid->tp.get();
+        dp_rank = grid->coord.dp;
+        dp_size = grid->grid.dp();
+        break;
+    }
+  }
+  bool data() const { return dp != nullptr; }
+};
+
+// The engine of this rank for its groups, with `faults` when given.
 Result<std::unique_ptr<OffloadEngine>> make_engine(const TrainerConfig& c, const OffloadSettings& s, Device& device,
-                                                   const Case& k, const nvme_detail::IoFaults* faults) {
-  Comm* dp = k.group == Group::kData ? &world() : nullptr;
-  Comm* tp = k.group == Group::kTensor ? &world() : nullptr;
-  Comm* pp = k.group == Group::kPipeline ? &world() : nullptr;
-  if (faults == nullptr) return OffloadEngine::create(c, s, device, nullptr, dp, tp, pp);
-  return offload_detail::EngineFaults::create(c, s, device, faults, pp, dp, tp);
+                                                   const Groups& g, const nvme_detail::IoFaults* faults) {
+  if (faults == nullptr) return OffloadEngine::create(c, s, device, nullptr, g.dp, g.tp, g.pp);
+  return offload_detail::EngineFaults::create(c, s, device, faults, g.pp, g.dp, g.tp);
+}
+
+// One step of batch `index` (this rank's data-parallel share of it), its status only.
+Status step_status(OffloadEngine& e, const TrainerConfig& global, const Groups& g, int index) {
+  std::vector<std::int32_t> in, tg;
+  if (g.data()) {
+    testing::share_of(global, index, g.dp_rank, g.dp_size, in, tg);
+  } else {
+    testing::batch(global, index, in, tg);
+  }
+  return e.step(in, tg).status();
+}
+
+// The run against the same ranks without the fault: losses and norms, and every parameter,
+// master and moment this rank holds, bit for bit.
+void expect_bitwise(const Snapshot& ref, const Snapshot& got) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_EQ(ref.losses[i], got.losses[i]) << "loss of step " << i + 1;
+    EXPECT_EQ(ref.norms[i], got.norms[i]) << "norm of step " << i + 1;
+  }
+  ASSERT_EQ(ref.param.size(), got.param.size());
+  for (std::size_t i = 0; i < ref.param.size(); ++i) {
+    EXPECT_TRUE(testing::bitwise_equal(ref.param[i], got.param[i])) << "parameter " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.master[i], got.master[i])) << "master " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.m[i], got.m[i])) << "exp_avg " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.v[i], got.v[i])) << "exp_avg_sq " << i;
+  }
 }
 
 void retry_case(const Case& which) {
@@ -87,36 +145,20 @@ void retry_case(const Case& which) {
                std::to_string(stage) + ", " +
                std::string(to_string(dtype)) + ", parameters on " + std::string(to_string(which.params)) +
                ", optimizer on " + std::string(to_string(which.optimizer)));
-  const int P = world().size();
   const int R = world().rank();
-  const int failing = 1;  // the rank whose disk fails
-  const bool data = which.group == Group::kData;
-  // Data parallel: the global batch of P micro-batches, each rank its share; otherwise every rank
+  const int failing = 1;  // the (world) rank whose disk fails
+  const Groups groups(which.group);
+  ASSERT_TRUE(which.group != Group::kDataTensor || groups.grid.ok()) << groups.grid.status().to_string();
+  const bool data = groups.data();
+  const int DP = groups.dp_size;
+  // Data parallel: the global batch of DP micro-batches, each rank its share; otherwise every rank
   // runs the whole batch (two micro-batches: the pipeline's schedule has something to overlap).
-  const TrainerConfig global = testing::tiny(which.kind, dtype, data ? P : 2, 1.0);
+  const TrainerConfig global = testing::tiny(which.kind, dtype, data ? DP : 2, 1.0);
   TrainerConfig c = global;
-  if (data) c.grad_accum = global.grad_accum / P;
+  if (data) c.grad_accum = global.grad_accum / DP;
   auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
-    return data ? testing::run_share(e, global, R, P, to, out, from) : testing::run_steps(e, c, from, to, out);
-  };
-  // One step of batch `index` (this rank's share of it), its status only.
-  auto step_status = [&](OffloadEngine& e, int index) -> Status {
-    std::vector<std::int32_t> in, tg;
-    testing::batch(global, index, in, tg);
-    if (data) {
-      const std::size_t per = static_cast<std::size_t>(global.micro_batch * global.seq_len);
-      std::vector<std::int32_t> a, b;
-      for (std::size_t i = static_cast<std::size_t>(R); i < static_cast<std::size_t>(global.grad_accum);
-           i += static_cast<std::size_t>(P)) {
-        a.insert(a.end(), in.begin() + static_cast<std::ptrdiff_t>(i * per),
-                 in.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-        b.insert(b.end(), tg.begin() + static_cast<std::ptrdiff_t>(i * per),
-                 tg.begin() + static_cast<std::ptrdiff_t>((i + 1) * per));
-      }
-      in = std::move(a);
-      tg = std::move(b);
-    }
-    return e.step(in, tg).status();
+    return data ? testing::run_share(e, global, groups.dp_rank, DP, to, out, from)
+                : testing::run_steps(e, c, from, to, out);
   };
   // This rank's state: a pipeline stage holds its own modules only.
   auto capture = [&](OffloadEngine& e, Snapshot& out) {
@@ -130,7 +172,7 @@ void retry_case(const Case& which) {
   Snapshot ref;
   {
     auto device = testing::make_device();
-    auto engine = make_engine(c, settings(ref_dir, which), *device, which, nullptr);
+    auto engine = make_engine(c, settings(ref_dir, which), *device, groups, nullptr);
     ASSERT_TRUE(engine.ok()) << engine.status().to_string();
     ASSERT_TRUE(run(**engine, 0, kSteps, ref));
     ASSERT_TRUE(capture(**engine, ref));
@@ -138,7 +180,7 @@ void retry_case(const Case& which) {
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
-  auto engine = make_engine(c, settings(dir, which), *device, which, &faults);
+  auto engine = make_engine(c, settings(dir, which), *device, groups, &faults);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   OffloadEngine& e = **engine;
   Snapshot got;
@@ -156,15 +198,17 @@ void retry_case(const Case& which) {
   if (R == failing) faults.fail_writes_after_bytes = b2 + through;
   ASSERT_TRUE(run(e, k, k + 1, got));  // returns once the norm is known
   const std::string step_name = "step " + std::to_string(k + 1);
-  Status first = which.next_is_step ? step_status(e, k + 1) : e.synchronize();
+  Status first = which.next_is_step ? step_status(e, global, groups, k + 1) : e.synchronize();
   ASSERT_FALSE(first.ok()) << "rank " << R << ": the update of " << step_name << " did not fail";
   if (R == failing) {
     EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
     EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
   } else {
-    const std::string named = which.group == Group::kData     ? "failed on data-parallel rank "
-                              : which.group == Group::kTensor ? "failed on tensor-parallel rank "
-                                                              : "failed on pipeline stage ";
+    // The grid: world rank 1 is data-parallel rank 0 of tensor-parallel rank 1.
+    const std::string named = which.group == Group::kData         ? "failed on data-parallel rank "
+                              : which.group == Group::kTensor     ? "failed on tensor-parallel rank "
+                              : which.group == Group::kDataTensor ? "failed on data-parallel rank 0 of tensor-parallel rank "
+                                                                  : "failed on pipeline stage ";
     EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
     EXPECT_NE(first.message().find(named + std::to_string(failing)), std::string::npos) << first.to_string();
   }
@@ -187,18 +231,174 @@ void retry_case(const Case& which) {
   EXPECT_LT(retry_bytes, per_step) << "rank " << R << ": the retry rewrote what had already gone through";
   ASSERT_TRUE(run(e, k + 1, kSteps, got));
   ASSERT_TRUE(capture(e, got));
-  ASSERT_EQ(ref.losses.size(), got.losses.size());
-  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
-    EXPECT_EQ(ref.losses[i], got.losses[i]) << "loss of step " << i + 1;
-    EXPECT_EQ(ref.norms[i], got.norms[i]) << "norm of step " << i + 1;
+  expect_bitwise(ref, got);
+}
+
+// A failure before the update (docs/offload.md "Faults", "Before the update"): kNonFinite puts
+// NaN into one parameter on rank 1 only (fp32, so restoring it restores its master exactly), so
+// the gradient norm every rank merges is not finite; kGradientWrite (with the NVMe optimizer, as
+// NVMe gradients need) fails rank 1's NVMe gradient writes half-way through one step's backward
+// (its gradient stream goes on: the reduce-scatters after the failed write are every rank's), a
+// local failure that travels as a flag with the norm's statistics. Either way every rank's step()
+// fails, nothing is updated on any rank (the step count stays; a retry while the disk still fails
+// fails again on every rank) and calling step() again with the same batch on every rank, once
+// the cause is gone, continues bit for bit as the same ranks without the fault.
+enum class Before { kNonFinite, kGradientWrite };
+
+void before_update_case(Group group, Before fault, int stage, Tier params, ModelKind kind) {
+  const bool nonfinite = fault == Before::kNonFinite;
+  SCOPED_TRACE(std::string(name_of(group)) + (nonfinite ? ", a non-finite norm" : ", a gradient write fails") +
+               ", stage " + std::to_string(stage) + ", parameters on " + std::string(to_string(params)) + ", " +
+               std::string(to_string(kind)));
+  const int R = world().rank();
+  const int failing = 1;  // the (world) rank whose gradients are bad or whose disk fails
+  const Groups groups(group);
+  ASSERT_TRUE(group != Group::kDataTensor || groups.grid.ok()) << groups.grid.status().to_string();
+  const bool data = groups.data();
+  const int DP = groups.dp_size;
+  const TrainerConfig global = testing::tiny(kind, DType::kF32, data ? DP : 2, 1.0);
+  TrainerConfig c = global;
+  if (data) c.grad_accum = global.grad_accum / DP;
+  auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
+    return data ? testing::run_share(e, global, groups.dp_rank, DP, to, out, from)
+                : testing::run_steps(e, c, from, to, out);
+  };
+  auto capture = [&](OffloadEngine& e, Snapshot& out) {
+    if (group != Group::kPipeline) return testing::capture_state(e, out);
+    std::vector<int> held;
+    return testing::capture_stage(e, out, held) && !held.empty();
+  };
+  auto make_settings = [&](const testing::TempDir& dir) {
+    OffloadSettings s;
+    s.params = params;
+    // NVMe gradients go with the NVMe optimizer.
+    s.optimizer = nonfinite ? Tier::kHost : Tier::kNvme;
+    s.zero_stage = stage;
+    s.persistence_threshold = 0;
+    s.gradients = nonfinite ? Tier::kHost : Tier::kNvme;
+    s.update_during_backward = false;  // the norm decides (clipping is on anyway)
+    s.nvme_path = {dir.path().string()};
+    return s;
+  };
+  constexpr int kSteps = 4, k = 2;  // batch k (step k + 1) fails
+  testing::TempDir ref_dir("strata-dist-before-ref"), dir("strata-dist-before");  // each rank its own
+  Snapshot ref;
+  {
+    auto device = testing::make_device();
+    auto engine = make_engine(c, make_settings(ref_dir), *device, groups, nullptr);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(run(**engine, 0, kSteps, ref));
+    ASSERT_TRUE(capture(**engine, ref));
   }
-  ASSERT_EQ(ref.param.size(), got.param.size());
-  for (std::size_t i = 0; i < ref.param.size(); ++i) {
-    EXPECT_TRUE(testing::bitwise_equal(ref.param[i], got.param[i])) << "parameter " << i;
-    EXPECT_TRUE(testing::bitwise_equal(ref.master[i], got.master[i])) << "master " << i;
-    EXPECT_TRUE(testing::bitwise_equal(ref.m[i], got.m[i])) << "exp_avg " << i;
-    EXPECT_TRUE(testing::bitwise_equal(ref.v[i], got.v[i])) << "exp_avg_sq " << i;
+
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = make_engine(c, make_settings(dir), *device, groups, &faults);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  OffloadEngine& e = **engine;
+  Snapshot got;
+  ASSERT_TRUE(run(e, 0, k - 1, got));
+  ASSERT_TRUE(e.synchronize().ok());
+  const std::uint64_t b1 = faults.write_bytes_started.load();
+  ASSERT_TRUE(run(e, k - 1, k, got));
+  ASSERT_TRUE(e.synchronize().ok());
+  const std::uint64_t b2 = faults.write_bytes_started.load();
+  Snapshot before;  // the state the failed step must leave as it is
+  ASSERT_TRUE(capture(e, before));
+  // Every rank's first owning parameter it holds (a pipeline stage its own; tensor parallel reads
+  // are collective: every rank reads the same ones in the same order).
+  int index = -1;
+  std::vector<float> original;
+  const ModelLayout& L = e.model().layout();
+  for (std::size_t i = 0; i < L.params.size() && index < 0; ++i) {
+    if (!L.params[i].owns_storage()) continue;
+    auto p = e.get_param(static_cast<int>(i));
+    if (!p.ok()) continue;  // held by another stage
+    index = static_cast<int>(i);
+    original = std::move(*p);
   }
+  ASSERT_GE(index, 0);
+  if (nonfinite) {
+    // Every rank writes (data parallel: set_param gathers the sharded master over the ranks), the
+    // others the values they hold (fp32: the master is the parameter, so nothing changes there).
+    std::vector<float> bad(original.size(), std::nanf(""));
+    ASSERT_TRUE(e.set_param(index, R == failing ? bad : original).ok());
+  } else {
+    // With the parameters on the device a step writes its fp32 gradients during backward, then
+    // [master | m | v] in the update: a quarter of its bytes are the gradients, which come
+    // first (the previous step's update has finished: synchronize). An eighth of the step's
+    // bytes is half-way through its gradient writes.
+    const std::uint64_t per_step = b2 - b1;
+    ASSERT_GT(per_step, 0u);
+    if (R == failing) faults.fail_writes_after_bytes = b2 + per_step / 8;
+  }
+  const std::string step_name = "step " + std::to_string(k + 1);
+  auto expect_failed = [&](const Status& s, const char* when) {
+    ASSERT_FALSE(s.ok()) << "rank " << R << ": " << step_name << " did not fail " << when;
+    if (nonfinite) {
+      // Every rank merged the same statistics: every rank reports the norm itself.
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+      EXPECT_NE(s.message().find("not finite"), std::string::npos) << s.to_string();
+      EXPECT_NE(s.message().find("nothing was updated"), std::string::npos) << s.to_string();
+    } else if (R == failing) {
+      EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
+      EXPECT_NE(s.message().find(dir.path().string()), std::string::npos) << s.to_string();
+    } else {
+      const std::string named = group == Group::kData       ? "data-parallel rank 1"
+                                : group == Group::kTensor   ? "tensor-parallel rank 1"
+                                : group == Group::kPipeline ? "pipeline stage 1"
+                                                            : "data-parallel rank 0, tensor-parallel rank 1";
+      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+      EXPECT_NE(s.message().find(step_name + ": the step failed before its update on " + named), std::string::npos)
+          << s.to_string();
+    }
+    EXPECT_EQ(e.steps_done(), k) << "rank " << R << " " << when;
+  };
+  expect_failed(step_status(e, global, groups, k), "the first time");
+  // The cause is still there: the same step fails again on every rank, alike.
+  expect_failed(step_status(e, global, groups, k), "while its cause is still there");
+  // The cause is gone (the parameter repaired on rank 1, the disk back): the same batch again on
+  // every rank, and the run goes on as if nothing had happened.
+  if (nonfinite) {
+    ASSERT_TRUE(e.set_param(index, original).ok());
+  }
+  faults.fail_writes_after_bytes = 0;
+  // Nothing of the failed step was applied on any rank: every parameter, master and moment this
+  // rank holds is as before it (and the step count, checked above).
+  Snapshot after;
+  ASSERT_TRUE(capture(e, after));
+  expect_bitwise(before, after);
+  ASSERT_TRUE(run(e, k, kSteps, got));
+  ASSERT_TRUE(capture(e, got));
+  expect_bitwise(ref, got);
+}
+
+TEST(DistOffloadRetry, NonFiniteNormOnOneRankFailsTheStepOnEveryRankAndItRunsAgain) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  before_update_case(Group::kData, Before::kNonFinite, 2, Tier::kHost, ModelKind::kGpt2);
+  before_update_case(Group::kTensor, Before::kNonFinite, 0, Tier::kHost, ModelKind::kGpt2);
+  before_update_case(Group::kPipeline, Before::kNonFinite, 0, Tier::kDevice, ModelKind::kGpt2);
+}
+
+// A local failure before the norm: the failing rank's flag travels with the statistics every
+// rank gathers for the norm (the data-parallel all-gather, the stages', the tensor ranks').
+TEST(DistOffloadRetry, GradientWriteErrorOnOneRankFailsTheStepOnEveryRankAndItRunsAgain) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  before_update_case(Group::kData, Before::kGradientWrite, 2, Tier::kDevice, ModelKind::kGpt2);
+  before_update_case(Group::kTensor, Before::kGradientWrite, 0, Tier::kDevice, ModelKind::kGpt2);
+  // GPT-2: the tied embedding's gradient is read back, summed over the two stages and written
+  // again (the read or the write may be the one that fails; the sum is still every stage's).
+  before_update_case(Group::kPipeline, Before::kGradientWrite, 0, Tier::kDevice, ModelKind::kGpt2);
+}
+
+// The grid of 4 ranks (data 2 x tensor 2; dist.offload_retry.np4): world rank 1 (data-parallel
+// rank 0, tensor-parallel rank 1) fails part-way through one step's update, and, in the second
+// case, half-way through one step's gradient writes. The per-unit agreement runs over the
+// data-parallel group, then the tensor group; the flag before the norm over the same two.
+TEST(DistOffloadRetryGrid, DataTimesTensorFailureOnOneRankIsAgreedOnEveryRank) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  retry_case({Group::kDataTensor, 2, DType::kBF16});  // host optimizer, parameters on NVMe
+  before_update_case(Group::kDataTensor, Before::kGradientWrite, 2, Tier::kDevice, ModelKind::kGpt2);
 }
 
 TEST(DistOffloadRetry, HostUpdateWriteErrorOnOneRankIsRetriedInPlaceOnEveryRank) {

@@ -269,11 +269,18 @@ struct OffloadEngine::Impl {
   //     recorded factor. The gradients wait: the next step cannot overwrite a unit's gradients
   //     before that unit holds this step (its forward, or with the delayed update its
   //     gradients' copy-out, waits for the unit's update first).
-  //   kNone: not retryable — more than one process and a failure before the norm was published
-  //     (after it the ranks agree: agree_unit per unit over the data-parallel and tensor groups,
-  //     agree_stages per step over the pipeline stages); or update_during_backward, where units are
-  //     updated while the step's call is still running (only a non-finite gradient or a stream
-  //     error can fail there, and neither goes away by retrying): sticky until load_checkpoint.
+  //     With several processes every rank must fail the step alike: a non-finite norm is the
+  //     same on every rank (the statistics are merged over every group), and a rank's own
+  //     failure before the norm (a copy, a scan, a gradient read or write) travels with the
+  //     statistics to every rank (agree_before_norm), so every rank fails that step and runs it
+  //     again.
+  //   kNone: not retryable — more than one process and a failure before the norm that is not
+  //     agreed on (!agree_before_norm: the delayed update, update_during_backward) or a failed
+  //     collective (after the norm the ranks agree: agree_unit per unit over the data-parallel
+  //     and tensor groups, agree_stages per step over the pipeline stages); or
+  //     update_during_backward, where units are updated while the step's call is still running
+  //     (only a non-finite gradient or a stream error can fail there, and neither goes away by
+  //     retrying): sticky until load_checkpoint.
   // Which units (and NVMe sub-groups) already hold the step is what updated_step,
   // host_opt_step and group_step record; a failed swap write keeps the previous version
   // readable (swap_store.cpp), so a sub-group that is not marked reads back as before the step.
@@ -299,6 +306,25 @@ struct OffloadEngine::Impl {
   // step whose update this stage finished, before the stages agreed on it (unit_done).
   std::vector<std::int64_t> stage_done;
   std::int64_t norm_step = 0;              // the last step whose norm is known
+  // agree_before_norm: the caller's failure of the step in flight (a stream's error), handed to
+  // the optimizer thread with its kAbort (guarded by mu), which agrees on it with the other ranks.
+  Status abort_error;
+  // agree_before_norm: the first gradient read or write error of the pass in flight (NVMe
+  // gradients). It is kept here instead of failing the gradient stream, whose later host
+  // functions hold collectives every rank joins (the reduce-scatters); the caller takes it once
+  // the stream is idle (take_grad_io_error) and fails the step, agreed like any stream error.
+  std::mutex grad_io_mu;
+  Status grad_io_error;  // guarded by grad_io_mu
+  Status keep_grad_io(Status s) {
+    if (s.ok() || !agree_before_norm()) return s;
+    std::lock_guard<std::mutex> lock(grad_io_mu);
+    if (grad_io_error.ok()) grad_io_error = std::move(s);
+    return ok_status();
+  }
+  Status take_grad_io_error() {
+    std::lock_guard<std::mutex> lock(grad_io_mu);
+    return std::exchange(grad_io_error, ok_status());
+  }
   double norm_value = 0.0;                 // unscaled; inf or nan when the gradients overflowed
   // The step in flight (set by step() before its first micro-batch): its optimizer update number
   // and loss scale.
@@ -557,6 +583,29 @@ struct OffloadEngine::Impl {
   // norm (`pp_update_may_fail`: the NVMe optimizer, NVMe gradients or NVMe parameter homes,
   // whose writes can fail); an update in memory cannot (a failed collective is not retried).
   bool agree_per_unit() const { return (sharded && dp_params != nullptr) || tp_size > 1; }
+  // Units updated as their gradients land, inside the step's call (worker_main's immediate_ok).
+  bool update_immediately() const {
+    return !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
+           settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
+           std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  }
+  // Several processes, the host optimizer: a rank's own failure of a step before its norm (a
+  // stream error the caller sees, a failed scan or copy of landed gradients, a gradient read or
+  // write) travels as a flag with the statistics that every rank gathers for the norm anyway (the
+  // data-parallel all-gather, the stages' and the tensor ranks' gathers: together they reach every
+  // rank of the grid), so every rank fails the step and runs it again; nothing was updated
+  // anywhere. Not with the delayed update (the failing rank's call skips publishing the previous
+  // update that its peers publish, so the repeated step would not start alike), not when units
+  // are updated while they land, and not with data parallelism whose optimizer state is not
+  // sharded (no statistics gather over the data-parallel group).
+  bool agree_before_norm() const {
+    return !opt_on_device && (dp_size > 1 || tp_size > 1 || pp_size > 1) && !delayed && !update_immediately() &&
+           (dp_size == 1 || (sharded && dp_params != nullptr));
+  }
+  // The agreed place of a failing rank in the grid (1 + data-parallel rank + dp * (tensor rank +
+  // tp * stage)), 0 for none, and the words naming it.
+  float grid_place() const;
+  std::string name_grid_place(float place) const;
   bool pp_update_may_fail = false;  // set by setup()
   bool defer_marks() const { return pp_update_may_fail; }
   // Several ranks agreeing per unit, no pipeline: a failed update is reported by the call that
@@ -716,7 +765,8 @@ struct OffloadEngine::Impl {
                       std::int64_t micro, float dloss, std::int64_t step, double lr);
   // `stats` (per unit, this stage's) merged over the stages in unit order, each unit's from the
   // lowest stage holding it: the single process's merge (collective over pp_norm).
-  Result<GradStats> merge_stage_stats(const std::vector<GradStats>& stats);
+  // `stats`' first M records are used; `verdict` as in merge_over_tp.
+  Result<GradStats> merge_stage_stats(const std::vector<GradStats>& stats, float* verdict = nullptr);
   // The tied unit's gradient (`n` elements at `grads`: the whole unit, or this data-parallel
   // rank's slice of it, the same slice on both ends) summed over the first and the last stage
   // (collective).
@@ -807,7 +857,9 @@ struct OffloadEngine::Impl {
   Result<GradStats> scan_norm(const CpuOptimizer& opt, int u, const char* grads, std::uint64_t first,
                               std::uint64_t n, float inv_scale) const;
   // The statistics of every tensor-parallel rank merged in rank order (the same bits on every rank).
-  Result<GradStats> merge_over_tp(const GradStats& local, Comm& comm) const;
+  // `verdict` (optional): this rank's failure flag in, the max over the group out; it travels
+  // as one more record of the same gather.
+  Result<GradStats> merge_over_tp(const GradStats& local, Comm& comm, float* verdict = nullptr) const;
   // State `which` (read_state) of the full parameter: this rank's shard gathered over the group.
   Result<std::vector<float>> read_full(int index, int which);
   Status write_full(int index, std::span<const float> values);
@@ -1347,13 +1399,13 @@ Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
     Status s = x.wait();
     if (first.ok() && !s.ok()) first = s;
   }
-  return first;
+  return keep_grad_io(std::move(first));  // several processes: agreed with the step's norm
 }
 
 Status OffloadEngine::Impl::local_grads_io(int u, char* buf, bool write) {
   const TensorKey key{unit_key("grad_local", u), 0};
   const std::uint64_t n = units.gbytes[static_cast<std::size_t>(u)];
-  return (write ? swap->write(key, buf, n) : swap->read(key, buf, n)).wait();
+  return keep_grad_io((write ? swap->write(key, buf, n) : swap->read(key, buf, n)).wait());
 }
 
 Status OffloadEngine::Impl::write_values(int index, std::span<const float> values, bool master_too) {
@@ -1537,15 +1589,21 @@ Result<GradStats> OffloadEngine::Impl::scan_norm(const CpuOptimizer& opt, int u,
   return total;
 }
 
-Result<GradStats> OffloadEngine::Impl::merge_over_tp(const GradStats& local, Comm& comm) const {
+Result<GradStats> OffloadEngine::Impl::merge_over_tp(const GradStats& local, Comm& comm, float* verdict) const {
   static_assert(sizeof(GradStats) % 4 == 0);
-  constexpr std::size_t kWords = sizeof(GradStats) / 4;
-  std::vector<GradStats> all(static_cast<std::size_t>(tp_size));
+  // Two records per rank: its statistics and its failure flag (agree_before_norm; 0 without).
+  constexpr std::size_t kWords = 2 * sizeof(GradStats) / 4;
+  const GradStats mine[2] = {local, GradStats{verdict != nullptr ? *verdict : 0.0, 0}};
+  std::vector<GradStats> all(2 * static_cast<std::size_t>(tp_size));
   // The statistics travel as raw 32-bit words (an all-gather moves bits, it does not add).
-  STRATA_RETURN_IF_ERROR(comm.all_gather(&local, all.data(), kWords, DType::kF32).wait().with_context(
+  STRATA_RETURN_IF_ERROR(comm.all_gather(mine, all.data(), kWords, DType::kF32).wait().with_context(
       "tensor parallel: gathering the gradient statistics"));
   GradStats total;
-  for (const GradStats& g : all) total.merge(g);
+  for (int r = 0; r < tp_size; ++r) {
+    total.merge(all[2 * static_cast<std::size_t>(r)]);
+    if (verdict != nullptr)
+      *verdict = std::max(*verdict, static_cast<float>(all[2 * static_cast<std::size_t>(r) + 1].sum_of_squares));
+  }
   return total;
 }
 
@@ -1757,8 +1815,8 @@ Status OffloadEngine::Impl::setup_pipeline() {
     STRATA_ASSIGN_OR_RETURN(pp_tied, pp->split(member ? 0 : 1 + pp_rank, pp_rank, "pp.tied"));
     if (!member || !units.in_stage[static_cast<std::size_t>(tied_unit)]) pp_tied.reset();
   }
-  pp_stats.assign(static_cast<std::size_t>(M), GradStats{});
-  pp_gathered.assign(static_cast<std::size_t>(M * pp_size), GradStats{});
+  pp_stats.assign(static_cast<std::size_t>(M) + 1, GradStats{});  // + the failure flag (merge_stage_stats)
+  pp_gathered.assign((static_cast<std::size_t>(M) + 1) * static_cast<std::size_t>(pp_size), GradStats{});
   const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
                                  dtype_size(wdtype);
   // Interleaved: every stage sends and receives in both directions (a chunk's output goes to the
@@ -1790,16 +1848,25 @@ Status OffloadEngine::Impl::setup_pipeline() {
   return ok_status();
 }
 
-Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradStats>& stats) {
+Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradStats>& stats, float* verdict) {
   static_assert(sizeof(GradStats) % 4 == 0);
-  std::copy(stats.begin(), stats.end(), pp_stats.begin());
+  // M + 1 records per stage: its per-unit statistics and its failure flag (agree_before_norm).
+  const std::size_t per = static_cast<std::size_t>(M) + 1;
+  std::copy_n(stats.begin(), std::min<std::size_t>(stats.size(), per - 1), pp_stats.begin());
+  pp_stats[per - 1] = GradStats{verdict != nullptr ? *verdict : 0.0, 0};
   Status s = pp_norm->all_gather(pp_stats.data(), pp_gathered.data(), pp_stats.size() * sizeof(GradStats) / 4,
                                  DType::kF32).wait();
   if (!s.ok()) return s.with_context("pipeline: gather of the gradient statistics");
   GradStats total;
   for (int u = 0; u < M; ++u) {
     const int st = unit_stage[static_cast<std::size_t>(u)];
-    total.merge(pp_gathered[static_cast<std::size_t>(st * M + u)]);
+    total.merge(pp_gathered[static_cast<std::size_t>(st) * per + static_cast<std::size_t>(u)]);
+  }
+  if (verdict != nullptr) {
+    for (int st = 0; st < pp_size; ++st) {
+      const GradStats& flag = pp_gathered[static_cast<std::size_t>(st) * per + per - 1];
+      *verdict = std::max(*verdict, static_cast<float>(flag.sum_of_squares));
+    }
   }
   return total;
 }
@@ -2878,9 +2945,7 @@ void OffloadEngine::Impl::worker_main() {
   // Not with fp16: an overflow anywhere skips the whole step, so no unit may update before the
   // norm is known (as with clipping).
   // Not with the delayed update: the step's update runs while the next step computes.
-  const bool immediate_ok = !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
-                            settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
-                            std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  const bool immediate_ok = update_immediately();
   // A retry needs no other process to agree on it (FailedUpdate) ...
   const bool can_retry = dp_size == 1 && tp_size == 1 && pp_size == 1;
   // ... or, several processes, the ranks agreeing on each unit before it counts as updated
@@ -2888,11 +2953,19 @@ void OffloadEngine::Impl::worker_main() {
   // retired) and the pipeline stages on each step (agree_stages): then a failed update stops at
   // the same unit on every rank, and every rank retries the same units (docs/offload.md "Faults").
   const bool agreed_retry = agree_per_unit() || defer_marks();
-  auto fail = [&](Status s, FailPhase phase, const Command& c) {
+  // Several processes, a failure before the norm: every rank failed the step alike (a non-finite
+  // norm merged over every group, or a flag gathered with the statistics, agree_before_norm).
+  const bool agree_before = agree_before_norm();
+  // agree_before: this rank's failure of the step in flight before its norm (a landed unit's
+  // copy or scan), held until the step's kFinish or kAbort agrees on it with the other ranks.
+  Status own_before;
+  // `agreed`: every rank fails this step before its norm (FailPhase::kBeforeUpdate).
+  auto fail = [&](Status s, FailPhase phase, const Command& c, bool agreed = false) {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) {
       worker_error = std::move(s);
-      const bool retryable = can_retry || (agreed_retry && phase == FailPhase::kAfterNorm);
+      const bool retryable = can_retry || (agreed_retry && phase == FailPhase::kAfterNorm) ||
+                             (agreed && phase == FailPhase::kBeforeUpdate);
       failed = FailedUpdate{retryable ? phase : FailPhase::kNone, c, false};
     }
     cv.notify_all();
@@ -2965,32 +3038,47 @@ void OffloadEngine::Impl::worker_main() {
     return ok_status();
   };
   // Every unit has landed: the norm, then (unless immediate_ok did it) the update.
-  auto on_finish = [&](const Command& c) {
+  // `own` (agree_before): this rank's failure of the step before its norm; it travels as a flag
+  // with the statistics, so every rank learns of it in the same collectives.
+  auto on_finish = [&](const Command& c, Status own) {
     GradStats total;
+    float verdict = own.ok() ? 0.0f : grid_place();
+    float* flag = agree_before ? &verdict : nullptr;
     if (sharded) {
-      // Every rank's per-unit statistics, merged unit by unit in rank order.
+      // Every rank's per-unit statistics and its failure flag (one more record), merged unit by
+      // unit in rank order.
       static_assert(sizeof(GradStats) % 4 == 0);
-      Status s = dp_wait(dp_tracks[2], dp_params->all_gather(stats.data(), gathered_stats.data(), stats.size() * sizeof(GradStats) / 4,
-                                               DType::kF32),
-                         "gather gradient statistics", -1, gathered_stats.size() * sizeof(GradStats));
+      const std::size_t per = static_cast<std::size_t>(M) + 1;
+      std::vector<GradStats> mine(stats);
+      mine.push_back(GradStats{verdict, 0});
+      std::vector<GradStats> all(per * static_cast<std::size_t>(dp_size));
+      Status s = dp_wait(dp_tracks[2], dp_params->all_gather(mine.data(), all.data(), per * sizeof(GradStats) / 4,
+                                                             DType::kF32),
+                         "gather gradient statistics", -1, all.size() * sizeof(GradStats));
       if (!s.ok()) return fail(s, phase_of(c, FailPhase::kNone), c);
+      for (int r = 0; r < dp_size; ++r) {
+        const GradStats& theirs = all[static_cast<std::size_t>(r) * per + per - 1];
+        verdict = std::max(verdict, static_cast<float>(theirs.sum_of_squares));
+      }
+      auto at = [&](int r, int u) -> const GradStats& {
+        return all[static_cast<std::size_t>(r) * per + static_cast<std::size_t>(u)];
+      };
       if (pp_size > 1) {
         // Each unit's statistics over the data-parallel ranks, then over the pipeline stages.
         std::vector<GradStats> per_unit(static_cast<std::size_t>(M));
         for (int u = 0; u < M; ++u) {
-          for (int r = 0; r < dp_size; ++r)
-            per_unit[static_cast<std::size_t>(u)].merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+          for (int r = 0; r < dp_size; ++r) per_unit[static_cast<std::size_t>(u)].merge(at(r, u));
         }
-        auto merged = merge_stage_stats(per_unit);
+        auto merged = merge_stage_stats(per_unit, flag);
         if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
         total = *merged;
       } else {
         for (int u = 0; u < M; ++u) {
-          for (int r = 0; r < dp_size; ++r) total.merge(gathered_stats[static_cast<std::size_t>(r * M + u)]);
+          for (int r = 0; r < dp_size; ++r) total.merge(at(r, u));
         }
       }
     } else if (pp_size > 1) {
-      auto merged = merge_stage_stats(stats);
+      auto merged = merge_stage_stats(stats, flag);
       if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
       total = *merged;
     } else {
@@ -2999,21 +3087,32 @@ void OffloadEngine::Impl::worker_main() {
         total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
     }
     if (tp_size > 1) {
-      auto merged = merge_over_tp(total, *tp_norm);
+      auto merged = merge_over_tp(total, *tp_norm, flag);
       if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
       total = *merged;
+    }
+    if (verdict != 0.0f) {
+      // Some rank failed the step before its norm; every rank saw the same flags, in the same
+      // collectives, and none publishes the norm: every rank's step() reports it (the failing
+      // rank its own error) with nothing updated, and every rank runs the step again.
+      if (!own.ok()) return fail(std::move(own), FailPhase::kBeforeUpdate, c, true);
+      return fail(unavailable("step " + std::to_string(c.step) + ": the step failed before its update on " +
+                              name_grid_place(verdict) +
+                              " (its error names the cause); nothing was updated on any rank: call step() "
+                              "again with the same batch"),
+                  FailPhase::kBeforeUpdate, c, true);
     }
     const double norm = total.norm();
     if (!total.finite() && !fp16 && !immediate_ok) {
       // Nothing of the step was applied and the norm is not published: the step's own call
       // reports it with the state untouched (its step count, too), and calling again runs the
       // step again (FailPhase::kBeforeUpdate), e.g. once the input or the learning rate changed.
-      // Every rank merged the same statistics, so with several processes all fail alike; they
-      // stay sticky there (can_retry) as every other failure.
+      // Every rank merged the same statistics (over every group), so with several processes all
+      // fail alike and all run the step again: agreed without a flag.
       return fail(invalid_argument("step " + std::to_string(c.step) + ": the gradient norm is not finite (" +
                                    std::to_string(norm) +
                                    "); nothing was updated. Lower the learning rate or enable clipping"),
-                  FailPhase::kBeforeUpdate, c);
+                  FailPhase::kBeforeUpdate, c, true);
     }
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -3060,16 +3159,32 @@ void OffloadEngine::Impl::worker_main() {
       }
     } idle{this};
     if (c.kind == Command::kStop) break;
-    if (c.kind == Command::kAbort) continue;  // the next step's landed units overwrite the stats
+    if (c.kind == Command::kAbort) {
+      // The caller's step failed before its norm. Alone, the next step's landed units overwrite
+      // the stats. Agreeing (agree_before): the other ranks wait in the statistics gathers, so
+      // this rank joins them with its failure flag.
+      if (!agree_before) continue;
+      Status caller;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        caller = std::exchange(abort_error, ok_status());
+      }
+      if (caller.ok()) caller = internal_error("step " + std::to_string(c.step) + " was abandoned");
+      own_before = ok_status();
+      on_finish(c, std::move(caller));
+      continue;
+    }
     if (c.kind == Command::kLanded) {
+      if (agree_before && !own_before.ok()) continue;  // the step failed here already
       Status s = landed[static_cast<std::size_t>(c.unit)]->synchronize();
-      if (!s.ok()) {
+      if (s.ok()) s = on_landed(c);
+      if (!s.ok() && agree_before) {
+        // Kept until the step's kFinish (or kAbort) agrees on it with the other ranks.
+        own_before = std::move(s);
+      } else if (!s.ok()) {
         // A failed copy: the host gradients cannot be trusted, nor can a retry that rescans them.
         fail(s, phase_of(c, FailPhase::kNone), c);
-        continue;
       }
-      s = on_landed(c);
-      if (!s.ok()) fail(s, phase_of(c, FailPhase::kNone), c);
       continue;
     }
     if (c.kind == Command::kRetry) {
@@ -3077,7 +3192,7 @@ void OffloadEngine::Impl::worker_main() {
       if (!s.ok()) fail(s, FailPhase::kAfterNorm, c);
       continue;
     }
-    on_finish(c);  // kFinish: every unit has landed.
+    on_finish(c, std::exchange(own_before, ok_status()));  // kFinish: every unit has landed.
   }
 }
 
@@ -3134,6 +3249,24 @@ Status OffloadEngine::Impl::agree_stages(std::int64_t step, Status own) {
                      " (its error names the cause); every stage retries it in place at the call after the next");
 }
 
+float OffloadEngine::Impl::grid_place() const {
+  const bool over_dp = sharded && dp_params != nullptr;
+  const int dps = over_dp ? dp_size : 1, dpr = over_dp ? dp_rank : 0;
+  return static_cast<float>(1 + dpr + dps * (tp_rank + tp_size * pp_rank));
+}
+
+std::string OffloadEngine::Impl::name_grid_place(float place) const {
+  const bool over_dp = sharded && dp_params != nullptr;
+  const int dps = over_dp ? dp_size : 1;
+  const int r = static_cast<int>(place) - 1;
+  std::string out;
+  auto add = [&](const std::string& part) { out += (out.empty() ? "" : ", ") + part; };
+  if (dps > 1) add("data-parallel rank " + std::to_string(r % dps));
+  if (tp_size > 1) add("tensor-parallel rank " + std::to_string(r / dps % tp_size));
+  if (pp_size > 1) add("pipeline stage " + std::to_string(r / dps / tp_size));
+  return out;
+}
+
 Status OffloadEngine::Impl::recover() {
   if (opt_on_device) return ok_status();
   // Pipeline: the verdict on the update in flight is agreed by the stages' optimizer threads;
@@ -3170,6 +3303,7 @@ Status OffloadEngine::Impl::recover() {
     std::lock_guard<std::mutex> lock(mu);
     worker_error = ok_status();
     failed = FailedUpdate{};
+    abort_error = ok_status();  // a kAbort the optimizer thread skipped after the failure
     if (f.phase == FailPhase::kAfterNorm) {
       Command c = f.cmd;
       c.kind = Command::kRetry;
@@ -3229,6 +3363,7 @@ void OffloadEngine::Impl::reset_pass_state() {
   record.clear();
   trace_ok = false;
   pos = 0;
+  (void)take_grad_io_error();  // the failed pass's, reported by its call already
 }
 
 Status OffloadEngine::Impl::wait_all_updates(bool publish) {
@@ -4483,6 +4618,9 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     if (s.ok()) s = t.compute->synchronize();
     if (s.ok()) s = t.h2d->synchronize();
     if (s.ok()) s = t.gstream->synchronize();
+    // Several processes: a gradient read or write error kept while the gradient stream went on
+    // (its reduce-scatters are every rank's); the step fails here, agreed with the norm.
+    if (s.ok()) s = t.take_grad_io_error();
     // Delayed update: compute is done with the parameters of this step; the previous step's
     // update (which this step did not see) goes to the device now, before this step's update
     // may rewrite the host copy it is uploaded from (await_upload).
@@ -4491,6 +4629,11 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
       std::lock_guard<std::mutex> lock(t.mu);
       t.commands.push_back(Impl::Command{s.ok() ? Impl::Command::kFinish : Impl::Command::kAbort, -1, m.step, m.lr,
                                          t.opt_step_now, t.loss_scale_now});
+      // Several processes: the optimizer thread agrees on the failure with the other ranks,
+      // which wait for this rank's statistics (agree_before_norm).
+      // Not after an agreed failure of an earlier update (every rank's call failed on it alike
+      // and the optimizer thread skips the kAbort).
+      if (!s.ok() && t.agree_before_norm() && t.worker_error.ok()) t.abort_error = s;
     }
     t.cv.notify_all();
     if (!s.ok()) {
