@@ -366,7 +366,8 @@ int run_plan(std::span<const std::string> argv) {
               // and the partial optimizer split are predicted and written where the engine takes
               // them, and left out elsewhere.
               if (optimizer == Tier::kDevice) s.delayed_update = false;
-              if (optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) s.optimizer_ratio = 1.0;
+              if (optimizer == Tier::kDevice || s.delayed_update) s.optimizer_ratio = 1.0;
+              if (s.optimizer_ratio < 1.0 && s.dp_size > 1 && !s.validate().ok()) s.optimizer_ratio = 1.0;
               auto e = estimate_placement(rs.trainer, s, budgets, cuda);
               if (!e.ok()) return fail(e.status());
               // The cpu backend's device memory is this machine's memory too.
