@@ -216,7 +216,7 @@ TEST(CliEstimate, ConfigOffloadTuningChangesThePlan) {
 TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
   testing::TempDir dir("strata-cli-estimate");
   const std::string file = testing::write_file(
-      dir / "ratio.json", R"({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
+      dir / "ratio.json", R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
   auto r = run_cli(std::string("estimate --json --ranks 2 ") + kShape + " --config " + file);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);

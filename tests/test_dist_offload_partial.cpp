@@ -13,6 +13,7 @@
 // master and moment are compared bit for bit (testing::expect_same), no tolerance.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -29,24 +30,30 @@ using testing::local_of;
 using testing::Snapshot;
 using testing::world;
 
-// Steps [0, steps) of the global batch, this rank's share; then the full state (collective).
+// Steps [from, to) of the global batch, this rank's share.
+bool run_share(OffloadEngine& engine, const TrainerConfig& global, int from, int to, Snapshot& out) {
+  std::vector<std::int32_t> in, tg;
+  for (int step = from; step < to; ++step) {
+    testing::share(global, step, in, tg);
+    auto m = engine.step(in, tg);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    if (!m.ok()) return false;
+    out.losses.push_back(m->loss);
+    out.norms.push_back(m->grad_norm);
+    out.scales.push_back(m->loss_scale);
+    out.skipped.push_back(m->skipped ? 1 : 0);
+  }
+  return true;
+}
+
+// Steps [0, steps); then the full state (collective).
 Snapshot train_share(const TrainerConfig& global, const OffloadSettings& s, int steps) {
   Snapshot out;
   auto device = testing::make_device();
   auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
-  std::vector<std::int32_t> in, tg;
-  for (int step = 0; step < steps; ++step) {
-    testing::share(global, step, in, tg);
-    auto m = (*engine)->step(in, tg);
-    EXPECT_TRUE(m.ok()) << m.status().to_string();
-    if (!m.ok()) return out;
-    out.losses.push_back(m->loss);
-    out.norms.push_back(m->grad_norm);
-    out.scales.push_back(m->loss_scale);
-    out.skipped.push_back(m->skipped ? 1 : 0);
-  }
+  if (!run_share(**engine, global, 0, steps, out)) return out;
   testing::capture_state(**engine, out);
   return out;
 }
@@ -184,6 +191,45 @@ TEST(PartialOffloadDataParallel, DeviceStateIsOneSlicePerRank) {
     EXPECT_LT(plan.device_bytes, single->device_bytes + staging + slices);
     // The host keeps this rank's slices of the other modules only.
     EXPECT_LT(plan.pinned_bytes + plan.host_bytes, single->pinned_bytes + single->host_bytes);
+  }
+}
+
+// A checkpoint written with the split (the device slices gathered over the ranks) resumes at ratio
+// 1 and the other way round, bit for bit the straight run: the files are the placement's whole
+// state, each rank keeping its slices on load.
+TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
+  const int P = world().size();
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * P, 0.5);
+  const OffloadSettings split = host_sharded(2, 0.5), whole = host_sharded(2, 1.0);
+  const Snapshot straight = train_share(global, whole, 4);
+  for (const bool split_first : {true, false}) {
+    const std::string root = testing::shared_temp_dir("partial-ckpt");
+    const std::string what =
+        split_first ? "saved at ratio 0.5, resumed at ratio 1" : "saved at ratio 1, resumed at 0.5";
+    Snapshot got;
+    {
+      auto device = testing::make_device();
+      auto engine =
+          OffloadEngine::create(local_of(global), split_first ? split : whole, *device, nullptr, &world());
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      ASSERT_TRUE(run_share(**engine, global, 0, 2, got));
+      auto saved = (*engine)->save_checkpoint(root, "{}", 1);
+      ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+    }
+    {
+      auto device = testing::make_device();
+      auto engine =
+          OffloadEngine::create(local_of(global), split_first ? whole : split, *device, nullptr, &world());
+      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+      auto m = (*engine)->load_checkpoint(root);
+      ASSERT_TRUE(m.ok()) << m.status().to_string();
+      EXPECT_EQ(m->step, 2);
+      ASSERT_TRUE(run_share(**engine, global, 2, 4, got));
+      ASSERT_TRUE(testing::capture_state(**engine, got));
+    }
+    testing::expect_same(straight, got, what);
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) std::filesystem::remove_all(root);
   }
 }
 

@@ -562,8 +562,7 @@ std::string_view to_string(StateKind kind) {
   return "unknown";
 }
 
-Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
-                                             const EstimateBudgets& budgets, bool cuda) {
+OffloadSettings placement_settings(const OffloadSettings& settings) {
   OffloadSettings s = settings;
   // Settings only some placements take (strata estimate and strata plan enumerate placements
   // from one base): the others are estimated without them. The delayed update adds a second
@@ -577,6 +576,12 @@ Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const 
   } else if (s.optimizer_ratio < 1.0 && s.dp_size > 1 && !s.validate().ok()) {
     s.optimizer_ratio = 1.0;
   }
+  return s;
+}
+
+Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
+                                             const EstimateBudgets& budgets, bool cuda) {
+  OffloadSettings s = placement_settings(settings);
   if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
     s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
     s.io.nvme_path = s.nvme_path;
