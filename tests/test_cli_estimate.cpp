@@ -209,6 +209,49 @@ TEST(CliEstimate, ConfigOffloadTuningChangesThePlan) {
       << strict.output;
 }
 
+// A config's partial optimizer split (offload_optimizer.ratio) with --ranks N: the rows that take
+// it with several data-parallel ranks (parameters on the device, the host optimizer, stages 0-2)
+// are the library's plan of the split on N ranks (what the engine carves, test_dist_offload_partial);
+// the others are planned at ratio 1.
+TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
+  testing::TempDir dir("strata-cli-estimate");
+  const std::string file = testing::write_file(
+      dir / "ratio.json", R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})");
+  auto r = run_cli(std::string("estimate --json --ranks 2 ") + kShape + " --config " + file);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  for (int stage : {1, 2}) {
+    OffloadSettings s;
+    s.optimizer = Tier::kHost;
+    s.zero_stage = stage;
+    s.dp_size = 2;
+    s.optimizer_ratio = 0.5;
+    auto split = OffloadPlan::make(same_shape(), s);
+    ASSERT_TRUE(split.ok()) << split.status().to_string();
+    s.optimizer_ratio = 1.0;
+    auto whole = OffloadPlan::make(same_shape(), s);
+    ASSERT_TRUE(whole.ok()) << whole.status().to_string();
+    const auto& got = row(j, stage, "device", "host");
+    EXPECT_EQ(got["total"]["device"], split->device_bytes) << "stage " << stage;
+    EXPECT_EQ(got["total"]["host"], split->host_bytes) << "stage " << stage;
+    EXPECT_EQ(got["total"]["pinned"], split->pinned_bytes) << "stage " << stage;
+    EXPECT_GT(split->device_bytes, whole->device_bytes) << "the device keeps the first modules' slices";
+    bool sliced = false;
+    for (const PlanLine& l : split->lines)
+      sliced = sliced || l.what.rfind("device region optim.exp_avg_sq (this rank's 1/2)", 0) == 0;
+    EXPECT_TRUE(sliced) << "stage " << stage << ": the device state is this rank's slices";
+  }
+  // Stage 3 (parameters off the device) does not take the split with several ranks.
+  OffloadSettings s3;
+  s3.params = Tier::kHost;
+  s3.optimizer = Tier::kHost;
+  s3.zero_stage = 3;
+  s3.dp_size = 2;
+  auto p3 = OffloadPlan::make(same_shape(), s3);
+  ASSERT_TRUE(p3.ok()) << p3.status().to_string();
+  EXPECT_EQ(row(j, 3, "host", "host")["total"]["device"], p3->device_bytes);
+}
+
 TEST(CliEstimate, VocabularySizeIsPartOfTheShape) {
   auto r = run_cli(std::string("estimate --json --vocab-size 50257 ") + kShape);
   ASSERT_EQ(r.exit_code, 0) << r.output;

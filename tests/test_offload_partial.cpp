@@ -269,15 +269,25 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
     params.nvme_path = {dir.path().string()};
     EXPECT_TRUE(params.validate().ok()) << "parameters on " << to_string(home) << " take the split";
   }
+  // Data parallelism: stages 0-2 with the host optimizer train (test_dist_offload_partial.cpp);
+  // stage 3, the NVMe optimizer and the parameters off the device are refused.
   OffloadSettings dp = partial(0.5);
   dp.dp_size = 2;
-  refused(dp, "data-parallel");
-  // Every stage with data parallelism (designed in docs/offload.md, not built), and a pipeline.
-  for (int stage : {1, 2, 3}) {
+  for (int stage : {0, 1, 2}) {
     OffloadSettings st = dp;
     st.zero_stage = stage;
-    refused(st, "data-parallel");
+    EXPECT_TRUE(st.validate().ok()) << "stage " << stage << " with 2 data-parallel ranks";
   }
+  OffloadSettings dp3 = dp;
+  dp3.zero_stage = 3;
+  refused(dp3, "data-parallel ranks at zero_optimization.stage 3");
+  OffloadSettings dp_nvme = dp;
+  dp_nvme.optimizer = Tier::kNvme;
+  dp_nvme.nvme_path = {dir.path().string()};
+  refused(dp_nvme, "offload_optimizer.device nvme");
+  OffloadSettings dp_params = dp;
+  dp_params.params = Tier::kHost;
+  refused(dp_params, "offload_param.device");
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
   refused(piped, "pipeline stages");

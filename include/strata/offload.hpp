@@ -249,6 +249,13 @@ struct PlacementEstimate {
 Result<std::vector<PlacementEstimate>> estimate_placements(const TrainerConfig& config, const OffloadSettings& base,
                                                            const EstimateBudgets& budgets, bool cuda = false);
 
+// `settings` with what only some placements take dropped, as estimate_placement plans them: the
+// delayed update with the optimizer on the device, and the partial optimizer split
+// (optimizer_ratio) where the engine does not take it (the optimizer on the device, the delayed
+// update, and with several data-parallel ranks what validate() refuses: stage 3, NVMe, the
+// parameters off the device).
+OffloadSettings placement_settings(const OffloadSettings& settings);
+
 // One placement's estimate (estimate_placements' row for `settings` as given: every setting that
 // changes the bytes counts, prefetch depth, buffer count and sub-group size included).
 Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,

@@ -209,6 +209,19 @@ struct OffloadEngine::Impl {
   std::uint64_t hshift = 0;
   std::vector<GradStats> dev_stats;  // per device unit: its gradient scan (compute stream)
   bool dev_unit(int u) const { return opt_on_device || u < kdev; }
+  // Partial offload with data parallelism (offload_detail::dp_partial_sharded; docs/offload.md
+  // "Data parallel" under "Partial optimizer offload"): the device units' gradients stay whole in
+  // offload.grads; after backward (stage 2: after every micro-batch) a compute-stream host
+  // function reduce-scatters each of them through offload.dp_staging on dp_device into this
+  // rank's slice (stage 1: written back in place; stage 2: added into offload.grad_slices), whose
+  // scan goes to dev_stats; once the norm is known the compute stream updates this rank's slices
+  // of master and moments (optim.*, packed at slices.offset) and all-gathers the working elements
+  // into the resident copy. The host units take ratio 1's sharded path unchanged.
+  bool part_dp = false;
+  float* dgrad_slices = nullptr;  // stage 2: offload.grad_slices (this rank's reduced slices)
+  std::unique_ptr<Comm> dp_device;  // the compute stream's (reduce-scatters, then all-gathers)
+  // Whether the device units' optimizer state holds this rank's slices only.
+  bool dev_sliced() const { return dev_sharded || part_dp; }
   // Global fp32-layout offset `off` (of a host unit) in one of the host arrays.
   char* host_at(const HostMem& h, std::uint64_t off) const { return h.bytes() + (off - hshift); }
   std::vector<OwnedParam> owned;                 // every owning parameter
@@ -803,20 +816,31 @@ struct OffloadEngine::Impl {
   // (the whole unit, or this rank's slice when dev_sharded).
   char* dev_state(int u, int which) const {
     const float* base = which == 1 ? dmaster : which == 2 ? dm : dv;
-    const std::uint64_t off = dev_sharded ? 4 * slices.offset[static_cast<std::size_t>(u)] : grad_begin(u);
+    const std::uint64_t off = dev_sliced() ? 4 * slices.offset[static_cast<std::size_t>(u)] : grad_begin(u);
     return const_cast<char*>(reinterpret_cast<const char*>(base)) + off;
   }
   std::uint64_t dev_state_first(int u) const {
-    return dev_sharded ? slices.begin[static_cast<std::size_t>(u)] : 0;
+    return dev_sliced() ? slices.begin[static_cast<std::size_t>(u)] : 0;
   }
   std::uint64_t dev_state_len(int u) const {
-    return dev_sharded ? slices.len[static_cast<std::size_t>(u)]
-                       : units.gbytes[static_cast<std::size_t>(u)] / 4;
+    return dev_sliced() ? slices.len[static_cast<std::size_t>(u)]
+                        : units.gbytes[static_cast<std::size_t>(u)] / 4;
   }
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
   Status scan_device_units();
   Status update_device_units(double lr, std::int64_t step, float scale);
+  // Partial offload with data parallelism (part_dp), on the compute stream: the device units'
+  // reduce-scatter into this rank's slices (`accumulate`: stage 2's later micro-batches add to
+  // offload.grad_slices), and the update of the slices with the all-gather of their parameters.
+  Status reduce_device_units(bool accumulate);
+  Status update_device_units_sharded(double lr, std::int64_t step, float scale);
+  // The reduced gradients of this rank's slice of device unit u (part_dp).
+  float* dev_slice_grads(int u) const {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (settings.zero_stage >= 2) return dgrad_slices + slices.offset[uu];
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)) + slices.begin[uu];
+  }
   // The device optimizer's buffers of parameter o (master, gradient, moments in the device
   // regions; the working copy in the resident block), for the cpu backend's update.
   OptimizerBuffers device_buffers(const OwnedParam& o) const;
@@ -896,6 +920,8 @@ Status OffloadEngine::Impl::setup() {
   kdev = static_cast<int>(units.device_opt_units);
   partial = !opt_on_device && kdev > 0;
   hshift = partial ? units.device_opt_bytes : 0;
+  part_dp = partial && dp != nullptr && dp->size() > 1;
+  if (part_dp) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
   dev_stats.assign(static_cast<std::size_t>(kdev), GradStats{});
   M = static_cast<int>(lay.modules.size());
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
@@ -977,8 +1003,10 @@ Status OffloadEngine::Impl::setup() {
                                                  : units.device_opt_bytes;
     dgrad_bytes = dbytes;
     // Sharded (dev_sharded): the state regions hold this rank's slices only.
-    const std::uint64_t sbytes =
-        opt_on_device ? offload_detail::device_state_bytes(units, settings) : units.device_opt_bytes;
+    // Partial offload with data parallelism: this rank's slices of the device units.
+    const std::uint64_t sbytes = opt_on_device ? offload_detail::device_state_bytes(units, settings)
+                                 : part_dp     ? 4 * slices.dev_elements
+                                               : units.device_opt_bytes;
     auto carve = [&](const char* name, std::uint64_t bytes) -> Result<float*> {
       STRATA_ASSIGN_OR_RETURN(std::uint64_t off,
                               arena.allocate_persistent(name, std::max<std::uint64_t>(bytes, 1)));
@@ -996,6 +1024,15 @@ Status OffloadEngine::Impl::setup() {
       STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::device_dp_staging_bytes(
                                                                        units, settings, half ? 2 : 4)));
       dev_staging = reinterpret_cast<char*>(staging);
+    }
+    if (part_dp) {
+      float* staging = nullptr;
+      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::partial_dp_staging_bytes(
+                                                                       units, settings, half ? 2 : 4)));
+      dev_staging = reinterpret_cast<char*>(staging);
+      if (settings.zero_stage >= 2) {
+        STRATA_ASSIGN_OR_RETURN(dgrad_slices, carve("offload.grad_slices", 4 * slices.dev_elements));
+      }
     }
     if (grad_sharded) {
       // Backward writes into bucket buffers, bound per bucket (open_buckets).
@@ -1083,7 +1120,8 @@ Status OffloadEngine::Impl::setup() {
     } else if (sharded) {
       // Unsharded gradients only to carry stage 1's accumulation between micro-batches.
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
-        STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes, "offload.host_grads"));
+        STRATA_ASSIGN_OR_RETURN(host_grads,
+                                HostMem::make(dev, pin, units.grad_bytes - hshift, "offload.host_grads"));
       }
     } else {
       STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes - hshift, "offload.host_grads"));
@@ -1236,7 +1274,9 @@ Status OffloadEngine::Impl::initialize() {
       if (dev_unit(u) && half) STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
     }
     STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
-    if (via_blob) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
+    // Partial offload with data parallelism: a device unit's state is on the device (its moments
+    // zeroed when carved, its master uploaded above).
+    if (via_blob && !(part_dp && dev_unit(u))) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
   }
   return compute->synchronize();
 }
@@ -1451,7 +1491,7 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
     STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
-  if (dev_unit(o.unit) && dev_sharded) {  // collective: the unit's slices gathered from every rank
+  if (dev_unit(o.unit) && dev_sliced()) {  // collective: the unit's slices gathered from every rank
     std::vector<char> pbytes;
     std::vector<float> blob;
     STRATA_RETURN_IF_ERROR(read_unit_state(o.unit, pbytes, blob));
@@ -1496,7 +1536,7 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   }
   if (read.ok()) read = stager->download(blob.data() + n + first, dev_state(u, 2), len * 4);
   if (read.ok()) read = stager->download(blob.data() + 2 * n + first, dev_state(u, 3), len * 4);
-  if (!dev_sharded) return read;
+  if (!dev_sliced()) return read;
   // The gather below is collective: a rank whose download failed keeps its place and every rank
   // returns the same error naming it, at once (not its peers after the comm timeout). Always
   // exchanged, unlike the host tier's (state_reads_can_fail): any device copy can fail.
@@ -1751,6 +1791,12 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     dp_tracks[2] = tracer.add_track("data parallel: device update (reduce-scatter, statistics, all-gather)");
     shard_stats.assign(static_cast<std::size_t>(M), GradStats{});
     gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
+  }
+  if (part_dp) {
+    // The compute stream's: the device units' reduce-scatters (every micro-batch at stage 2),
+    // then their parameter all-gathers, in unit order on every rank.
+    STRATA_ASSIGN_OR_RETURN(dp_device, dp->split(0, dp_rank, "dp.device_update"));
+    dp_tracks[3] = tracer.add_track("data parallel: device modules (reduce-scatter, all-gather)");
   }
   if (bucketed) {
     // The compute stream's gradient buckets, in bucket order on every rank.
@@ -3046,7 +3092,9 @@ void OffloadEngine::Impl::worker_main() {
     float* flag = agree_before ? &verdict : nullptr;
     if (sharded) {
       // Every rank's per-unit statistics and its failure flag (one more record), merged unit by
-      // unit in rank order.
+      // unit in rank order. Partial offload: the device units' are their slices' scans on the
+      // compute stream, which the caller synchronised before it pushed this command.
+      for (int u = 0; u < kdev; ++u) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
       static_assert(sizeof(GradStats) % 4 == 0);
       const std::size_t per = static_cast<std::size_t>(M) + 1;
       std::vector<GradStats> mine(stats);
@@ -3936,13 +3984,20 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
+  // Partial offload with data parallelism: stage 2 reduces the device units' gradients of every
+  // micro-batch on their own (each starts from zero, as ratio 1's buckets do); stage 1 reduces
+  // their sum once, after the last micro-batch.
+  const bool reduce_each = part_dp && settings.zero_stage >= 2;
   for (std::int64_t a = 0; a < micro; ++a) {
     STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
     cyclic = a + 1 < micro;
     begin_pass();
+    if (reduce_each && a > 0) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
     STRATA_RETURN_IF_ERROR(run_forward(true));
     STRATA_RETURN_IF_ERROR(model->copy_losses(static_cast<int>(a)));
     STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, update ? step : 0, lr));
+    if (part_dp && (reduce_each || a + 1 == micro))
+      STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/reduce_each && a > 0));
     STRATA_RETURN_IF_ERROR(end_pass());
   }
   cyclic = false;
@@ -4202,6 +4257,21 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
 
 Status OffloadEngine::Impl::scan_device_units() {
   const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
+  if (part_dp) {
+    // This rank's reduced slice of each device unit, with the host shard's call (on_landed's
+    // scan_norm from the slice's first element): ratio 1's statistics of the same slices.
+    return launch->run("gradient scan (device modules, this rank's slices)",
+                       [this, inv_scale](const kernels::KernelContext&) -> Status {
+                         for (int u = 0; u < kdev; ++u) {
+                           const std::size_t uu = static_cast<std::size_t>(u);
+                           STRATA_ASSIGN_OR_RETURN(
+                               dev_stats[uu],
+                               scan_norm(*device_opt, u, reinterpret_cast<const char*>(dev_slice_grads(u)),
+                                         slices.begin[uu], slices.len[uu], inv_scale));
+                         }
+                         return ok_status();
+                       });
+  }
   if (launch->is_cpu()) {
     // The same per-unit scan as the host optimizer's and the device tier's: the same bits.
     std::vector<std::pair<float*, std::size_t>> grads;
@@ -4250,7 +4320,92 @@ OptimizerBuffers OffloadEngine::Impl::device_buffers(const OwnedParam& o) const 
   return b;
 }
 
+Status OffloadEngine::Impl::reduce_device_units(bool accumulate) {
+  if (!launch->is_cpu()) {
+    return failed_precondition(
+        "partial optimizer offload with data parallelism reduces the device modules' gradients on the cpu "
+        "backend only");
+  }
+  return launch->run(
+      "data-parallel reduce-scatter (device modules)", [this, accumulate](const kernels::KernelContext&) -> Status {
+        const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
+        float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
+        float* rs_out = rs_in + P * slices.dev_max_chunk;      // chunk
+        for (int u = 0; u < kdev; ++u) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
+          if (n == 0) continue;  // the same on every rank
+          // The gradient stream's reduce_unit_grads at ratio 1: the unit padded with zeros to
+          // P x chunk, the same call and count, so the same bits.
+          float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+          std::memcpy(rs_in, g, n * 4);
+          std::fill(rs_in + n, rs_in + P * c, 0.0f);
+          STRATA_RETURN_IF_ERROR(
+              dp_wait(dp_tracks[3], dp_device->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
+                      "reduce-scatter gradients", u, 4 * P * c));
+          // Stage 1: the slice goes back in place (the rest of the unit is not read again this
+          // step); stage 2: the slices of the micro-batches add up as ratio 1's shard does.
+          float* dst = dev_slice_grads(u);
+          if (accumulate) {
+            for (std::uint64_t i = 0; i < len; ++i) dst[i] += rs_out[i];
+          } else {
+            std::memcpy(dst, rs_out, len * 4);
+          }
+        }
+        return ok_status();
+      });
+}
+
+// The device_update_sharded update for units [0, kdev) (the same per-parameter cuts of the slice,
+// the same kernels, so the bits of ratio 1's host update of the slice), the gradients read from
+// dev_slice_grads.
+Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t step, float scale) {
+  return launch->run(
+      "optimizer step (device modules, this rank's slices)",
+      [this, lr, step, scale](const kernels::KernelContext&) -> Status {
+        const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
+        const std::uint64_t cmax = slices.dev_max_chunk;
+        char* ag_in = reinterpret_cast<char*>(reinterpret_cast<float*>(dev_staging) + (P + 1) * cmax);  // chunk
+        char* ag_out = ag_in + w * cmax;                                                                 // P x chunk
+        for (int u = 0; u < kdev; ++u) {
+          const std::size_t uu = static_cast<std::size_t>(u);
+          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
+                              off = slices.offset[uu];
+          if (units.gbytes[uu] == 0) continue;
+          char* unit_params = resident + units.resident_offset[uu];
+          const float* grads = dev_slice_grads(u);
+          std::memset(ag_in, 0, c * w);
+          for (int k : owned_of_unit[uu]) {
+            const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+            const std::uint64_t a = o.grad_in_unit / 4;
+            const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
+            if (lo >= hi) continue;
+            char* wp = unit_params + o.param_in_unit + (lo - a) * w;
+            OptimizerBuffers ob;
+            ob.master = half ? dmaster + off + (lo - b) : reinterpret_cast<float*>(wp);  // fp32: the weight
+            ob.grad = reinterpret_cast<char*>(const_cast<float*>(grads + (lo - b)));
+            ob.grad_dtype = DType::kF32;
+            ob.exp_avg = dm + off + (lo - b);
+            ob.exp_avg_sq = dv + off + (lo - b);
+            ob.moment_dtype = DType::kF32;
+            ob.param_out = half ? wp : nullptr;
+            ob.out_dtype = wdtype;
+            ob.n = hi - lo;
+            STRATA_RETURN_IF_ERROR(device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
+            std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
+          }
+          // Moves bits: fp16 travels as 16-bit words.
+          STRATA_RETURN_IF_ERROR(
+              dp_wait(dp_tracks[3], dp_device->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
+                      "gather parameters", u, P * c * w));
+          from_elements(u, ag_out, unit_params);
+        }
+        return ok_status();
+      });
+}
+
 Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, float scale) {
+  if (part_dp) return update_device_units_sharded(lr, step, scale);
   if (launch->is_cpu()) {
     struct P {
       OptimizerBuffers b;
@@ -4400,6 +4555,14 @@ Status check_data_parallel(const OffloadSettings& s, Device& device, const Comm&
     }
     // With tensor and pipeline parallelism: the device update merges the statistics over the
     // stages and the tp group and sums the tied embedding's slices (device_update_sharded).
+  }
+  if (s.optimizer != Tier::kDevice && s.optimizer_ratio < 1.0 && device.info().kind != DeviceKind::kCpu) {
+    // The device modules' reduce-scatters and all-gathers run in compute-stream host functions
+    // over host-buffer collectives (as the sharded device optimizer's): the cpu backend's.
+    return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(s.optimizer_ratio) +
+                            " with " + ranks + " on the " + std::string(device.info().name) +
+                            " device is not built yet (the device modules' collectives run on the cpu backend "
+                            "only); use ratio 1 or the cpu device");
   }
   // The optimizer on the device reduces device buffers; the host optimizer reduces host buffers.
   const bool device_buffers = s.optimizer == Tier::kDevice && device.info().kind == DeviceKind::kCuda;

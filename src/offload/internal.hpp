@@ -331,6 +331,31 @@ inline std::uint64_t device_state_bytes(const Units& u, const OffloadSettings& s
 inline std::uint64_t device_dp_staging_bytes(const Units& u, const OffloadSettings& settings,
                                              std::uint64_t w);
 
+// Partial optimizer offload with the host optimizer state sharded over data-parallel ranks
+// (docs/offload.md "Partial optimizer offload", "Data parallel"): the device units' master and
+// moments are this rank's slices too (DpSlices below), reduced and gathered on the compute stream.
+inline bool dp_partial_sharded(const Units& u, const OffloadSettings& s) {
+  return s.dp_size > 1 && s.optimizer != Tier::kDevice && u.device_opt_units > 0;
+}
+
+// Its bytes per state region (optim.master, optim.exp_avg, optim.exp_avg_sq, and stage 2's
+// offload.grad_slices): rank 0's slices of the device units (the largest; DpSlices::dev_elements).
+inline std::uint64_t partial_dp_state_bytes(const Units& u, const OffloadSettings& s) {
+  std::uint64_t n = 0;
+  for (std::size_t m = 0; m < u.device_opt_units; ++m) n += dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).len;
+  return std::max<std::uint64_t>(4 * n, kParamAlignment);
+}
+
+// Its device staging (offload.dp_staging), for the largest device unit's chunk c: the
+// reduce-scatter's send (size x c fp32) and receive (c fp32), the all-gather's send (c working
+// words) and receive (size x c working words).
+inline std::uint64_t partial_dp_staging_bytes(const Units& u, const OffloadSettings& s, std::uint64_t w) {
+  const std::uint64_t P = static_cast<std::uint64_t>(s.dp_size);
+  std::uint64_t c = 0;  // DpSlices::dev_max_chunk
+  for (std::size_t m = 0; m < u.device_opt_units; ++m) c = std::max(c, dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).chunk);
+  return std::max<std::uint64_t>((4 + w) * (P + 1) * c, kParamAlignment);
+}
+
 // Stage >= 2 with the optimizer on the device and more than one rank: the gradients are
 // reduce-scattered per bucket during backward and each rank keeps only its slices of them
 // (offload.grads holds this rank's shard; the full-size gradients exist only in the bucket
@@ -467,12 +492,21 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
   } else {
     r.push_back(RegionSpec{"offload.grad_slots", 0, u.grad_slot_bytes, u.grad_slots});
     if (u.device_opt_units > 0) {
-      // Partial optimizer offload: the first modules' gradients and state, in the fp32 layout.
+      // Partial optimizer offload: the first modules' gradients (whole), in the fp32 layout, and
+      // their state: whole, or with several data-parallel ranks this rank's slices (rank 0's, the
+      // largest) beside the staging of their collectives and, stage 2, the reduced slices.
       const std::uint64_t db = std::max<std::uint64_t>(u.device_opt_bytes, kParamAlignment);
+      const bool dp = dp_partial_sharded(u, settings);
+      const std::uint64_t sb = dp ? partial_dp_state_bytes(u, settings) : db;
       r.push_back(RegionSpec{"offload.grads", db, 0, 0});
-      if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", db, 0, 0});
-      r.push_back(RegionSpec{"optim.exp_avg", db, 0, 0});
-      r.push_back(RegionSpec{"optim.exp_avg_sq", db, 0, 0});
+      if (dp && settings.zero_stage >= 2) r.push_back(RegionSpec{"offload.grad_slices", sb, 0, 0});
+      if (layout.config.dtype != DType::kF32) r.push_back(RegionSpec{"optim.master", sb, 0, 0});
+      r.push_back(RegionSpec{"optim.exp_avg", sb, 0, 0});
+      r.push_back(RegionSpec{"optim.exp_avg_sq", sb, 0, 0});
+      if (dp) {
+        r.push_back(RegionSpec{"offload.dp_staging",
+                               partial_dp_staging_bytes(u, settings, dtype_size(layout.config.dtype)), 0, 0});
+      }
     }
   }
   return r;
@@ -486,29 +520,45 @@ inline std::vector<RegionSpec> device_regions(const ModelLayout& layout, const U
 // gradients come from a reduce-scatter, its optimizer state lives only there, and its updated
 // parameters reach the other ranks by an all-gather. A rank's slices are packed back to back
 // (`offset`) in its shard of master, moments and gradients.
+//
+// Partial optimizer offload (Units::device_opt_units = k > 0): the device units [0, k) and the
+// host units [k, M) are packed apart. offset[u] of a device unit is its slice's place in the
+// device regions optim.* (and offload.grad_slices), of a host unit its place in the host arrays
+// (restarted at unit k); shard_elements and max_chunk count the host units only, dev_elements and
+// dev_max_chunk the device units.
 struct DpSlices {
   int size = 1;
   int rank = 0;
   std::vector<std::uint64_t> chunk, begin, len, offset;  // per unit, in elements
-  std::uint64_t shard_elements = 0;                      // this rank's slices, all units
+  std::uint64_t shard_elements = 0;                      // this rank's slices, host units (all units at k = 0)
   std::uint64_t max_chunk = 0;
+  std::uint64_t dev_elements = 0;   // partial offload: this rank's slices of the device units
+  std::uint64_t dev_max_chunk = 0;  // partial offload: the largest chunk of a device unit
 };
 
 inline DpSlices dp_slices(const Units& u, int size, int rank) {
   DpSlices d;
   d.size = size;
   d.rank = rank;
+  const std::size_t k = u.device_opt_units;
   for (std::size_t m = 0; m < u.gbytes.size(); ++m) {
     const DpSlice s = dp_slice_of(u.gbytes[m] / 4, size, rank);
     d.chunk.push_back(s.chunk);
     d.begin.push_back(s.begin);
     d.len.push_back(s.len);
+    if (m < k) {
+      d.offset.push_back(d.dev_elements);
+      d.dev_elements += s.len;
+      d.dev_max_chunk = std::max(d.dev_max_chunk, s.chunk);
+      continue;
+    }
     d.offset.push_back(d.shard_elements);
     d.shard_elements += s.len;
     d.max_chunk = std::max(d.max_chunk, s.chunk);
   }
   return d;
 }
+
 
 // Whether the engine shards the host tiers' optimizer state over data-parallel ranks (stages 1-3
 // with the optimizer on the host or NVMe). With the optimizer on the device, stage 0 replicates

@@ -82,9 +82,24 @@ Status OffloadSettings::validate() const {
   if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
     const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio);
     if (dp_size > 1) {
-      return invalid_argument(key + " with " + std::to_string(dp_size) +
-                              " data-parallel ranks is not built yet: use ratio 1 (state sharded over the ranks' host "
-                              "memory)");
+      // Built: stages 0-2 with the host optimizer, the parameters and the gradients of the host
+      // units in host memory (docs/offload.md "Partial optimizer offload", "Data parallel").
+      const std::string ranks = " with " + std::to_string(dp_size) + " data-parallel ranks";
+      if (zero_stage >= 3) {
+        return invalid_argument(key + ranks + " at zero_optimization.stage " + std::to_string(zero_stage) +
+                                " is not built yet (the device modules' parameters would need slicing and "
+                                "gathering on the compute stream): use stage 1 or 2, or ratio 1");
+      }
+      if (optimizer == Tier::kNvme || gradients == Tier::kNvme) {
+        return invalid_argument(key + ranks + " and offload_optimizer.device nvme" +
+                                (gradients == Tier::kNvme ? std::string(" (gradients on NVMe)") : std::string()) +
+                                " is not built yet: use offload_optimizer.device cpu with the gradients in host "
+                                "memory, or ratio 1");
+      }
+      if (params != Tier::kDevice) {
+        return invalid_argument(key + ranks + " and offload_param.device " + std::string(to_string(params)) +
+                                " is not built yet: use offload_param.device none, or ratio 1");
+      }
     }
     if (delayed_update) {
       return invalid_argument(key + " with strata.delayed_update is not built yet: use one or the other");
@@ -199,15 +214,23 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // Stage >= 2 in device memory: offload.grads is this rank's slices of the gradients too.
     // Stage 3 in device memory: offload.params holds this rank's slices of the modules above the
     // persistence threshold (and the persistent ones whole).
+    // Partial optimizer offload with data parallelism: the device modules' state and (stage 2)
+    // their reduced gradient slices are this rank's; their gradients stay whole in offload.grads.
+    const bool partial_dp = offload_detail::dp_partial_sharded(units, settings);
     const bool mine = (offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer) ||
-                      (offload_detail::dp_device_grad_sharded(settings) && r.name == "offload.grads");
+                      (offload_detail::dp_device_grad_sharded(settings) && r.name == "offload.grads") ||
+                      (partial_dp && (kind == StateKind::kOptimizer || r.name == "offload.grad_slices"));
     const bool sliced = offload_detail::dp_device_param_sharded(settings) && r.name == "offload.params" &&
                         std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
     const std::string of = mine     ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
                            : sliced ? " (this rank's 1/" + std::to_string(settings.dp_size) +
                                           " of the modules above stage3_param_persistence_threshold)"
                                     : std::string();
-    line("device region " + r.name + of, Tier::kDevice, kind,
+    const std::string modules =
+        partial_dp && (kind == StateKind::kOptimizer || r.name == "offload.grads" || r.name == "offload.grad_slices")
+            ? " (modules 0.." + std::to_string(units.device_opt_units - 1) + ")"
+            : std::string();
+    line("device region " + r.name + of + modules, Tier::kDevice, kind,
          r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
   plan.param_slots = units.param_slots;
@@ -304,7 +327,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
     const std::uint64_t shard = 4 * d.shard_elements;
     const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
-    const std::string of = " (this rank's 1/" + std::to_string(settings.dp_size) + ")";
+    // Partial offload: the host holds this rank's slices of modules k..M-1 only.
+    const std::string of = " (this rank's 1/" + std::to_string(settings.dp_size) + ")" + host_part;
     if (settings.gradients == Tier::kNvme) {
       // This rank's reduced slices on its own NVMe keys; host memory only for the staging.
       line("gradients (fp32)" + of, Tier::kNvme, StateKind::kGradients, shard);
@@ -316,8 +340,8 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     } else {
       line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
-        line("gradient accumulation (fp32, host, unsharded in stage 1)", Tier::kHost, StateKind::kGradients,
-             units.grad_bytes, pin);
+        line("gradient accumulation (fp32, host, unsharded in stage 1)" + host_part, Tier::kHost,
+             StateKind::kGradients, units.grad_bytes - units.device_opt_bytes, pin);
       }
     }
     line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
@@ -538,17 +562,26 @@ std::string_view to_string(StateKind kind) {
   return "unknown";
 }
 
-Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
-                                             const EstimateBudgets& budgets, bool cuda) {
+OffloadSettings placement_settings(const OffloadSettings& settings) {
   OffloadSettings s = settings;
   // Settings only some placements take (strata estimate and strata plan enumerate placements
   // from one base): the others are estimated without them. The delayed update adds a second
   // version of the parameters off the device;
-  // the partial optimizer split applies to the host or NVMe optimizer in one process.
+  // the partial optimizer split applies to the host or NVMe optimizer in one process and, with
+  // several data-parallel ranks, where validate() takes it (stages 0-2, the host optimizer, the
+  // parameters on the device).
   if (s.optimizer == Tier::kDevice) s.delayed_update = false;
-  if (s.optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) {
+  if (s.optimizer == Tier::kDevice || s.delayed_update) {
+    s.optimizer_ratio = 1.0;
+  } else if (s.optimizer_ratio < 1.0 && s.dp_size > 1 && !s.validate().ok()) {
     s.optimizer_ratio = 1.0;
   }
+  return s;
+}
+
+Result<PlacementEstimate> estimate_placement(const TrainerConfig& config, const OffloadSettings& settings,
+                                             const EstimateBudgets& budgets, bool cuda) {
+  OffloadSettings s = placement_settings(settings);
   if ((s.params == Tier::kNvme || s.optimizer == Tier::kNvme) && s.nvme_path.empty()) {
     s.nvme_path = {"nvme"};  // a name only: the plan does not touch the disk
     s.io.nvme_path = s.nvme_path;

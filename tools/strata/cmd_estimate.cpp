@@ -130,7 +130,9 @@ int run_estimate(std::span<const std::string> argv) {
       s.nvme_path = {"nvme"};  // a name only, as estimate_placement: nothing touches the disk
       s.io.nvme_path = s.nvme_path;
     }
-    auto t = dp_traffic(tc, s);
+    // The row's settings as estimate_placement planned them (a split or a delayed update only
+    // where the placement takes it).
+    auto t = dp_traffic(tc, placement_settings(s));
     if (!t.ok()) {
       std::fprintf(stderr, "strata estimate: %s\n", t.status().message().c_str());
       return kExitFailure;

@@ -365,8 +365,7 @@ int run_plan(std::span<const std::string> argv) {
               // Settings only some placements take (as estimate_placement): the delayed update
               // and the partial optimizer split are predicted and written where the engine takes
               // them, and left out elsewhere.
-              if (optimizer == Tier::kDevice) s.delayed_update = false;
-              if (optimizer == Tier::kDevice || s.dp_size > 1 || s.delayed_update) s.optimizer_ratio = 1.0;
+              s = placement_settings(s);
               auto e = estimate_placement(rs.trainer, s, budgets, cuda);
               if (!e.ok()) return fail(e.status());
               // The cpu backend's device memory is this machine's memory too.
