@@ -3482,10 +3482,9 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
       return updated_step[static_cast<std::size_t>(u)] >= gate_step || !worker_error.ok() ||
              update_failures != failures_at_issue;
     };
-    if (!done()) {
-      detail::HostSpan span(tracer, track.nvme_fetch, TraceCounter::kNone, "wait update", u);
-      cv.wait(lock, done);
-    }
+    // No span of its own: the parameter-read lane holds reads only, and the caller's
+    // "wait update" span shows the same wait.
+    cv.wait(lock, done);
     return updated_step[static_cast<std::size_t>(u)] >= gate_step && worker_error.ok() &&
            update_failures == failures_at_issue;
   };
