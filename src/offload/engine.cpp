@@ -155,6 +155,8 @@ struct ParamSlot {
   // nothing usable and is refetched on demand.
   bool early = false;
   std::unique_ptr<std::atomic<bool>> early_ok;
+  std::int64_t gate_step = -1;     // early: the step whose update the gate waits for
+  std::uint64_t gate_failures = 0;  // early: update_failures when it was issued
 };
 
 struct GradSlot {
@@ -683,6 +685,8 @@ struct OffloadEngine::Impl {
   Result<int> fetch(int u, int current_module, std::int64_t gate_step = -1);
   // A fetched copy of unit u that is no longer its home's (set_param, loading state) forgotten.
   Status forget_fetched(int u);
+  // Whether an early fetch's gate has ended its wait or will without waiting (mu held).
+  bool gate_open(const ParamSlot& slot) const;
   Status release_slot(int s);
   Status end_pass();
   Status acquire_grads(int m, bool first_micro);
@@ -3545,8 +3549,15 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
   slot.unit = u;
   slot.used = false;
   slot.early = early;
+  slot.gate_step = gate_step;
+  slot.gate_failures = failures_at_issue;
   slot_of[uu] = s;
   return s;
+}
+
+bool OffloadEngine::Impl::gate_open(const ParamSlot& slot) const {
+  return updated_step[static_cast<std::size_t>(slot.unit)] >= slot.gate_step || !worker_error.ok() ||
+         update_failures != slot.gate_failures;
 }
 
 Status OffloadEngine::Impl::access_params(int m) {
@@ -5454,18 +5465,49 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
 }
 
 OffloadStats OffloadEngine::stats() const {
-  const Impl& t = *impl_;
+  Impl& t = *impl_;
   OffloadStats s;
   s.steps = t.steps;
+  // Early fetches (prefetch_next_step) in flight count as done, so that a step's traffic (the
+  // difference of two calls between steps) is the same whenever the update lets them run: one
+  // whose gate is open (or opens while we look) is waited for (its read and copy take
+  // milliseconds), one whose gate is still closed, with mu held so that it stays closed until
+  // the counters are read, adds its read and copy bytes.
+  std::uint64_t pending_h2d = 0, pending_read = 0;
+  std::vector<char> settled(t.pslots.size(), 0);
+  std::unique_lock<std::mutex> lock(t.mu, std::defer_lock);
+  for (;;) {
+    std::vector<std::size_t> open;
+    lock.lock();
+    pending_h2d = pending_read = 0;
+    for (std::size_t i = 0; i < t.pslots.size(); ++i) {
+      const ParamSlot& slot = t.pslots[i];
+      if (!slot.early || slot.unit < 0 || settled[i]) continue;
+      if (t.gate_open(slot)) {
+        open.push_back(i);
+        continue;
+      }
+      const std::uint64_t n = t.units.pbytes[static_cast<std::size_t>(slot.unit)];
+      pending_h2d += n;
+      if (t.units.home[static_cast<std::size_t>(slot.unit)] == Tier::kNvme) pending_read += n;
+    }
+    if (open.empty()) break;  // the counters are read with mu still held
+    lock.unlock();
+    for (std::size_t i : open) {
+      (void)t.pslots[i].fetched->synchronize();  // an error surfaces at the pass that uses it
+      settled[i] = 1;
+    }
+  }
   const DeviceStats d = t.device->stats();
-  s.bytes_h2d = d.bytes_h2d;
+  const IoEngineStats io = t.io ? t.io->stats() : IoEngineStats{};
+  lock.unlock();
+  s.bytes_h2d = d.bytes_h2d + pending_h2d;
   s.bytes_d2h = d.bytes_d2h;
   s.compute_cpu_seconds = d.compute_cpu_seconds;
   s.copy_cpu_seconds = d.copy_cpu_seconds;
   s.optimizer_cpu_seconds = t.worker_cpu.seconds();
   if (t.io) {
-    const IoEngineStats io = t.io->stats();
-    s.bytes_nvme_read = io.bytes_read;
+    s.bytes_nvme_read = io.bytes_read + pending_read;
     s.bytes_nvme_written = io.bytes_written;
     s.io_cpu_seconds = io.cpu_seconds;
   }
