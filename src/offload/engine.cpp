@@ -148,6 +148,15 @@ struct ParamSlot {
   bool used = false;  // compute read it since it was fetched
   std::unique_ptr<Event> fetched, free;
   HostMem staging;  // NVMe-home units: the swap read lands here, then H2D
+  // An early fetch (prefetch_next_step): issued by the caller when a step returned, gated on the
+  // h2d stream by the unit's update of that step. `early_ok` is set by the gate's host function
+  // once the update was published and the read succeeded; read by the caller only after
+  // `fetched` completed. A slot whose gate saw a failed update (or whose read failed) holds
+  // nothing usable and is refetched on demand.
+  bool early = false;
+  std::unique_ptr<std::atomic<bool>> early_ok;
+  std::int64_t gate_step = -1;     // early: the step whose update the gate waits for
+  std::uint64_t gate_failures = 0;  // early: update_failures when it was issued
 };
 
 struct GradSlot {
@@ -373,6 +382,9 @@ struct OffloadEngine::Impl {
     return TensorKey{unit_key("param", u), next ? 1 - cur : cur};
   }
   Status worker_error;
+  // Counts the optimizer thread's failures (guarded by mu): an early fetch's gate stops waiting
+  // for its unit's update when one happened after the fetch was issued.
+  std::uint64_t update_failures = 0;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
@@ -641,6 +653,36 @@ struct OffloadEngine::Impl {
   // updated for (they differ once fp16 steps were skipped).
   Status update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr, float scale,
                            std::int64_t done_step);
+  // NVMe optimizer: one sub-group of a unit streamed through the ring (kNoNvmeGroup: this rank's
+  // slice of the unit is empty, or it has no state here but takes part in the unit's collectives).
+  static constexpr std::size_t kNoNvmeGroup = SIZE_MAX;
+  struct NvmeItem {
+    int unit;
+    std::size_t group;
+  };
+  // The sub-groups update_units_nvme streams for the units of `order`, in order.
+  std::vector<NvmeItem> nvme_items(const std::vector<int>& order) const;
+  // The units step `step`'s update of this stage's NVMe optimizer state covers, in update order
+  // (forward order; the delayed update: backward order); a unit that holds the step is left out.
+  std::vector<int> nvme_update_order(std::int64_t step) const;
+  // Optimizer thread, NVMe optimizer. The reads of [master | m | v] of the first ring.size() - 1
+  // sub-groups of step `step`'s update, issued at its first landed unit, while backward still
+  // runs: that state does not depend on the gradients, and the previous update (the last to
+  // write it) has finished, the optimizer thread running one command at a time. Item k of
+  // nvme_items(nvme_update_order(step)) is read into ring buffer k, where update_units_nvme's
+  // read of it would go; the update takes over the reads whose sub-group it streams first and
+  // waits out any other before it reuses a buffer. Every command but kLanded ends with none in
+  // flight (drop_early_reads), so the ring is free and nothing reads stale state between steps
+  // (set_param, load_checkpoint and a retry write or read the state only then).
+  struct EarlyRead {
+    NvmeItem item;
+    IoHandle handle;  // invalid for a kNoNvmeGroup item
+    std::int64_t issued_at = 0;
+  };
+  std::vector<EarlyRead> early_reads;
+  std::int64_t early_reads_step = 0;  // the step whose reads were issued (once per step)
+  void issue_early_reads(std::int64_t step);
+  void drop_early_reads();
   Status publish_params(int u, const char* bytes);
   void mark_updated(int u, std::int64_t step);
   // Unit u's update of `step` is done on this rank: marked updated, or on a pipeline
@@ -691,8 +733,22 @@ struct OffloadEngine::Impl {
   int predicted(std::size_t j) const;
   Status access_params(int m);
   Status release_after(int m);
-  Status prefetch_ahead();
-  Result<int> fetch(int u, int current_module);
+  // The units of the accesses [from, from + prefetch_modules) of the trace fetched into free
+  // slots, within prefetch_elements. `gate_step` < 0: the caller waits for each unit's update
+  // first (the pass in progress). Otherwise (prefetch_next_step) nothing waits on the caller:
+  // each fetch is gated on the h2d stream by its unit's update of `gate_step` (fetch).
+  Status prefetch_ahead(std::size_t from, std::int64_t gate_step = -1);
+  // Caller, once a step returned (its norm known, its update released to the optimizer thread):
+  // the first accesses of the next pass fetched early, each as soon as its unit's update is
+  // published, so a pass no longer begins with nothing in flight (docs/offload.md "One step").
+  Status prefetch_next_step();
+  // `gate_step` >= 0: an early fetch (ParamSlot::early), whose h2d work first waits, on the h2d
+  // stream, until unit u holds that step's update or the optimizer thread failed.
+  Result<int> fetch(int u, int current_module, std::int64_t gate_step = -1);
+  // A fetched copy of unit u that is no longer its home's (set_param, loading state) forgotten.
+  Status forget_fetched(int u);
+  // Whether an early fetch's gate has ended its wait or will without waiting (mu held).
+  bool gate_open(const ParamSlot& slot) const;
   Status release_slot(int s);
   Status end_pass();
   Status acquire_grads(int m, bool first_micro);
@@ -1067,6 +1123,7 @@ Status OffloadEngine::Impl::setup() {
     slot.dev = base + off;
     STRATA_ASSIGN_OR_RETURN(slot.fetched, dev.create_event());
     STRATA_ASSIGN_OR_RETURN(slot.free, dev.create_event());
+    slot.early_ok = std::make_unique<std::atomic<bool>>(false);
     if (any_nvme_home || any_psharded) {
       STRATA_ASSIGN_OR_RETURN(slot.staging, HostMem::make(dev, true, units.param_slot_bytes, "offload.fetch_staging"));
     }
@@ -1310,6 +1367,9 @@ Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
 Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& bytes) {
   const std::size_t uu = static_cast<std::size_t>(u);
   if (bytes.empty()) return ok_status();
+  // An early fetch of the unit (prefetch_next_step) holds the version this replaces. The caller
+  // waited for every update and the h2d stream (wait_all_updates) or dropped the pass.
+  STRATA_RETURN_IF_ERROR(forget_fetched(u));
   if (!psharded.empty() && psharded[uu]) {  // every rank is given the whole unit and keeps its slice
     const std::uint64_t w = half ? 2 : 4;
     std::vector<char> elements(units.gbytes[uu] / 4 * w, 0);
@@ -2672,6 +2732,58 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   return publish_params(u, out_unit);
 }
 
+std::vector<OffloadEngine::Impl::NvmeItem> OffloadEngine::Impl::nvme_items(const std::vector<int>& order) const {
+  std::vector<NvmeItem> items;
+  for (int u : order) {
+    const std::size_t groups = units.sub_groups[static_cast<std::size_t>(u)].size() - 1;
+    for (std::size_t c = 0; c < groups; ++c) items.push_back({u, c});
+    // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to
+    // update; agreeing per unit, in every unit's agreement.
+    if (groups == 0 && ((sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) || agree_per_unit()))
+      items.push_back({u, kNoNvmeGroup});
+  }
+  return items;
+}
+
+std::vector<int> OffloadEngine::Impl::nvme_update_order(std::int64_t step) const {
+  std::vector<int> order;
+  for (int i = 0; i < M; ++i) {
+    const int u = delayed ? M - 1 - i : i;
+    // Partial offload: units [0, kdev) are the device's.
+    if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] && !unit_holds(u, step)) order.push_back(u);
+  }
+  return order;
+}
+
+void OffloadEngine::Impl::issue_early_reads(std::int64_t step) {
+  if (settings.optimizer != Tier::kNvme || !early_reads.empty() || early_reads_step == step) return;
+  // One process only for now: nothing here talks, but the ranks' agreed retries
+  // (tests/test_dist_offload_retry.cpp) have not been run with it.
+  if (dp_size > 1 || tp_size > 1 || pp_size > 1) return;
+  early_reads_step = step;
+  const std::vector<NvmeItem> items = nvme_items(nvme_update_order(step));
+  const std::size_t R = ring.size();
+  for (std::size_t k = 0; k < items.size() && k + 1 < R; ++k) {
+    EarlyRead e{items[k], IoHandle(), 0};
+    if (items[k].group != kNoNvmeGroup) {
+      const auto& b = units.sub_groups[static_cast<std::size_t>(items[k].unit)];
+      const std::uint64_t len = b[items[k].group + 1] - b[items[k].group];
+      e.issued_at = tracer.now_ns();
+      e.handle = swap->read(TensorKey{unit_key("optim", items[k].unit), static_cast<std::uint32_t>(items[k].group)},
+                            ring[k % R].data(), 12 * len);
+    }
+    early_reads.push_back(std::move(e));
+  }
+}
+
+void OffloadEngine::Impl::drop_early_reads() {
+  // A read not taken over by an update still writes its ring buffer: it must end first.
+  for (EarlyRead& e : early_reads) {
+    if (e.handle.valid()) (void)e.handle.wait();
+  }
+  early_reads.clear();
+}
+
 // Streams the optimizer state of each unit in `order` through the pinned ring, one sub-group
 // ([master | m | v] of up to sub_group_size elements, swap key "optim.<u>" shard c) per buffer:
 // reads run ahead of the update by up to ring.size() - 1 sub-groups and each is written back as
@@ -2681,23 +2793,24 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
 // read before that would return the previous version.
 Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std::int64_t step, double lr,
                                               float scale, std::int64_t done_step) {
-  struct Item {
-    int unit;
-    std::size_t group;  // kNoGroup: this rank's slice of the unit is empty (data parallel)
-  };
-  constexpr std::size_t kNoGroup = SIZE_MAX;
-  std::vector<Item> items;
-  for (int u : order) {
-    const std::size_t groups = units.sub_groups[static_cast<std::size_t>(u)].size() - 1;
-    for (std::size_t c = 0; c < groups; ++c) items.push_back({u, c});
-    // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to
-    // update; agreeing per unit, in every unit's agreement.
-    if (groups == 0 && ((sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) || agree_per_unit()))
-      items.push_back({u, kNoGroup});
-  }
+  using Item = NvmeItem;
+  constexpr std::size_t kNoGroup = kNoNvmeGroup;
+  const std::vector<Item> items = nvme_items(order);
   const std::size_t R = ring.size();
   std::vector<IoHandle> reads(items.size()), grad_reads(items.size());
   std::vector<std::int64_t> read_issued_at(items.size(), 0);
+  // The reads issued during backward (issue_early_reads) for the items this update streams
+  // first, each into the buffer its own read would use; the others are waited out before their
+  // buffers are reused (a retry, a unit that already holds the step: a different list).
+  std::size_t early_taken = 0;
+  while (early_taken < early_reads.size() && early_taken < items.size() && early_taken + 1 < R &&
+         early_reads[early_taken].item.unit == items[early_taken].unit &&
+         early_reads[early_taken].item.group == items[early_taken].group) {
+    reads[early_taken] = std::move(early_reads[early_taken].handle);
+    read_issued_at[early_taken] = early_reads[early_taken].issued_at;
+    ++early_taken;
+  }
+  drop_early_reads();
   struct Pending {
     std::uint64_t seq;
     IoHandle handle;  // invalid: nothing to wait for (parameters published synchronously)
@@ -2765,8 +2878,10 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     if (!retired.ok() && !agree) return retired;
     const auto [b0, b1] = bounds(items[i]);
     const TensorKey key{unit_key("optim", items[i].unit), static_cast<std::uint32_t>(items[i].group)};
-    read_issued_at[i] = tracer.now_ns();
-    reads[i] = swap->read(key, ring[r].data(), 12 * (b1 - b0));
+    if (i >= early_taken) {  // else read during backward already
+      read_issued_at[i] = tracer.now_ns();
+      reads[i] = swap->read(key, ring[r].data(), 12 * (b1 - b0));
+    }
     if (grads_on_nvme) {
       grad_reads[i] = swap->read(TensorKey{unit_key("grad", items[i].unit), key.shard}, ring[r].bytes() + 12 * (b1 - b0),
                                  4 * (b1 - b0));
@@ -3010,6 +3125,7 @@ void OffloadEngine::Impl::worker_main() {
     std::lock_guard<std::mutex> lock(mu);
     if (worker_error.ok()) {
       worker_error = std::move(s);
+      ++update_failures;
       const bool retryable = can_retry || (agreed_retry && phase == FailPhase::kAfterNorm) ||
                              (agreed && phase == FailPhase::kBeforeUpdate);
       failed = FailedUpdate{retryable ? phase : FailPhase::kNone, c, false};
@@ -3050,14 +3166,7 @@ void OffloadEngine::Impl::worker_main() {
     for (int u = 0; u < M; ++u)
       if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
     if (settings.optimizer == Tier::kNvme) {
-      std::vector<int> order;  // this stage's units, in the update's order
-      for (int u : update_order) {
-        // Partial offload: units [0, kdev) are the device's.
-        if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] &&
-            !unit_holds(u, c.step))
-          order.push_back(u);
-      }
-      return update_units_nvme(order, c.opt_step, c.lr, scale, c.step);
+      return update_units_nvme(nvme_update_order(c.step), c.opt_step, c.lr, scale, c.step);
     }
     for (int u : update_order) {
       if (u < kdev) continue;  // partial offload: on the device
@@ -3190,7 +3299,10 @@ void OffloadEngine::Impl::worker_main() {
       c = commands.front();
       commands.pop_front();
       if (!worker_error.ok() && c.kind != Command::kStop) {
-        // After an error nothing more is applied; the step's caller reports it.
+        // After an error nothing more is applied; the step's caller reports it. Reads issued
+        // early end before the optimizer thread may look idle (drain_worker), while mu still
+        // keeps the caller out.
+        drop_early_reads();
         if (commands.empty()) cv.notify_all();
         continue;
       }
@@ -3206,6 +3318,14 @@ void OffloadEngine::Impl::worker_main() {
         t->cv.notify_all();
       }
     } idle{this};
+    // Whatever a command other than kLanded did, no early read outlives it (issue_early_reads).
+    struct DropEarly {
+      Impl* t;
+      bool on;
+      ~DropEarly() {
+        if (on) t->drop_early_reads();
+      }
+    } drop_early{this, c.kind != Command::kLanded};
     if (c.kind == Command::kStop) break;
     if (c.kind == Command::kAbort) {
       // The caller's step failed before its norm. Alone, the next step's landed units overwrite
@@ -3224,6 +3344,9 @@ void OffloadEngine::Impl::worker_main() {
     }
     if (c.kind == Command::kLanded) {
       if (agree_before && !own_before.ok()) continue;  // the step failed here already
+      // The step's first landed unit: its update's first optimizer-state reads go out now,
+      // overlapped with the rest of backward.
+      issue_early_reads(c.step);
       Status s = landed[static_cast<std::size_t>(c.unit)]->synchronize();
       if (s.ok()) s = on_landed(c);
       if (!s.ok() && agree_before) {
@@ -3399,6 +3522,7 @@ void OffloadEngine::Impl::reset_pass_state() {
     }
     slot.unit = -1;
     slot.used = false;
+    slot.early = false;
   }
   for (GradSlot& g : gslots) {
     if (g.unit >= 0) {
@@ -3498,10 +3622,17 @@ Status OffloadEngine::Impl::release_slot(int s) {
   bound_params[static_cast<std::size_t>(slot.unit)] = nullptr;
   slot.unit = -1;
   slot.used = false;
+  slot.early = false;
   return ok_status();
 }
 
-Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
+Status OffloadEngine::Impl::forget_fetched(int u) {
+  if (slot_of.empty()) return ok_status();
+  const int s = slot_of[static_cast<std::size_t>(u)];
+  return s < 0 ? ok_status() : release_slot(s);
+}
+
+Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t gate_step) {
   int s = -1;
   for (std::size_t i = 0; i < pslots.size() && s < 0; ++i)
     if (pslots[i].unit < 0) s = static_cast<int>(i);
@@ -3520,6 +3651,37 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   const std::uint64_t n = units.pbytes[uu];
   STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
   STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
+  const bool early = gate_step >= 0;
+  std::atomic<bool>* early_ok = slot.early_ok.get();
+  // An early fetch waits, on the h2d stream, for the update it must see. It never fails the
+  // stream: a failed update (the optimizer thread failed after the fetch was issued) or a
+  // failed read leaves early_ok false, and the pass refetches the unit on demand, where a read
+  // error fails the step as any fetch's does. The failure count, not only worker_error, ends the
+  // wait: a retry may clear the error before this thread looks.
+  std::uint64_t failures_at_issue = 0;
+  if (early) {
+    std::lock_guard<std::mutex> lock(mu);
+    failures_at_issue = update_failures;
+  }
+  auto gate = [this, u, gate_step, failures_at_issue]() {
+    std::unique_lock<std::mutex> lock(mu);
+    auto done = [&] {
+      return updated_step[static_cast<std::size_t>(u)] >= gate_step || !worker_error.ok() ||
+             update_failures != failures_at_issue;
+    };
+    // No span of its own: the parameter-read lane holds reads only, and the caller's
+    // "wait update" span shows the same wait.
+    cv.wait(lock, done);
+    return updated_step[static_cast<std::size_t>(u)] >= gate_step && worker_error.ok() &&
+           update_failures == failures_at_issue;
+  };
+  if (early && units.home[uu] != Tier::kNvme) {
+    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: early fetch of param." + std::to_string(u) + " waits for its update",
+                                        [gate, early_ok]() {
+                                          early_ok->store(gate());
+                                          return ok_status();
+                                        }));
+  }
   if (!psharded.empty() && psharded[uu]) {
     char* staging = slot.staging.bytes();
     STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: data-parallel gather of param." + std::to_string(u),
@@ -3535,11 +3697,29 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
     const TensorKey key = param_key(u);
     detail::Tracer* tr = &tracer;
     const int lane = track.nvme_fetch;
-    STRATA_RETURN_IF_ERROR(
-        h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
-          detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
-          return store->read(key, staging, n).wait();
-        }));
+    if (early) {
+      STRATA_RETURN_IF_ERROR(h2d->host_fn(
+          "offload: early NVMe read of " + key.name, [gate, early_ok, store, staging, key, n, tr, lane, u]() {
+            if (!gate()) {
+              early_ok->store(false);
+              return ok_status();
+            }
+            detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
+            Status read = store->read(key, staging, n).wait();
+            if (!read.ok()) {
+              STRATA_LOG(kDebug, kOffload) << "offload: early fetch of " << key.name
+                                           << " failed; refetched on demand: " << read.to_string();
+            }
+            early_ok->store(read.ok());
+            return ok_status();
+          }));
+    } else {
+      STRATA_RETURN_IF_ERROR(
+          h2d->host_fn("offload: NVMe read of " + key.name, [store, staging, key, n, tr, lane, u]() {
+            detail::HostSpan span(*tr, lane, TraceCounter::kNvmeRead, "read", u, n);
+            return store->read(key, staging, n).wait();
+          }));
+    }
     STRATA_RETURN_IF_ERROR(
         traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else {
@@ -3551,8 +3731,16 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module) {
   STRATA_RETURN_IF_ERROR(h2d->record(*slot.fetched));
   slot.unit = u;
   slot.used = false;
+  slot.early = early;
+  slot.gate_step = gate_step;
+  slot.gate_failures = failures_at_issue;
   slot_of[uu] = s;
   return s;
+}
+
+bool OffloadEngine::Impl::gate_open(const ParamSlot& slot) const {
+  return updated_step[static_cast<std::size_t>(slot.unit)] >= slot.gate_step || !worker_error.ok() ||
+         update_failures != slot.gate_failures;
 }
 
 Status OffloadEngine::Impl::access_params(int m) {
@@ -3573,6 +3761,17 @@ Status OffloadEngine::Impl::access_params(int m) {
     }
     ++accesses;
     int s = slot_of[uu];
+    if (s >= 0 && pslots[static_cast<std::size_t>(s)].early) {
+      // Fetched early, gated by the update that wait_updated has just seen published. Whether
+      // the gate saw that update (and not a failure) is known once the fetch completed.
+      ParamSlot& early = pslots[static_cast<std::size_t>(s)];
+      STRATA_RETURN_IF_ERROR(early.fetched->synchronize());
+      early.early = false;
+      if (!early.early_ok->load()) {
+        STRATA_RETURN_IF_ERROR(release_slot(s));
+        s = -1;
+      }
+    }
     if (s >= 0) {
       ++hits;
     } else {
@@ -3605,14 +3804,14 @@ Status OffloadEngine::Impl::release_after(int m) {
     }
     if (!reused) STRATA_RETURN_IF_ERROR(release_slot(s));
   }
-  return prefetch_ahead();
+  return prefetch_ahead(pos);
 }
 
-Status OffloadEngine::Impl::prefetch_ahead() {
+Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_step) {
   if (settings.prefetch_modules == 0 || settings.prefetch_elements == 0) return ok_status();
   std::int64_t budget = settings.prefetch_elements;
   bool fetched_any = false;
-  for (std::size_t j = pos; j < pos + static_cast<std::size_t>(settings.prefetch_modules); ++j) {
+  for (std::size_t j = from; j < from + static_cast<std::size_t>(settings.prefetch_modules); ++j) {
     const int code = predicted(j);
     if (code < 0) break;
     for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
@@ -3622,7 +3821,7 @@ Status OffloadEngine::Impl::prefetch_ahead() {
       // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
       // of how fast the optimizer thread runs. Not with the delayed update: the update in flight
       // writes the next version, and this step reads the published one.
-      if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
+      if (!delayed && gate_step < 0) STRATA_RETURN_IF_ERROR(wait_updated(u));
       // The budget bounds what is fetched beyond the first unit: a module larger than the whole
       // budget is still fetched one ahead, or it would never be prefetched at all.
       budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
@@ -3632,10 +3831,27 @@ Status OffloadEngine::Impl::prefetch_ahead() {
       bool free_slot = false;
       for (const ParamSlot& sl : pslots) free_slot = free_slot || sl.unit < 0;
       if (!free_slot) return ok_status();
-      STRATA_RETURN_IF_ERROR(fetch(u, -1).status());
+      STRATA_RETURN_IF_ERROR(fetch(u, -1, gate_step).status());
     }
   }
   return ok_status();
+}
+
+Status OffloadEngine::Impl::prefetch_next_step() {
+  // Not with the optimizer on the device (every unit is resident), nor with the delayed update
+  // (publish_delayed decides what the next pass reads), nor with several processes: a stage-3
+  // fetch talks to other ranks on the h2d stream in an order every rank shares, a pipeline runs
+  // its own passes, and the tensor-parallel ranks' agreed retry (report_at_wait) is not tested
+  // with it yet.
+  if (opt_on_device || delayed || dp_size > 1 || pp_size > 1 || tp_size > 1 || trace.empty()) return ok_status();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!worker_error.ok()) return ok_status();  // the next call reports or retries first
+  }
+  // The next pass starts the recorded trace at its first access (begin_pass); end_pass released
+  // every slot, since the update changes every unit.
+  trace_ok = true;
+  return prefetch_ahead(0, steps);
 }
 
 Status OffloadEngine::Impl::end_pass() {
@@ -4864,6 +5080,11 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
       t.have_baseline = true;
     }
   }
+  // The next pass's first fetches, each gated on the h2d stream by its unit's update of this step.
+  // The step has happened; a failure to enqueue them surfaces at the next call's first wait.
+  if (Status early = t.prefetch_next_step(); !early.ok()) {
+    STRATA_LOG(kWarn, kOffload) << "offload: early fetch for the next step not issued: " << early.to_string();
+  }
   m.loss = total.sum / static_cast<double>(total.count);
   m.grad_norm = t.grad_norm;
   m.tokens = static_cast<std::int64_t>(inputs.size()) * t.dp_size;
@@ -5549,18 +5770,49 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
 }
 
 OffloadStats OffloadEngine::stats() const {
-  const Impl& t = *impl_;
+  Impl& t = *impl_;
   OffloadStats s;
   s.steps = t.steps;
+  // Early fetches (prefetch_next_step) in flight count as done, so that a step's traffic (the
+  // difference of two calls between steps) is the same whenever the update lets them run: one
+  // whose gate is open (or opens while we look) is waited for (its read and copy take
+  // milliseconds), one whose gate is still closed, with mu held so that it stays closed until
+  // the counters are read, adds its read and copy bytes.
+  std::uint64_t pending_h2d = 0, pending_read = 0;
+  std::vector<char> settled(t.pslots.size(), 0);
+  std::unique_lock<std::mutex> lock(t.mu, std::defer_lock);
+  for (;;) {
+    std::vector<std::size_t> open;
+    lock.lock();
+    pending_h2d = pending_read = 0;
+    for (std::size_t i = 0; i < t.pslots.size(); ++i) {
+      const ParamSlot& slot = t.pslots[i];
+      if (!slot.early || slot.unit < 0 || settled[i]) continue;
+      if (t.gate_open(slot)) {
+        open.push_back(i);
+        continue;
+      }
+      const std::uint64_t n = t.units.pbytes[static_cast<std::size_t>(slot.unit)];
+      pending_h2d += n;
+      if (t.units.home[static_cast<std::size_t>(slot.unit)] == Tier::kNvme) pending_read += n;
+    }
+    if (open.empty()) break;  // the counters are read with mu still held
+    lock.unlock();
+    for (std::size_t i : open) {
+      (void)t.pslots[i].fetched->synchronize();  // an error surfaces at the pass that uses it
+      settled[i] = 1;
+    }
+  }
   const DeviceStats d = t.device->stats();
-  s.bytes_h2d = d.bytes_h2d;
+  const IoEngineStats io = t.io ? t.io->stats() : IoEngineStats{};
+  lock.unlock();
+  s.bytes_h2d = d.bytes_h2d + pending_h2d;
   s.bytes_d2h = d.bytes_d2h;
   s.compute_cpu_seconds = d.compute_cpu_seconds;
   s.copy_cpu_seconds = d.copy_cpu_seconds;
   s.optimizer_cpu_seconds = t.worker_cpu.seconds();
   if (t.io) {
-    const IoEngineStats io = t.io->stats();
-    s.bytes_nvme_read = io.bytes_read;
+    s.bytes_nvme_read = io.bytes_read + pending_read;
     s.bytes_nvme_written = io.bytes_written;
     s.io_cpu_seconds = io.cpu_seconds;
   }
