@@ -867,6 +867,14 @@ struct OffloadEngine::Impl {
   // rank's slice, the scan of the slice; the statistics all-gathered and merged unit by unit in
   // rank order; then per unit the update of the slice and the all-gather of its parameters.
   Status device_update_sharded(double lr, std::int64_t step);
+  // This rank's slice of unit u updated with the device optimizer, cut per parameter where the host
+  // update of the slice cuts it (the same kernels on the same ranges: the same bits). grad_at(lo):
+  // the fp32 gradient of the unit's element lo; param_at(o, lo): that element's working word in
+  // parameter o. The updated working words are copied to ag_in (the all-gather's input, element e
+  // at (e - begin) * w) unless it is null.
+  template <class GradAt, class ParamAt>
+  Status update_slice(int u, double lr, std::int64_t step, float scale, GradAt grad_at, ParamAt param_at,
+                      char* ag_in);
   // Optimizer state of a device unit (which: 1 master, 2 exp_avg, 3 exp_avg_sq): where its part
   // starts in the device region, and which elements [first, first + len) of the unit it holds
   // (the whole unit, or this rank's slice when dev_sharded).
@@ -4338,6 +4346,33 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
 // dp_caller, never while this runs). The gradient reduction, the scan, the merge and the update
 // are the host tier's sharded ones (reduce_unit_grads, scan_norm, the worker's merge,
 // update_unit_host), so the two placements give the same bits.
+template <class GradAt, class ParamAt>
+Status OffloadEngine::Impl::update_slice(int u, double lr, std::int64_t step, float scale, GradAt grad_at,
+                                         ParamAt param_at, char* ag_in) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t b = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu], w = half ? 2 : 4;
+  for (int k : owned_of_unit[uu]) {
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    const std::uint64_t a = o.grad_in_unit / 4;
+    const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
+    if (lo >= hi) continue;
+    char* wp = param_at(o, lo);
+    OptimizerBuffers ob;
+    ob.master = half ? dmaster + off + (lo - b) : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
+    ob.grad = reinterpret_cast<char*>(grad_at(lo));
+    ob.grad_dtype = DType::kF32;
+    ob.exp_avg = dm + off + (lo - b);
+    ob.exp_avg_sq = dv + off + (lo - b);
+    ob.moment_dtype = DType::kF32;
+    ob.param_out = half ? wp : nullptr;
+    ob.out_dtype = wdtype;
+    ob.n = hi - lo;
+    STRATA_RETURN_IF_ERROR(device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
+    if (ag_in != nullptr) std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
+  }
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) {
   if (!launch->is_cpu()) {
     return failed_precondition(
@@ -4431,35 +4466,22 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
         //    at (e - b) * w), written in place and not gathered (the next fetch gathers it).
         for (int u = 0; u < M; ++u) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
-                              off = slices.offset[uu];
+          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], off = slices.offset[uu];
           if (units.gbytes[uu] == 0) continue;
           char* unit_params = resident + units.resident_offset[uu];
           const bool slice_only = units.sliced[uu] != 0;
           std::memset(ag_in, 0, c * w);
-          for (int k : owned_of_unit[uu]) {
-            const OwnedParam& o = owned[static_cast<std::size_t>(k)];
-            const std::uint64_t a = o.grad_in_unit / 4;
-            const std::uint64_t lo = std::max<std::uint64_t>(a, b),
-                                hi = std::min<std::uint64_t>(a + o.n, b + len);
-            if (lo >= hi) continue;
-            char* wp = slice_only ? unit_params + (lo - b) * w : unit_params + o.param_in_unit + (lo - a) * w;
-            OptimizerBuffers ob;
-            ob.master = half ? dmaster + off + (lo - b)
-                             : reinterpret_cast<float*>(wp);  // fp32: the weight is the master
-            ob.grad = grad_sharded ? reinterpret_cast<char*>(dgrads + off + (lo - b))
-                                   : reinterpret_cast<char*>(dgrads) + grad_begin(u) + 4 * lo;
-            ob.grad_dtype = DType::kF32;
-            ob.exp_avg = dm + off + (lo - b);
-            ob.exp_avg_sq = dv + off + (lo - b);
-            ob.moment_dtype = DType::kF32;
-            ob.param_out = half ? wp : nullptr;
-            ob.out_dtype = wdtype;
-            ob.n = hi - lo;
-            STRATA_RETURN_IF_ERROR(
-                device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
-            if (!slice_only) std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
-          }
+          STRATA_RETURN_IF_ERROR(update_slice(
+              u, lr, step, scale,
+              [&](std::uint64_t lo) {
+                return grad_sharded ? dgrads + off + (lo - b)
+                                    : reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)) + lo;
+              },
+              [&](const OwnedParam& o, std::uint64_t lo) {
+                return slice_only ? unit_params + (lo - b) * w
+                                  : unit_params + o.param_in_unit + (lo - o.grad_in_unit / 4) * w;
+              },
+              slice_only ? nullptr : ag_in));
           if (slice_only) continue;  // the same units on every rank: the same collectives
           // Moves bits: fp16 travels as 16-bit words.
           STRATA_RETURN_IF_ERROR(dp_wait(
@@ -4585,31 +4607,17 @@ Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t 
         char* ag_out = ag_in + w * cmax;                                                                 // P x chunk
         for (int u = 0; u < kdev; ++u) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], len = slices.len[uu],
-                              off = slices.offset[uu];
+          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu];
           if (units.gbytes[uu] == 0) continue;
           char* unit_params = resident + units.resident_offset[uu];
           const float* grads = dev_slice_grads(u);
           std::memset(ag_in, 0, c * w);
-          for (int k : owned_of_unit[uu]) {
-            const OwnedParam& o = owned[static_cast<std::size_t>(k)];
-            const std::uint64_t a = o.grad_in_unit / 4;
-            const std::uint64_t lo = std::max<std::uint64_t>(a, b), hi = std::min<std::uint64_t>(a + o.n, b + len);
-            if (lo >= hi) continue;
-            char* wp = unit_params + o.param_in_unit + (lo - a) * w;
-            OptimizerBuffers ob;
-            ob.master = half ? dmaster + off + (lo - b) : reinterpret_cast<float*>(wp);  // fp32: the weight
-            ob.grad = reinterpret_cast<char*>(const_cast<float*>(grads + (lo - b)));
-            ob.grad_dtype = DType::kF32;
-            ob.exp_avg = dm + off + (lo - b);
-            ob.exp_avg_sq = dv + off + (lo - b);
-            ob.moment_dtype = DType::kF32;
-            ob.param_out = half ? wp : nullptr;
-            ob.out_dtype = wdtype;
-            ob.n = hi - lo;
-            STRATA_RETURN_IF_ERROR(device_opt->update(hyper_of(config.optimizer, lr, o.decay), step, scale, ob));
-            std::memcpy(ag_in + (lo - b) * w, wp, ob.n * w);
-          }
+          STRATA_RETURN_IF_ERROR(update_slice(
+              u, lr, step, scale, [&](std::uint64_t lo) { return const_cast<float*>(grads + (lo - b)); },
+              [&](const OwnedParam& o, std::uint64_t lo) {
+                return unit_params + o.param_in_unit + (lo - o.grad_in_unit / 4) * w;
+              },
+              ag_in));
           // Moves bits: fp16 travels as 16-bit words.
           STRATA_RETURN_IF_ERROR(
               dp_wait(dp_tracks[3], dp_device->all_gather(ag_in, ag_out, c, half ? DType::kBF16 : DType::kF32),
