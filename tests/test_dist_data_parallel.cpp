@@ -1106,6 +1106,72 @@ TEST(DataParallel, CostModelNvmeBytesAreTheEnginesPerRank) {
   }
 }
 
+// The cost model's data-parallel bytes per step with the optimizer on the device (predict_step's
+// dp_bytes, dp_traffic's buffer bytes) against the engine's counter (OffloadStats::bytes_dp over
+// one step after warm-up): stage 1 reduce-scatters and all-gathers every module in the update;
+// stage 2 reduce-scatters each gradient bucket every micro-batch (several buckets here) and
+// all-gathers after the update; stage 3 in device memory gathers a sliced module at each fetch of
+// the slot rule (the trace-driven prefetch) instead. The model leaves out the per-step
+// collectives of a few bytes, which the engine counts: the token count and the loss sums (one
+// all-gather of 1 and one of 2 doubles per rank) and the update's per-module gradient
+// statistics (one GradStats per module per rank). Exact on every rank (the chunks, and so the
+// buffers, are the same on every rank).
+TEST(DataParallel, CostModelDeviceStagesBytesAreTheEngines) {
+  const int P = world().size();
+  const auto Pu = static_cast<std::uint64_t>(P);
+  for (int accum : {1, 2}) {
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, accum * P, 1.0);
+    const TrainerConfig local = local_of(global);
+    std::uint64_t h2d[3] = {0, 0, 0}, h2d_predicted[3] = {0, 0, 0};
+    for (int stage : {1, 2, 3}) {
+      const std::string what = "stage " + std::to_string(stage) + ", accumulation " + std::to_string(accum);
+      OffloadSettings s;
+      s.optimizer = Tier::kDevice;
+      s.zero_stage = stage;
+      s.persistence_threshold = smallest_unit(global);  // one module stays whole at stage 3
+      s.reduce_bucket_elements = 20000;                 // several buckets
+      s.overlap_comm = true;
+      s.prefetch_modules = 1;
+      s.prefetch_elements = 1'000'000'000;  // the look-ahead is the depth, as strata plan writes it
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(local, s, *device, nullptr, &world());
+      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+      Snapshot out;
+      ASSERT_TRUE(run_dp_steps(**engine, global, 0, 2, out)) << what;
+      const OffloadStats before = (*engine)->stats();
+      ASSERT_TRUE(run_dp_steps(**engine, global, 2, 3, out)) << what;
+      const OffloadStats after = (*engine)->stats();
+      const std::uint64_t measured = after.bytes_dp - before.bytes_dp;
+
+      OffloadSettings planned = s;
+      planned.dp_size = P;
+      MachineRates r;
+      const std::size_t M = (*engine)->model().layout().modules.size();
+      r.forward_seconds.assign(M, 1e-3);
+      r.backward_seconds.assign(M, 2e-3);
+      r.h2d_bytes_per_s = r.d2h_bytes_per_s = r.host_copy_bytes_per_s = r.nvme_read_bytes_per_s =
+          r.nvme_write_bytes_per_s = 1e9;
+      r.adam_elements_per_s = r.scan_elements_per_s = 1e9;
+      r.dp_bus_bytes_per_s = 1e9;
+      auto p = predict_step(local, planned, r);
+      ASSERT_TRUE(p.ok()) << what << ": " << p.status().to_string();
+      auto t = dp_traffic(local, planned);
+      ASSERT_TRUE(t.ok()) << what << ": " << t.status().to_string();
+      EXPECT_EQ(p->dp_bytes, t->buffer_bytes()) << what;
+      const std::uint64_t small = Pu * (8 + 16) + Pu * M * sizeof(GradStats);
+      EXPECT_EQ(measured, p->dp_bytes + small)
+          << what << ": data-parallel bytes per step, rank " << world().rank();
+      h2d[stage - 1] = after.bytes_h2d - before.bytes_h2d;
+      h2d_predicted[stage - 1] = p->h2d_bytes;
+    }
+    // Stage 3's copies of the gathered modules into their slots are the model's h2d bytes: the
+    // device's other uploads (the batches) are stage 2's.
+    EXPECT_EQ(h2d_predicted[1], 0u);
+    EXPECT_GT(h2d_predicted[2], 0u);
+    EXPECT_EQ(h2d[2] - h2d[1], h2d_predicted[2]) << "stage 3, accumulation " << accum;
+  }
+}
+
 // Gradients on NVMe: each rank keeps only its reduced slices, as the optimizer's sub-groups, on
 // its own NVMe; one process reference with its gradients on NVMe too. Stage 1 with accumulation
 // carries the unsharded local sum on NVMe between micro-batches.

@@ -14,6 +14,7 @@
 #include <numeric>
 
 #include "harness/harness.hpp"
+#include "offload/internal.hpp"
 #include "strata/engine.hpp"
 #include "strata/model.hpp"
 #include "strata/offload.hpp"
@@ -530,6 +531,132 @@ TEST(CostModel, DataParallelDeviceShardedStagesRunSeriallyAfterBackward) {
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(t->buffer_bytes(), buffers);
   EXPECT_FALSE(t->overlapped);
+}
+
+// The device optimizer's stage 2 over 2 ranks (docs/parallel.md "Gradient buckets"): with
+// reduce_bucket_size = the head's and h.1's elements the buckets (grad_buckets, the engine's) are
+// X = {head, h.1} (open from the head's backward through h.1's), Y = {h.0} and Z = {embedding}
+// (the head reads the tied wte, so Z is open from the head's backward through the embedding's).
+// With overlap_comm a bucket's reduce-scatters start on the bucket comm when backward leaves its
+// last module: X's after h.1, where h.0's backward takes the lowest free buffer — X's, just
+// released — and waits for it (exposed); Y's beside the embedding's backward (hidden: under its
+// 2 s); Z's after the last module (exposed, the drain before the update). The update all-gathers
+// every module (exposed). Stage 1 exposes every collective after backward; stage 2 without
+// overlap_comm waits for each bucket at once, so it exposes as much as stage 1.
+TEST(CostModel, DataParallelDeviceStage2ReducesBucketsBesideBackward) {
+  TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  auto rs = [&](int m) { return 4 * 2 * dp_chunk(u.elements[static_cast<std::size_t>(m)], 2); };
+  const std::uint64_t X = rs(3) + rs(2), Y = rs(1), Z = rs(0), AG = X + Y + Z;  // fp32: gathers as big
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = static_cast<double>(X + Y + Z + AG) * 0.5;  // every collective: 1 s in all
+  auto sec = [&](std::uint64_t b) { return static_cast<double>(b) * 0.5 / r.dp_bus_bytes_per_s; };
+  std::uint64_t n_all = 0, n_mine = 0;
+  for (std::uint64_t n : u.elements) {
+    n_all += n;
+    n_mine += std::min(n, dp_chunk(n, 2));
+  }
+  const double update = 0.5 * static_cast<double>(n_mine) / static_cast<double>(n_all);
+  OffloadSettings s;
+  s.dp_size = 2;
+  s.zero_stage = 2;
+  s.reduce_bucket_elements = static_cast<std::int64_t>(u.elements[3] + u.elements[2]);
+  s.overlap_comm = true;
+  {
+    auto layout = describe_model(c.model);
+    ASSERT_TRUE(layout.ok());
+    const auto g = offload_detail::grad_buckets(offload_detail::describe_units(*layout, s), s);
+    ASSERT_EQ(g.units, (std::vector<std::vector<int>>{{3, 2}, {1}, {0}}));
+    ASSERT_EQ(offload_detail::grad_bucket_slots(g, s), 3u);  // 2 open at once + 1 in flight
+  }
+  auto two = predict_step(c, s, r);
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_NEAR(two->step_seconds, kCompute + sec(X) + sec(Z) + sec(AG) + update, 1e-9);
+  EXPECT_NEAR(two->dp_stall, sec(X) + sec(Z) + sec(AG), 1e-9);
+  EXPECT_NEAR(two->dp, 1.0, 1e-9);
+  EXPECT_EQ(two->dp_bytes, X + Y + Z + AG);
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(two->dp_bytes, t->buffer_bytes());
+  s.zero_stage = 1;
+  auto one = predict_step(c, s, r);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_NEAR(one->step_seconds, kCompute + 1.0 + update, 1e-9);
+  EXPECT_NEAR(one->dp_stall, 1.0, 1e-9);
+  EXPECT_EQ(one->dp_bytes, two->dp_bytes);  // one micro-batch: the same collectives
+  EXPECT_NEAR(one->dp_stall - two->dp_stall, sec(Y), 1e-9) << "stage 2 hides Y's reduce-scatter";
+  EXPECT_LT(two->step_seconds, one->step_seconds);
+  s.zero_stage = 2;
+  s.overlap_comm = false;
+  auto waited = predict_step(c, s, r);
+  ASSERT_TRUE(waited.ok()) << waited.status().to_string();
+  EXPECT_NEAR(waited->step_seconds, one->step_seconds, 1e-9);
+  EXPECT_NEAR(waited->dp_stall, one->dp_stall, 1e-9);
+  // Accumulation 2: stage 2 reduce-scatters every micro-batch (X, Y of the first one hidden under
+  // the second's forward and backward, Z under its forward), stage 1 the local sum once.
+  c.grad_accum = 2;
+  s.overlap_comm = true;
+  auto acc2 = predict_step(c, s, r);
+  ASSERT_TRUE(acc2.ok()) << acc2.status().to_string();
+  EXPECT_EQ(acc2->dp_bytes, 2 * (X + Y + Z) + AG);
+  EXPECT_NEAR(acc2->step_seconds, 2 * kCompute + 2 * sec(X) + sec(Z) + sec(AG) + update, 1e-9);
+  s.zero_stage = 1;
+  auto acc1 = predict_step(c, s, r);
+  ASSERT_TRUE(acc1.ok());
+  EXPECT_EQ(acc1->dp_bytes, X + Y + Z + AG);
+  EXPECT_NEAR(acc1->step_seconds, 2 * kCompute + 1.0 + update, 1e-9);
+}
+
+// Stage 3 in device memory over 2 ranks, every module sliced (persistence threshold 0), 2
+// micro-batches, prefetch 1, one gradient bucket: each fetch of a sliced module all-gathers its
+// slices and copies the whole module into a slot on the h2d stream (the fetches of the slot rule:
+// the embedding 5 times, each block 4, the head 2), issued one access ahead, so only the step's
+// first fetch is exposed; the update gathers nothing. Against stage 2 on the same rates: the same
+// reduce-scatters at the same times, no update all-gathers, the first gather exposed instead.
+// Fetching on demand (prefetch 0) exposes every gather.
+TEST(CostModel, DataParallelDeviceStage3GathersSlicedModulesAheadOfUse) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 2;
+  const Units u = units_of(c);
+  auto buf = [&](int m) { return 4 * 2 * dp_chunk(u.elements[static_cast<std::size_t>(m)], 2); };
+  const std::uint64_t RS = buf(0) + buf(1) + buf(2) + buf(3);
+  const std::uint64_t gathers = 5 * buf(0) + 4 * buf(1) + 4 * buf(2) + 2 * buf(3);
+  const std::uint64_t copies =
+      5 * u.param_bytes[0] + 4 * u.param_bytes[1] + 4 * u.param_bytes[2] + 2 * u.param_bytes[3];
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = static_cast<double>(buf(1)) * 0.5 / 0.25;  // a block's gather: 0.25 s
+  auto sec = [&](std::uint64_t b) { return static_cast<double>(b) * 0.5 / r.dp_bus_bytes_per_s; };
+  OffloadSettings s;
+  s.dp_size = 2;
+  s.zero_stage = 2;
+  s.persistence_threshold = 0;
+  s.prefetch_modules = 1;
+  s.overlap_comm = true;
+  auto two = predict_step(c, s, r);
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->dp_bytes, 2 * RS + RS);  // every micro-batch; one all-gather per module after the update
+  EXPECT_EQ(two->h2d_bytes, 0u);
+  s.zero_stage = 3;
+  auto three = predict_step(c, s, r);
+  ASSERT_TRUE(three.ok()) << three.status().to_string();
+  EXPECT_EQ(three->dp_bytes, 2 * RS + gathers);
+  EXPECT_EQ(three->h2d_bytes, copies);
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(three->dp_bytes, t->buffer_bytes());
+  EXPECT_EQ(t->all_gather_bytes, gathers);
+  EXPECT_NEAR(three->fetch_stall, sec(buf(0)), 1e-9) << "only the first fetch is exposed";
+  EXPECT_NEAR(three->step_seconds, two->step_seconds - sec(RS) + sec(buf(0)), 1e-9);
+  EXPECT_NEAR(three->dp, two->dp - sec(RS) + sec(gathers), 1e-9);
+  // On demand: every fetch waited for by compute.
+  s.prefetch_modules = 0;
+  auto demand = predict_step(c, s, r);
+  ASSERT_TRUE(demand.ok()) << demand.status().to_string();
+  EXPECT_EQ(demand->dp_bytes, dp_traffic(c, s)->buffer_bytes());
+  const std::uint64_t demand_gathers = demand->dp_bytes - 2 * RS;
+  EXPECT_GE(demand_gathers, gathers);
+  EXPECT_NEAR(demand->fetch_stall, sec(demand_gathers), 1e-9);
+  EXPECT_GT(demand->step_seconds, three->step_seconds);
 }
 
 TEST(CostModel, BadRatesNameTheRate) {

@@ -166,5 +166,30 @@ TEST(OffloadEstimate, BudgetsMarkWhatDoesNotFit) {
   }
 }
 
+// Stage 3 in device memory: a sliced module (home on the device, only this rank's slice there)
+// is fetched into a slot for each use, so the plan's modules line counts it apart from the
+// resident ones. Here the embedding and the 3 blocks are above the persistence threshold and the
+// head (ln_f, 192 elements) stays whole.
+TEST(Estimate, PlanCountsSlicedModulesApartFromResidentOnes) {
+  const TrainerConfig c = small_model(DType::kF32);
+  OffloadSettings s = small_modules_offloaded();
+  s.dp_size = 2;
+  s.zero_stage = 3;
+  auto three = OffloadPlan::make(c, s);
+  ASSERT_TRUE(three.ok()) << three.status().to_string();
+  EXPECT_EQ(three->module_sliced, (std::vector<char>{1, 1, 1, 1, 0}));
+  const std::string text = three->to_string();
+  EXPECT_NE(text.find("modules' working parameters: 1 resident on the device, 4 sliced on the device"),
+            std::string::npos)
+      << text;
+  s.zero_stage = 2;
+  auto two = OffloadPlan::make(c, s);
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_NE(two->to_string().find("modules' working parameters: 5 resident on the device, 0 on host"),
+            std::string::npos)
+      << two->to_string();
+  EXPECT_EQ(two->to_string().find("sliced"), std::string::npos) << two->to_string();
+}
+
 }  // namespace
 }  // namespace strata::testing

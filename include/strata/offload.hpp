@@ -203,6 +203,10 @@ struct OffloadPlan {
   std::uint32_t grad_slots = 0;
   std::uint64_t grad_slot_bytes = 0;
   std::vector<Tier> module_home;  // where each module's working parameters live
+  // Per module, 1 when its home is the device but only this rank's slice of its working
+  // parameters lives there (stage 3 in device memory): gathered into a param slot for each use,
+  // so not resident.
+  std::vector<char> module_sliced;
 
   static Result<OffloadPlan> make(const TrainerConfig& config, const OffloadSettings& settings);
   // Fails, naming the setting to change, when the plan exceeds the device budget, the pinned
@@ -320,7 +324,10 @@ struct DpTraffic {
   double wire_bytes() const;  // sent per rank
   // With every collective back to back (no overlap) at this link.
   double seconds(double bus_bytes_per_s, double collective_seconds) const;
-  bool overlapped = false;  // stages 1-3 with the optimizer off the device: per module, beside compute
+  // Some run beside compute: stages 1-3 with the optimizer off the device (per module); with it on
+  // the device, stages 2-3's bucket reduce-scatters with overlap_comm and stage 3's gathers at
+  // its fetches (data parallelism alone).
+  bool overlapped = false;
 };
 
 // The data-parallel traffic of `settings` (dp_size ranks, zero_stage) for one step of `config`;
@@ -343,6 +350,10 @@ struct StepPrediction {
   double update_stall = 0;  // the caller waiting for the gradient norm
   double contention = 0;    // shared_cores: the other engines' CPU work taken from compute
   double dp = 0;            // data-parallel collectives (busy seconds of the link, all threads)
+  // The optimizer on the device: compute waiting for data-parallel collectives (their exposed
+  // part: stages 0-1 all of them, stages 2-3 the buckets' tail and the update's all-gathers).
+  // With the optimizer off the device the waits show as fetch and update stalls instead.
+  double dp_stall = 0;
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   std::uint64_t host_copy_bytes = 0;
   std::uint64_t dp_bytes = 0;     // their buffer bytes (as OffloadStats::bytes_dp counts them)
@@ -364,7 +375,10 @@ struct StepPrediction {
 // state, warm-up left out). Activation offload: each evicted block input out after its forward
 // and back before its backward, compute waiting where the ring of 3 buffers makes it. Several
 // steps are replayed and the last step's period is the prediction. Data parallel (dp_size > 1):
-// each stage's collectives on the thread that runs them (dp_traffic's bytes at the rates' link).
+// each stage's collectives on the thread that runs them (dp_traffic's bytes at the rates' link);
+// with the optimizer on the device, stages 2-3's bucket reduce-scatters beside backward (the
+// buckets of the engine's grad_buckets) and stage 3's gathers of its sliced modules in the
+// fetches ahead of use.
 // A pure function of its arguments.
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates);

@@ -133,7 +133,7 @@ struct DpShape {
   int ranks = 1;
   int stage = 0;
   bool device_opt = true;
-  bool device_sharded = false;  // stages 1-3 with the optimizer on the device: serial after backward
+  bool device_sharded = false;  // stages 1-3 with the optimizer on the device (sharded update)
   std::vector<std::uint64_t> rs_bytes, ag_bytes, slice_elements;
   std::uint64_t all_reduce_bytes = 0;
   bool active() const { return ranks > 1; }
@@ -200,12 +200,14 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
     t.collectives = 1;
     return t;
   }
-  t.overlapped = !d.device_opt;
   // With the optimizer on the device, stage 1 (and stages 2-3 with a pipeline) reduces once in
   // the update; stages 2-3 without a pipeline (data parallelism alone or with tensor parallelism)
   // reduce each bucket every micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's
   // stage 2.
   const bool device_buckets = d.device_opt && offload_detail::dp_device_grad_sharded(settings);
+  // Beside compute: every collective with the optimizer off the device; on it, stage 2-3's bucket
+  // reduce-scatters with overlap_comm and stage 3's gathers in the prefetched fetches.
+  t.overlapped = !d.device_opt || (device_buckets && (settings.overlap_comm || settings.zero_stage == 3));
   const std::uint64_t rs_times = (d.device_opt && !device_buckets) || d.stage == 1 ? 1 : A;
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
@@ -317,40 +319,186 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   };
 
   if (settings.optimizer == Tier::kDevice) {
-    // Everything resident: the passes and the update run on the compute stream, nothing else
-    // (but the activation copies).
+    // The optimizer on the device: the passes and the update run on the compute stream. Every
+    // stream is idle when a step starts (the step synchronises compute after the update), so one
+    // step replayed from zero is the steady state. Data parallel, as the engine runs it:
+    // - stage 0: one all-reduce of the whole gradient after backward, exposed;
+    // - stage 1 (and stages 2-3 with tensor or pipeline parallelism): inside the update, per
+    //   module a reduce-scatter of its gradients and an all-gather of its parameters, exposed;
+    // - stages 2-3 (dp_device_grad_sharded): the buckets of grad_buckets, each reduce-scattered
+    //   (one collective per unit) when backward leaves its last module, every micro-batch: with
+    //   overlap_comm on the buckets' comm lane while backward goes on (compute waits when it
+    //   takes the bucket's buffer again, grad_bucket_slots of them, and for all before the
+    //   update), without it on compute at once; the update all-gathers the parameters of every
+    //   unit but the sliced ones;
+    // - stage 3 (Units::sliced): each fetch of a sliced unit gathers its slices and copies the
+    //   whole unit into a param slot (serial on the h2d stream, the slot rule of fetches_of_step,
+    //   prefetch_modules accesses ahead), and compute waits for it; the update waits for the h2d
+    //   stream.
+    const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
+    const bool bucketed = dps.device_sharded && offload_detail::dp_device_grad_sharded(settings);
+    const bool any_sliced = std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+    const std::size_t per_pass = 2 * MM;
+    const std::size_t J = per_pass * static_cast<std::size_t>(A);
     double compute = 0;
-    for (std::int64_t a = 0; a < A; ++a) {
-      for (std::size_t j = 0; j < 2 * MM; ++j) {
-        const bool backward = j >= MM;
-        const int m = backward ? static_cast<int>(2 * MM - 1 - j) : static_cast<int>(j);
-        const double dur = backward ? rates.backward_seconds[static_cast<std::size_t>(m)]
-                                    : rates.forward_seconds[static_cast<std::size_t>(m)];
-        const double start = std::max(compute, act_ready(m, backward));
-        p.fetch_stall += start - compute;
-        compute = start + dur;
-        p.compute += dur;
-        act_after(m, backward, compute, p);
+    std::vector<double> compute_end(J, 0.0);
+    // Compute waits for a collective that ends at `done` (the exposed part of data parallel).
+    auto wait_dp = [&](double done) {
+      if (done <= compute) return;
+      p.dp_stall += done - compute;
+      compute = done;
+    };
+
+    // Stage 3: the sliced units fetched as units at home on the host are (the same trace, slots).
+    double h2d_stream = 0;
+    std::vector<double> fetched(MM, 0.0);
+    std::vector<std::vector<int>> fetch_at(J);
+    if (any_sliced) {
+      Units as_fetched = units;
+      for (std::size_t m = 0; m < MM; ++m)
+        if (units.sliced[m]) as_fetched.home[m] = Tier::kHost;
+      fetch_at = fetches_of_step(as_fetched, M, A, k);
+    }
+    auto issue_fetch = [&](std::size_t t) {
+      for (int u : fetch_at[t]) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        // The slot it reuses is free after the compute of the access k + 1 before.
+        const std::size_t kk = static_cast<std::size_t>(k);
+        const double slot_free = t >= kk + 1 ? compute_end[t - kk - 1] : 0.0;
+        const double g = collective(dps.ag_bytes[uu], ring);
+        const double c = h2d(units.pbytes[uu]);
+        h2d_stream = std::max(h2d_stream, slot_free) + g + c;
+        fetched[uu] = h2d_stream;
+        p.dp += g;
+        p.dp_bytes += dps.ag_bytes[uu];
+        p.h2d += c;
+        p.h2d_bytes += units.pbytes[uu];
       }
+    };
+
+    // Stages 2-3: the gradient buckets, their buffers and the collectives in flight.
+    offload_detail::GradBuckets gb;
+    std::vector<int> buf_owner, buf_of;
+    struct InFlight {
+      int buf;
+      double done;
+    };
+    std::vector<InFlight> in_flight;  // launch order
+    double comm = 0;
+    if (bucketed) {
+      gb = offload_detail::grad_buckets(units, settings);
+      buf_owner.assign(offload_detail::grad_bucket_slots(gb, settings), -1);
+      buf_of.assign(gb.units.size(), -1);
+    }
+    // finish_through: compute waits for the collectives in flight up to the one in buffer i
+    // (all of them for i < 0), first in first out.
+    auto finish_through = [&](int i) {
+      if (i >= 0 &&
+          std::none_of(in_flight.begin(), in_flight.end(), [i](const InFlight& f) { return f.buf == i; }))
+        return;
+      std::size_t n = 0;
+      while (n < in_flight.size()) {
+        wait_dp(in_flight[n].done);
+        if (in_flight[n++].buf == i) break;
+      }
+      in_flight.erase(in_flight.begin(), in_flight.begin() + static_cast<std::ptrdiff_t>(n));
+    };
+
+    for (std::size_t j = 0; j < J; ++j) {
+      const std::size_t i = j % per_pass;
+      const bool backward = i >= MM;
+      const int m = backward ? static_cast<int>(per_pass - 1 - i) : static_cast<int>(i);
+      const std::size_t mm = static_cast<std::size_t>(m);
+      if (i == 0) {  // a new micro-batch: the activation ring starts over
+        std::fill(ac.out_done.begin(), ac.out_done.end(), 0.0);
+        std::fill(ac.in_done.begin(), ac.in_done.end(), 0.0);
+      }
+      if (k == 0 || j == 0) issue_fetch(j);
+      double ready = act_ready(m, backward);
+      for (int u : units.storage[mm])
+        if (units.sliced[static_cast<std::size_t>(u)])
+          ready = std::max(ready, fetched[static_cast<std::size_t>(u)]);
+      if (backward && bucketed) {
+        // open_buckets: a bucket its first module touches takes the lowest free buffer, whose
+        // previous bucket's collectives (overlap_comm) compute waits for first.
+        for (int u : units.storage[mm]) {
+          const int b = gb.bucket_of[static_cast<std::size_t>(u)];
+          if (b < 0 || buf_of[static_cast<std::size_t>(b)] >= 0) continue;
+          const auto free_buf = std::find(buf_owner.begin(), buf_owner.end(), -1);
+          if (free_buf == buf_owner.end())
+            return internal_error("predict_step: no gradient bucket buffer free for bucket " +
+                                  std::to_string(b));
+          const int slot = static_cast<int>(free_buf - buf_owner.begin());
+          *free_buf = b;
+          buf_of[static_cast<std::size_t>(b)] = slot;
+          if (settings.overlap_comm) finish_through(slot);
+        }
+      }
+      const double start = std::max(compute, ready);
+      p.fetch_stall += start - compute;
+      const double dur = backward ? rates.backward_seconds[mm] : rates.forward_seconds[mm];
+      compute = start + dur;
+      p.compute += dur;
+      act_after(m, backward, compute, p);
+      if (backward && bucketed) {
+        // close_buckets: each bucket whose last module this was launches one reduce-scatter per
+        // unit (after this module's backward in compute order); its buffer is free to take again.
+        for (std::size_t b = 0; b < gb.units.size(); ++b) {
+          if (gb.close_after[b] != m) continue;
+          double d = 0;
+          for (int u : gb.units[b]) {
+            d += collective(dps.rs_bytes[static_cast<std::size_t>(u)], ring);
+            p.dp_bytes += dps.rs_bytes[static_cast<std::size_t>(u)];
+          }
+          p.dp += d;
+          comm = std::max(comm, compute) + d;
+          const int slot = buf_of[b];
+          in_flight.push_back({slot, comm});
+          buf_owner[static_cast<std::size_t>(slot)] = -1;
+          buf_of[b] = -1;
+          if (!settings.overlap_comm) finish_through(slot);
+        }
+      }
+      compute_end[j] = compute;
+      // prefetch_ahead: the units of the next k accesses (the window slides by one).
+      if (k > 0) {
+        for (std::size_t t = j + 1; t <= j + static_cast<std::size_t>(k) && t < J; ++t)
+          if (t == j + static_cast<std::size_t>(k) || j == 0) issue_fetch(t);
+      }
+    }
+    // The step's end: every bucket waited (drain_buckets), the h2d stream synchronised (stage 3:
+    // no fetch reads a slice the update rewrites), then the update.
+    finish_through(-1);
+    if (h2d_stream > compute) {
+      p.fetch_stall += h2d_stream - compute;
+      compute = h2d_stream;
     }
     double update = rates.device_update_seconds;
     if (dps.active() && !dps.device_sharded) {
       // Stage 0: the caller all-reduces the whole gradient after backward, before the update.
       const double t = collective(dps.all_reduce_bytes, 2 * ring);
-      compute += t;
       p.dp += t;
       p.dp_bytes += dps.all_reduce_bytes;
+      wait_dp(compute + t);
     } else if (dps.device_sharded) {
-      // Stages 1-3 in device memory: one host function after backward, per module a
-      // reduce-scatter of its gradients, then per module the update of this rank's slice and
-      // an all-gather of its parameters; nothing overlaps.
+      // Stages 1-3 in device memory: one host function after backward; per module the
+      // reduce-scatter of its gradients (not with buckets: reduced during backward), then per
+      // module the update of this rank's slice and the all-gather of its parameters (not a
+      // sliced unit's: its fetches gather it); nothing overlaps.
       std::uint64_t all = 0, mine = 0;
       for (std::size_t u = 0; u < MM; ++u) {
         if (dps.rs_bytes[u] == 0) continue;
-        const double t = collective(dps.rs_bytes[u], ring) + collective(dps.ag_bytes[u], ring);
-        compute += t;
+        double t = 0;
+        if (!bucketed) {
+          t += collective(dps.rs_bytes[u], ring);
+          p.dp_bytes += dps.rs_bytes[u];
+        }
+        if (!units.sliced[u]) {
+          t += collective(dps.ag_bytes[u], ring);
+          p.dp_bytes += dps.ag_bytes[u];
+        }
         p.dp += t;
-        p.dp_bytes += dps.rs_bytes[u] + dps.ag_bytes[u];
+        wait_dp(compute + t);
         all += units.gbytes[u] / 4;
         mine += dps.slice_elements[u];
       }
@@ -781,8 +929,10 @@ std::string StepPrediction::to_string() const {
   line("fetch stall", fetch_stall, 0, "compute waiting for fetched or updated parameters");
   line("update stall", update_stall, 0, "the caller waiting for the gradient norm");
   line("contention", contention, 0, "cpu backend: the other engines' CPU work taken from compute");
-  if (dp_bytes > 0)
+  if (dp_bytes > 0) {
     line("data parallel", dp, dp_bytes, "collectives: gradient reductions, parameter gathers");
+    if (dp_stall > 0) line("dp stall", dp_stall, 0, "compute waiting for data-parallel collectives");
+  }
   return o.str();
 }
 

@@ -199,6 +199,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const offload_detail::Units units = offload_detail::describe_units(layout, settings);
   OffloadPlan plan;
   plan.module_home = units.home;
+  plan.module_sliced = units.sliced;
   auto line = [&](std::string what, Tier tier, StateKind kind, std::uint64_t bytes, bool pinned = false) {
     if (bytes == 0) return;
     plan.lines.push_back(PlanLine{std::move(what), tier, kind, pinned, bytes});
@@ -653,10 +654,21 @@ std::string OffloadPlan::to_string() const {
     << format_bytes(pinned_bytes) << ", nvme " << format_bytes(nvme_bytes);
   if (swap_bytes > 0) o << " (swap files " << format_bytes(swap_bytes) << ")";
   o << "\n";
-  int homes[3] = {0, 0, 0};
-  for (Tier t : module_home) homes[static_cast<int>(t)]++;
-  o << "  modules' working parameters: " << homes[0] << " resident on the device, " << homes[1] << " on host, "
-    << homes[2] << " on nvme; " << param_slots << " prefetch slots of " << format_bytes(param_slot_bytes);
+  // A sliced module (stage 3 in device memory) has its home on the device but is fetched into a
+  // slot like a host module: counted apart from the resident ones.
+  int homes[3] = {0, 0, 0}, sliced = 0;
+  for (std::size_t m = 0; m < module_home.size(); ++m) {
+    if (m < module_sliced.size() && module_sliced[m]) {
+      ++sliced;
+      continue;
+    }
+    homes[static_cast<int>(module_home[m])]++;
+  }
+  o << "  modules' working parameters: " << homes[0] << " resident on the device, ";
+  if (sliced > 0)
+    o << sliced << " sliced on the device (this rank's slice, gathered into a slot for each use), ";
+  o << homes[1] << " on host, " << homes[2] << " on nvme; " << param_slots << " prefetch slots of "
+    << format_bytes(param_slot_bytes);
   if (grad_slots > 0) o << ", " << grad_slots << " gradient buckets of " << format_bytes(grad_slot_bytes);
   o << "\n";
   return o.str();

@@ -112,7 +112,8 @@ Json prediction_json(const StepPrediction& p) {
                 {"fetch_stall", p.fetch_stall},
                 {"update_stall", p.update_stall},
                 {"contention", p.contention},
-                {"data_parallel", p.dp}}},
+                {"data_parallel", p.dp},
+                {"data_parallel_stall", p.dp_stall}}},
               {"bytes_per_step",
                {{"h2d", p.h2d_bytes},
                 {"d2h", p.d2h_bytes},
@@ -564,7 +565,7 @@ int run_plan(std::span<const std::string> argv) {
         s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
         s.optimizer == Tier::kNvme ? std::to_string(s.sub_group_size).c_str() : "-", p.step_seconds,
         p.compute, p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.dp,
-        p.fetch_stall + p.update_stall, format_bytes(c->estimate.device_need).c_str(),
+        p.fetch_stall + p.update_stall + p.dp_stall, format_bytes(c->estimate.device_need).c_str(),
         format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
         format_bytes(c->estimate.plan.nvme_bytes).c_str());
   }

@@ -296,11 +296,12 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
     rep.forward_backward_s = median(fb_t);
     rep.forward_s = std::min(median(f_t), rep.forward_backward_s);
   }
-  // Split over the modules by their arithmetic, scaled from the measured depth to the model's.
+  // Split over the modules by their arithmetic, scaled from the measured depth to the model's:
+  // each module of the full model takes its flops' share of the measured model's, so the
+  // shares add up to the full model's flops over the measured model's.
   const std::vector<double> measured = module_forward_flops(mc), full = module_forward_flops(config);
-  double measured_total = 0, full_total = 0;
+  double measured_total = 0;
   for (double f : measured) measured_total += f;
-  for (double f : full) full_total += f;
   const double fwd = rep.forward_s, bwd = rep.forward_backward_s - rep.forward_s;
   for (double f : full) {
     const double share = measured_total > 0 ? f / measured_total : 0.0;
