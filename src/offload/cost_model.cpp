@@ -379,6 +379,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     // Stages 2-3: the gradient buckets, their buffers and the collectives in flight.
     offload_detail::GradBuckets gb;
     std::vector<int> buf_owner, buf_of;
+    std::vector<std::uint64_t> buf_freed;  // per buffer: its release order in the step (0: not yet)
+    std::uint64_t frees = 0;
     struct InFlight {
       int buf;
       double done;
@@ -388,6 +390,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     if (bucketed) {
       gb = offload_detail::grad_buckets(units, settings);
       buf_owner.assign(offload_detail::grad_bucket_slots(gb, settings), -1);
+      buf_freed.assign(buf_owner.size(), 0);
       buf_of.assign(gb.units.size(), -1);
     }
     // finish_through: compute waits for the collectives in flight up to the one in buffer i
@@ -419,17 +422,20 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         if (units.sliced[static_cast<std::size_t>(u)])
           ready = std::max(ready, fetched[static_cast<std::size_t>(u)]);
       if (backward && bucketed) {
-        // open_buckets: a bucket its first module touches takes the lowest free buffer, whose
-        // previous bucket's collectives (overlap_comm) compute waits for first.
+        // open_buckets: a bucket its first module touches takes the free buffer released longest
+        // ago (ties: the lowest), whose previous bucket's collectives (overlap_comm) compute
+        // waits for first.
         for (int u : units.storage[mm]) {
           const int b = gb.bucket_of[static_cast<std::size_t>(u)];
           if (b < 0 || buf_of[static_cast<std::size_t>(b)] >= 0) continue;
-          const auto free_buf = std::find(buf_owner.begin(), buf_owner.end(), -1);
-          if (free_buf == buf_owner.end())
+          int slot = -1;
+          for (std::size_t q = 0; q < buf_owner.size(); ++q)
+            if (buf_owner[q] < 0 && (slot < 0 || buf_freed[q] < buf_freed[static_cast<std::size_t>(slot)]))
+              slot = static_cast<int>(q);
+          if (slot < 0)
             return internal_error("predict_step: no gradient bucket buffer free for bucket " +
                                   std::to_string(b));
-          const int slot = static_cast<int>(free_buf - buf_owner.begin());
-          *free_buf = b;
+          buf_owner[static_cast<std::size_t>(slot)] = b;
           buf_of[static_cast<std::size_t>(b)] = slot;
           if (settings.overlap_comm) finish_through(slot);
         }
@@ -455,6 +461,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           const int slot = buf_of[b];
           in_flight.push_back({slot, comm});
           buf_owner[static_cast<std::size_t>(slot)] = -1;
+          buf_freed[static_cast<std::size_t>(slot)] = ++frees;
           buf_of[b] = -1;
           if (!settings.overlap_comm) finish_through(slot);
         }

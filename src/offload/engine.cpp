@@ -426,6 +426,11 @@ struct OffloadEngine::Impl {
   std::vector<char*> bucket_buf;       // offload.grad_buckets slots (units padded, then the receive part)
   std::vector<int> bucket_buf_owner;   // per buffer: the open bucket using it, -1 free (caller)
   std::vector<int> bucket_buf_of;      // per bucket: its buffer while open, -1 (caller)
+  // Per buffer: when it was last released in this step (0: not yet), and the step's release count
+  // (caller). open_buckets takes the free buffer released longest ago: its reduce-scatter, the
+  // oldest in flight, is the likeliest to be done, so compute rarely waits for it.
+  std::vector<std::uint64_t> bucket_buf_freed;
+  std::uint64_t bucket_frees = 0;
   struct InFlight {                    // stage >= 2: a bucket's reduce-scatters (compute thread only)
     int bucket = -1, buf = -1;
     bool accumulate = false;
@@ -1106,6 +1111,7 @@ Status OffloadEngine::Impl::setup() {
         bucket_buf.push_back(base + off);
       }
       bucket_buf_owner.assign(bucket_buf.size(), -1);
+      bucket_buf_freed.assign(bucket_buf.size(), 0);
     } else {
       for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
         bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
@@ -4047,9 +4053,13 @@ Status OffloadEngine::Impl::open_buckets(int m) {
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const int b = buckets.bucket_of[static_cast<std::size_t>(u)];
     if (b < 0 || bucket_buf_of[static_cast<std::size_t>(b)] >= 0) continue;
+    // The free buffer released longest ago (ties: the lowest). The lowest free one is often the
+    // buffer whose reduce-scatter the previous module just launched, and compute would wait for it
+    // at once. Which buffer a bucket takes changes no bits: finish_through reduces in launch order.
     int i = -1;
-    for (std::size_t k = 0; k < bucket_buf_owner.size() && i < 0; ++k)
-      if (bucket_buf_owner[k] < 0) i = static_cast<int>(k);
+    for (std::size_t k = 0; k < bucket_buf_owner.size(); ++k)
+      if (bucket_buf_owner[k] < 0 && (i < 0 || bucket_buf_freed[k] < bucket_buf_freed[static_cast<std::size_t>(i)]))
+        i = static_cast<int>(k);
     if (i < 0) {
       return internal_error("offload: no gradient bucket buffer free for bucket " + std::to_string(b) + " at module " +
                             std::to_string(m) + " (the plan counted " + std::to_string(bucket_buf.size()) + ")");
@@ -4086,6 +4096,7 @@ Status OffloadEngine::Impl::close_buckets(int m, bool first_micro, bool last_mic
                                                 return launch_bucket(bi, i, accumulate);
                                               }));
       bucket_buf_owner[static_cast<std::size_t>(i)] = -1;
+      bucket_buf_freed[static_cast<std::size_t>(i)] = ++bucket_frees;
       bucket_buf_of[b] = -1;
       for (int v : buckets.units[b]) {
         bound_grads[static_cast<std::size_t>(v)] = nullptr;
@@ -4194,6 +4205,8 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   if (bucketed) {
     // A failed step may have left collectives in flight and buffers taken: wait them out, drop them.
     std::fill(bucket_buf_owner.begin(), bucket_buf_owner.end(), -1);
+    std::fill(bucket_buf_freed.begin(), bucket_buf_freed.end(), 0);
+    bucket_frees = 0;
     std::fill(bucket_buf_of.begin(), bucket_buf_of.end(), -1);
     STRATA_RETURN_IF_ERROR(compute->host_fn("offload: discard gradient buckets in flight", [this]() -> Status {
       for (InFlight& f : in_flight)
