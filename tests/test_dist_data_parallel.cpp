@@ -936,7 +936,7 @@ TEST(DataParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
   const std::string root = shared_temp_dir("rfault");
   if (world().rank() == failing) {
     for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
-      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+      faults.add_error({IoOp::kRead, swap.path().string(), offset, EIO});
   }
   const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
                             " could not read its slice of module '";
@@ -962,7 +962,7 @@ TEST(DataParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
     EXPECT_FALSE(std::filesystem::exists(root + "/ckpt/latest")) << "a failed checkpoint was published";
   }
   // The ranks are still in step: with the disk back, the same engine saves.
-  faults.errors.clear();
+  faults.clear_errors();
   Status again = (*engine)->save_weights(weights);
   ASSERT_TRUE(again.ok()) << again.to_string();
   ASSERT_TRUE(world().barrier().wait().ok());

@@ -422,7 +422,7 @@ TEST(PipelineEngine, CheckpointFailsCleanlyWhenAStageCannotReadItsState) {
   const int failing = world().size() - 1;
   if (world().rank() == failing) {
     for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
-      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+      faults.add_error({IoOp::kRead, swap.path().string(), offset, EIO});
   }
   auto failed = (*engine)->save_checkpoint(root, "{}", 2);
   ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
@@ -444,7 +444,7 @@ TEST(PipelineEngine, CheckpointFailsCleanlyWhenAStageCannotReadItsState) {
   }
   // Every rank has looked before rank 0's next save creates its temporary directory again.
   ASSERT_TRUE(world().barrier().wait().ok());
-  faults.errors.clear();
+  faults.clear_errors();
   auto again = (*engine)->save_checkpoint(root, "{}", 2);
   ASSERT_TRUE(again.ok()) << again.status().to_string();
   EXPECT_EQ(*again, root + "/step-00000002");
@@ -487,7 +487,7 @@ TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
     ASSERT_TRUE((*engine)->synchronize().ok()) << what;  // the update is on disk before the disk fails
     if (world().rank() == failing) {
       for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
-        faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+        faults.add_error({IoOp::kRead, swap.path().string(), offset, EIO});
     }
     const std::string named = "pipeline stage " + std::to_string(failing) + " could not read";
     for (const std::string& path : {weights, other}) {
@@ -504,7 +504,7 @@ TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
       for (const auto& e : std::filesystem::directory_iterator(root))
         EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << what << ": " << e.path();
     }
-    faults.errors.clear();
+    faults.clear_errors();
     Status again = (*engine)->save_weights(other);
     ASSERT_TRUE(again.ok()) << what << ": " << again.to_string();
     if (world().rank() == 0) {

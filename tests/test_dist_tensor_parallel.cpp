@@ -350,7 +350,7 @@ TEST(TensorParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
   ASSERT_TRUE(world().barrier().wait().ok());
   if (world().rank() == failing) {
     for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096)
-      faults.errors.push_back({IoOp::kRead, swap.path().string(), offset, EIO});
+      faults.add_error({IoOp::kRead, swap.path().string(), offset, EIO});
   }
   const std::string named = "tensor-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
                             " could not read its shard of '";
@@ -371,7 +371,7 @@ TEST(TensorParallel, ReadFailureOnOneRankFailsEveryRankAtOnce) {
   if (world().rank() == 0) {
     EXPECT_FALSE(std::filesystem::exists(weights)) << "a failed save left a file";
   }
-  faults.errors.clear();
+  faults.clear_errors();
   STRATA_ASSERT_OK((*engine)->save_weights(weights));
   ASSERT_TRUE(world().barrier().wait().ok());
   if (world().rank() == 0) {

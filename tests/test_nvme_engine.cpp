@@ -248,8 +248,8 @@ TEST_P(EngineBackends, ReadPastTheEndIsAnErrorNotZeros) {
 TEST_P(EngineBackends, InjectedErrorsNameFileAndOffset) {
   TempDir dir("strata-nvme");
   IoFaults faults;
-  faults.errors.push_back({IoOp::kRead, "victim", 3 * 65536 + 10, EIO});
-  faults.errors.push_back({IoOp::kWrite, "victim", 5 * 65536, ENOSPC});
+  faults.add_error({IoOp::kRead, "victim", 3 * 65536 + 10, EIO});
+  faults.add_error({IoOp::kWrite, "victim", 5 * 65536, ENOSPC});
   auto engine = make_engine(config(), &faults);
   ASSERT_NE(engine, nullptr);
   auto f = engine->open((dir / "victim").string(), OpenMode::kCreate);

@@ -179,12 +179,12 @@ TEST_P(SwapDirs, AFailedUpdateKeepsThePreviousVersion) {
   // logical [256K, 768K). With one dir that is the file offset; with three dirs and 64 KiB
   // stripes, file offset 128K of every member holds stripes 6-8 of it.
   std::uint64_t file_offset = GetParam() == 1 ? (256 << 10) + 8192 : (128 << 10) + 4096;
-  faults.errors.push_back({IoOp::kWrite, "strata-swap", file_offset, EIO});
+  faults.add_error({IoOp::kWrite, "strata-swap", file_offset, EIO});
   auto v2 = random_bytes(512 << 10, 2);
   Status s = store->write(key, v2.data(), v2.size()).wait();
   STRATA_EXPECT_ERROR(s, kIoError, "EIO");
   STRATA_EXPECT_ERROR(s, kIoError, "previous version is kept");
-  faults.errors.clear();
+  faults.clear_errors();
   EXPECT_EQ(read_back(*store, key, v1.size()), v1);
   EXPECT_EQ(store->stats().used_bytes, v1.size()) << "the failed version's extents are freed";
   STRATA_ASSERT_OK(store->is_valid());

@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 // Every piece of `op` on the swap files under `dir` fails with `err` (a dead disk).
 void fail_everything(nvme_detail::IoFaults& faults, IoOp op, const TempDir& dir, int err) {
   for (std::uint64_t offset = 0; offset < (64u << 20); offset += 4096) {
-    faults.errors.push_back({op, dir.path().string(), offset, err});
+    faults.add_error({op, dir.path().string(), offset, err});
   }
 }
 
@@ -55,7 +55,7 @@ TEST(OffloadFaults, ReadErrorWhileFetchingFailsTheStepAndChangesNothing) {
   EXPECT_NE(failed.status().message().find("NVMe read of param."), std::string::npos) << failed.status().to_string();
   EXPECT_EQ((*engine)->steps_done(), 1);
   // The disk recovers: the same step again, then the rest, exactly as if nothing had failed.
-  faults.errors.clear();
+  faults.clear_errors();
   ASSERT_TRUE(run_steps(**engine, c, 1, 3, got));
   ASSERT_TRUE(capture_state(**engine, got));
   expect_same(ref, got, "after a failed fetch and a retry");
@@ -92,7 +92,7 @@ TEST(OffloadFaults, DeadDiskUnderTheNvmeOptimizerSurfacesAndACheckpointRecovers)
       << retried.status().to_string();
   EXPECT_EQ((*engine)->steps_done(), 3);
   // The disk is replaced; the last checkpoint goes back into the same engine.
-  faults.errors.clear();
+  faults.clear_errors();
   auto loaded = (*engine)->load_checkpoint(root.path().string());
   ASSERT_TRUE(loaded.ok()) << loaded.status().to_string();
   EXPECT_EQ(loaded->step, 2);

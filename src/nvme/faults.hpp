@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,26 @@ struct IoFaults {
     std::uint64_t offset = 0;
     int err = 0;
   };
-  std::vector<Injected> errors;
+  // The test adds and clears them while I/O may be in flight (the offload engine fetches the next
+  // step's first units between calls), so the list is behind a mutex.
+  void add_error(Injected e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    errors_.push_back(std::move(e));
+  }
+  void clear_errors() {
+    std::lock_guard<std::mutex> lock(mu_);
+    errors_.clear();
+  }
+  // The errno a piece of `op` on `path` covering [offset, offset + length) completes with; 0: none.
+  int error_for(IoOp op, const std::string& path, std::uint64_t offset, std::uint64_t length) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Injected& e : errors_) {
+      if (e.op == op && path.find(e.path_contains) != std::string::npos && e.offset >= offset &&
+          e.offset < offset + length)
+        return e.err;
+    }
+    return 0;
+  }
   // A disk that dies part-way through a burst of writes: once the write pieces started since the
   // engine was created add up to more than this many bytes, every further write piece fails with
   // EIO (0 = off). Atomics: the test moves the mark while the I/O threads read it.
@@ -42,6 +62,10 @@ struct IoFaults {
                                                          const IoFaults* faults) {
     return IoEngine::create_with_faults(config, pool, faults);
   }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<Injected> errors_;
 };
 
 }  // namespace strata::nvme_detail

@@ -242,16 +242,10 @@ class IoThread {
     return started;
   }
 
-  const IoFaults::Injected* injected(const Piece& p) const {
+  // The injected errno of a piece (0: none).
+  int injected(const Piece& p) const {
     const IoFaults* f = engine_->faults;
-    if (f == nullptr) return nullptr;
-    for (const auto& e : f->errors) {
-      if (e.op == p.op && p.member->path.find(e.path_contains) != std::string::npos && e.offset >= p.offset &&
-          e.offset < p.offset + p.length) {
-        return &e;
-      }
-    }
-    return nullptr;
+    return f == nullptr ? 0 : f->error_for(p.op, p.member->path, p.offset, p.length);
   }
 
   int lookup_fixed(const unsigned char* p, std::uint64_t n) const {
@@ -305,9 +299,9 @@ class IoThread {
 
   // Hands a piece to the queue. False when it must wait for a bounce buffer.
   bool start_piece(Piece* p, std::vector<Completion>& out) {
-    if (const auto* inj = injected(*p)) {
+    if (const int err = injected(*p); err != 0) {
       ++inflight_;
-      out.push_back({p, -static_cast<std::int64_t>(inj->err)});
+      out.push_back({p, -static_cast<std::int64_t>(err)});
       return true;
     }
     if (const IoFaults* f = engine_->faults; f != nullptr && p->op == IoOp::kWrite) {

@@ -460,6 +460,9 @@ struct OffloadEngine::Impl {
   HostMem rs_send, rs_recv;  // gradient stream: one unit padded to size x chunk, and this rank's chunk
   HostMem ag_send, ag_recv;  // optimizer thread: this rank's updated chunk, and the gathered unit
   std::vector<GradStats> gathered_stats;  // optimizer thread: per rank, per unit
+  // Optimizer thread, host tier sharded over data parallelism: this rank's per-unit statistics
+  // plus its failure flag (M + 1 records), and every rank's (dp_size x (M + 1)), sized once.
+  std::vector<GradStats> flagged_stats, flagged_gathered;
   std::vector<double> gathered_sums;      // caller: sum_over_ranks
   std::atomic<std::uint64_t> dp_bytes{0};
   int dp_tracks[4] = {0, 0, 0, 0};  // caller, gradient stream, optimizer thread, h2d stream
@@ -1253,7 +1256,8 @@ Status OffloadEngine::Impl::setup() {
     STRATA_ASSIGN_OR_RETURN(rs_recv, HostMem::make(dev, pin, 4 * c, "offload.dp_reduce"));
     STRATA_ASSIGN_OR_RETURN(ag_send, HostMem::make(dev, pin, w * c, "offload.dp_gather"));
     STRATA_ASSIGN_OR_RETURN(ag_recv, HostMem::make(dev, pin, w * P * c, "offload.dp_gather"));
-    gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
+    flagged_stats.assign(static_cast<std::size_t>(M) + 1, GradStats{});
+    flagged_gathered.assign(static_cast<std::size_t>(dp_size) * (static_cast<std::size_t>(M) + 1), GradStats{});
   }
   if (any_psharded) {
     const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk, w = half ? 2 : 4;
@@ -3220,9 +3224,10 @@ void OffloadEngine::Impl::worker_main() {
       for (int u = 0; u < kdev; ++u) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
       static_assert(sizeof(GradStats) % 4 == 0);
       const std::size_t per = static_cast<std::size_t>(M) + 1;
-      std::vector<GradStats> mine(stats);
-      mine.push_back(GradStats{verdict, 0});
-      std::vector<GradStats> all(per * static_cast<std::size_t>(dp_size));
+      std::vector<GradStats>& mine = flagged_stats;
+      std::copy(stats.begin(), stats.end(), mine.begin());
+      mine[per - 1] = GradStats{verdict, 0};
+      std::vector<GradStats>& all = flagged_gathered;
       Status s = dp_wait(dp_tracks[2], dp_params->all_gather(mine.data(), all.data(), per * sizeof(GradStats) / 4,
                                                              DType::kF32),
                          "gather gradient statistics", -1, all.size() * sizeof(GradStats));
