@@ -337,23 +337,26 @@ std::uint64_t dp_chunk(std::uint64_t n, int ranks) {
 }
 
 TEST(CostModel, DataParallelStage0AllReducesTheWholeGradientAfterBackward) {
-  // Four ranks: a ring all-reduce sends 2 * 3/4 of the buffer; at a bus bandwidth of
-  // 1.5 * G bytes/s that is 1 s, plus 0.25 s of fixed cost, between backward and the update.
+  // The cuda backend. Four ranks: a ring all-reduce sends 2 * 3/4 of the buffer; at a bus
+  // bandwidth of 1.5 * G bytes/s that is 1 s, plus 0.25 s of fixed cost, between backward and the
+  // update.
   TrainerConfig c = tiny();
   c.grad_accum = 2;
   const Units u = units_of(c);
   const std::uint64_t G = 4 * std::accumulate(u.elements.begin(), u.elements.end(), 0ull);
   MachineRates r = rates();
+  r.cuda = true;
   r.dp_bus_bytes_per_s = 1.5 * static_cast<double>(G);
   r.dp_collective_seconds = 0.25;
   OffloadSettings s;
   s.dp_size = 4;
+  s.reduce_bucket_elements = static_cast<std::int64_t>(u.elements[3]);  // buckets on cpu, not on cuda
   auto p = predict_step(c, s, r);
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   EXPECT_NEAR(p->step_seconds, 2 * kCompute + 1.25 + 0.5, 1e-9);
   EXPECT_NEAR(p->dp, 1.25, 1e-9);
   EXPECT_EQ(p->dp_bytes, G);
-  auto t = dp_traffic(c, s);
+  auto t = dp_traffic(c, s, /*cuda=*/true);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
   EXPECT_EQ(t->all_reduce_bytes, G);
   EXPECT_EQ(t->buffer_bytes(), G);
@@ -368,6 +371,63 @@ TEST(CostModel, DataParallelStage0AllReducesTheWholeGradientAfterBackward) {
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   EXPECT_DOUBLE_EQ(p->step_seconds, 2 * kCompute + 0.5);
   EXPECT_EQ(p->dp_bytes, 0u);
+}
+
+// The cpu backend's stage 0 (dp_stage0_bucketed): two ranks, two micro-batches, buckets {h.1 +
+// head}, {h.0}, {embedding} (the head reads wte, so the embedding's gradients are final only after
+// module 0's backward). Each bucket is all-reduced in place when the last micro-batch's backward
+// leaves it: at 20 s and 22 s, under the backward still to run, and the embedding's at 24 s,
+// exposed before the update. Without overlap_comm compute waits for each at once, which is the
+// cuda backend's one all-reduce after backward.
+TEST(CostModel, DataParallelStage0OnTheCpuBackendAllReducesEachBucketBesideBackward) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 2;
+  const Units u = units_of(c);
+  const std::uint64_t X = 4 * (u.elements[3] + u.elements[2]), Y = 4 * u.elements[1], Z = 4 * u.elements[0];
+  MachineRates r = rates();
+  r.dp_bus_bytes_per_s = static_cast<double>(X + Y + Z) / 1.5;  // two ranks: factor 2 * 1/2; 1.5 s in all
+  auto sec = [&](std::uint64_t b) { return static_cast<double>(b) / r.dp_bus_bytes_per_s; };
+  ASSERT_LT(sec(X), 2.0);  // each hidden under one module's backward
+  ASSERT_LT(sec(Y), 2.0);
+  OffloadSettings s;
+  s.dp_size = 2;
+  s.zero_stage = 0;
+  s.overlap_comm = true;
+  s.reduce_bucket_elements = static_cast<std::int64_t>(u.elements[3] + u.elements[2]);
+  {
+    auto layout = describe_model(c.model);
+    ASSERT_TRUE(layout.ok());
+    const auto g = offload_detail::grad_buckets(offload_detail::describe_units(*layout, s), s);
+    ASSERT_EQ(g.units, (std::vector<std::vector<int>>{{3, 2}, {1}, {0}}));
+  }
+  auto p = predict_step(c, s, r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_NEAR(p->step_seconds, 2 * kCompute + sec(Z) + 0.5, 1e-9);
+  EXPECT_NEAR(p->dp_stall, sec(Z), 1e-9);
+  EXPECT_NEAR(p->dp, 1.5, 1e-9);
+  EXPECT_EQ(p->dp_bytes, X + Y + Z);  // once per step: earlier micro-batches only add
+  auto t = dp_traffic(c, s);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  EXPECT_EQ(t->all_reduce_bytes, X + Y + Z);
+  EXPECT_EQ(t->collectives, 3u);
+  EXPECT_TRUE(t->overlapped);
+  EXPECT_NEAR(t->seconds(r.dp_bus_bytes_per_s, 0.0), 1.5, 1e-12);
+  // Without overlap_comm: every bucket waited at once, as long as cuda's one all-reduce.
+  s.overlap_comm = false;
+  auto waited = predict_step(c, s, r);
+  ASSERT_TRUE(waited.ok()) << waited.status().to_string();
+  EXPECT_NEAR(waited->step_seconds, 2 * kCompute + 1.5 + 0.5, 1e-9);
+  EXPECT_NEAR(waited->dp_stall, 1.5, 1e-9);
+  s.overlap_comm = true;
+  r.cuda = true;
+  auto cuda = predict_step(c, s, r);
+  ASSERT_TRUE(cuda.ok()) << cuda.status().to_string();
+  EXPECT_NEAR(cuda->step_seconds, waited->step_seconds, 1e-9);
+  EXPECT_EQ(cuda->dp_bytes, p->dp_bytes);
+  auto one = dp_traffic(c, s, /*cuda=*/true);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->collectives, 1u);
+  EXPECT_FALSE(one->overlapped);
 }
 
 TEST(CostModel, DataParallelStage1HidesTheCollectivesButTheFirstAndLastModules) {

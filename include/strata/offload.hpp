@@ -290,6 +290,10 @@ struct MachineRates {
   bool shared_cores = false;
   int cores = 1;
   double nvme_cpu_fraction = 0;
+  // The cuda backend: stage 0 with the optimizer on the device all-reduces the whole gradient once
+  // after backward there (a stream's host function may not call NCCL); the cpu backend all-reduces
+  // each gradient bucket when backward leaves it (dp_stage0_bucketed).
+  bool cuda = false;
   // Data parallel (settings.dp_size > 1): the link between the ranks as a collective sees it.
   // dp_bus_bytes_per_s is the bus bandwidth (what strata bench comm reports, nccl-tests'
   // convention): a collective on B buffer bytes takes dp_collective_seconds + B * f / bus, with
@@ -316,7 +320,7 @@ inline constexpr double kDefaultDpCollectiveSeconds = 20e-6;
 struct DpTraffic {
   int ranks = 1;
   int stage = 0;                           // the stage the engine runs (0 with the host optimizer runs as 1)
-  std::uint64_t all_reduce_bytes = 0;      // stage 0: the whole gradient, once after backward
+  std::uint64_t all_reduce_bytes = 0;      // stage 0: the whole gradient (cpu: per bucket, in backward)
   std::uint64_t reduce_scatter_bytes = 0;  // gradients: once per step (stage 1), per micro-batch (2, 3)
   std::uint64_t all_gather_bytes = 0;      // updated parameters (1, 2) or every stage-3 fetch
   std::uint64_t collectives = 0;           // how many of them
@@ -333,7 +337,9 @@ struct DpTraffic {
 // The data-parallel traffic of `settings` (dp_size ranks, zero_stage) for one step of `config`;
 // all zero with dp_size 1. Stage 3 counts a gather per fetch of a non-resident module, the fetches
 // being predict_step's (the slot rule with prefetch_modules).
-Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings);
+// `cuda`: the cuda backend, whose stage 0 all-reduces once; the cpu backend's stage 0 all-reduces
+// each gradient bucket (the same bytes in more collectives, beside backward with overlap_comm).
+Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings, bool cuda = false);
 
 // The predicted steady-state step (the time between the returns of consecutive step() calls)
 // and where it goes. Busy seconds per engine add up to more than the step when they overlap.

@@ -183,7 +183,7 @@ double DpTraffic::seconds(double bus_bytes_per_s, double collective_seconds) con
          (bus_bytes_per_s > 0 ? wire_bytes() / bus_bytes_per_s : 0.0);
 }
 
-Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings) {
+Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings, bool cuda) {
   STRATA_RETURN_IF_ERROR(config.validate());
   STRATA_RETURN_IF_ERROR(settings.validate());
   STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
@@ -198,6 +198,11 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
   if (d.device_opt && !d.device_sharded) {
     t.all_reduce_bytes = d.all_reduce_bytes;
     t.collectives = 1;
+    if (offload_detail::dp_stage0_bucketed(settings, cuda)) {
+      // One all-reduce per gradient bucket, beside backward with overlap_comm.
+      t.collectives = std::max<std::uint64_t>(1, offload_detail::grad_buckets(units, settings).units.size());
+      t.overlapped = settings.overlap_comm;
+    }
     return t;
   }
   // With the optimizer on the device, stage 1 (and stages 2-3 with a pipeline) reduces once in
@@ -322,7 +327,10 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     // The optimizer on the device: the passes and the update run on the compute stream. Every
     // stream is idle when a step starts (the step synchronises compute after the update), so one
     // step replayed from zero is the steady state. Data parallel, as the engine runs it:
-    // - stage 0: one all-reduce of the whole gradient after backward, exposed;
+    // - stage 0: on cuda one all-reduce of the whole gradient after backward, exposed; on the
+    //   cpu backend (dp_stage0_bucketed) one all-reduce per bucket of grad_buckets when the last
+    //   micro-batch's backward leaves the bucket's last module, with overlap_comm on the comm lane
+    //   while backward goes on (compute waits for all before the update), without it at once;
     // - stage 1 (and stages 2-3 with tensor or pipeline parallelism): inside the update, per
     //   module a reduce-scatter of its gradients and an all-gather of its parameters, exposed;
     // - stages 2-3 (dp_device_grad_sharded): the buckets of grad_buckets, each reduce-scattered
@@ -337,6 +345,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     //   stream.
     const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
     const bool bucketed = dps.device_sharded && offload_detail::dp_device_grad_sharded(settings);
+    // Stage 0 on the cpu backend: each bucket's range all-reduced in place when backward leaves
+    // its last module on the last micro-batch (earlier micro-batches only add); no bucket buffers.
+    const bool stage0_buckets = dps.active() && !dps.device_sharded && offload_detail::dp_stage0_bucketed(settings, rates.cuda);
     const bool any_sliced = std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
     const std::size_t per_pass = 2 * MM;
     const std::size_t J = per_pass * static_cast<std::size_t>(A);
@@ -393,6 +404,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       buf_freed.assign(buf_owner.size(), 0);
       buf_of.assign(gb.units.size(), -1);
     }
+    if (stage0_buckets) gb = offload_detail::grad_buckets(units, settings);
     // finish_through: compute waits for the collectives in flight up to the one in buffer i
     // (all of them for i < 0), first in first out.
     auto finish_through = [&](int i) {
@@ -466,6 +478,22 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           if (!settings.overlap_comm) finish_through(slot);
         }
       }
+      if (backward && stage0_buckets && j / per_pass == static_cast<std::size_t>(A - 1)) {
+        // close_buckets at stage 0: the last micro-batch all-reduces each bucket it leaves (its
+        // units' whole gradients: the range is contiguous), on the comm lane with overlap_comm
+        // (drain_buckets waits for all before the update), else compute waits at once.
+        for (std::size_t b = 0; b < gb.units.size(); ++b) {
+          if (gb.close_after[b] != m) continue;
+          std::uint64_t bytes = 0;
+          for (int u : gb.units[b]) bytes += units.gbytes[static_cast<std::size_t>(u)];
+          const double d = collective(bytes, 2 * ring);
+          p.dp += d;
+          p.dp_bytes += bytes;
+          comm = std::max(comm, compute) + d;
+          in_flight.push_back({-2, comm});  // no buffer (-1 would end finish_through(-1) early)
+          if (!settings.overlap_comm) finish_through(-1);
+        }
+      }
       compute_end[j] = compute;
       // prefetch_ahead: the units of the next k accesses (the window slides by one).
       if (k > 0) {
@@ -481,8 +509,8 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       compute = h2d_stream;
     }
     double update = rates.device_update_seconds;
-    if (dps.active() && !dps.device_sharded) {
-      // Stage 0: the caller all-reduces the whole gradient after backward, before the update.
+    if (dps.active() && !dps.device_sharded && !stage0_buckets) {
+      // Stage 0 on cuda: the caller all-reduces the whole gradient after backward, before the update.
       const double t = collective(dps.all_reduce_bytes, 2 * ring);
       p.dp += t;
       p.dp_bytes += dps.all_reduce_bytes;

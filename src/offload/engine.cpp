@@ -986,8 +986,8 @@ Status OffloadEngine::Impl::setup() {
   // backward: a stream's host function may not call NCCL), and stage >= 2's reduce-scatter (the
   // sharded device optimizer is cpu-only, check_data_parallel).
   grad_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_grad_sharded(settings);
-  bucketed = grad_sharded || (dp != nullptr && dp->size() > 1 && offload_detail::dp_device_bucketed(settings) &&
-                              settings.zero_stage == 0 && dev.info().kind == DeviceKind::kCpu);
+  bucketed = grad_sharded || (dp != nullptr && dp->size() > 1 &&
+                              offload_detail::dp_stage0_bucketed(settings, dev.info().kind == DeviceKind::kCuda));
   if (bucketed) buckets = offload_detail::grad_buckets(units, settings);
   kdev = static_cast<int>(units.device_opt_units);
   partial = !opt_on_device && kdev > 0;

@@ -391,6 +391,13 @@ inline bool dp_device_bucketed(const OffloadSettings& s) {
   return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.pipeline_bounds.size() < 2;
 }
 
+// Stage 0 with the optimizer on the device all-reduces per gradient bucket, each when backward
+// leaves the bucket's last module on the last micro-batch, on the cpu backend; cuda keeps one
+// all-reduce of the whole gradient after backward (a stream's host function may not call NCCL).
+inline bool dp_stage0_bucketed(const OffloadSettings& s, bool cuda) {
+  return !cuda && dp_device_bucketed(s) && s.zero_stage == 0;
+}
+
 inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings) {
   GradBuckets g;
   const int M = static_cast<int>(u.gbytes.size());

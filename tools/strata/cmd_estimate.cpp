@@ -132,7 +132,7 @@ int run_estimate(std::span<const std::string> argv) {
     }
     // The row's settings as estimate_placement planned them (a split or a delayed update only
     // where the placement takes it).
-    auto t = dp_traffic(tc, placement_settings(s));
+    auto t = dp_traffic(tc, placement_settings(s), cuda);
     if (!t.ok()) {
       std::fprintf(stderr, "strata estimate: %s\n", t.status().message().c_str());
       return kExitFailure;

@@ -46,8 +46,8 @@ constexpr FlagSpec kPlanFlags[] = {
      "at a smaller depth and scaled (default: half the available memory)"},
     {"ranks", "N",
      "data-parallel ranks (default 1): plan each rank's bytes and predict its step with the collectives of "
-     "the "
-     "ZeRO stage the config gets (3 with parameters offloaded, 2 with the optimizer, else 0)"},
+     "the ZeRO stage the config gets (3 with parameters offloaded, 2 with the optimizer; all on the device: "
+     "each of stages 0-3 on the cpu backend, 0 on cuda)"},
     {"link-bandwidth", "GB/s",
      "with --ranks N: the ranks' link as bus bandwidth (strata bench comm's busbw; default 12.5, a 100 Gb/s "
      "port)"},
@@ -94,10 +94,29 @@ struct Candidate {
   StepPrediction prediction;
 };
 
-std::string placement_name(const OffloadSettings& s) {
+// The tiers; with several ranks and `with_stage`, the ZeRO stage too (a candidate's; a placement
+// refused or left out is every stage of it).
+std::string placement_name(const OffloadSettings& s, bool with_stage = true) {
   std::string name = "params " + tier_name(s.params) + ", optimizer " + tier_name(s.optimizer);
   if (s.optimizer != Tier::kDevice) name += ", gradients " + tier_name(s.gradients);
+  if (with_stage && s.dp_size > 1) name += ", stage " + std::to_string(s.zero_stage);
   return name;
+}
+
+// The ZeRO stage a placement's config gets by default: 3 with the parameters offloaded, 2 with
+// the optimizer, else 0.
+int default_stage(Tier params, Tier optimizer) {
+  return params != Tier::kDevice ? 3 : optimizer != Tier::kDevice ? 2 : 0;
+}
+
+// The stages plan tries for a placement. With the optimizer on the device and several ranks on
+// the cpu backend, stages 1-3 shard its state, then the gradients, then the parameters over the
+// ranks' device memory (docs/parallel.md "ZeRO stages 1-3 in device memory"): less device memory
+// for more collectives, so each is a candidate of its own. Elsewhere the default stage only (the
+// host optimizer is sharded at any stage; cuda refuses stages 1-3 in device memory).
+std::vector<int> stages_to_try(Tier params, Tier optimizer, std::int64_t ranks, bool cuda) {
+  if (ranks > 1 && optimizer == Tier::kDevice && params == Tier::kDevice && !cuda) return {0, 1, 2, 3};
+  return {default_stage(params, optimizer)};
 }
 
 Json prediction_json(const StepPrediction& p) {
@@ -129,6 +148,7 @@ Json candidate_json(const Candidate& c) {
   j["offload_param"] = tier_name(s.params);
   j["offload_optimizer"] = tier_name(s.optimizer);
   j["offload_gradients"] = s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients);
+  j["zero_stage"] = s.zero_stage;
   j["prefetch_modules"] = s.prefetch_modules;
   j["prefetch_elements"] = s.prefetch_elements;
   j["buffer_count"] = s.nvme_buffer_count;
@@ -162,7 +182,7 @@ Json config_json(const RunSettings& rs, const Candidate& c, const std::string& s
   j["gradient_clipping"] = tc.grad_clip;
   j["bf16"]["enabled"] = tc.model.dtype == DType::kBF16;
   Json& z = j["zero_optimization"];
-  z["stage"] = s.params != Tier::kDevice ? 3 : s.optimizer != Tier::kDevice ? 2 : 0;
+  z["stage"] = s.zero_stage;
   z["offload_param"]["device"] = ds_device(s.params);
   z["offload_optimizer"]["device"] = ds_device(s.optimizer);
   const std::string dir = s.nvme_path.empty() ? "" : s.nvme_path.front();
@@ -332,11 +352,9 @@ int run_plan(std::span<const std::string> argv) {
         base.gradients = gradients;
         const bool nvme = params == Tier::kNvme || optimizer == Tier::kNvme;
         if (nvme && nvme_dir.empty()) {
-          left_out.push_back(placement_name(base));
+          left_out.push_back(placement_name(base, /*with_stage=*/false));
           continue;
         }
-        std::vector<int> depths =
-            params == Tier::kDevice ? std::vector<int>{base.prefetch_modules} : std::vector<int>{0, 1, 2, 4};
         std::vector<int> buffers =
             optimizer == Tier::kNvme ? std::vector<int>{3, 4, 8} : std::vector<int>{base.nvme_buffer_count};
         std::vector<std::int64_t> groups{base.sub_group_size};
@@ -349,51 +367,58 @@ int run_plan(std::span<const std::string> argv) {
           }
         }
         std::string why;
-        for (int k : depths) {
-          for (int r : buffers) {
-            for (std::int64_t g : groups) {
-              OffloadSettings s = base;
-              s.prefetch_modules = k;
-              // The prefetch budget holds the look-ahead, so the depth is what limits it.
-              if (params != Tier::kDevice)
-                s.prefetch_elements =
-                    std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
-              s.nvme_buffer_count = r;
-              s.sub_group_size = g;
-              if (nvme) s.io.nvme_path = s.nvme_path;
-              // The stage config_json writes for this placement (the bytes and collectives follow it).
-              s.zero_stage = params != Tier::kDevice ? 3 : optimizer != Tier::kDevice ? 2 : 0;
-              // Settings only some placements take (as estimate_placement): the delayed update
-              // and the partial optimizer split are predicted and written where the engine takes
-              // them, and left out elsewhere.
-              s = placement_settings(s);
-              auto e = estimate_placement(rs.trainer, s, budgets, cuda);
-              if (!e.ok()) return fail(e.status());
-              // The cpu backend's device memory is this machine's memory too.
-              const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
-              const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
-              if (!e->fits() || !fits_memory) {
-                if (why.empty()) {
-                  if (!e->fits_device)
-                    why = "device needs " + format_bytes(e->device_need) + " > budget " +
-                          format_bytes(budgets.device);
-                  else if (!e->fits_host)
-                    why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) +
-                          " > budget " + format_bytes(budgets.host);
-                  else if (!fits_memory)
-                    why = "device + host need " + format_bytes(all_memory) + " > " +
-                          format_bytes(budgets.host) +
-                          " available (the cpu backend's device memory is host memory)";
-                  else
-                    why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) +
-                          " free";
+        for (int stage : stages_to_try(params, optimizer, ranks, cuda)) {
+          // Fetched parameters (offloaded, or stage 3's slices in device memory, gathered by the
+          // same prefetcher): the prefetch depth is tuned.
+          const bool fetched = params != Tier::kDevice || (stage == 3 && ranks > 1);
+          const std::vector<int> depths =
+              fetched ? std::vector<int>{0, 1, 2, 4} : std::vector<int>{base.prefetch_modules};
+          for (int k : depths) {
+            for (int r : buffers) {
+              for (std::int64_t g : groups) {
+                OffloadSettings s = base;
+                s.prefetch_modules = k;
+                // The prefetch budget holds the look-ahead, so the depth is what limits it.
+                if (fetched)
+                  s.prefetch_elements =
+                      std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
+                s.nvme_buffer_count = r;
+                s.sub_group_size = g;
+                if (nvme) s.io.nvme_path = s.nvme_path;
+                // The stage config_json writes for this candidate (the bytes and collectives follow it).
+                s.zero_stage = stage;
+                // Settings only some placements take (as estimate_placement): the delayed update
+                // and the partial optimizer split are predicted and written where the engine takes
+                // them, and left out elsewhere.
+                s = placement_settings(s);
+                auto e = estimate_placement(rs.trainer, s, budgets, cuda);
+                if (!e.ok()) return fail(e.status());
+                // The cpu backend's device memory is this machine's memory too.
+                const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
+                const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
+                if (!e->fits() || !fits_memory) {
+                  if (why.empty()) {
+                    if (!e->fits_device)
+                      why = "device needs " + format_bytes(e->device_need) + " > budget " +
+                            format_bytes(budgets.device);
+                    else if (!e->fits_host)
+                      why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) +
+                            " > budget " + format_bytes(budgets.host);
+                    else if (!fits_memory)
+                      why = "device + host need " + format_bytes(all_memory) + " > " +
+                            format_bytes(budgets.host) +
+                            " available (the cpu backend's device memory is host memory)";
+                    else
+                      why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) +
+                            " free";
+                  }
+                  continue;
                 }
-                continue;
+                Candidate c;
+                c.settings = s;
+                c.estimate = std::move(*e);
+                candidates.push_back(std::move(c));
               }
-              Candidate c;
-              c.settings = s;
-              c.estimate = std::move(*e);
-              candidates.push_back(std::move(c));
             }
           }
         }
@@ -402,7 +427,7 @@ int run_plan(std::span<const std::string> argv) {
           any = any || (c.settings.params == params && c.settings.optimizer == optimizer &&
                         c.settings.gradients == gradients);
         }
-        if (!any) refused.push_back({placement_name(base), why});
+        if (!any) refused.push_back({placement_name(base, /*with_stage=*/false), why});
       }
     }
   }
@@ -457,8 +482,9 @@ int run_plan(std::span<const std::string> argv) {
     bool seen = false;
     for (const Candidate* b : best) {
       seen =
-          seen || (b->settings.params == c.settings.params && b->settings.optimizer == c.settings.optimizer &&
-                   b->settings.gradients == c.settings.gradients);
+          seen ||
+          (b->settings.params == c.settings.params && b->settings.optimizer == c.settings.optimizer &&
+           b->settings.gradients == c.settings.gradients && b->settings.zero_stage == c.settings.zero_stage);
     }
     if (!seen) best.push_back(&c);
   }
@@ -550,19 +576,20 @@ int run_plan(std::span<const std::string> argv) {
   std::printf("budgets  device %s, host %s, nvme %s\n\n", format_bytes(budgets.device).c_str(),
               format_bytes(budgets.host).c_str(),
               nvme_dir.empty() ? "(no --nvme-path)" : format_bytes(budgets.nvme).c_str());
-  std::printf("%-4s %-6s %-9s %-9s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n", "rank",
-              "params", "optimizer", "gradients", "prefetch", "buffers", "sub-group", "step s", "compute",
-              "h2d", "d2h", "nvme", "adam", "dp", "stalls", "device", "host+pin", "nvme");
+  std::printf("%-4s %-6s %-9s %-9s %5s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n",
+              "rank", "params", "optimizer", "gradients", "stage", "prefetch", "buffers", "sub-group",
+              "step s", "compute", "h2d", "d2h", "nvme", "adam", "dp", "stalls", "device", "host+pin",
+              "nvme");
   int rank = 0;
   for (const Candidate* c : best) {
     const OffloadSettings& s = c->settings;
     const StepPrediction& p = c->prediction;
     std::printf(
-        "%-4d %-6s %-9s %-9s %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s "
+        "%-4d %-6s %-9s %-9s %5d %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s "
         "%10s\n",
         ++rank, tier_name(s.params).c_str(), tier_name(s.optimizer).c_str(),
-        s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.prefetch_modules,
-        s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
+        s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.zero_stage,
+        s.prefetch_modules, s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
         s.optimizer == Tier::kNvme ? std::to_string(s.sub_group_size).c_str() : "-", p.step_seconds,
         p.compute, p.h2d, p.d2h, p.nvme_read + p.nvme_write, p.optimizer, p.dp,
         p.fetch_stall + p.update_stall + p.dp_stall, format_bytes(c->estimate.device_need).c_str(),

@@ -358,6 +358,7 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
   rates.scan_elements_per_s = static_cast<double>(rep.adam_elements) / std::max(rep.scan_s, 1e-9);
 
   rates.shared_cores = dc.kind == DeviceKind::kCpu;
+  rates.cuda = dc.kind == DeviceKind::kCuda;
   rates.cores = rep.cores;
   rep.seconds = seconds_since(start);
   if (report != nullptr) *report = rep;
