@@ -119,6 +119,31 @@ std::vector<int> stages_to_try(Tier params, Tier optimizer, std::int64_t ranks, 
   return {default_stage(params, optimizer)};
 }
 
+// The gradient buckets tried with the optimizer on the device and several ranks on the cpu
+// backend (docs/parallel.md "Gradient buckets"): stage 0 all-reduces and stages 2-3 reduce-scatter
+// each bucket as backward leaves it, so the bucket size sets how much of that hides under the rest
+// of backward, and at stages 2-3 the bucket buffers are device memory (the config's size, often
+// the whole gradient, can take more than the sharding saves). Tried: the config's size, the
+// largest module and 4 modules' worth, each with overlap_comm off and on. Elsewhere the config's.
+struct BucketTuning {
+  std::int64_t elements;
+  bool overlap_comm;
+};
+std::vector<BucketTuning> bucket_tunings(const OffloadSettings& base, int stage, std::int64_t ranks,
+                                         bool cuda, std::uint64_t largest) {
+  const bool bucketed = ranks > 1 && !cuda && base.optimizer == Tier::kDevice && stage != 1;
+  if (!bucketed) return {{base.reduce_bucket_elements, base.overlap_comm}};
+  std::vector<std::int64_t> sizes{base.reduce_bucket_elements};
+  for (std::uint64_t n : {largest, 4 * largest}) {
+    const auto e = static_cast<std::int64_t>(n);
+    if (std::find(sizes.begin(), sizes.end(), e) == sizes.end()) sizes.push_back(e);
+  }
+  std::vector<BucketTuning> out;
+  for (std::int64_t e : sizes)
+    for (bool overlap : {false, true}) out.push_back({e, overlap});
+  return out;
+}
+
 Json prediction_json(const StepPrediction& p) {
   return Json{{"step_s", p.step_seconds},
               {"parts_s",
@@ -149,6 +174,8 @@ Json candidate_json(const Candidate& c) {
   j["offload_optimizer"] = tier_name(s.optimizer);
   j["offload_gradients"] = s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients);
   j["zero_stage"] = s.zero_stage;
+  j["reduce_bucket_size"] = s.reduce_bucket_elements;
+  j["overlap_comm"] = s.overlap_comm;
   j["prefetch_modules"] = s.prefetch_modules;
   j["prefetch_elements"] = s.prefetch_elements;
   j["buffer_count"] = s.nvme_buffer_count;
@@ -183,6 +210,8 @@ Json config_json(const RunSettings& rs, const Candidate& c, const std::string& s
   j["bf16"]["enabled"] = tc.model.dtype == DType::kBF16;
   Json& z = j["zero_optimization"];
   z["stage"] = s.zero_stage;
+  z["reduce_bucket_size"] = s.reduce_bucket_elements;
+  z["overlap_comm"] = s.overlap_comm;
   z["offload_param"]["device"] = ds_device(s.params);
   z["offload_optimizer"]["device"] = ds_device(s.optimizer);
   const std::string dir = s.nvme_path.empty() ? "" : s.nvme_path.front();
@@ -367,57 +396,63 @@ int run_plan(std::span<const std::string> argv) {
           }
         }
         std::string why;
+        // One tuning: planned, kept if it fits, else the first reason it does not is remembered.
+        auto consider = [&](OffloadSettings s) -> Status {
+          // Settings only some placements take (as estimate_placement): the delayed update and the
+          // partial optimizer split are predicted and written where the engine takes them, and
+          // left out elsewhere.
+          s = placement_settings(s);
+          auto e = estimate_placement(rs.trainer, s, budgets, cuda);
+          if (!e.ok()) return e.status();
+          // The cpu backend's device memory is this machine's memory too.
+          const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
+          const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
+          if (e->fits() && fits_memory) {
+            Candidate c;
+            c.settings = s;
+            c.estimate = std::move(*e);
+            candidates.push_back(std::move(c));
+            return ok_status();
+          }
+          if (!why.empty()) return ok_status();
+          if (!e->fits_device)
+            why =
+                "device needs " + format_bytes(e->device_need) + " > budget " + format_bytes(budgets.device);
+          else if (!e->fits_host)
+            why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) + " > budget " +
+                  format_bytes(budgets.host);
+          else if (!fits_memory)
+            why = "device + host need " + format_bytes(all_memory) + " > " + format_bytes(budgets.host) +
+                  " available (the cpu backend's device memory is host memory)";
+          else
+            why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) + " free";
+          return ok_status();
+        };
         for (int stage : stages_to_try(params, optimizer, ranks, cuda)) {
           // Fetched parameters (offloaded, or stage 3's slices in device memory, gathered by the
           // same prefetcher): the prefetch depth is tuned.
           const bool fetched = params != Tier::kDevice || (stage == 3 && ranks > 1);
           const std::vector<int> depths =
               fetched ? std::vector<int>{0, 1, 2, 4} : std::vector<int>{base.prefetch_modules};
-          for (int k : depths) {
-            for (int r : buffers) {
-              for (std::int64_t g : groups) {
-                OffloadSettings s = base;
-                s.prefetch_modules = k;
-                // The prefetch budget holds the look-ahead, so the depth is what limits it.
-                if (fetched)
-                  s.prefetch_elements =
-                      std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
-                s.nvme_buffer_count = r;
-                s.sub_group_size = g;
-                if (nvme) s.io.nvme_path = s.nvme_path;
-                // The stage config_json writes for this candidate (the bytes and collectives follow it).
-                s.zero_stage = stage;
-                // Settings only some placements take (as estimate_placement): the delayed update
-                // and the partial optimizer split are predicted and written where the engine takes
-                // them, and left out elsewhere.
-                s = placement_settings(s);
-                auto e = estimate_placement(rs.trainer, s, budgets, cuda);
-                if (!e.ok()) return fail(e.status());
-                // The cpu backend's device memory is this machine's memory too.
-                const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
-                const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
-                if (!e->fits() || !fits_memory) {
-                  if (why.empty()) {
-                    if (!e->fits_device)
-                      why = "device needs " + format_bytes(e->device_need) + " > budget " +
-                            format_bytes(budgets.device);
-                    else if (!e->fits_host)
-                      why = "host needs " + format_bytes(e->plan.host_bytes + e->plan.pinned_bytes) +
-                            " > budget " + format_bytes(budgets.host);
-                    else if (!fits_memory)
-                      why = "device + host need " + format_bytes(all_memory) + " > " +
-                            format_bytes(budgets.host) +
-                            " available (the cpu backend's device memory is host memory)";
-                    else
-                      why = "swap needs " + format_bytes(e->nvme_need) + " > " + format_bytes(budgets.nvme) +
-                            " free";
-                  }
-                  continue;
+          for (const BucketTuning& b : bucket_tunings(base, stage, ranks, cuda, largest)) {
+            for (int k : depths) {
+              for (int r : buffers) {
+                for (std::int64_t g : groups) {
+                  OffloadSettings s = base;
+                  s.prefetch_modules = k;
+                  // The prefetch budget holds the look-ahead, so the depth is what limits it.
+                  if (fetched)
+                    s.prefetch_elements =
+                        std::max<std::int64_t>(1, static_cast<std::int64_t>(largest) * std::max(1, k));
+                  s.nvme_buffer_count = r;
+                  s.sub_group_size = g;
+                  if (nvme) s.io.nvme_path = s.nvme_path;
+                  // The stage config_json writes for this candidate (bytes and collectives follow it).
+                  s.zero_stage = stage;
+                  s.reduce_bucket_elements = b.elements;
+                  s.overlap_comm = b.overlap_comm;
+                  if (Status st = consider(s); !st.ok()) return fail(st);
                 }
-                Candidate c;
-                c.settings = s;
-                c.estimate = std::move(*e);
-                candidates.push_back(std::move(c));
               }
             }
           }
@@ -604,6 +639,11 @@ int run_plan(std::span<const std::string> argv) {
   if (chosen.settings.optimizer == Tier::kNvme) {
     std::printf(", %d ring buffers of sub-groups of %lld elements", chosen.settings.nvme_buffer_count,
                 static_cast<long long>(chosen.settings.sub_group_size));
+  }
+  if (ranks > 1 && chosen.settings.optimizer == Tier::kDevice) {
+    std::printf(", gradient buckets of %lld elements, overlap_comm %s",
+                static_cast<long long>(chosen.settings.reduce_bucket_elements),
+                chosen.settings.overlap_comm ? "on" : "off");
   }
   std::printf("\n%s", chosen.prediction.to_string().c_str());
   if (!out_path.empty()) {
