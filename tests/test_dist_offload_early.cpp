@@ -49,8 +49,8 @@ Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int 
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
   for (int i = 0; i < steps; ++i) {
-    const bool ok = mode == Mode::kData ? testing::run_share(**engine, global, world().rank(), world().size(), i + 1,
-                                                             out.state, i)
+    const bool ok = mode == Mode::kData ? testing::run_share(**engine, global, world().rank(), world().size(),
+                                                             i + 1, out.state, i)
                                         : testing::run_steps(**engine, c, i, i + 1, out.state);
     if (!ok) return out;
     out.stats.push_back((*engine)->stats());
@@ -67,7 +67,9 @@ double hit_rate(const Run& r, int from, int to) {
   const OffloadStats& b = r.stats[static_cast<std::size_t>(to - 1)];
   const std::uint64_t accesses = b.param_accesses - a.param_accesses;
   EXPECT_GT(accesses, 0u) << "the parameters at home on NVMe are fetched every step";
-  return accesses == 0 ? 0.0 : static_cast<double>(b.prefetch_hits - a.prefetch_hits) / static_cast<double>(accesses);
+  return accesses == 0
+             ? 0.0
+             : static_cast<double>(b.prefetch_hits - a.prefetch_hits) / static_cast<double>(accesses);
 }
 
 void expect_bitwise(const Snapshot& ref, const Snapshot& got, const std::string& what) {
@@ -100,7 +102,8 @@ void check(const Case& k) {
   constexpr int kSteps = 5;
   // fp32, clipping 1: the norm decides the update (it runs after step() returned, overlapped with
   // the next step's early fetches). Data parallel: one micro-batch per rank.
-  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, k.mode == Mode::kData ? P : 2, 1.0);
+  const TrainerConfig global =
+      testing::tiny(ModelKind::kGpt2, DType::kF32, k.mode == Mode::kData ? P : 2, 1.0);
   testing::TempDir dir_a("strata-dist-early"), dir_b("strata-dist-early"), dir_c("strata-dist-early");
   auto settings_in = [&](const testing::TempDir& dir) {
     OffloadSettings s;
@@ -129,7 +132,8 @@ void check(const Case& k) {
   // access; without the early fetch each pass's first access would be a miss.
   const double rate = hit_rate(got, 1, kSteps), rate_one = hit_rate(one, 1, kSteps);
   EXPECT_EQ(rate_one, 1.0) << "one process: every access after the first step fetched ahead";
-  EXPECT_GE(rate, rate_one) << "rank " << world().rank() << ": hit rate " << rate << " vs one process " << rate_one;
+  EXPECT_GE(rate, rate_one) << "rank " << world().rank() << ": hit rate " << rate << " vs one process "
+                            << rate_one;
   // Prefetching off, only a unit still in its slot from the access before is a hit: the two runs
   // compared bit for bit below fetch on different schedules.
   EXPECT_LT(hit_rate(ref, 1, kSteps), rate_one) << "prefetching off: fetches on demand";
@@ -142,7 +146,8 @@ void check(const Case& k) {
   if (k.optimizer == Tier::kNvme) {
     // Every step's update finds reads issued during its backward, and takes them over.
     for (int i = 0; i < kSteps; ++i) {
-      const std::uint64_t before = i == 0 ? 0 : got.stats[static_cast<std::size_t>(i - 1)].early_optimizer_reads;
+      const std::uint64_t before =
+          i == 0 ? 0 : got.stats[static_cast<std::size_t>(i - 1)].early_optimizer_reads;
       EXPECT_GT(got.stats[static_cast<std::size_t>(i)].early_optimizer_reads, before) << "step " << i + 1;
     }
     EXPECT_EQ(got.stats.back().early_optimizer_reads_dropped, 0u);

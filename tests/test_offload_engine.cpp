@@ -371,7 +371,8 @@ TEST(OffloadEngine, EarlyOptimizerReadsAreCountedForTheNvmeOptimizerOnly) {
     const OffloadStats done = (*engine)->stats();
     if (optimizer == Tier::kNvme) {
       for (int i = 0; i < 3; ++i) {
-        EXPECT_EQ(st[static_cast<std::size_t>(i)].early_optimizer_reads, ahead * static_cast<std::uint64_t>(i + 1))
+        EXPECT_EQ(st[static_cast<std::size_t>(i)].early_optimizer_reads,
+                  ahead * static_cast<std::uint64_t>(i + 1))
             << "after step " << i + 1;
       }
       EXPECT_GT(st[1].early_optimizer_reads, 0u) << "after step 2";
