@@ -229,9 +229,20 @@ void retry_case(const Case& which) {
     EXPECT_GT(retry_bytes, 0u) << "rank " << R;
   }
   EXPECT_LT(retry_bytes, per_step) << "rank " << R << ": the retry rewrote what had already gone through";
-  ASSERT_TRUE(run(e, k + 1, kSteps, got));
+  ASSERT_TRUE(run(e, k + 1, kSteps - 1, got));
+  const OffloadStats before_last = e.stats();
+  ASSERT_TRUE(run(e, kSteps - 1, kSteps, got));
+  const OffloadStats last = e.stats();
   ASSERT_TRUE(capture(e, got));
   expect_bitwise(ref, got);
+  // The early fetch across steps (docs/offload.md "One step"; data parallel at stages 0-2 and
+  // tensor parallel) is in effect again after the agreed retry: every access of the last step,
+  // its first included, was fetched ahead.
+  if (which.params != Tier::kDevice && which.group != Group::kPipeline && !(data && stage == 3)) {
+    const std::uint64_t accesses = last.param_accesses - before_last.param_accesses;
+    EXPECT_GT(accesses, 0u) << "rank " << R;
+    EXPECT_EQ(last.prefetch_hits - before_last.prefetch_hits, accesses) << "rank " << R;
+  }
 }
 
 // A failure before the update (docs/offload.md "Faults", "Before the update"): kNonFinite puts

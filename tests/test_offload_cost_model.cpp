@@ -2,7 +2,8 @@
 // out by hand from the engine's schedule (docs/offload.md "One step"): the all-device step is
 // its compute and update; a deferred host update exposes only the first unit's Adam; an immediate
 // update exposes only the last landed unit's; prefetching hides every fetch but the first while
-// fetching on demand serialises them all; the bytes each link moves; partial optimizer offload
+// fetching on demand serialises them all; the bytes each link moves; the NVMe optimizer reads
+// its first sub-groups during backward; partial optimizer offload
 // keeps the first units' gradients and update on the device; the delayed update hides the update
 // behind the next step until it is longer than the step; activation offload copies each evicted
 // block input out and back and stalls compute only where the ring makes it wait; data parallel
@@ -166,6 +167,43 @@ TEST(CostModel, NvmeOptimizerMovesItsStateOncePerStepAndSlowerDisksCostTime) {
   auto slower = predict_step(c, s, r);
   ASSERT_TRUE(slower.ok());
   EXPECT_GT(slower->step_seconds, p->step_seconds + 1.0);
+}
+
+// The NVMe optimizer's reads during backward (docs/offload.md "Optimizer-state reads during
+// backward"): one sub-group per unit (sub_group_size above every unit), a ring of R = 4 buffers,
+// so the state of units 0, 1 and 2 is read during backward and only unit 3's (the head's
+// ln_f, 128 elements) after the norm. Everything but the reads is free; every unit counts as
+// updated once the update's writes retired at its end, so the next forward waits for the last
+// read. A disk faster than backward: the step is its compute plus unit 3's read (without the
+// early reads it would be compute plus every read, all after the norm). A disk slower than the
+// whole step: the disk is busy from one step's first landed unit to the next's, and the step is
+// the time of every read.
+TEST(CostModel, NvmeOptimizerReadsItsFirstSubGroupsDuringBackward) {
+  const TrainerConfig c = tiny();
+  const Units u = units_of(c);
+  const std::uint64_t n = std::accumulate(u.elements.begin(), u.elements.end(), 0ull);
+  ASSERT_EQ(u.elements.size(), 4u);
+  OffloadSettings s;
+  s.optimizer = Tier::kNvme;
+  s.nvme_path = {"nvme"};
+  s.io.nvme_path = s.nvme_path;
+  s.sub_group_size = 1'000'000;
+  s.nvme_buffer_count = 4;
+  for (const double all_reads : {2.0, 24.0}) {
+    SCOPED_TRACE("reading the whole state takes " + std::to_string(all_reads) + " s");
+    MachineRates r = rates();
+    r.nvme_read_bytes_per_s = static_cast<double>(12 * n) / all_reads;
+    const double read3 = static_cast<double>(12 * u.elements[3]) / r.nvme_read_bytes_per_s;
+    auto p = predict_step(c, s, r);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_EQ(p->nvme_read_bytes, 12 * n);
+    EXPECT_NEAR(p->nvme_read, all_reads, 1e-6);
+    if (all_reads < 8.0) {
+      EXPECT_NEAR(p->step_seconds, kCompute + read3, 1e-6);
+    } else {
+      EXPECT_NEAR(p->step_seconds, all_reads, 1e-6);
+    }
+  }
 }
 
 TEST(CostModel, SharedCoresChargeOverlappedCpuWork) {

@@ -343,6 +343,48 @@ TEST(OffloadEngine, NvmeParametersHitEveryAccessAfterTheFirstStep) {
   }
 }
 
+// The optimizer-state reads issued during backward (docs/offload.md "Optimizer-state reads
+// during backward") are counted: with everything on NVMe (sub-groups of 4097 elements, so the
+// ring's R - 1 = 3 reads ahead are of several pieces) every step issues exactly R - 1 of them at
+// its first landed unit, a step that returned has counted its own, and after synchronize() the
+// update took every one of them over (none dropped). With the optimizer in host memory there is
+// no such read.
+TEST(OffloadEngine, EarlyOptimizerReadsAreCountedForTheNvmeOptimizerOnly) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);
+  for (const Tier optimizer : {Tier::kNvme, Tier::kHost}) {
+    SCOPED_TRACE(std::string("optimizer on ") + std::string(to_string(optimizer)));
+    TempDir dir("strata-offload");
+    OffloadSettings s = settings_for({Tier::kNvme, optimizer}, dir);
+    s.sub_group_size = 4097;
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, s, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    const std::uint64_t ahead = static_cast<std::uint64_t>(s.nvme_buffer_count) - 1;
+    ASSERT_GE(ahead, 1u);
+    Snapshot out;
+    std::vector<OffloadStats> st;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(run_steps(**engine, c, i, i + 1, out));
+      st.push_back((*engine)->stats());  // right after step() returned: the update may still run
+    }
+    ASSERT_TRUE((*engine)->synchronize().ok());
+    const OffloadStats done = (*engine)->stats();
+    if (optimizer == Tier::kNvme) {
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(st[static_cast<std::size_t>(i)].early_optimizer_reads,
+                  ahead * static_cast<std::uint64_t>(i + 1))
+            << "after step " << i + 1;
+      }
+      EXPECT_GT(st[1].early_optimizer_reads, 0u) << "after step 2";
+      EXPECT_EQ(done.early_optimizer_reads, 3 * ahead);
+      EXPECT_EQ(done.early_optimizer_reads_dropped, 0u) << "every update took its reads over";
+    } else {
+      EXPECT_EQ(done.early_optimizer_reads, 0u);
+      EXPECT_EQ(done.early_optimizer_reads_dropped, 0u);
+    }
+  }
+}
+
 // A corrupt block of NVMe optimizer state fails the step with an error naming the module and
 // the swap file; the parameters stay as they were and fixing nothing else, the next read fails
 // the same way (nothing is silently turned into wrong numbers).

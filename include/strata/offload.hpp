@@ -400,6 +400,13 @@ struct OffloadStats {
   std::uint64_t param_accesses = 0;
   std::uint64_t prefetch_hits = 0;
   std::uint64_t trace_mismatches = 0;  // passes whose module order differed from the recorded trace
+  // NVMe optimizer: reads of [master | m | v] sub-groups issued during backward (at a step's first
+  // landed unit, ahead of its update), counted when issued, so a step() that returned has counted
+  // its own; and those of them the update did not take over (a retry, a step that failed before
+  // its update), counted when they end, once the update in flight finished (synchronize()). The
+  // update took over early_optimizer_reads - early_optimizer_reads_dropped of them.
+  std::uint64_t early_optimizer_reads = 0;
+  std::uint64_t early_optimizer_reads_dropped = 0;
   // Device arena + pinned pool allocations and backend allocations made after the first step.
   std::uint64_t allocations_after_warmup = 0;
   // CPU seconds from thread clocks (busy time, not wall time; cpu_budget.hpp), per engine: the

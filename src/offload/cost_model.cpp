@@ -605,12 +605,16 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
 
   // Clocks: when each engine is next free (seconds since the first replayed step began).
   double host = 0, compute = 0, h2d_stream = 0, grads = 0, worker = 0, upload_lane = 0;
+  double disk_free = 0;  // NVMe optimizer: when the last update's disk work ends
   std::vector<double> updated(MM, 0.0), uploaded(MM, 0.0), fetched(MM, 0.0);
   constexpr int kSteps = 4;
   double last_return = 0, period = 0;
   for (int s = 0; s < kSteps; ++s) {
     StepPrediction cur;
     const double step_start = host;
+    // NVMe optimizer: when the step's first landed unit reaches the optimizer thread, which then
+    // issues the reads of the update's first R - 1 sub-groups (issue_early_reads); -1 until then.
+    double early_at = -1;
     std::vector<double> compute_end(J, 0.0);
     // Units' updated parameters go home: in place (host), to NVMe (the caller of this helper
     // charges that), or to the device copy through an upload (h2d, after the host copy).
@@ -741,6 +745,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           }
           grads = std::max({grads, compute, delayed ? host : 0.0}) + d;
           if (!last_micro) continue;
+          // The caller's kLanded reaches the optimizer thread once it finished the command before
+          // (the previous step's update), before the unit's copy out has landed.
+          if (early_at < 0) early_at = std::max(worker, host);
           double work = grads_nvme ? 0.0 : scan(elements(u));
           if (immediate) work += adam(elements(u));
           worker = std::max(worker, grads) + work;
@@ -850,11 +857,23 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
         std::vector<Pending> writes;
         std::size_t retired = 0;
         std::uint64_t seq = 0;
-        double disk = worker;
+        double disk = disk_free;
         double& t = worker;
         std::vector<std::uint64_t> ring_seq(R, 0);
         std::uint64_t out_seq[2] = {0, 0};
         std::vector<double> read_done(items.size(), 0.0);
+        // The reads of [master | m | v] of the first R - 1 items, issued during backward at
+        // early_at (issue_early_reads), one after another on the disk; the update takes them over
+        // (the gradients of an item, on NVMe, are still read at the update).
+        const std::size_t early_n = early_at >= 0 && R > 1 ? std::min(items.size(), R - 1) : 0;
+        for (std::size_t i = 0; i < early_n; ++i) {
+          const double r = nvme_read(12 * items[i].len);
+          cur.nvme_read += r;
+          cur.nvme_read_bytes += 12 * items[i].len;
+          disk = std::max(disk, early_at) + r;  // the previous update's disk work came first
+          read_done[i] = disk;
+        }
+        disk = std::max(disk, worker);
         auto retire_through = [&](std::uint64_t through) {
           while (retired < writes.size() && writes[retired].seq <= through) {
             t = std::max(t, writes[retired].done);
@@ -872,14 +891,15 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           while (issued < items.size() && issued < i + R - 1) {
             retire_through(ring_seq[issued % R]);
             const std::uint64_t len = items[issued].len;
-            double r = nvme_read(12 * len);
-            cur.nvme_read_bytes += 12 * len;
+            const bool early = issued < early_n;  // its state was read during backward
+            double r = early ? 0.0 : nvme_read(12 * len);
+            if (!early) cur.nvme_read_bytes += 12 * len;
             if (grads_nvme) {
               r += nvme_read(4 * len);
               cur.nvme_read_bytes += 4 * len;
             }
             cur.nvme_read += r;
-            read_done[issued] = disk_op(r);
+            if (!early || r > 0) read_done[issued] = std::max(read_done[issued], disk_op(r));
             ++issued;
           }
           const Item& it = items[i];
@@ -917,6 +937,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           }
         }
         retire_through(std::numeric_limits<std::uint64_t>::max());
+        disk_free = disk;
       }
     }
     if (s > 0) period = step_return - last_return;

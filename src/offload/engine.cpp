@@ -688,7 +688,13 @@ struct OffloadEngine::Impl {
     std::int64_t issued_at = 0;
   };
   std::vector<EarlyRead> early_reads;
-  std::int64_t early_reads_step = 0;  // the step whose reads were issued (once per step)
+  // The step whose reads were issued (once per step); -1 again after every command but kLanded,
+  // so a step that failed before its update and runs again (the same step number) reads early too.
+  std::int64_t early_reads_step = -1;
+  // OffloadStats::early_optimizer_reads / _dropped: sub-group reads issued during backward, and
+  // those of them no update took over (ended by drop_early_reads). Written by the optimizer
+  // thread, read by stats().
+  std::atomic<std::uint64_t> early_reads_issued{0}, early_reads_dropped{0};
   void issue_early_reads(std::int64_t step);
   void drop_early_reads();
   Status publish_params(int u, const char* bytes);
@@ -2775,9 +2781,11 @@ std::vector<int> OffloadEngine::Impl::nvme_update_order(std::int64_t step) const
 
 void OffloadEngine::Impl::issue_early_reads(std::int64_t step) {
   if (settings.optimizer != Tier::kNvme || !early_reads.empty() || early_reads_step == step) return;
-  // One process only for now: nothing here talks, but the ranks' agreed retries
-  // (tests/test_dist_offload_retry.cpp) have not been run with it.
-  if (dp_size > 1 || tp_size > 1 || pp_size > 1) return;
+  // With several processes too (data, tensor, pipeline parallel, any ZeRO stage): nothing here
+  // talks. The reads are of this rank's own keys, which only this thread writes; the update's
+  // collectives (the all-gathers, the per-unit and per-stage agreements) are issued as before, the
+  // update only finding some of its reads done (docs/offload.md "Optimizer-state reads during
+  // backward").
   early_reads_step = step;
   const std::vector<NvmeItem> items = nvme_items(nvme_update_order(step));
   const std::size_t R = ring.size();
@@ -2789,6 +2797,7 @@ void OffloadEngine::Impl::issue_early_reads(std::int64_t step) {
       e.issued_at = tracer.now_ns();
       e.handle = swap->read(TensorKey{unit_key("optim", items[k].unit), static_cast<std::uint32_t>(items[k].group)},
                             ring[k % R].data(), 12 * len);
+      early_reads_issued.fetch_add(1, std::memory_order_relaxed);
     }
     early_reads.push_back(std::move(e));
   }
@@ -2796,8 +2805,11 @@ void OffloadEngine::Impl::issue_early_reads(std::int64_t step) {
 
 void OffloadEngine::Impl::drop_early_reads() {
   // A read not taken over by an update still writes its ring buffer: it must end first.
+  // Those the update took over were moved out of the list (their handles are no longer valid).
   for (EarlyRead& e : early_reads) {
-    if (e.handle.valid()) (void)e.handle.wait();
+    if (!e.handle.valid()) continue;
+    (void)e.handle.wait();
+    early_reads_dropped.fetch_add(1, std::memory_order_relaxed);
   }
   early_reads.clear();
 }
@@ -3322,6 +3334,7 @@ void OffloadEngine::Impl::worker_main() {
         // early end before the optimizer thread may look idle (drain_worker), while mu still
         // keeps the caller out.
         drop_early_reads();
+        early_reads_step = -1;
         if (commands.empty()) cv.notify_all();
         continue;
       }
@@ -3337,12 +3350,16 @@ void OffloadEngine::Impl::worker_main() {
         t->cv.notify_all();
       }
     } idle{this};
-    // Whatever a command other than kLanded did, no early read outlives it (issue_early_reads).
+    // Whatever a command other than kLanded did, no early read outlives it (issue_early_reads);
+    // the next kLanded of the same step number (a step run again after it failed before its
+    // update) issues them afresh.
     struct DropEarly {
       Impl* t;
       bool on;
       ~DropEarly() {
-        if (on) t->drop_early_reads();
+        if (!on) return;
+        t->drop_early_reads();
+        t->early_reads_step = -1;
       }
     } drop_early{this, c.kind != Command::kLanded};
     if (c.kind == Command::kStop) break;
@@ -3858,11 +3875,15 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
 
 Status OffloadEngine::Impl::prefetch_next_step() {
   // Not with the optimizer on the device (every unit is resident), nor with the delayed update
-  // (publish_delayed decides what the next pass reads), nor with several processes: a stage-3
-  // fetch talks to other ranks on the h2d stream in an order every rank shares, a pipeline runs
-  // its own passes, and the tensor-parallel ranks' agreed retry (report_at_wait) is not tested
-  // with it yet.
-  if (opt_on_device || delayed || dp_size > 1 || pp_size > 1 || tp_size > 1 || trace.empty()) return ok_status();
+  // (publish_delayed decides what the next pass reads), nor on a pipeline (each stage runs its
+  // own passes through the schedule), nor where a fetch talks: a stage-3 fetch all-gathers the
+  // ranks' slices on the h2d stream, and whether the pass uses an early copy or refetches it
+  // depends on when this rank's gate looked at its own optimizer thread's failure, so a peer could
+  // issue an all-gather this rank does not (docs/offload.md "Early fetch across steps"). With
+  // data parallelism at stages 0-2 and with tensor parallelism every fetch reads this rank's own
+  // home: nothing in it talks, and the gate waits for the agreed per-unit mark.
+  if (opt_on_device || delayed || pp_size > 1 || trace.empty()) return ok_status();
+  if (std::any_of(psharded.begin(), psharded.end(), [](char p) { return p != 0; })) return ok_status();
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!worker_error.ok()) return ok_status();  // the next call reports or retries first
@@ -5845,6 +5866,8 @@ OffloadStats OffloadEngine::stats() const {
   s.param_accesses = t.accesses;
   s.prefetch_hits = t.hits;
   s.trace_mismatches = t.mismatches;
+  s.early_optimizer_reads = t.early_reads_issued.load(std::memory_order_relaxed);
+  s.early_optimizer_reads_dropped = t.early_reads_dropped.load(std::memory_order_relaxed);
   s.allocations_after_warmup = t.have_baseline ? t.allocation_count() - t.alloc_baseline : 0;
   s.stream_times = t.tracer.timing();
   s.compute_seconds = t.tracer.seconds(TraceCounter::kCompute);

@@ -348,6 +348,9 @@ int bench_offload(std::span<const std::string> argv) {
     const double accesses = static_cast<double>(after.param_accesses - before.param_accesses);
     row["prefetch_hit_rate"] =
         accesses > 0 ? static_cast<double>(after.prefetch_hits - before.prefetch_hits) / accesses : 1.0;
+    // NVMe optimizer: sub-group reads issued during backward, ahead of the update, per step.
+    row["early_optimizer_reads_per_step"] =
+        static_cast<double>(after.early_optimizer_reads - before.early_optimizer_reads) / n;
     row["bytes_per_step"] =
         Json{{"h2d", h2d},
              {"d2h", d2h},

@@ -1,0 +1,172 @@
+// The early fetch across steps and the NVMe optimizer's reads during backward with several
+// processes (docs/offload.md "One step"), on real MPI processes (tests/mpi_run.sh, label `dist`).
+//
+// An early fetch reads a unit from this rank's own home once the unit's (agreed) update is
+// published; nothing in it talks at ZeRO stages 0-2 or with tensor parallelism, so it may change
+// the timing only. What is checked, on every rank:
+// - the hit rate after warm-up (steps 2 on) is at least the one-process figure of the same
+//   global batch (which is 1: every access, the pass's first included, fetched ahead), so the
+//   early fetch is in effect with data (and tensor) parallelism;
+// - the run is bit for bit the run of the same ranks with prefetching off (prefetch_modules 0:
+//   fetches on demand, no early fetch; its hit rate is below 1): losses, norms, every
+//   parameter, master and moment;
+// - data parallel: within the fp32 data-parallel tolerances of one process of the same global
+//   batch (not bitwise: the ranks sum the gradients in another order, test_dist_data_parallel.cpp),
+//   and with the NVMe optimizer every step issues optimizer-state reads during backward.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "comm_environment.hpp"
+#include "dist_compare.hpp"
+#include "offload_fixture.hpp"
+#include "strata/parallel.hpp"
+
+namespace strata {
+namespace {
+
+using testing::Snapshot;
+using testing::world;
+
+struct Run {
+  Snapshot state;
+  std::vector<OffloadStats> stats;  // after each step
+};
+
+// `share`: each rank its data-parallel share of the global batch (dp = the world); otherwise
+// every rank the whole batch (tp = the world, or one process when `alone`).
+enum class Mode { kOneProcess, kData, kTensor };
+
+Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int steps) {
+  Run out;
+  TrainerConfig c = global;
+  if (mode == Mode::kData) c = testing::local_of(global);
+  auto device = testing::make_device();
+  Comm* dp = mode == Mode::kData ? &world() : nullptr;
+  Comm* tp = mode == Mode::kTensor ? &world() : nullptr;
+  auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp);
+  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+  if (!engine.ok()) return out;
+  for (int i = 0; i < steps; ++i) {
+    const bool ok = mode == Mode::kData ? testing::run_share(**engine, global, world().rank(), world().size(),
+                                                             i + 1, out.state, i)
+                                        : testing::run_steps(**engine, c, i, i + 1, out.state);
+    if (!ok) return out;
+    out.stats.push_back((*engine)->stats());
+  }
+  EXPECT_TRUE((*engine)->synchronize().ok());
+  out.stats.push_back((*engine)->stats());  // after every update finished
+  EXPECT_TRUE(testing::capture_state(**engine, out.state));
+  return out;
+}
+
+// Hits and accesses from after step `from` to after step `to` (1-based step counts).
+double hit_rate(const Run& r, int from, int to) {
+  const OffloadStats& a = r.stats[static_cast<std::size_t>(from - 1)];
+  const OffloadStats& b = r.stats[static_cast<std::size_t>(to - 1)];
+  const std::uint64_t accesses = b.param_accesses - a.param_accesses;
+  EXPECT_GT(accesses, 0u) << "the parameters at home on NVMe are fetched every step";
+  return accesses == 0
+             ? 0.0
+             : static_cast<double>(b.prefetch_hits - a.prefetch_hits) / static_cast<double>(accesses);
+}
+
+void expect_bitwise(const Snapshot& ref, const Snapshot& got, const std::string& what) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size()) << what;
+  for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+    EXPECT_EQ(ref.losses[i], got.losses[i]) << what << ": loss of step " << i + 1;
+    EXPECT_EQ(ref.norms[i], got.norms[i]) << what << ": norm of step " << i + 1;
+  }
+  ASSERT_EQ(ref.param.size(), got.param.size()) << what;
+  ASSERT_FALSE(ref.param.empty()) << what;
+  for (std::size_t i = 0; i < ref.param.size(); ++i) {
+    EXPECT_TRUE(testing::bitwise_equal(ref.param[i], got.param[i])) << what << ": parameter " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.master[i], got.master[i])) << what << ": master " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.m[i], got.m[i])) << what << ": exp_avg " << i;
+    EXPECT_TRUE(testing::bitwise_equal(ref.v[i], got.v[i])) << what << ": exp_avg_sq " << i;
+  }
+}
+
+struct Case {
+  const char* name;
+  Mode mode;
+  int stage;
+  Tier optimizer;
+  std::int64_t sub_group_size = 1'000'000'000;
+};
+
+void check(const Case& k) {
+  SCOPED_TRACE(k.name);
+  const int P = world().size();
+  constexpr int kSteps = 5;
+  // fp32, clipping 1: the norm decides the update (it runs after step() returned, overlapped with
+  // the next step's early fetches). Data parallel: one micro-batch per rank.
+  const TrainerConfig global =
+      testing::tiny(ModelKind::kGpt2, DType::kF32, k.mode == Mode::kData ? P : 2, 1.0);
+  testing::TempDir dir_a("strata-dist-early"), dir_b("strata-dist-early"), dir_c("strata-dist-early");
+  auto settings_in = [&](const testing::TempDir& dir) {
+    OffloadSettings s;
+    s.params = Tier::kNvme;
+    s.optimizer = k.optimizer;
+    s.zero_stage = k.stage;
+    s.sub_group_size = k.sub_group_size;
+    s.persistence_threshold = 0;  // every module at its home on NVMe, fetched each pass
+    s.nvme_path = {dir.path().string()};
+    return s;
+  };
+  const OffloadSettings early = settings_in(dir_a);
+  OffloadSettings on_demand = settings_in(dir_b);
+  on_demand.prefetch_modules = 0;  // every fetch on demand: no prefetch, no early fetch
+  OffloadSettings single = settings_in(dir_c);
+  single.zero_stage = 0;
+
+  const Run got = train(global, early, k.mode, kSteps);
+  const Run ref = train(global, on_demand, k.mode, kSteps);
+  const Run one = train(global, single, Mode::kOneProcess, kSteps);
+  ASSERT_EQ(got.stats.size(), static_cast<std::size_t>(kSteps + 1));
+  ASSERT_EQ(ref.stats.size(), static_cast<std::size_t>(kSteps + 1));
+  ASSERT_EQ(one.stats.size(), static_cast<std::size_t>(kSteps + 1));
+
+  // After warm-up (step 1 records the trace): at least the one-process figure, which is every
+  // access; without the early fetch each pass's first access would be a miss.
+  const double rate = hit_rate(got, 1, kSteps), rate_one = hit_rate(one, 1, kSteps);
+  EXPECT_EQ(rate_one, 1.0) << "one process: every access after the first step fetched ahead";
+  EXPECT_GE(rate, rate_one) << "rank " << world().rank() << ": hit rate " << rate << " vs one process "
+                            << rate_one;
+  // Prefetching off, only a unit still in its slot from the access before is a hit: the two runs
+  // compared bit for bit below fetch on different schedules.
+  EXPECT_LT(hit_rate(ref, 1, kSteps), rate_one) << "prefetching off: fetches on demand";
+  EXPECT_EQ(got.stats.back().trace_mismatches, got.stats.front().trace_mismatches);
+
+  // The early fetch changes the timing only.
+  expect_bitwise(ref.state, got.state, std::string(k.name) + ", early fetch vs every fetch on demand");
+  if (k.mode == Mode::kData) testing::expect_close(one.state, got.state, testing::Tolerance{}, k.name);
+
+  if (k.optimizer == Tier::kNvme) {
+    // Every step's update finds reads issued during its backward, and takes them over.
+    for (int i = 0; i < kSteps; ++i) {
+      const std::uint64_t before =
+          i == 0 ? 0 : got.stats[static_cast<std::size_t>(i - 1)].early_optimizer_reads;
+      EXPECT_GT(got.stats[static_cast<std::size_t>(i)].early_optimizer_reads, before) << "step " << i + 1;
+    }
+    EXPECT_EQ(got.stats.back().early_optimizer_reads_dropped, 0u);
+  } else {
+    EXPECT_EQ(got.stats.back().early_optimizer_reads, 0u);
+  }
+}
+
+TEST(DistOffloadEarly, DataParallelHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  check({"data parallel, stage 2, host optimizer", Mode::kData, 2, Tier::kHost});
+  // Stage 1 with the NVMe optimizer in sub-groups: the reads during backward, every rank its own.
+  check({"data parallel, stage 1, NVMe optimizer", Mode::kData, 1, Tier::kNvme, 4097});
+}
+
+TEST(DistOffloadEarly, TensorParallelHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  check({"tensor parallel, host optimizer", Mode::kTensor, 0, Tier::kHost});
+}
+
+}  // namespace
+}  // namespace strata
