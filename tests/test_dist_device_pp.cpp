@@ -81,7 +81,8 @@ ProcessGroups groups() {
 
 std::string name_of(ModelKind kind, DType dtype, std::int64_t micro, int chunks = 1) {
   return std::string(to_string(kind)) + " " + std::string(to_string(dtype)) + ", pp 2 x dp 2" +
-         (chunks > 1 ? " (v=" + std::to_string(chunks) + ")" : std::string()) + ", m=" + std::to_string(micro);
+         (chunks > 1 ? " (v=" + std::to_string(chunks) + ")" : std::string()) +
+         ", m=" + std::to_string(micro);
 }
 
 std::uint64_t bytes_of(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
@@ -122,7 +123,8 @@ OffloadSettings stage_settings(const TrainerConfig& c, OffloadSettings s, const 
 }
 
 // This stage's units and buckets (the data-parallel group's: its ranks are the same stage).
-offload_detail::GradBuckets stage_buckets(const TrainerConfig& c, const OffloadSettings& s, const ProcessGroups& g) {
+offload_detail::GradBuckets stage_buckets(const TrainerConfig& c, const OffloadSettings& s,
+                                          const ProcessGroups& g) {
   const OffloadSettings ss = stage_settings(c, s, g);
   auto layout = describe_model(c.model);
   EXPECT_TRUE(layout.ok());
@@ -131,8 +133,8 @@ offload_detail::GradBuckets stage_buckets(const TrainerConfig& c, const OffloadS
 
 // Trains kSteps of `global` (grad_accum = micro x DP) with `s` on the grid; every parameter the
 // stage holds gathered full (`held`), the loss and norm bits checked equal on every rank.
-Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t micro, const OffloadSettings& s,
-                    const std::string& what, std::vector<int>* held_out = nullptr) {
+Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t micro,
+                    const OffloadSettings& s, const std::string& what, std::vector<int>* held_out = nullptr) {
   Snapshot out;
   const int DP = g.grid.dp();
   TrainerConfig local = global;
@@ -208,7 +210,8 @@ TEST(DevicePipeline, Stage2BucketsEqualHostStage2) {
     testing::expect_same(serial, dev, what + ": device stage 2, overlap_comm off vs on");
     expect_close(stage1, dev, dtype == DType::kF32 ? Tolerance{} : bf16_tolerance(),
                  what + ": device stage 2 against device stage 1");
-    if (dtype == DType::kF32) expect_close(one_process(global, s, held), dev, Tolerance{}, what + " against one process");
+    if (dtype == DType::kF32)
+      expect_close(one_process(global, s, held), dev, Tolerance{}, what + " against one process");
   }
 }
 
@@ -253,8 +256,8 @@ TEST(DevicePipeline, Stage2InterleavedAndGpipeEqualHostStage2) {
   };
   for (const C& c : {C{ModelKind::kGpt2, DType::kF32, 2, PipelineSchedule::kOneFOneB},
                      C{ModelKind::kLlama, DType::kBF16, 1, PipelineSchedule::kGpipe}}) {
-    const std::string what = name_of(c.kind, c.dtype, 2, c.chunks) + " " + std::string(to_string(c.schedule)) +
-                             ", clip 1";
+    const std::string what =
+        name_of(c.kind, c.dtype, 2, c.chunks) + " " + std::string(to_string(c.schedule)) + ", clip 1";
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, 2 * DP, 1.0);
     OffloadSettings h = host_settings(2);
     h.pipeline_virtual_stages = c.chunks;
@@ -279,7 +282,8 @@ TEST(DevicePipeline, Stage2InterleavedAndGpipeEqualHostStage2) {
       std::vector<int> chunks_with_buckets;
       for (const std::vector<int>& units : b.units) {
         ASSERT_FALSE(units.empty());
-        for (int u : units) EXPECT_EQ(chunk_of(u), chunk_of(units.front())) << what << ": a bucket spans chunks";
+        for (int u : units)
+          EXPECT_EQ(chunk_of(u), chunk_of(units.front())) << what << ": a bucket spans chunks";
         chunks_with_buckets.push_back(chunk_of(units.front()));
       }
       std::sort(chunks_with_buckets.begin(), chunks_with_buckets.end());
@@ -438,11 +442,14 @@ TEST(DevicePipeline, Stage3CheckpointLossAndEvaluate) {
     ASSERT_TRUE(capture_held(**engine, held, single_state)) << what;
     ASSERT_EQ(grid_state.param.size(), single_state.param.size()) << what;
     for (std::size_t i = 0; i < grid_state.param.size(); ++i) {
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.param[i], single_state.param[i])) << what << ": param " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.param[i], single_state.param[i]))
+          << what << ": param " << held[i];
       EXPECT_TRUE(testing::bitwise_equal(grid_state.master[i], single_state.master[i]))
           << what << ": master " << held[i];
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.m[i], single_state.m[i])) << what << ": exp_avg " << held[i];
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.v[i], single_state.v[i])) << what << ": exp_avg_sq " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.m[i], single_state.m[i]))
+          << what << ": exp_avg " << held[i];
+      EXPECT_TRUE(testing::bitwise_equal(grid_state.v[i], single_state.v[i]))
+          << what << ": exp_avg_sq " << held[i];
     }
   }
   ASSERT_TRUE(world().barrier().wait().ok());
@@ -526,9 +533,10 @@ TEST(DevicePipeline, PlanShrinksToOneOverDp) {
   // gradient.
   EXPECT_LT(grads[2] + buckets[2], grads[1]) << "pipeline stage " << g.coord.pp;
   if (world().rank() < kPp) {
-    std::printf("pipeline stage %d, rank of dp 0: device gradients stage 1 %llu bytes, stage 2 %llu + buckets %llu\n",
-                g.coord.pp, static_cast<unsigned long long>(grads[1]), static_cast<unsigned long long>(grads[2]),
-                static_cast<unsigned long long>(buckets[2]));
+    std::printf(
+        "pipeline stage %d, rank of dp 0: device gradients stage 1 %llu bytes, stage 2 %llu + buckets %llu\n",
+        g.coord.pp, static_cast<unsigned long long>(grads[1]), static_cast<unsigned long long>(grads[2]),
+        static_cast<unsigned long long>(buckets[2]));
   }
   // The arena carves what the plan says: between stages the live bytes move with the device
   // regions' lines (within each region's alignment).

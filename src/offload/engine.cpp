@@ -4423,8 +4423,8 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
               // sum_tied_landed on its stage-2 shard; stage 1's below).
               STRATA_RETURN_IF_ERROR(reduce_tied_grads(slice, len));
             }
-            STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(slice), b,
-                                                         len, inv_scale));
+            STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(slice),
+                                                         b, len, inv_scale));
             continue;
           }
           float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));

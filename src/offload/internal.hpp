@@ -403,10 +403,11 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
   // without a pipeline.
   std::vector<int> chunk_of(static_cast<std::size_t>(M), settings.pipeline_bounds.size() < 2 ? 0 : -1);
   if (settings.pipeline_bounds.size() >= 2) {
-    const auto ranges =
-        stage_ranges(settings.pipeline_bounds, std::max(1, settings.pipeline_virtual_stages), settings.pp_stage);
+    const auto ranges = stage_ranges(settings.pipeline_bounds, std::max(1, settings.pipeline_virtual_stages),
+                                     settings.pp_stage);
     for (std::size_t c = 0; c < ranges.size(); ++c)
-      for (int m = ranges[c].first; m < ranges[c].second; ++m) chunk_of[static_cast<std::size_t>(m)] = static_cast<int>(c);
+      for (int m = ranges[c].first; m < ranges[c].second; ++m)
+        chunk_of[static_cast<std::size_t>(m)] = static_cast<int>(c);
   }
   std::vector<int> unit_chunk(static_cast<std::size_t>(M), -1);
   for (int m = 0; m < M; ++m) {
@@ -434,8 +435,8 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
     const std::size_t xx = static_cast<std::size_t>(x);
     // No unit with gradients between x and the bucket's last (another stage's units have none),
     // and the same chunk.
-    bool adjacent = !g.units.empty() &&
-                    unit_chunk[static_cast<std::size_t>(g.units.back().back())] == unit_chunk[xx];
+    bool adjacent =
+        !g.units.empty() && unit_chunk[static_cast<std::size_t>(g.units.back().back())] == unit_chunk[xx];
     for (int y = x + 1; adjacent && y < g.units.back().back(); ++y) adjacent = u.gbytes[static_cast<std::size_t>(y)] == 0;
     const bool start = !adjacent || held + u.gbytes[xx] > cap;
     if (start) {
