@@ -16,7 +16,8 @@
 // - Stage 2 with accumulation 2 against stage 1 on the same grid (the path that trained before):
 //   not bit for bit, because stage 1 reduces each rank's local sum (a0 + a1) + (b0 + b1) while
 //   stage 2 adds the reductions (a0 + b0) + (a1 + b1): fp32 within dist_compare.hpp's Tolerance,
-//   bf16 within bf16_tolerance() below (rank 0 prints the measured figures). With one
+//   bf16 within bf16_tolerance() below (rank 0 prints the measured figures; measured here: fp32
+//   parameters max 1.9e-5, bf16 parameters rms 2.0e-4 and max 0.016, loss 2.8e-5). With one
 //   micro-batch per pipeline the two orders are one: bit for bit.
 // - Interleaved 1F1B (v = 2) and GPipe: stage 2 bit for bit the host tier's stage 2 on the same
 //   grid; each bucket of an interleaved stage holds one chunk's units.
