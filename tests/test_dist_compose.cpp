@@ -283,10 +283,12 @@ TEST(ComposeNp4, DeviceShardedPipeline) {
 
 // ---- 8 ranks ----------------------------------------------------------------------------------
 
-// TP 2 x PP 2 x DP 2: the sharded device optimizer and gradients on NVMe on the whole grid.
+// TP 2 x PP 2 x DP 2: the sharded device optimizer and gradients on NVMe on the whole grid; stage
+// 2 in device memory reduce-scatters each tp shard's stage buckets inside every backward op.
 TEST(ComposeNp8, Grid) {
   ASSERT_EQ(world().size(), 8);
   check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
+  check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 2, ModelKind::kGpt2, DType::kF32, 1, 1.0, 2, Tier::kDevice, kNvmeGrads, kNvmeHostGrads});
 }
 
