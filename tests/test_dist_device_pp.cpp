@@ -21,6 +21,8 @@
 //   micro-batch per pipeline the two orders are one: bit for bit.
 // - Interleaved 1F1B (v = 2) and GPipe: stage 2 bit for bit the host tier's stage 2 on the same
 //   grid; each bucket of an interleaved stage holds one chunk's units.
+// - Stage 0 (the stage's buckets all-reduced in place on the last micro-batch): small buckets
+//   bit for bit the default ones, both within the tolerances of one process.
 // - Stage 3 against stage 2 on the same grid: bit for bit (a fetch gathers the bits stage 2's
 //   after-update all-gather lays into its whole copy); loss() and evaluate() equal; a checkpoint
 //   resumes bit for bit and loads into one process with the grid's state.
@@ -294,6 +296,57 @@ TEST(DevicePipeline, Stage2InterleavedAndGpipeEqualHostStage2) {
     }
     const Snapshot dev = train_grid(g, global, 2, s, what + ", device stage 2");
     testing::expect_same(host, dev, what + ": host stage 2 vs device stage 2");
+  }
+}
+
+// Stage 0 takes the stage's buckets too: each bucket's range of the (whole) gradients all-reduced
+// in place as the last micro-batch's backward op leaves it; every bucket one contiguous range of
+// the stage's layout. Small buckets with overlap_comm give the bits of the default ones (2
+// data-parallel ranks: a sum of two values is the same whatever the grouping), and both are
+// within the tolerances of one process (a bucket left out or reduced twice is not); 1F1B and
+// interleaved (v = 2), GPT-2 fp32 with accumulation 2.
+TEST(DevicePipeline, Stage0BucketsWithAPipeline) {
+  ASSERT_EQ(world().size(), 4);
+  ProcessGroups g = groups();
+  const int DP = g.grid.dp();
+  for (int chunks : {1, 2}) {
+    const std::string what = name_of(ModelKind::kGpt2, DType::kF32, 2, chunks) + ", stage 0, clip 1";
+    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, 2 * DP, 1.0);
+    OffloadSettings s = device_settings(0);
+    s.pipeline_virtual_stages = chunks;
+    // Each bucket is one contiguous range of the stage's fp32 layout (the in-place all-reduce's):
+    // its units in descending order with no unit of the stage between them.
+    auto expect_contiguous = [&](const offload_detail::GradBuckets& b) {
+      auto layout = describe_model(global.model);
+      ASSERT_TRUE(layout.ok());
+      const offload_detail::Units u = offload_detail::describe_units(*layout, stage_settings(global, s, g));
+      for (const std::vector<int>& us : b.units) {
+        for (std::size_t k = 0; k + 1 < us.size(); ++k) {
+          ASSERT_GT(us[k], us[k + 1]) << what;
+          for (int y = us[k + 1] + 1; y < us[k]; ++y)
+            EXPECT_EQ(u.gbytes[static_cast<std::size_t>(y)], 0u)
+                << what << ": unit " << y << " inside a bucket";
+        }
+      }
+    };
+    const offload_detail::GradBuckets whole = stage_buckets(global, s, g);
+    expect_contiguous(whole);
+    const Snapshot one = train_grid(g, global, 2, s, what + ", default bucket size");
+    s.reduce_bucket_elements = kSmallBucket;
+    s.overlap_comm = true;
+    const offload_detail::GradBuckets small = stage_buckets(global, s, g);
+    expect_contiguous(small);
+    // More buckets than the default on some stage (a stage whose every block is a bucket of its
+    // own already has no more).
+    EXPECT_GE(small.units.size(), whole.units.size()) << what;
+    float more = small.units.size() > whole.units.size() ? 1.0f : 0.0f;
+    std::vector<float> every(static_cast<std::size_t>(world().size()));
+    ASSERT_TRUE(world().all_gather(&more, every.data(), 1, DType::kF32).wait().ok());
+    EXPECT_GT(*std::max_element(every.begin(), every.end()), 0.0f) << what << ": small buckets split a stage";
+    std::vector<int> held;
+    const Snapshot several = train_grid(g, global, 2, s, what + ", buckets", &held);
+    testing::expect_same(one, several, what + ": default buckets vs small ones");
+    expect_close(one_process(global, s, held), several, Tolerance{}, what + " against one process");
   }
 }
 

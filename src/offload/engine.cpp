@@ -413,15 +413,15 @@ struct OffloadEngine::Impl {
   bool dev_sharded = false;
   char* dev_staging = nullptr;
   // Gradient buckets (docs/parallel.md "Gradient buckets"; optimizer on the device, cpu backend;
-  // stage 0 without a pipeline, stages 2-3 with or without one: a pipeline stage's buckets are
-  // cut per chunk from its modules and each opens and closes inside one backward op of the
-  // schedule). `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place
-  // as backward leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2):
-  // offload.grads holds this rank's slices; backward writes into bucket buffers
-  // (offload.grad_buckets, each unit padded to size x chunk), reduce-scattered in place unit by
-  // unit into the slices every micro-batch. The caller thread assigns the
-  // buffers (stream order keeps their uses apart); the collectives, their waits and the slices'
-  // accumulation run in compute-stream host functions (the compute thread only) over dp_buckets.
+  // stages 0 and 2-3, with or without a pipeline: a pipeline stage's buckets are cut per chunk
+  // from its modules and each opens and closes inside one backward op of the schedule).
+  // `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place as backward
+  // leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2): offload.grads
+  // holds this rank's slices; backward writes into bucket buffers (offload.grad_buckets, each unit
+  // padded to size x chunk), reduce-scattered in place unit by unit into the slices every
+  // micro-batch. The caller thread assigns the buffers (stream order keeps their uses apart); the
+  // collectives, their waits and the slices' accumulation run in compute-stream host functions
+  // (the compute thread only) over dp_buckets.
   bool bucketed = false, grad_sharded = false;
   offload_detail::GradBuckets buckets;
   std::unique_ptr<Comm> dp_buckets;
@@ -4995,13 +4995,13 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
-    // Gradient buckets (stage 0 on the cpu backend without a pipeline, stage >= 2 with or
-    // without one; each tp rank's shard): their collectives were launched during backward; every
+    // Gradient buckets (stage 0 and stage >= 2 on the cpu backend, with or without a pipeline;
+    // each tp rank's shard): their collectives were launched during backward; every
     // one is waited (and stage >= 2's slices complete) before the update.
     if (s.ok() && t.bucketed)
       s = t.compute->host_fn("offload: wait for the gradient buckets", [&t]() { return t.drain_buckets(); });
     // Stage 1: the device update reduce-scatters the gradients itself; stage 0 without buckets
-    // (a pipeline, cuda): one all-reduce after backward.
+    // (cuda): one all-reduce after backward.
     if (s.ok() && t.dp_size > 1 && !t.dev_sharded && !t.bucketed) s = t.all_reduce_device_grads();
     // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
     // slices, summed inside device_update_sharded).

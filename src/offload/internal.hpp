@@ -373,11 +373,13 @@ inline bool dp_device_grad_sharded(const OffloadSettings& s) {
 // adjacent (unit u after u + 1: a bucket is one contiguous range of the fp32 layout, which stage
 // 0 all-reduces in place). A unit is never split. Every rank computes the same buckets from the
 // layout, so every rank launches the same collectives in the same order.
-// With a pipeline (stage 2-3 only: stage 0 with a pipeline all-reduces after backward) only the
-// modules this stage runs count as touching a unit (GPT-2's last stage: the head alone reads
-// the tied embedding), and a bucket holds the units of one chunk only (interleaved 1F1B: chunk
-// c's backward ops alternate with other chunks'; a unit is read by one chunk of its stage), so
-// every bucket opens and closes inside one backward op of the schedule.
+// With a pipeline only the modules this stage runs count as touching a unit (GPT-2's last
+// stage: the head alone reads the tied embedding), and a bucket holds the units of one chunk only
+// (interleaved 1F1B: chunk c's backward ops alternate with other chunks'; a unit is read by one
+// chunk of its stage), so every bucket opens and closes inside one backward op of the schedule. The units of
+// a bucket stay adjacent in the stage's compact fp32 layout (Units::grad_offset: only another stage's units,
+// which have no bytes there, may lie between them), so stage 0 still all-reduces one contiguous range in
+// place.
 struct GradBuckets {
   std::vector<std::vector<int>> units;        // per bucket, in backward-finish order
   std::vector<int> bucket_of;                 // per unit (-1: no gradients)
@@ -391,8 +393,10 @@ struct GradBuckets {
   std::uint64_t max_bytes = 0, max_rs_chunk = 0;
 };
 
+// Stage 0 buckets on the cpu backend (the engine's condition adds the stage and the device),
+// with or without a pipeline.
 inline bool dp_device_bucketed(const OffloadSettings& s) {
-  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.pipeline_bounds.size() < 2;
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice;
 }
 
 inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings) {
@@ -433,10 +437,11 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
   std::uint64_t held = 0;  // bytes of the bucket being filled
   for (int x : order) {
     const std::size_t xx = static_cast<std::size_t>(x);
-    // No unit with gradients between x and the bucket's last (another stage's units have none),
-    // and the same chunk.
-    bool adjacent =
-        !g.units.empty() && unit_chunk[static_cast<std::size_t>(g.units.back().back())] == unit_chunk[xx];
+    // Below the bucket's last unit with no unit with gradients between them (another stage's
+    // units have none), and the same chunk. (A pipeline's last stage of GPT-2 finishes the tied
+    // embedding, unit 0, with the head, before the blocks below the head: it starts a bucket.)
+    bool adjacent = !g.units.empty() && x < g.units.back().back() &&
+                    unit_chunk[static_cast<std::size_t>(g.units.back().back())] == unit_chunk[xx];
     for (int y = x + 1; adjacent && y < g.units.back().back(); ++y) adjacent = u.gbytes[static_cast<std::size_t>(y)] == 0;
     const bool start = !adjacent || held + u.gbytes[xx] > cap;
     if (start) {
