@@ -11,10 +11,9 @@
 //   reductions, scans and updates; only where the fp32 gradients wait differs), and the optimizer
 //   sharded in device memory against the optimizer sharded in host memory (the sharded device
 //   update reduces, scans, merges and updates as the host tier does, the tied embedding's slices
-//   included; with a pipeline its stages 2 and 3 reduce once after the last micro-batch, so their
-//   bits are the host tier's stage 1; without one they reduce every micro-batch in their gradient
-//   buckets, the host tier's stage 2). Losses, norms, and every held parameter's working copy,
-//   master and moments.
+//   included; its stages 2 and 3 reduce every micro-batch in their gradient buckets, with or
+//   without a pipeline, as the host tier's stage 2 does: the same stage). Losses, norms, and
+//   every held parameter's working copy, master and moments.
 // - Every rank reports the same loss and norm bits.
 // - Against one process on the whole global batch (fp32): dist_compare.hpp's Tolerance (the fp32
 //   tensor-parallel bounds, which the pipeline's tied-gradient order and the data-parallel sum
@@ -95,14 +94,10 @@ bool train_grid(const Case& c, const Placement& p, ProcessGroups& g, const Train
   TrainerConfig local = global;
   local.grad_accum = c.micro;
   testing::TempDir swap("strata-compose-swap");  // this rank's own directory
-  OffloadSettings s = settings_of(c, p, swap);
-  // With a pipeline the device optimizer's stages 2 and 3 train as its stage 1 (one reduction
-  // after the last micro-batch; docs/parallel.md "ZeRO stages 1-3 in device memory"), while the
-  // host tier's stage 2 reduces every micro-batch: the bits to equal are the host tier's stage 1.
-  // Without one (tp x dp) they reduce every micro-batch in their gradient buckets, as the host
-  // tier's stage 2 ("Gradient buckets"): the same stage.
-  if (p.optimizer == Tier::kHost && c.tested.optimizer == Tier::kDevice && s.zero_stage >= 2 && c.pp > 1)
-    s.zero_stage = 1;
+  // The device optimizer's stages 2-3 reduce every micro-batch in their gradient buckets (with a
+  // pipeline inside each backward op of the schedule), as the host tier's stage 2 does: the same
+  // stage on both sides (docs/parallel.md "Gradient buckets").
+  const OffloadSettings s = settings_of(c, p, swap);
   auto device = testing::make_device();
   auto engine = OffloadEngine::create(local, s, *device, nullptr, DP > 1 ? g.dp.get() : nullptr,
                                       c.tp > 1 ? g.tp.get() : nullptr, c.pp > 1 ? g.pp.get() : nullptr);
@@ -275,7 +270,8 @@ TEST(ComposeNp4, DeviceShardedTensorParallel) {
 
 // PP 2 x DP 2, the optimizer sharded in device memory: the tied unit's reduced slices summed
 // between the first and the last stage inside the device update, then the statistics merged over
-// dp and over the stages.
+// dp and over the stages. Stage 2 (GPipe, accumulation 2) reduces each micro-batch in its stage's
+// gradient buckets: bitwise the host tier's stage 2; stage 3 also slices the stage's parameters.
 TEST(ComposeNp4, DeviceShardedPipeline) {
   ASSERT_EQ(world().size(), 4);
   check({1, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
@@ -287,10 +283,12 @@ TEST(ComposeNp4, DeviceShardedPipeline) {
 
 // ---- 8 ranks ----------------------------------------------------------------------------------
 
-// TP 2 x PP 2 x DP 2: the sharded device optimizer and gradients on NVMe on the whole grid.
+// TP 2 x PP 2 x DP 2: the sharded device optimizer and gradients on NVMe on the whole grid; stage
+// 2 in device memory reduce-scatters each tp shard's stage buckets inside every backward op.
 TEST(ComposeNp8, Grid) {
   ASSERT_EQ(world().size(), 8);
   check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
+  check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 2, ModelKind::kGpt2, DType::kF32, 1, 1.0, 2, Tier::kDevice, kNvmeGrads, kNvmeHostGrads});
 }
 

@@ -778,8 +778,9 @@ TEST(DataParallel, Stage3DevicePlanShardsParameters) {
   EXPECT_EQ(evals[0].loss, evals[1].loss) << "evaluate() at stage 3 reads the gathered units";
   EXPECT_EQ(evals[0].tokens, evals[1].tokens);
   EXPECT_GT(evals[1].tokens, 0);
-  // With a pipeline stage 3 keeps the parameters whole (as stage 2); with tensor parallelism it
-  // slices each tp rank's shard (tests/test_dist_device_tp.cpp).
+  // With tensor parallelism stage 3 slices each tp rank's shard (tests/test_dist_device_tp.cpp),
+  // with a pipeline each stage's units, and stages 2-3 bucket the stage's gradients
+  // (tests/test_dist_device_pp.cpp).
   OffloadSettings tp = sd;
   tp.zero_stage = 3;
   tp.tp_size = 2;
@@ -788,8 +789,8 @@ TEST(DataParallel, Stage3DevicePlanShardsParameters) {
   OffloadSettings pp = sd;
   pp.zero_stage = 3;
   pp.pipeline_bounds = {0, 2, static_cast<int>(layout->modules.size())};
-  EXPECT_FALSE(offload_detail::dp_device_param_sharded(pp));
-  EXPECT_FALSE(offload_detail::dp_device_grad_sharded(pp));
+  EXPECT_TRUE(offload_detail::dp_device_param_sharded(pp));
+  EXPECT_TRUE(offload_detail::dp_device_grad_sharded(pp));
   sd.zero_stage = 3;
   EXPECT_TRUE(offload_detail::dp_device_param_sharded(sd));
 }

@@ -205,10 +205,9 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
     }
     return t;
   }
-  // With the optimizer on the device, stage 1 (and stages 2-3 with a pipeline) reduces once in
-  // the update; stages 2-3 without a pipeline (data parallelism alone or with tensor parallelism)
-  // reduce each bucket every micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's
-  // stage 2.
+  // With the optimizer on the device, stage 1 reduces once in the update; stages 2-3 (data
+  // parallelism alone, or with tensor or pipeline parallelism) reduce each bucket every
+  // micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's stage 2.
   const bool device_buckets = d.device_opt && offload_detail::dp_device_grad_sharded(settings);
   // Beside compute: every collective with the optimizer off the device; on it, stage 2-3's bucket
   // reduce-scatters with overlap_comm and stage 3's gathers in the prefetched fetches.
@@ -331,7 +330,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     //   cpu backend (dp_stage0_bucketed) one all-reduce per bucket of grad_buckets when the last
     //   micro-batch's backward leaves the bucket's last module, with overlap_comm on the comm lane
     //   while backward goes on (compute waits for all before the update), without it at once;
-    // - stage 1 (and stages 2-3 with tensor or pipeline parallelism): inside the update, per
+    // - stage 1: inside the update, per
     //   module a reduce-scatter of its gradients and an all-gather of its parameters, exposed;
     // - stages 2-3 (dp_device_grad_sharded): the buckets of grad_buckets, each reduce-scattered
     //   (one collective per unit) when backward leaves its last module, every micro-batch: with

@@ -412,14 +412,16 @@ struct OffloadEngine::Impl {
   // stream (device_update_sharded) through the device region offload.dp_staging.
   bool dev_sharded = false;
   char* dev_staging = nullptr;
-  // Gradient buckets (docs/parallel.md "Gradient buckets"; optimizer on the device, cpu backend,
-  // no pipeline). `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place
-  // as backward leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2):
-  // offload.grads holds this rank's slices; backward writes into bucket buffers
-  // (offload.grad_buckets, each unit padded to size x chunk), reduce-scattered in place unit by
-  // unit into the slices every micro-batch. The caller thread assigns the
-  // buffers (stream order keeps their uses apart); the collectives, their waits and the slices'
-  // accumulation run in compute-stream host functions (the compute thread only) over dp_buckets.
+  // Gradient buckets (docs/parallel.md "Gradient buckets"; optimizer on the device, cpu backend;
+  // stages 0 and 2-3, with or without a pipeline: a pipeline stage's buckets are cut per chunk
+  // from its modules and each opens and closes inside one backward op of the schedule).
+  // `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place as backward
+  // leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2): offload.grads
+  // holds this rank's slices; backward writes into bucket buffers (offload.grad_buckets, each unit
+  // padded to size x chunk), reduce-scattered in place unit by unit into the slices every
+  // micro-batch. The caller thread assigns the buffers (stream order keeps their uses apart); the
+  // collectives, their waits and the slices' accumulation run in compute-stream host functions
+  // (the compute thread only) over dp_buckets.
   bool bucketed = false, grad_sharded = false;
   offload_detail::GradBuckets buckets;
   std::unique_ptr<Comm> dp_buckets;
@@ -1890,14 +1892,9 @@ Status OffloadEngine::Impl::setup_data_parallel() {
   }
   // Stage 3 in device memory (dev_params_sliced): the units describe_units sliced keep their
   // slice in offload.params and are gathered by the same fetch.
+  // With a pipeline too: the stage's units (docs/parallel.md "Stages 2-3 in device memory with a
+  // pipeline").
   dev_params_sliced = offload_detail::dp_device_param_sharded(settings);
-  if (!dev_params_sliced && settings.zero_stage == 3 && opt_on_device && settings.params == Tier::kDevice &&
-      dp_rank == 0) {
-    STRATA_LOG(kInfo, kOffload) << "offload: zero_optimization.stage 3 with offload_param.device none and "
-                                   "offload_optimizer.device none keeps the working parameters whole with "
-                                   "pipeline parallelism (stage 3 then trains as stage 1; "
-                                   "docs/parallel.md \"Stage 3 in device memory\")";
-  }
   if ((sharded && settings.zero_stage == 3) || dev_params_sliced) {
     for (int u = 0; u < M; ++u) {
       const std::size_t uu = static_cast<std::size_t>(u);
@@ -4440,8 +4437,14 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
           if (n == 0) continue;  // the same on every rank
           if (grad_sharded) {
             // Stage >= 2: reduced per bucket during backward (drain_buckets ran before this).
-            STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u,
-                                                         reinterpret_cast<const char*>(dgrads + slices.offset[uu]),
+            float* slice = dgrads + slices.offset[uu];
+            if (u == tied_unit && pp_tied) {
+              // Pipeline: GPT-2's embedding unit, its slice summed between the first and the
+              // last stage once every micro-batch's reduction has been added (the host tier's
+              // sum_tied_landed on its stage-2 shard; stage 1's below).
+              STRATA_RETURN_IF_ERROR(reduce_tied_grads(slice, len));
+            }
+            STRATA_ASSIGN_OR_RETURN(stats[uu], scan_norm(*device_opt, u, reinterpret_cast<const char*>(slice),
                                                          b, len, inv_scale));
             continue;
           }
@@ -5013,13 +5016,13 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
   if (s.ok() && t.partial) s = t.scan_device_units();
   if (t.opt_on_device) {
-    // Gradient buckets (stage 0 on the cpu backend, stage >= 2; no pipeline, each tp rank's
-    // shard): their collectives were launched during backward; every one is waited (and stage
-    // >= 2's slices complete) before the update.
+    // Gradient buckets (stage 0 and stage >= 2 on the cpu backend, with or without a pipeline;
+    // each tp rank's shard): their collectives were launched during backward; every
+    // one is waited (and stage >= 2's slices complete) before the update.
     if (s.ok() && t.bucketed)
       s = t.compute->host_fn("offload: wait for the gradient buckets", [&t]() { return t.drain_buckets(); });
-    // Stage 1 (and stages 2-3 with a pipeline): the device update reduce-scatters the gradients
-    // itself; stage 0 without buckets (a pipeline, cuda): one all-reduce after backward.
+    // Stage 1: the device update reduce-scatters the gradients itself; stage 0 without buckets
+    // (cuda): one all-reduce after backward.
     if (s.ok() && t.dp_size > 1 && !t.dev_sharded && !t.bucketed) s = t.all_reduce_device_grads();
     // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
     // slices, summed inside device_update_sharded).

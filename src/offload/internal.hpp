@@ -58,15 +58,14 @@ struct Units {
   std::vector<char> sliced;
 };
 
-// Stage 3 with the optimizer and the working parameters in device memory, no pipeline
-// (docs/parallel.md "Stage 3 in device memory"): every module above
-// stage3_param_persistence_threshold keeps only this rank's slice of its working parameters.
-// With tensor parallelism the slices are of this tensor rank's shard (its own layout: every rank
-// of one data-parallel group has the same tensor rank, so the same units and slices). With a
-// pipeline stage 3 keeps the parameters whole (as stage 2).
+// Stage 3 with the optimizer and the working parameters in device memory (docs/parallel.md
+// "Stage 3 in device memory"): every module above stage3_param_persistence_threshold keeps only
+// this rank's slice of its working parameters. With tensor parallelism the slices are of this
+// tensor rank's shard (its own layout: every rank of one data-parallel group has the same tensor
+// rank, so the same units and slices); with a pipeline of the stage's units (every rank of one
+// data-parallel group is the same stage).
 inline bool dp_device_param_sharded(const OffloadSettings& s) {
-  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.params == Tier::kDevice && s.zero_stage == 3 &&
-         s.pipeline_bounds.size() < 2;
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.params == Tier::kDevice && s.zero_stage == 3;
 }
 
 // Splits module m's fp32 range into sub-groups of at most `limit` elements (plus alignment
@@ -361,19 +360,26 @@ inline std::uint64_t partial_dp_staging_bytes(const Units& u, const OffloadSetti
 // (offload.grads holds this rank's shard; the full-size gradients exist only in the bucket
 // buffers offload.grad_buckets). docs/parallel.md "Gradient buckets". With tensor parallelism the
 // buckets are computed from this tensor rank's shard layout, the same on every rank of its
-// data-parallel group. With a pipeline stages 2-3 shard the optimizer state only, like stage 1
-// (the buckets' backward hooks and their order are the single-range schedule's, not a stage's
-// interleaved forwards and backwards).
+// data-parallel group. With a pipeline from the stage's modules, cut per chunk: a schedule's
+// backward op runs one micro-batch through one chunk's modules without a break, so every bucket
+// opens and closes inside one op (docs/parallel.md "Stages 2-3 in device memory with a pipeline").
 inline bool dp_device_grad_sharded(const OffloadSettings& s) {
-  return dp_device_sharded(s) && s.zero_stage >= 2 && s.pipeline_bounds.size() < 2;
+  return dp_device_sharded(s) && s.zero_stage >= 2;
 }
 
-// The gradient buckets of data parallel with the optimizer on the device (no pipeline). Units
-// are taken in the order backward finishes them (their last backward module, latest first; ties
-// by unit, highest first) and grouped while the bucket stays within reduce_bucket_elements and
-// the units stay adjacent (unit u after u + 1: a bucket is one contiguous range of the fp32
-// layout, which stage 0 all-reduces in place). A unit is never split. Every rank computes the same
-// buckets from the layout, so every rank launches the same collectives in the same order.
+// The gradient buckets of data parallel with the optimizer on the device. Units are taken in the
+// order backward finishes them (their last backward module, latest first; ties by unit, highest
+// first) and grouped while the bucket stays within reduce_bucket_elements and the units stay
+// adjacent (unit u after u + 1: a bucket is one contiguous range of the fp32 layout, which stage
+// 0 all-reduces in place). A unit is never split. Every rank computes the same buckets from the
+// layout, so every rank launches the same collectives in the same order.
+// With a pipeline only the modules this stage runs count as touching a unit (GPT-2's last
+// stage: the head alone reads the tied embedding), and a bucket holds the units of one chunk only
+// (interleaved 1F1B: chunk c's backward ops alternate with other chunks'; a unit is read by one
+// chunk of its stage), so every bucket opens and closes inside one backward op of the schedule. The units of
+// a bucket stay adjacent in the stage's compact fp32 layout (Units::grad_offset: only another stage's units,
+// which have no bytes there, may lie between them), so stage 0 still all-reduces one contiguous range in
+// place.
 struct GradBuckets {
   std::vector<std::vector<int>> units;        // per bucket, in backward-finish order
   std::vector<int> bucket_of;                 // per unit (-1: no gradients)
@@ -387,8 +393,10 @@ struct GradBuckets {
   std::uint64_t max_bytes = 0, max_rs_chunk = 0;
 };
 
+// Stage 0 buckets on the cpu backend (the engine's condition adds the stage and the device),
+// with or without a pipeline.
 inline bool dp_device_bucketed(const OffloadSettings& s) {
-  return s.dp_size > 1 && s.optimizer == Tier::kDevice && s.pipeline_bounds.size() < 2;
+  return s.dp_size > 1 && s.optimizer == Tier::kDevice;
 }
 
 // Stage 0 with the optimizer on the device all-reduces per gradient bucket, each when backward
@@ -402,10 +410,23 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
   GradBuckets g;
   const int M = static_cast<int>(u.gbytes.size());
   std::vector<int> first(static_cast<std::size_t>(M), -1), last(static_cast<std::size_t>(M), M);
+  // Per module: the chunk of this stage that runs it (-1: another stage's); 0 for every module
+  // without a pipeline.
+  std::vector<int> chunk_of(static_cast<std::size_t>(M), settings.pipeline_bounds.size() < 2 ? 0 : -1);
+  if (settings.pipeline_bounds.size() >= 2) {
+    const auto ranges = stage_ranges(settings.pipeline_bounds, std::max(1, settings.pipeline_virtual_stages),
+                                     settings.pp_stage);
+    for (std::size_t c = 0; c < ranges.size(); ++c)
+      for (int m = ranges[c].first; m < ranges[c].second; ++m)
+        chunk_of[static_cast<std::size_t>(m)] = static_cast<int>(c);
+  }
+  std::vector<int> unit_chunk(static_cast<std::size_t>(M), -1);
   for (int m = 0; m < M; ++m) {
+    if (chunk_of[static_cast<std::size_t>(m)] < 0) continue;
     for (int x : u.storage[static_cast<std::size_t>(m)]) {
       first[static_cast<std::size_t>(x)] = std::max(first[static_cast<std::size_t>(x)], m);
       last[static_cast<std::size_t>(x)] = std::min(last[static_cast<std::size_t>(x)], m);
+      unit_chunk[static_cast<std::size_t>(x)] = chunk_of[static_cast<std::size_t>(m)];
     }
   }
   std::vector<int> order;
@@ -423,7 +444,11 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
   std::uint64_t held = 0;  // bytes of the bucket being filled
   for (int x : order) {
     const std::size_t xx = static_cast<std::size_t>(x);
-    bool adjacent = !g.units.empty();  // no unit with gradients between x and the bucket's last
+    // Below the bucket's last unit with no unit with gradients between them (another stage's
+    // units have none), and the same chunk. (A pipeline's last stage of GPT-2 finishes the tied
+    // embedding, unit 0, with the head, before the blocks below the head: it starts a bucket.)
+    bool adjacent = !g.units.empty() && x < g.units.back().back() &&
+                    unit_chunk[static_cast<std::size_t>(g.units.back().back())] == unit_chunk[xx];
     for (int y = x + 1; adjacent && y < g.units.back().back(); ++y) adjacent = u.gbytes[static_cast<std::size_t>(y)] == 0;
     const bool start = !adjacent || held + u.gbytes[xx] > cap;
     if (start) {
@@ -448,8 +473,10 @@ inline GradBuckets grad_buckets(const Units& u, const OffloadSettings& settings)
     g.max_bytes = std::max(g.max_bytes, g.bytes[b]);
     g.max_rs_chunk = std::max(g.max_rs_chunk, g.rs_chunk[b]);
   }
-  // Backward runs modules M-1 .. 0: bucket b is open from open_at (its buffer zeroed) through
-  // close_after (its collective launched after that module's backward).
+  // Backward runs modules M-1 .. 0 (a pipeline stage: each chunk's, one op at a time): bucket b
+  // is open from open_at (its buffer zeroed) through close_after (its collective launched after
+  // that module's backward). A pipeline's buckets lie inside one chunk's modules, so the count
+  // per module is the count inside its op.
   for (int cur = M - 1; cur >= 0; --cur) {
     std::uint32_t open = 0;
     for (std::size_t b = 0; b < g.units.size(); ++b)
