@@ -288,9 +288,18 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   OffloadSettings dp_params = dp;
   dp_params.params = Tier::kHost;
   refused(dp_params, "offload_param.device");
+  // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp); not with
+  // data-parallel ranks per stage or interleaved stages.
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
-  refused(piped, "pipeline stages");
+  EXPECT_TRUE(piped.validate().ok()) << "one pipeline of 2 stages takes the split";
+  OffloadSettings piped_dp = piped;
+  piped_dp.dp_size = 2;
+  refused(piped_dp, "pipeline stages and 2 data-parallel ranks");
+  OffloadSettings interleaved = piped;
+  interleaved.pipeline_virtual_stages = 2;
+  interleaved.pipeline_bounds = {0, 1, 2, 3, 5};
+  refused(interleaved, "strata.pipeline_virtual_stages = 2");
   OffloadSettings dpu = partial(0.5);
   dpu.delayed_update = true;
   refused(dpu, "strata.delayed_update");
