@@ -190,6 +190,7 @@ struct PipeCase {
   Tier params = Tier::kDevice;
   Tier optimizer = Tier::kHost;
   PipelineSchedule schedule = PipelineSchedule::kOneFOneB;
+  int virtual_stages = 1;  // > 1: interleaved 1F1B
 };
 
 std::vector<int> check_pp(const PipeCase& k) {
@@ -199,6 +200,7 @@ std::vector<int> check_pp(const PipeCase& k) {
   s.params = k.params;
   s.optimizer = k.optimizer;
   s.pipeline_schedule = k.schedule;
+  s.pipeline_virtual_stages = k.virtual_stages;
   testing::TempDir swap("strata-partial-pp");  // each rank its own
   if (k.params == Tier::kNvme || k.optimizer == Tier::kNvme) {
     s.nvme_path = {swap.path().string()};
@@ -207,7 +209,9 @@ std::vector<int> check_pp(const PipeCase& k) {
   Groups g;
   g.pp = &world();
   const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
-                           ", pp 2 (" + std::string(to_string(k.schedule)) + ", m = 2), ratio " +
+                           ", pp 2 (" + std::string(to_string(k.schedule)) +
+                           (k.virtual_stages > 1 ? " interleaved, v = " + std::to_string(k.virtual_stages) : "") +
+                           ", m = 2), ratio " +
                            std::to_string(k.ratio) + ", params " + std::string(to_string(k.params)) +
                            ", optimizer " + std::string(to_string(k.optimizer));
   return check(what, c, s, k.ratio, g);
@@ -266,8 +270,20 @@ TEST(PartialNp2, PipelineGpt2NvmeOptimizer) {
   check_pp({ModelKind::kGpt2, DType::kF32, 0.5, Tier::kDevice, Tier::kNvme});
 }
 
-// What is not built with a pipeline (data-parallel ranks per stage, interleaved stages) is
-// refused by validate(), naming the key: test_offload_partial.cpp.
+// Interleaved 1F1B (2 chunks per stage, FLOP-balanced over the 5 modules, so a stage's modules are
+// not contiguous; GPT-2's last stage also holds the tied embedding): each stage splits the units
+// of all its chunks, in module order.
+TEST(PartialNp2, PipelineInterleaved) {
+  for (const auto& [kind, ratio] : {std::pair{ModelKind::kGpt2, 0.5}, std::pair{ModelKind::kLlama, 0.05}}) {
+    PipeCase k{kind, DType::kF32, ratio};
+    k.virtual_stages = 2;
+    const std::vector<int> dev = check_pp(k);
+    EXPECT_FALSE(dev.empty()) << to_string(kind);
+  }
+}
+
+// What is not built with a pipeline (data-parallel ranks per stage) is refused by validate(),
+// naming the key: test_offload_partial.cpp.
 
 // ---- 4 ranks -------------------------------------------------------------------------------------
 

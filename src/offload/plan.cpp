@@ -124,18 +124,15 @@ Status OffloadSettings::validate() const {
     const std::string stages =
         " with " + std::to_string(offload_detail::pipeline_stage_count(*this)) + " pipeline stages";
     if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
-      // Built: each stage splits its own units (docs/offload.md "Partial optimizer offload",
-      // "Pipeline parallel"). Not with the stage's units sliced over data-parallel ranks: the
-      // device units' reduce-scatters and the tied unit's sum would have to be ordered with the
-      // stage's other collectives, untested.
+      // Built: each stage splits its own units, interleaved stages the units of all their
+      // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel").
+      // Not with the stage's units sliced over data-parallel ranks: the device units'
+      // reduce-scatters run in run_micro_batches' loop, which a pipeline's schedule replaces, and
+      // the tied unit's sum would have to act on the reduced slice between them and the scan.
       const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) + stages;
       if (dp_size > 1) {
         return invalid_argument(key + " and " + std::to_string(dp_size) +
                                 " data-parallel ranks is not built yet: use ratio 1, or one pipeline");
-      }
-      if (pipeline_virtual_stages > 1) {
-        return invalid_argument(key + " and strata.pipeline_virtual_stages = " +
-                                std::to_string(pipeline_virtual_stages) + " is not built yet: use ratio 1 or 1f1b");
       }
     }
     if (delayed_update) {
