@@ -134,10 +134,15 @@ std::vector<int> check(const std::string& what, const TrainerConfig& global, Off
     EXPECT_EQ(got.nvme_state_bytes + 3 * got.exp_avg_device_bytes, ref.nvme_state_bytes) << what;
   }
   // The engine carves what its plan says: the split's extra device bytes are the plan's (each
-  // carved block rounds up to 256 bytes; the split carves at most 4 more regions).
+  // carved block rounds up to 256 bytes; the split carves at most 6 more regions). With
+  // data-parallel ranks the plan holds rank 0's slices, the largest: other ranks carve at most.
   const auto arena_more = static_cast<double>(got.arena_bytes) - static_cast<double>(ref.arena_bytes);
   const auto plan_more = static_cast<double>(got.plan_device_bytes) - static_cast<double>(ref.plan_device_bytes);
-  EXPECT_NEAR(arena_more, plan_more, 6 * 256.0) << what << ": device bytes beyond ratio 1's, carved vs planned";
+  if (g.dp_rank == 0) {
+    EXPECT_NEAR(arena_more, plan_more, 6 * 256.0) << what << ": device bytes beyond ratio 1's, carved vs planned";
+  } else {
+    EXPECT_LE(arena_more, plan_more + 6 * 256.0) << what << ": device bytes beyond ratio 1's, carved vs planned";
+  }
   testing::expect_same(ref.snap, got.snap, what);
   if (!ref.snap.losses.empty()) EXPECT_NE(ref.snap.losses.front(), ref.snap.losses.back()) << what << ": trained";
   return got.device_modules;
@@ -282,8 +287,8 @@ TEST(PartialNp2, PipelineInterleaved) {
   }
 }
 
-// What is not built with a pipeline (data-parallel ranks per stage) is refused by validate(),
-// naming the key: test_offload_partial.cpp.
+// What is not built with a pipeline (data-parallel ranks per stage at stage 2) is refused by
+// validate(), naming the key: test_offload_partial.cpp.
 
 // ---- 4 ranks -------------------------------------------------------------------------------------
 
@@ -308,6 +313,35 @@ TEST(PartialNp4, TensorTimesDataParallel) {
       const std::vector<int> dev = check(what, global, s, 0.5, g);
       EXPECT_FALSE(dev.empty()) << what;
     }
+  }
+}
+
+// pp 2 x dp 2 (stages 0-1): each stage's device units reduced once after the schedule on the
+// compute stream, the tied unit's reduced slice summed between the ends; at ratio 0.88 the tied
+// unit is on the device at the first stage only (the last sums its slice from host memory).
+TEST(PartialNp4, PipelineTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  Groups g;
+  g.dp = groups->dp.get();
+  g.pp = groups->pp.get();
+  g.dp_rank = groups->dp->rank();
+  g.dp_size = groups->dp->size();
+  struct K {
+    ModelKind kind;
+    DType dtype;
+    double ratio;
+    int stage;
+  };
+  for (const K& k : {K{ModelKind::kGpt2, DType::kF32, 0.5, 1}, K{ModelKind::kGpt2, DType::kF32, 0.88, 1},
+                     K{ModelKind::kLlama, DType::kBF16, 0.05, 0}}) {
+    const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * g.dp_size, 0.5);
+    OffloadSettings s = host_optimizer();
+    s.zero_stage = k.stage;
+    const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
+                             ", pp 2 x dp 2, stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio);
+    check(what, global, s, k.ratio, g);
   }
 }
 

@@ -337,13 +337,18 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   dp_params.params = Tier::kHost;
   refused(dp_params, "offload_param.device");
   // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp, interleaved
-  // stages too); not with data-parallel ranks per stage.
+  // stages too, and data-parallel ranks per stage at stages 0-1); not at stage 2.
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
   EXPECT_TRUE(piped.validate().ok()) << "one pipeline of 2 stages takes the split";
   OffloadSettings piped_dp = piped;
   piped_dp.dp_size = 2;
-  refused(piped_dp, "pipeline stages and 2 data-parallel ranks");
+  for (int stage : {0, 1}) {
+    piped_dp.zero_stage = stage;
+    EXPECT_TRUE(piped_dp.validate().ok()) << "pipeline stages with 2 data-parallel ranks, stage " << stage;
+  }
+  piped_dp.zero_stage = 2;
+  refused(piped_dp, "pipeline stages and 2 data-parallel ranks at zero_optimization.stage 2");
   OffloadSettings interleaved = piped;
   interleaved.pipeline_virtual_stages = 2;
   interleaved.pipeline_bounds = {0, 1, 2, 3, 5};

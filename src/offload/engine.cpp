@@ -2400,11 +2400,12 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     }
     cv.notify_all();
   }
-  if (step > 0 && pp_tied && split_dev(tied_unit)) {
+  if (step > 0 && pp_tied && split_dev(tied_unit) && !part_dp) {
     // Partial offload, the tied unit among this stage's device units: its gradient accumulated
     // in offload.grads; summed with the other end's here, at the point where a host unit's is
     // (the other end's may be either, the all-reduce on the caller either way), before
-    // scan_device_units reads it. The compute stream was synchronized above.
+    // scan_device_units reads it. The compute stream was synchronized above. With data
+    // parallelism the reduced slice is summed instead (run_micro_batches).
     STRATA_RETURN_IF_ERROR(
         reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(tied_unit)),
                           units.gbytes[static_cast<std::size_t>(tied_unit)] / 4));
@@ -4241,7 +4242,22 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
-  if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
+  if (pp_size > 1) {
+    STRATA_RETURN_IF_ERROR(run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr));
+    if (!part_dp || !update) return ok_status();
+    // Partial offload with data parallelism (stages 0-1; validate() refuses stage 2 with a
+    // pipeline): the device units' sums over the schedule's micro-batches, reduce-scattered once
+    // as below, after every pipeline transfer of the step (run_pipeline drained the stream).
+    STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/false));
+    if (pp_tied && split_dev(tied_unit)) {
+      // The tied unit's reduced slice summed with the other end's (the same slice of the same
+      // unit), as sum_tied_landed sums a host unit's, before scan_device_units reads it.
+      STRATA_RETURN_IF_ERROR(compute->synchronize());
+      STRATA_RETURN_IF_ERROR(
+          reduce_tied_grads(dev_slice_grads(tied_unit), slices.len[static_cast<std::size_t>(tied_unit)]));
+    }
+    return ok_status();
+  }
   // Partial offload with data parallelism: stage 2 reduces the device units' gradients of every
   // micro-batch on their own (each starts from zero, as ratio 1's buckets do); stage 1 reduces
   // their sum once, after the last micro-batch.

@@ -125,14 +125,15 @@ Status OffloadSettings::validate() const {
         " with " + std::to_string(offload_detail::pipeline_stage_count(*this)) + " pipeline stages";
     if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
       // Built: each stage splits its own units, interleaved stages the units of all their
-      // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel").
-      // Not with the stage's units sliced over data-parallel ranks: the device units'
-      // reduce-scatters run in run_micro_batches' loop, which a pipeline's schedule replaces, and
-      // the tied unit's sum would have to act on the reduced slice between them and the scan.
+      // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel");
+      // with data-parallel ranks per stage at stages 0-1 (the device units reduced once after
+      // the schedule). Not at stage 2: it reduces every micro-batch, and a device unit's
+      // reduce-scatter would have to follow its last backward of each micro-batch inside the
+      // schedule, interleaved with other micro-batches' forwards.
       const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) + stages;
-      if (dp_size > 1) {
-        return invalid_argument(key + " and " + std::to_string(dp_size) +
-                                " data-parallel ranks is not built yet: use ratio 1, or one pipeline");
+      if (dp_size > 1 && zero_stage >= 2) {
+        return invalid_argument(key + " and " + std::to_string(dp_size) + " data-parallel ranks at zero_optimization.stage " +
+                                std::to_string(zero_stage) + " is not built yet: use stage 1, or ratio 1");
       }
     }
     if (delayed_update) {
