@@ -84,8 +84,8 @@ struct OffloadSettings {
   // host part then streams through the NVMe ring) and no delayed update; with data-parallel
   // ranks the conditions validate() names; with tensor parallelism each rank splits its shard,
   // with a pipeline each stage its own units (the first of the stage's units, in module order;
-  // not with data-parallel ranks per stage). With the parameters off the device the device's
-  // modules keep theirs resident (docs/offload.md).
+  // with data-parallel ranks per stage, stages 0-1 only). With the parameters off the device
+  // the device's modules keep theirs resident (docs/offload.md).
   double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed
