@@ -36,7 +36,8 @@ using testing::world;
 
 // Steps [0, steps) of `global`'s batches, this data-parallel rank's share (global micro-batches
 // dp, dp + DP, ...); losses, norms, loss scales and skips recorded.
-bool run_steps_of_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps, Snapshot& out) {
+bool run_steps_of_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,
+                        Snapshot& out) {
   std::vector<std::int32_t> in, tg;
   for (int step = 0; step < steps; ++step) {
     testing::share_of(global, step, dp, DP, in, tg);
@@ -137,14 +138,18 @@ std::vector<int> check(const std::string& what, const TrainerConfig& global, Off
   // carved block rounds up to 256 bytes; the split carves at most 6 more regions). With
   // data-parallel ranks the plan holds rank 0's slices, the largest: other ranks carve at most.
   const auto arena_more = static_cast<double>(got.arena_bytes) - static_cast<double>(ref.arena_bytes);
-  const auto plan_more = static_cast<double>(got.plan_device_bytes) - static_cast<double>(ref.plan_device_bytes);
+  const auto plan_more =
+      static_cast<double>(got.plan_device_bytes) - static_cast<double>(ref.plan_device_bytes);
   if (g.dp_rank == 0) {
-    EXPECT_NEAR(arena_more, plan_more, 6 * 256.0) << what << ": device bytes beyond ratio 1's, carved vs planned";
+    EXPECT_NEAR(arena_more, plan_more, 6 * 256.0)
+        << what << ": device bytes beyond ratio 1's, carved vs planned";
   } else {
-    EXPECT_LE(arena_more, plan_more + 6 * 256.0) << what << ": device bytes beyond ratio 1's, carved vs planned";
+    EXPECT_LE(arena_more, plan_more + 6 * 256.0)
+        << what << ": device bytes beyond ratio 1's, carved vs planned";
   }
   testing::expect_same(ref.snap, got.snap, what);
-  if (!ref.snap.losses.empty()) EXPECT_NE(ref.snap.losses.front(), ref.snap.losses.back()) << what << ": trained";
+  if (!ref.snap.losses.empty())
+    EXPECT_NE(ref.snap.losses.front(), ref.snap.losses.back()) << what << ": trained";
   return got.device_modules;
 }
 
@@ -170,8 +175,8 @@ void check_tp(ModelKind kind, DType dtype, double ratio, double clip) {
   const TrainerConfig c = testing::tiny(kind, dtype, 2, clip);
   Groups g;
   g.tp = &world();
-  const std::string what = std::string(to_string(kind)) + " " + std::string(to_string(dtype)) + ", tp 2, ratio " +
-                           std::to_string(ratio) + ", clip " + std::to_string(clip);
+  const std::string what = std::string(to_string(kind)) + " " + std::string(to_string(dtype)) +
+                           ", tp 2, ratio " + std::to_string(ratio) + ", clip " + std::to_string(clip);
   const std::vector<int> dev = check(what, c, host_optimizer(), ratio, g);
   EXPECT_FALSE(dev.empty()) << what << ": the split keeps modules on the device";
   // Every tp rank's shard has the same shapes: the same split on both.
@@ -182,7 +187,9 @@ void check_tp(ModelKind kind, DType dtype, double ratio, double clip) {
 TEST(PartialNp2, TensorParallelGpt2Fp32) { check_tp(ModelKind::kGpt2, DType::kF32, 0.5, 0.5); }
 TEST(PartialNp2, TensorParallelGpt2Bf16) { check_tp(ModelKind::kGpt2, DType::kBF16, 0.5, 0.5); }
 // Every module but LLaMA's untied head on the device.
-TEST(PartialNp2, TensorParallelLlamaMostModulesOnTheDevice) { check_tp(ModelKind::kLlama, DType::kF32, 0.01, 1.0); }
+TEST(PartialNp2, TensorParallelLlamaMostModulesOnTheDevice) {
+  check_tp(ModelKind::kLlama, DType::kF32, 0.01, 1.0);
+}
 // Clipping off: the host units update as they land, the device units after the norm.
 TEST(PartialNp2, TensorParallelUpdatedDuringBackward) { check_tp(ModelKind::kGpt2, DType::kF32, 0.5, 0.0); }
 
@@ -213,12 +220,12 @@ std::vector<int> check_pp(const PipeCase& k) {
   }
   Groups g;
   g.pp = &world();
-  const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
-                           ", pp 2 (" + std::string(to_string(k.schedule)) +
-                           (k.virtual_stages > 1 ? " interleaved, v = " + std::to_string(k.virtual_stages) : "") +
-                           ", m = 2), ratio " +
-                           std::to_string(k.ratio) + ", params " + std::string(to_string(k.params)) +
-                           ", optimizer " + std::string(to_string(k.optimizer));
+  const std::string what =
+      std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", pp 2 (" +
+      std::string(to_string(k.schedule)) +
+      (k.virtual_stages > 1 ? " interleaved, v = " + std::to_string(k.virtual_stages) : "") +
+      ", m = 2), ratio " + std::to_string(k.ratio) + ", params " + std::string(to_string(k.params)) +
+      ", optimizer " + std::string(to_string(k.optimizer));
   return check(what, c, s, k.ratio, g);
 }
 
@@ -340,7 +347,8 @@ TEST(PartialNp4, PipelineTimesDataParallel) {
     OffloadSettings s = host_optimizer();
     s.zero_stage = k.stage;
     const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
-                             ", pp 2 x dp 2, stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio);
+                             ", pp 2 x dp 2, stage " + std::to_string(k.stage) + ", ratio " +
+                             std::to_string(k.ratio);
     check(what, global, s, k.ratio, g);
   }
 }
@@ -356,7 +364,8 @@ TEST(PartialNp4, TensorTimesPipeline) {
   // LLaMA's last stage is mostly its last block: a small ratio so that its share holds it.
   for (const auto& [kind, ratio] : {std::pair{ModelKind::kGpt2, 0.5}, std::pair{ModelKind::kLlama, 0.05}}) {
     const TrainerConfig c = testing::tiny(kind, DType::kF32, 2, 0.5);
-    const std::string what = std::string(to_string(kind)) + " fp32, tp 2 x pp 2, ratio " + std::to_string(ratio);
+    const std::string what =
+        std::string(to_string(kind)) + " fp32, tp 2 x pp 2, ratio " + std::to_string(ratio);
     const std::vector<int> dev = check(what, c, host_optimizer(), ratio, g);
     EXPECT_FALSE(dev.empty()) << what;
   }

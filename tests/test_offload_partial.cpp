@@ -120,10 +120,12 @@ TEST(PartialOffloadPlan, EachPipelineStageSplitsItsOwnUnits) {
   const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);
   auto bounds = pipeline_stages(c.model, 2, c.seq_len);
   ASSERT_TRUE(bounds.ok()) << bounds.status().to_string();
-  ASSERT_EQ(*bounds, (std::vector<int>{0, 3, 5})) << "the tiny GPT-2's 2 stages: embedding and 2 blocks | block, head";
+  ASSERT_EQ(*bounds, (std::vector<int>{0, 3, 5}))
+      << "the tiny GPT-2's 2 stages: embedding and 2 blocks | block, head";
   auto layout = describe_model(c.model);
   ASSERT_TRUE(layout.ok());
-  const char* names[] = {"(modules 1..2; modules 0..0 on the device)", "(modules 3..4; modules 0..0 on the device)"};
+  const char* names[] = {"(modules 1..2; modules 0..0 on the device)",
+                         "(modules 3..4; modules 0..0 on the device)"};
   for (int stage : {0, 1}) {
     OffloadSettings s = partial(0.5);
     s.pipeline_bounds = *bounds;
