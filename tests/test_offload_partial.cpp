@@ -112,6 +112,56 @@ TEST(PartialOffloadPlan, SplitsTheStateBetweenDeviceAndHost) {
   }
 }
 
+// With a pipeline each stage's plan splits the stage's own units (docs/offload.md "Tensor and
+// pipeline parallel"): the device keeps the first of them in module order (GPT-2's last stage:
+// the tied embedding unit first), the two sides add up to the stage's state at ratio 1, and the
+// lines name each side's modules. The tensor-parallel plan is rank 0's shard, split alike.
+TEST(PartialOffloadPlan, EachPipelineStageSplitsItsOwnUnits) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);
+  auto bounds = pipeline_stages(c.model, 2, c.seq_len);
+  ASSERT_TRUE(bounds.ok()) << bounds.status().to_string();
+  ASSERT_EQ(*bounds, (std::vector<int>{0, 3, 5}))
+      << "the tiny GPT-2's 2 stages: embedding and 2 blocks | block, head";
+  auto layout = describe_model(c.model);
+  ASSERT_TRUE(layout.ok());
+  const char* names[] = {"(modules 1..2; modules 0..0 on the device)",
+                         "(modules 3..4; modules 0..0 on the device)"};
+  for (int stage : {0, 1}) {
+    OffloadSettings s = partial(0.5);
+    s.pipeline_bounds = *bounds;
+    s.pp_stage = stage;
+    OffloadSettings whole_settings = s;
+    whole_settings.optimizer_ratio = 1.0;
+    auto whole = OffloadPlan::make(c, whole_settings);
+    auto p = OffloadPlan::make(c, s);
+    ASSERT_TRUE(whole.ok() && p.ok()) << (p.ok() ? whole.status() : p.status()).to_string();
+    const offload_detail::Units units = offload_detail::describe_units(*layout, s);
+    const std::string what = "stage " + std::to_string(stage);
+    ASSERT_EQ(units.device_opt_units, 1u) << what;
+    EXPECT_TRUE(units.device_opt[0]) << what << ": the embedding unit is the first of the stage's units";
+    const std::uint64_t full = plan_bytes(*whole, "Adam exp_avg_sq");
+    const std::uint64_t dev = plan_bytes(*p, "device region optim.exp_avg_sq");
+    const std::uint64_t host = plan_bytes(*p, "Adam exp_avg_sq");
+    EXPECT_EQ(dev, units.device_opt_bytes) << what;
+    EXPECT_EQ(dev + host, full) << what;
+    EXPECT_EQ(full, units.grad_bytes) << what << ": ratio 1 holds the stage's units only";
+    EXPECT_EQ(plan_bytes(*p, "device region optim.master"), dev) << what;
+    EXPECT_EQ(plan_bytes(*p, "device region offload.grads"), dev) << what;
+    EXPECT_NE(p->to_string().find(names[stage]), std::string::npos) << what << "\n" << p->to_string();
+  }
+  // Tensor parallel: rank 0's shard, the same prefix of modules as one process at this ratio.
+  OffloadSettings tp = partial(0.5);
+  tp.tp_size = 2;
+  auto sharded = OffloadPlan::make(c, tp);
+  auto one = OffloadPlan::make(c, partial(0.5));
+  ASSERT_TRUE(sharded.ok() && one.ok());
+  const std::uint64_t tp_dev = plan_bytes(*sharded, "device region optim.exp_avg_sq");
+  EXPECT_GT(tp_dev, 0u);
+  EXPECT_LT(tp_dev, plan_bytes(*one, "device region optim.exp_avg_sq")) << "a shard of the same modules";
+  EXPECT_NE(sharded->to_string().find("(modules 2..4; modules 0..1 on the device)"), std::string::npos)
+      << sharded->to_string();
+}
+
 // The host part on NVMe: its [master | m | v] streams through the ring in sub-groups (and its
 // gradients through NVMe shards), the device part as above; the same bits as the all-device run.
 TEST(PartialOffload, NvmeOptimizerSplitsMatchTheAllDeviceRunBitForBit) {
@@ -288,9 +338,23 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
   OffloadSettings dp_params = dp;
   dp_params.params = Tier::kHost;
   refused(dp_params, "offload_param.device");
+  // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp, interleaved
+  // stages too, and data-parallel ranks per stage at stages 0-1); not at stage 2.
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
-  refused(piped, "pipeline stages");
+  EXPECT_TRUE(piped.validate().ok()) << "one pipeline of 2 stages takes the split";
+  OffloadSettings piped_dp = piped;
+  piped_dp.dp_size = 2;
+  for (int stage : {0, 1}) {
+    piped_dp.zero_stage = stage;
+    EXPECT_TRUE(piped_dp.validate().ok()) << "pipeline stages with 2 data-parallel ranks, stage " << stage;
+  }
+  piped_dp.zero_stage = 2;
+  refused(piped_dp, "pipeline stages and 2 data-parallel ranks at zero_optimization.stage 2");
+  OffloadSettings interleaved = piped;
+  interleaved.pipeline_virtual_stages = 2;
+  interleaved.pipeline_bounds = {0, 1, 2, 3, 5};
+  EXPECT_TRUE(interleaved.validate().ok()) << "interleaved stages take the split";
   OffloadSettings dpu = partial(0.5);
   dpu.delayed_update = true;
   refused(dpu, "strata.delayed_update");

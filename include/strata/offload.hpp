@@ -81,8 +81,11 @@ struct OffloadSettings {
   // keeps the first modules (the largest prefix whose elements fit in 1 - ratio of the total):
   // their gradients land last in backward and the next forward reads them first, so they are
   // the ones the host would make the step wait for. < 1 needs optimizer = kHost or kNvme (the
-  // host part then streams through the NVMe ring), one process and no delayed update; with the
-  // parameters off the device the device's modules keep theirs resident (docs/offload.md).
+  // host part then streams through the NVMe ring) and no delayed update; with data-parallel
+  // ranks the conditions validate() names; with tensor parallelism each rank splits its shard,
+  // with a pipeline each stage its own units (the first of the stage's units, in module order;
+  // with data-parallel ranks per stage, stages 0-1 only). With the parameters off the device
+  // the device's modules keep theirs resident (docs/offload.md).
   double optimizer_ratio = 1.0;
   // Where fp32 gradients wait for an off-device optimizer between backward and the update:
   // kHost (4 bytes per parameter of host memory) or kNvme (swap shards per sub-group, streamed

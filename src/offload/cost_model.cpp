@@ -556,15 +556,17 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
                          config.model.dtype != DType::kF16 && !delayed && settings.optimizer == Tier::kHost &&
                          !any_nvme_home && !dps.active();  // sharded: one slice cannot decide a skip
-  // Partial optimizer offload: units [0, kdev) keep gradients and optimizer state on the device.
+  // Partial optimizer offload: the units of Units::device_opt (kdev of them) keep gradients and
+  // optimizer state on the device.
   // Their gradients accumulate in place (no bucket, no copy out, no host scan); after the norm
   // the compute stream scans and updates them, charged as the device optimizer's time in
   // proportion to their elements, before the next forward (stream order).
   const int kdev = settings.optimizer_ratio < 1.0 ? static_cast<int>(units.device_opt_units) : 0;
+  auto dev_opt = [&](int u) { return kdev > 0 && units.device_opt[static_cast<std::size_t>(u)] != 0; };
   std::uint64_t all_elements = 0, dev_elements = 0;
   for (int u = 0; u < M; ++u) {
     all_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
-    if (u < kdev) dev_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
+    if (dev_opt(u)) dev_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
   }
   const double dev_update = all_elements == 0
                                 ? 0.0
@@ -676,7 +678,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       if (backward && !(dps.active() && dps.stage >= 2)) {
         for (int u : units.storage[mm]) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0 || u < kdev) continue;
+          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0 || dev_opt(u)) continue;
           double d = h2d(units.gbytes[uu]);
           cur.h2d += d;
           cur.h2d_bytes += units.gbytes[uu];
@@ -707,7 +709,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       if (backward) {
         for (int u : units.storage[mm]) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (last_touch[uu] != m || units.gbytes[uu] == 0 || u < kdev) continue;
+          if (last_touch[uu] != m || units.gbytes[uu] == 0 || dev_opt(u)) continue;
           // Delayed update: the previous step's update of u must have read its gradients.
           if (delayed) host = std::max(host, updated[uu]);
           double d = d2h(units.gbytes[uu]);
@@ -798,14 +800,15 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       // The device units' scan and update, on compute after the norm (before the next forward).
       compute = std::max(compute, norm_known) + dev_update;
       cur.compute += dev_update;
-      for (int u = 0; u < kdev; ++u) updated[static_cast<std::size_t>(u)] = norm_known;
+      for (int u = 0; u < M; ++u)
+        if (dev_opt(u)) updated[static_cast<std::size_t>(u)] = norm_known;
     }
     // The update's order: forward, or backward for the delayed update (whose publish is the
     // caller's: the worker only waits for the unit's upload before rewriting its host copy).
     std::vector<int> order;
     for (int i = 0; i < M; ++i) {
       const int u = delayed ? M - 1 - i : i;
-      if (u >= kdev) order.push_back(u);
+      if (!dev_opt(u)) order.push_back(u);
     }
     auto publish = [&](int u, double at) {
       if (!delayed) publish_resident(u, at);

@@ -209,15 +209,18 @@ struct OffloadEngine::Impl {
   bool fp16 = false;  // fp16: loss scaling and skipped steps
   std::optional<LossScaler> scaler;  // fp16 only; moved by the caller once a step's norm is known
   bool opt_on_device = true;
-  // Partial optimizer offload (Units::device_opt_units): units [0, kdev) keep gradients, masters
-  // and moments in the device regions (indexed by the fp32 layout's offsets, the prefix
-  // [0, hshift)) and are updated by the device after the norm is known; the host arrays hold
-  // [hshift, grad_bytes) (host_at).
-  int kdev = 0;
+  // Partial optimizer offload (Units::device_opt): the units `dev_units` (the first of those this
+  // process holds, in module order: without a pipeline [0, k), with one the stage's first units)
+  // keep gradients, masters and moments in the device regions (indexed by the engine's fp32
+  // offsets, grad_begin, the prefix [0, hshift)) and are updated by the device after the norm is
+  // known; the host arrays hold [hshift, grad_bytes) (host_at).
+  std::vector<int> dev_units;
   bool partial = false;
   std::uint64_t hshift = 0;
-  std::vector<GradStats> dev_stats;  // per device unit: its gradient scan (compute stream)
-  bool dev_unit(int u) const { return opt_on_device || u < kdev; }
+  std::vector<GradStats> dev_stats;  // per unit (device units only): its gradient scan (compute stream)
+  // Unit u's optimizer state is one of the partial split's device units.
+  bool split_dev(int u) const { return partial && units.device_opt[static_cast<std::size_t>(u)] != 0; }
+  bool dev_unit(int u) const { return opt_on_device || split_dev(u); }
   // Partial offload with data parallelism (offload_detail::dp_partial_sharded; docs/offload.md
   // "Data parallel" under "Partial optimizer offload"): the device units' gradients stay whole in
   // offload.grads; after backward (stage 2: after every micro-batch) a compute-stream host
@@ -997,13 +1000,16 @@ Status OffloadEngine::Impl::setup() {
   bucketed = grad_sharded || (dp != nullptr && dp->size() > 1 &&
                               offload_detail::dp_stage0_bucketed(settings, dev.info().kind == DeviceKind::kCuda));
   if (bucketed) buckets = offload_detail::grad_buckets(units, settings);
-  kdev = static_cast<int>(units.device_opt_units);
-  partial = !opt_on_device && kdev > 0;
+  M = static_cast<int>(lay.modules.size());
+  partial = !opt_on_device && units.device_opt_units > 0;
+  if (partial) {
+    for (int u = 0; u < M; ++u)
+      if (units.device_opt[static_cast<std::size_t>(u)]) dev_units.push_back(u);
+  }
   hshift = partial ? units.device_opt_bytes : 0;
   part_dp = partial && dp != nullptr && dp->size() > 1;
   if (part_dp) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
-  dev_stats.assign(static_cast<std::size_t>(kdev), GradStats{});
-  M = static_cast<int>(lay.modules.size());
+  dev_stats.assign(static_cast<std::size_t>(M), GradStats{});
   const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
   STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
   if (compute == nullptr) {
@@ -1124,8 +1130,9 @@ Status OffloadEngine::Impl::setup() {
       bucket_buf_owner.assign(bucket_buf.size(), -1);
       bucket_buf_freed.assign(bucket_buf.size(), 0);
     } else {
-      for (int u = 0; u < (opt_on_device ? M : kdev); ++u)
-        bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
+      for (int u = 0; u < M; ++u)
+        if (dev_unit(u))
+          bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
     }
     bucket_buf_of.assign(buckets.units.size(), -1);
   }
@@ -2396,6 +2403,16 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     }
     cv.notify_all();
   }
+  if (step > 0 && pp_tied && split_dev(tied_unit) && !part_dp) {
+    // Partial offload, the tied unit among this stage's device units: its gradient accumulated
+    // in offload.grads; summed with the other end's here, at the point where a host unit's is
+    // (the other end's may be either, the all-reduce on the caller either way), before
+    // scan_device_units reads it. The compute stream was synchronized above. With data
+    // parallelism the reduced slice is summed instead (run_micro_batches).
+    STRATA_RETURN_IF_ERROR(
+        reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(tied_unit)),
+                          units.gbytes[static_cast<std::size_t>(tied_unit)] / 4));
+  }
   return end_pass();
 }
 
@@ -2770,8 +2787,8 @@ std::vector<int> OffloadEngine::Impl::nvme_update_order(std::int64_t step) const
   std::vector<int> order;
   for (int i = 0; i < M; ++i) {
     const int u = delayed ? M - 1 - i : i;
-    // Partial offload: units [0, kdev) are the device's.
-    if (u >= kdev && units.in_stage[static_cast<std::size_t>(u)] && !unit_holds(u, step)) order.push_back(u);
+    // Partial offload: the device units are the device's.
+    if (!split_dev(u) && units.in_stage[static_cast<std::size_t>(u)] && !unit_holds(u, step)) order.push_back(u);
   }
   return order;
 }
@@ -3196,7 +3213,7 @@ void OffloadEngine::Impl::worker_main() {
       return update_units_nvme(nvme_update_order(c.step), c.opt_step, c.lr, scale, c.step);
     }
     for (int u : update_order) {
-      if (u < kdev) continue;  // partial offload: on the device
+      if (split_dev(u)) continue;  // partial offload: on the device
       if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
       if (unit_holds(u, c.step)) continue;  // a retry: done before the failure
       if (agree_per_unit()) {
@@ -3214,8 +3231,8 @@ void OffloadEngine::Impl::worker_main() {
     Status s = update_stage(c, scale);
     if (!defer_marks()) return s;
     STRATA_RETURN_IF_ERROR(agree_stages(c.step, std::move(s)));
-    for (int u = kdev; u < M; ++u) {
-      if (units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);
+    for (int u = 0; u < M; ++u) {
+      if (units.in_stage[static_cast<std::size_t>(u)] && !split_dev(u)) mark_updated(u, c.step);
     }
     return ok_status();
   };
@@ -3226,11 +3243,13 @@ void OffloadEngine::Impl::worker_main() {
     GradStats total;
     float verdict = own.ok() ? 0.0f : grid_place();
     float* flag = agree_before ? &verdict : nullptr;
+    // Partial offload: the device units' statistics are their scans on the compute stream (with
+    // data parallelism: of this rank's slices), which the caller synchronised before it pushed
+    // this command; every merge below takes them where the host units' are.
+    for (int u : dev_units) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
     if (sharded) {
       // Every rank's per-unit statistics and its failure flag (one more record), merged unit by
-      // unit in rank order. Partial offload: the device units' are their slices' scans on the
-      // compute stream, which the caller synchronised before it pushed this command.
-      for (int u = 0; u < kdev; ++u) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
+      // unit in rank order.
       static_assert(sizeof(GradStats) % 4 == 0);
       const std::size_t per = static_cast<std::size_t>(M) + 1;
       std::vector<GradStats>& mine = flagged_stats;
@@ -3267,9 +3286,7 @@ void OffloadEngine::Impl::worker_main() {
       if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
       total = *merged;
     } else {
-      // Partial offload: the device units' scans (the caller's, on compute, before kFinish).
-      for (int u = 0; u < M; ++u)
-        total.merge(u < kdev ? dev_stats[static_cast<std::size_t>(u)] : stats[static_cast<std::size_t>(u)]);
+      for (int u = 0; u < M; ++u) total.merge(stats[static_cast<std::size_t>(u)]);
     }
     if (tp_size > 1) {
       auto merged = merge_over_tp(total, *tp_norm, flag);
@@ -3306,7 +3323,7 @@ void OffloadEngine::Impl::worker_main() {
     }
     cv.notify_all();
     // The device units' update is the caller's, in compute order before the next forward.
-    for (int u = 0; u < kdev; ++u) mark_updated(u, c.step);
+    for (int u : dev_units) mark_updated(u, c.step);
     if (immediate_ok) return;
     if (!total.finite() && fp16) {
       // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
@@ -4243,7 +4260,22 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
-  if (pp_size > 1) return run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr);
+  if (pp_size > 1) {
+    STRATA_RETURN_IF_ERROR(run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr));
+    if (!part_dp || !update) return ok_status();
+    // Partial offload with data parallelism (stages 0-1; validate() refuses stage 2 with a
+    // pipeline): the device units' sums over the schedule's micro-batches, reduce-scattered once
+    // as below, after every pipeline transfer of the step (run_pipeline drained the stream).
+    STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/false));
+    if (pp_tied && split_dev(tied_unit)) {
+      // The tied unit's reduced slice summed with the other end's (the same slice of the same
+      // unit), as sum_tied_landed sums a host unit's, before scan_device_units reads it.
+      STRATA_RETURN_IF_ERROR(compute->synchronize());
+      STRATA_RETURN_IF_ERROR(
+          reduce_tied_grads(dev_slice_grads(tied_unit), slices.len[static_cast<std::size_t>(tied_unit)]));
+    }
+    return ok_status();
+  }
   // Partial offload with data parallelism: stage 2 reduces the device units' gradients of every
   // micro-batch on their own (each starts from zero, as ratio 1's buckets do); stage 1 reduces
   // their sum once, after the last micro-batch.
@@ -4542,7 +4574,7 @@ Status OffloadEngine::Impl::scan_device_units() {
     // scan_norm from the slice's first element): ratio 1's statistics of the same slices.
     return launch->run("gradient scan (device modules, this rank's slices)",
                        [this, inv_scale](const kernels::KernelContext&) -> Status {
-                         for (int u = 0; u < kdev; ++u) {
+                         for (int u : dev_units) {
                            const std::size_t uu = static_cast<std::size_t>(u);
                            STRATA_ASSIGN_OR_RETURN(
                                dev_stats[uu],
@@ -4553,16 +4585,14 @@ Status OffloadEngine::Impl::scan_device_units() {
                        });
   }
   if (launch->is_cpu()) {
-    // The same per-unit scan as the host optimizer's and the device tier's: the same bits.
-    std::vector<std::pair<float*, std::size_t>> grads;
-    for (int u = 0; u < kdev; ++u)
-      grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
-                         units.gbytes[static_cast<std::size_t>(u)] / 4);
-    const CpuOptimizer* opt = &*device_opt;
-    GradStats* out = dev_stats.data();
-    return launch->run("gradient scan (device modules)", [grads, opt, out, inv_scale](const kernels::KernelContext&) -> Status {
-      for (std::size_t i = 0; i < grads.size(); ++i) {
-        STRATA_ASSIGN_OR_RETURN(out[i], opt->scan_gradients(grads[i].first, DType::kF32, grads[i].second, inv_scale, false));
+    // The same per-unit scan as the host optimizer's (scan_norm: with tensor parallelism the
+    // replicated parameters on tp rank 0 only, as on_landed counts them): the same bits.
+    return launch->run("gradient scan (device modules)", [this, inv_scale](const kernels::KernelContext&) -> Status {
+      for (int u : dev_units) {
+        const std::size_t uu = static_cast<std::size_t>(u);
+        STRATA_ASSIGN_OR_RETURN(dev_stats[uu],
+                                scan_norm(*device_opt, u, reinterpret_cast<const char*>(dgrads) + grad_begin(u), 0,
+                                          units.gbytes[uu] / 4, inv_scale));
       }
       return ok_status();
     });
@@ -4570,7 +4600,7 @@ Status OffloadEngine::Impl::scan_device_units() {
   // cuda: one sum of squares per unit, read back in turn (not bitwise with the cpu scan).
   auto* partials = static_cast<double*>(cuda_partials.data());
   void* cs = compute->native_handle();
-  for (int u = 0; u < kdev; ++u) {
+  for (int u : dev_units) {
     const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
     double* result = partials + detail::sum_of_squares_cuda_partials(n);
     const auto* g = reinterpret_cast<const float*>(reinterpret_cast<const char*>(dgrads) + grad_begin(u));
@@ -4611,7 +4641,7 @@ Status OffloadEngine::Impl::reduce_device_units(bool accumulate) {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
         float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
         float* rs_out = rs_in + P * slices.dev_max_chunk;      // chunk
-        for (int u = 0; u < kdev; ++u) {
+        for (int u : dev_units) {
           const std::size_t uu = static_cast<std::size_t>(u);
           const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
           if (n == 0) continue;  // the same on every rank
@@ -4636,7 +4666,7 @@ Status OffloadEngine::Impl::reduce_device_units(bool accumulate) {
       });
 }
 
-// The device_update_sharded update for units [0, kdev) (the same per-parameter cuts of the slice,
+// The device_update_sharded update for the device units (the same per-parameter cuts of the slice,
 // the same kernels, so the bits of ratio 1's host update of the slice), the gradients read from
 // dev_slice_grads.
 Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t step, float scale) {
@@ -4647,7 +4677,7 @@ Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t 
         const std::uint64_t cmax = slices.dev_max_chunk;
         char* ag_in = reinterpret_cast<char*>(reinterpret_cast<float*>(dev_staging) + (P + 1) * cmax);  // chunk
         char* ag_out = ag_in + w * cmax;                                                                 // P x chunk
-        for (int u = 0; u < kdev; ++u) {
+        for (int u : dev_units) {
           const std::size_t uu = static_cast<std::size_t>(u);
           const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu];
           if (units.gbytes[uu] == 0) continue;
@@ -4679,7 +4709,7 @@ Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, fl
     };
     std::vector<P> params;
     for (const OwnedParam& o : owned) {
-      if (o.unit >= kdev) continue;
+      if (!split_dev(o.unit)) continue;
       const OptimizerBuffers b = device_buffers(o);
       params.push_back(P{b, o.decay});
     }
@@ -4695,7 +4725,7 @@ Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, fl
   }
   std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
   for (const OwnedParam& o : owned) {
-    if (o.unit >= kdev) continue;
+    if (!split_dev(o.unit)) continue;
     char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
     DeviceAdamTensor x;
     x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
@@ -4755,12 +4785,8 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
   const std::string ranks = " with tensor_parallel_size = " + std::to_string(s.tp_size);
   // Gradients on NVMe train: each rank's shard's gradients (or its dp slice of them) on its own
   // keys, scanned with scan_norm's tensor-parallel rule on the way out.
-  if (s.optimizer_ratio < 1.0) {
-    // The device units' gradient scan (on the compute stream) counts every element; the
-    // tensor-parallel norm must count replicated parameters on one rank only.
-    return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(s.optimizer_ratio) + ranks +
-                            " is not built yet: use ratio 1");
-  }
+  // Partial optimizer offload trains: the device units' scan is scan_norm too (replicated
+  // parameters on tp rank 0 only), merged with the host units' before merge_over_tp.
   if (s.delayed_update) {
     return invalid_argument("strata.delayed_update" + ranks + " is not built yet (untested): turn it off");
   }

@@ -38,11 +38,15 @@ struct Units {
   // (0 = b0 < b1 < ... < bk = n); sub-group c is [b_c, b_c+1), swap key "optim.<u>" shard c.
   std::vector<std::vector<std::uint64_t>> sub_groups;
   std::uint64_t param_out_bytes = 0;  // NVMe optimizer: one updated-parameter staging buffer
-  // Partial optimizer offload (optimizer_ratio < 1): modules [0, device_opt_units) keep their
-  // gradients and optimizer state on the device, which is the fp32 layout's prefix
-  // [0, device_opt_bytes) (units are laid out in module order); the host holds the rest.
+  // Partial optimizer offload (optimizer_ratio < 1): the first device_opt_units of the units
+  // this process holds, in module order (`device_opt`: per module, 1 for those), keep their
+  // gradients and optimizer state on the device. Units are laid out in module order, so their
+  // fp32 range is the prefix [0, device_opt_bytes) of the engine's fp32 arrays (grad_offset); the
+  // host holds the rest. Without a pipeline they are modules [0, device_opt_units); with one, the
+  // first of the stage's units (GPT-2's last stage: the tied embedding unit first, then its own).
   std::uint32_t device_opt_units = 0;
   std::uint64_t device_opt_bytes = 0;
+  std::vector<char> device_opt;
   // Pipeline parallel: the units this stage holds (every unit without a pipeline); the others
   // have no bytes, no home beyond the device and no sub-groups. The engine's fp32 arrays
   // (device gradients and optimizer state, host gradients and optimizer state) hold only the
@@ -194,26 +198,28 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
   u.grad_offset.assign(M, 0);
   const bool whole = settings.pipeline_bounds.size() < 2;
   u.grad_bytes = whole ? layout.grad_bytes : 0;
-  // Partial optimizer offload: the largest prefix of modules whose elements fit in (1 - ratio)
-  // of all elements keeps its optimizer state on the device (device_opt_units below). Their
-  // working parameters are resident whatever `params` says: the device's update writes them in
-  // place, and they cost a fraction of the optimizer state the device holds for them anyway
-  // (2 or 4 bytes per element beside 12 to 16).
+  // Partial optimizer offload: the largest prefix of the units this process holds (in module
+  // order) whose elements fit in (1 - ratio) of their elements keeps its optimizer state on the
+  // device (device_opt below; with a pipeline each stage splits its own units by this rule).
+  // Their working parameters are resident whatever `params` says: the device's update writes
+  // them in place, and they cost a fraction of the optimizer state the device holds for them
+  // anyway (2 or 4 bytes per element beside 12 to 16).
+  u.device_opt.assign(M, 0);
   std::size_t kdev = 0;
-  std::uint64_t kdev_bytes = 0;
   if (settings.optimizer != Tier::kDevice && settings.optimizer_ratio < 1.0) {
     std::uint64_t total = 0, acc = 0;
     for (std::size_t m = 0; m < M; ++m) {
       if (u.in_stage[m]) total += (layout.modules[m].grad_end - layout.modules[m].grad_begin) / 4;
     }
     const double budget = (1.0 - settings.optimizer_ratio) * static_cast<double>(total);
-    while (kdev < M && u.in_stage[kdev]) {
-      const std::uint64_t e = (layout.modules[kdev].grad_end - layout.modules[kdev].grad_begin) / 4;
+    for (std::size_t m = 0; m < M; ++m) {
+      if (!u.in_stage[m]) continue;
+      const std::uint64_t e = (layout.modules[m].grad_end - layout.modules[m].grad_begin) / 4;
       if (static_cast<double>(acc + e) > budget) break;
       acc += e;
+      u.device_opt[m] = 1;
       ++kdev;
     }
-    kdev_bytes = kdev == 0 ? 0 : kdev == M ? layout.grad_bytes : layout.modules[kdev].grad_begin;
   }
   std::uint64_t max_grad = 0;
   for (std::size_t m = 0; m < M; ++m) {
@@ -232,7 +238,7 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     }
     max_grad = std::max(max_grad, u.gbytes[m]);
     const auto elements = static_cast<std::int64_t>(u.gbytes[m] / 4);
-    u.home[m] = elements <= settings.persistence_threshold || m < kdev ? Tier::kDevice : settings.params;
+    u.home[m] = elements <= settings.persistence_threshold || u.device_opt[m] ? Tier::kDevice : settings.params;
     if (u.home[m] == Tier::kDevice && slice_params && elements > settings.persistence_threshold) {
       // Stage 3 in device memory: this rank's slice at home, the whole unit only in a slot.
       u.sliced[m] = 1;
@@ -278,8 +284,15 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     u.grad_slots = most + 1;
     u.grad_slot_bytes = align_up(std::max<std::uint64_t>(max_grad, 4), 4096);
   }
+  // The device units' fp32 range: the prefix of the layout up to the first unit held on the host.
   u.device_opt_units = static_cast<std::uint32_t>(kdev);
-  u.device_opt_bytes = kdev_bytes;
+  u.device_opt_bytes = kdev == 0 ? 0 : u.grad_bytes;
+  for (std::size_t m = 0; m < M && kdev > 0; ++m) {
+    if (u.in_stage[m] && !u.device_opt[m]) {
+      u.device_opt_bytes = u.grad_offset[m];
+      break;
+    }
+  }
   if (settings.optimizer == Tier::kNvme) {
     u.ring_buffers = static_cast<std::uint32_t>(std::max(3, settings.nvme_buffer_count));
     std::uint64_t most = 0;
@@ -309,6 +322,27 @@ inline Units describe_units(const ModelLayout& layout, const OffloadSettings& se
     u.param_out_bytes = align_up(std::max<std::uint64_t>(u.param_out_bytes, 1), 4096);
   }
   return u;
+}
+
+// Partial optimizer offload, for the plan's lines: the modules this process holds whose optimizer
+// state is on the device (`device`) or on the host, as "modules a..b" runs in module order
+// ("modules 0..1" without a pipeline; "modules 0, 4..5" on GPT-2's last stage, the tied
+// embedding unit first).
+inline std::string split_modules(const Units& u, bool device) {
+  std::string out;
+  const std::size_t M = u.device_opt.size();
+  for (std::size_t m = 0; m < M;) {
+    const auto taken = [&](std::size_t k) { return u.in_stage[k] && (u.device_opt[k] != 0) == device; };
+    if (!taken(m)) {
+      ++m;
+      continue;
+    }
+    std::size_t e = m;
+    while (e + 1 < M && taken(e + 1)) ++e;
+    out += (out.empty() ? "" : ", ") + std::to_string(m) + ".." + std::to_string(e);
+    m = e + 1;
+  }
+  return out.empty() ? "no modules" : "modules " + out;
 }
 
 // Stages 1-3 with the optimizer on the device and more than one data-parallel rank
@@ -341,7 +375,8 @@ inline bool dp_partial_sharded(const Units& u, const OffloadSettings& s) {
 // offload.grad_slices): rank 0's slices of the device units (the largest; DpSlices::dev_elements).
 inline std::uint64_t partial_dp_state_bytes(const Units& u, const OffloadSettings& s) {
   std::uint64_t n = 0;
-  for (std::size_t m = 0; m < u.device_opt_units; ++m) n += dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).len;
+  for (std::size_t m = 0; m < u.device_opt.size(); ++m)
+    if (u.device_opt[m]) n += dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).len;
   return std::max<std::uint64_t>(4 * n, kParamAlignment);
 }
 
@@ -351,7 +386,8 @@ inline std::uint64_t partial_dp_state_bytes(const Units& u, const OffloadSetting
 inline std::uint64_t partial_dp_staging_bytes(const Units& u, const OffloadSettings& s, std::uint64_t w) {
   const std::uint64_t P = static_cast<std::uint64_t>(s.dp_size);
   std::uint64_t c = 0;  // DpSlices::dev_max_chunk
-  for (std::size_t m = 0; m < u.device_opt_units; ++m) c = std::max(c, dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).chunk);
+  for (std::size_t m = 0; m < u.device_opt.size(); ++m)
+    if (u.device_opt[m]) c = std::max(c, dp_slice_of(u.gbytes[m] / 4, s.dp_size, 0).chunk);
   return std::max<std::uint64_t>((4 + w) * (P + 1) * c, kParamAlignment);
 }
 
@@ -574,13 +610,12 @@ inline DpSlices dp_slices(const Units& u, int size, int rank) {
   DpSlices d;
   d.size = size;
   d.rank = rank;
-  const std::size_t k = u.device_opt_units;
   for (std::size_t m = 0; m < u.gbytes.size(); ++m) {
     const DpSlice s = dp_slice_of(u.gbytes[m] / 4, size, rank);
     d.chunk.push_back(s.chunk);
     d.begin.push_back(s.begin);
     d.len.push_back(s.len);
-    if (m < k) {
+    if (m < u.device_opt.size() && u.device_opt[m]) {
       d.offset.push_back(d.dev_elements);
       d.dev_elements += s.len;
       d.dev_max_chunk = std::max(d.dev_max_chunk, s.chunk);

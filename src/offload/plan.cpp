@@ -123,9 +123,18 @@ Status OffloadSettings::validate() const {
   if (pipeline_bounds.size() > 2) {
     const std::string stages =
         " with " + std::to_string(offload_detail::pipeline_stage_count(*this)) + " pipeline stages";
-    if (optimizer_ratio < 1.0) {
-      return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) +
-                              stages + " is not built yet: use ratio 1");
+    if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
+      // Built: each stage splits its own units, interleaved stages the units of all their
+      // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel");
+      // with data-parallel ranks per stage at stages 0-1 (the device units reduced once after
+      // the schedule). Not at stage 2: it reduces every micro-batch, and a device unit's
+      // reduce-scatter would have to follow its last backward of each micro-batch inside the
+      // schedule, interleaved with other micro-batches' forwards.
+      const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) + stages;
+      if (dp_size > 1 && zero_stage >= 2) {
+        return invalid_argument(key + " and " + std::to_string(dp_size) + " data-parallel ranks at zero_optimization.stage " +
+                                std::to_string(zero_stage) + " is not built yet: use stage 1, or ratio 1");
+      }
     }
     if (delayed_update) {
       return invalid_argument("strata.delayed_update" + stages + " is not built yet: turn it off");
@@ -229,7 +238,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
                                     : std::string();
     const std::string modules =
         partial_dp && (kind == StateKind::kOptimizer || r.name == "offload.grads" || r.name == "offload.grad_slices")
-            ? " (modules 0.." + std::to_string(units.device_opt_units - 1) + ")"
+            ? " (" + offload_detail::split_modules(units, true) + ")"
             : std::string();
     line("device region " + r.name + of + modules, Tier::kDevice, kind,
          r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
@@ -318,11 +327,12 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const bool pin = settings.pin_memory;
   const bool sharded = offload_detail::dp_sharded(settings);
   // Partial optimizer offload: which modules' state each side holds.
+  // With a pipeline, of the stage's units (GPT-2's last stage: the tied embedding unit first).
   const std::string host_part =
       units.device_opt_units == 0
           ? std::string()
-          : " (modules " + std::to_string(units.device_opt_units) + ".." + std::to_string(units.home.size() - 1) +
-                "; modules 0.." + std::to_string(units.device_opt_units - 1) + " on the device)";
+          : " (" + offload_detail::split_modules(units, false) + "; " + offload_detail::split_modules(units, true) +
+                " on the device)";
   if (sharded) {
     // Rank 0 holds the largest slices: its bytes bound every rank's.
     const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
@@ -574,7 +584,7 @@ OffloadSettings placement_settings(const OffloadSettings& settings) {
   if (s.optimizer == Tier::kDevice) s.delayed_update = false;
   if (s.optimizer == Tier::kDevice || s.delayed_update) {
     s.optimizer_ratio = 1.0;
-  } else if (s.optimizer_ratio < 1.0 && s.dp_size > 1 && !s.validate().ok()) {
+  } else if (s.optimizer_ratio < 1.0 && (s.dp_size > 1 || s.pipeline_bounds.size() > 2) && !s.validate().ok()) {
     s.optimizer_ratio = 1.0;
   }
   return s;

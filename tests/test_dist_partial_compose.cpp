@@ -1,0 +1,375 @@
+// Partial optimizer offload (zero_optimization.offload_optimizer.ratio < 1) with tensor and
+// pipeline parallelism, on real processes: run by tests/mpi_run.sh under `mpirun -np N`
+// (tests/CMakeLists.txt: the PartialNp2 cases on 2 ranks, tp 2 or pp 2; the PartialNp4 cases on 4
+// ranks, tp 2 x dp 2 and tp 2 x pp 2). docs/offload.md "Partial optimizer offload".
+//
+// What is compared, and how exactly: each case trains the same batch twice on the same ranks and
+// groups, once at ratio 1 (every unit's optimizer state on the host) and once with the first of
+// each rank's units on the device. The split changes where a unit's gradients wait and where it
+// is scanned and updated, not the arithmetic: the device units accumulate their micro-batches in
+// the order the host buckets do, are scanned with the same per-unit call (scan_norm: with tensor
+// parallelism the replicated parameters on tp rank 0 only, as the host scan counts them), the
+// statistics are merged unit by unit in the same order (over dp, the stages, then the tp ranks),
+// and the device update runs the same Adam kernels on the same elements. GPT-2's tied embedding
+// is summed between the first and the last stage from wherever it waits on each end. So losses,
+// norms, loss scales, every held parameter's working copy, master and moments are compared bit for
+// bit (testing::expect_same), no tolerance; the split is checked to have happened (device modules
+// on every rank that the case says, the plan's device state regions).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "comm_environment.hpp"
+#include "dist_compare.hpp"
+#include "offload/internal.hpp"
+#include "offload_fixture.hpp"
+#include "strata/parallel.hpp"
+
+namespace strata {
+namespace {
+
+using testing::capture_stage;
+using testing::Snapshot;
+using testing::world;
+
+// Steps [0, steps) of `global`'s batches, this data-parallel rank's share (global micro-batches
+// dp, dp + DP, ...); losses, norms, loss scales and skips recorded.
+bool run_steps_of_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,
+                        Snapshot& out) {
+  std::vector<std::int32_t> in, tg;
+  for (int step = 0; step < steps; ++step) {
+    testing::share_of(global, step, dp, DP, in, tg);
+    auto m = engine.step(in, tg);
+    EXPECT_TRUE(m.ok()) << m.status().to_string();
+    if (!m.ok()) return false;
+    out.losses.push_back(m->loss);
+    out.norms.push_back(m->grad_norm);
+    out.scales.push_back(m->loss_scale);
+    out.skipped.push_back(m->skipped ? 1 : 0);
+  }
+  return true;
+}
+
+struct Groups {
+  Comm* dp = nullptr;
+  Comm* tp = nullptr;
+  Comm* pp = nullptr;
+  int dp_rank = 0, dp_size = 1;
+};
+
+// What a trained engine held: its state, the modules whose optimizer state its plan put on the
+// device (Units::device_opt), the plan's bytes of exp_avg on the device (optim.exp_avg) and on the
+// host ("Adam exp_avg" lines), the plan's device bytes and the device arena's bytes once created.
+struct Trained {
+  Snapshot snap;
+  std::vector<int> device_modules;
+  std::uint64_t exp_avg_device_bytes = 0, exp_avg_host_bytes = 0;
+  std::uint64_t nvme_state_bytes = 0;  // the NVMe optimizer's [master | m | v] line
+  std::uint64_t plan_device_bytes = 0, arena_bytes = 0;
+};
+
+Trained train(const TrainerConfig& global, const OffloadSettings& s, const Groups& g, int steps) {
+  Trained out;
+  TrainerConfig local = global;
+  local.grad_accum = global.grad_accum / g.dp_size;
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(local, s, *device, nullptr, g.dp, g.tp, g.pp);
+  EXPECT_TRUE(engine.ok()) << engine.status().to_string();
+  if (!engine.ok()) return out;
+  out.arena_bytes = device->memory().stats().live_bytes;
+  out.plan_device_bytes = (*engine)->plan().device_bytes;
+  if (!run_steps_of_share(**engine, global, g.dp_rank, g.dp_size, steps, out.snap)) return out;
+  std::vector<int> held;
+  EXPECT_TRUE(capture_stage(**engine, out.snap, held));
+  // The engine's own split, as its plan names it: the settings it runs with (dp, tp, stage).
+  const OffloadSettings& run = (*engine)->settings();
+  auto layout = describe_model(local.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
+  EXPECT_TRUE(layout.ok());
+  if (layout.ok()) {
+    const offload_detail::Units units = offload_detail::describe_units(*layout, run, g.dp_rank);
+    for (std::size_t m = 0; m < units.device_opt.size(); ++m)
+      if (units.device_opt[m]) out.device_modules.push_back(static_cast<int>(m));
+    EXPECT_EQ(out.device_modules.size(), units.device_opt_units);
+  }
+  for (const PlanLine& l : (*engine)->plan().lines) {
+    if (l.what.rfind("device region optim.exp_avg ", 0) == 0 || l.what == "device region optim.exp_avg")
+      out.exp_avg_device_bytes += l.bytes;
+    if (l.what.rfind("Adam exp_avg ", 0) == 0 || l.what == "Adam exp_avg") out.exp_avg_host_bytes += l.bytes;
+    if (l.what.rfind("fp32 master + exp_avg + exp_avg_sq", 0) == 0 && l.tier == Tier::kNvme)
+      out.nvme_state_bytes += l.bytes;
+  }
+  return out;
+}
+
+std::string modules_text(const std::vector<int>& m) {
+  std::string s;
+  for (int x : m) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return "{" + s + "}";
+}
+
+// Ratio `ratio` against ratio 1 on the same groups, bit for bit. Returns the split's device
+// modules on this rank (empty when the case failed before training).
+std::vector<int> check(const std::string& what, const TrainerConfig& global, OffloadSettings s, double ratio,
+                       const Groups& g) {
+  constexpr int kSteps = 3;
+  s.optimizer_ratio = 1.0;
+  const Trained ref = train(global, s, g, kSteps);
+  s.optimizer_ratio = ratio;
+  const Trained got = train(global, s, g, kSteps);
+  EXPECT_TRUE(ref.device_modules.empty()) << what;
+  EXPECT_EQ(ref.exp_avg_device_bytes, 0u) << what << ": ratio 1 keeps no optimizer state on the device";
+  std::printf("%s: rank %d keeps modules %s on the device\n", what.c_str(), world().rank(),
+              modules_text(got.device_modules).c_str());
+  if (!got.device_modules.empty()) {
+    EXPECT_GT(got.exp_avg_device_bytes, 0u) << what << ": the device modules' moments in device memory";
+  }
+  if (g.dp_size == 1 && s.optimizer == Tier::kHost) {
+    // The plan's two sides add up to the rank's whole state (its shard of its stage's units).
+    EXPECT_EQ(got.exp_avg_device_bytes + got.exp_avg_host_bytes, ref.exp_avg_host_bytes) << what;
+  }
+  if (s.optimizer == Tier::kNvme) {
+    // [master | m | v] of the host units on NVMe, three device regions' worth on the device.
+    EXPECT_GT(ref.nvme_state_bytes, 0u) << what;
+    EXPECT_EQ(got.nvme_state_bytes + 3 * got.exp_avg_device_bytes, ref.nvme_state_bytes) << what;
+  }
+  // The engine carves what its plan says: the split's extra device bytes are the plan's (each
+  // carved block rounds up to 256 bytes; the split carves at most 6 more regions). With
+  // data-parallel ranks the plan holds rank 0's slices, the largest: other ranks carve at most.
+  const auto arena_more = static_cast<double>(got.arena_bytes) - static_cast<double>(ref.arena_bytes);
+  const auto plan_more =
+      static_cast<double>(got.plan_device_bytes) - static_cast<double>(ref.plan_device_bytes);
+  if (g.dp_rank == 0) {
+    EXPECT_NEAR(arena_more, plan_more, 6 * 256.0)
+        << what << ": device bytes beyond ratio 1's, carved vs planned";
+  } else {
+    EXPECT_LE(arena_more, plan_more + 6 * 256.0)
+        << what << ": device bytes beyond ratio 1's, carved vs planned";
+  }
+  testing::expect_same(ref.snap, got.snap, what);
+  if (!ref.snap.losses.empty())
+    EXPECT_NE(ref.snap.losses.front(), ref.snap.losses.back()) << what << ": trained";
+  return got.device_modules;
+}
+
+OffloadSettings host_optimizer() {
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;
+  return s;
+}
+
+// Every rank's device-module count, gathered (to check what a case covers on the other ranks).
+std::vector<int> counts_of_every_rank(std::size_t mine) {
+  std::vector<float> all(static_cast<std::size_t>(world().size()));
+  const float m = static_cast<float>(mine);
+  EXPECT_TRUE(world().all_gather(&m, all.data(), 1, DType::kF32).wait().ok());
+  return std::vector<int>(all.begin(), all.end());
+}
+
+// ---- tensor parallel (2 ranks: the world is the tp group) ---------------------------------------
+
+void check_tp(ModelKind kind, DType dtype, double ratio, double clip) {
+  ASSERT_EQ(world().size(), 2);
+  const TrainerConfig c = testing::tiny(kind, dtype, 2, clip);
+  Groups g;
+  g.tp = &world();
+  const std::string what = std::string(to_string(kind)) + " " + std::string(to_string(dtype)) +
+                           ", tp 2, ratio " + std::to_string(ratio) + ", clip " + std::to_string(clip);
+  const std::vector<int> dev = check(what, c, host_optimizer(), ratio, g);
+  EXPECT_FALSE(dev.empty()) << what << ": the split keeps modules on the device";
+  // Every tp rank's shard has the same shapes: the same split on both.
+  const std::vector<int> counts = counts_of_every_rank(dev.size());
+  EXPECT_EQ(counts[0], counts[1]) << what;
+}
+
+TEST(PartialNp2, TensorParallelGpt2Fp32) { check_tp(ModelKind::kGpt2, DType::kF32, 0.5, 0.5); }
+TEST(PartialNp2, TensorParallelGpt2Bf16) { check_tp(ModelKind::kGpt2, DType::kBF16, 0.5, 0.5); }
+// Every module but LLaMA's untied head on the device.
+TEST(PartialNp2, TensorParallelLlamaMostModulesOnTheDevice) {
+  check_tp(ModelKind::kLlama, DType::kF32, 0.01, 1.0);
+}
+// Clipping off: the host units update as they land, the device units after the norm.
+TEST(PartialNp2, TensorParallelUpdatedDuringBackward) { check_tp(ModelKind::kGpt2, DType::kF32, 0.5, 0.0); }
+
+// ---- pipeline (2 ranks: the world is one pipeline of 2 stages) ----------------------------------
+
+struct PipeCase {
+  ModelKind kind;
+  DType dtype;
+  double ratio;
+  Tier params = Tier::kDevice;
+  Tier optimizer = Tier::kHost;
+  PipelineSchedule schedule = PipelineSchedule::kOneFOneB;
+  int virtual_stages = 1;  // > 1: interleaved 1F1B
+};
+
+std::vector<int> check_pp(const PipeCase& k) {
+  EXPECT_EQ(world().size(), 2);
+  const TrainerConfig c = testing::tiny(k.kind, k.dtype, 2, 0.5);
+  OffloadSettings s = host_optimizer();
+  s.params = k.params;
+  s.optimizer = k.optimizer;
+  s.pipeline_schedule = k.schedule;
+  s.pipeline_virtual_stages = k.virtual_stages;
+  testing::TempDir swap("strata-partial-pp");  // each rank its own
+  if (k.params == Tier::kNvme || k.optimizer == Tier::kNvme) {
+    s.nvme_path = {swap.path().string()};
+    s.sub_group_size = 4097;
+  }
+  Groups g;
+  g.pp = &world();
+  const std::string what =
+      std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", pp 2 (" +
+      std::string(to_string(k.schedule)) +
+      (k.virtual_stages > 1 ? " interleaved, v = " + std::to_string(k.virtual_stages) : "") +
+      ", m = 2), ratio " + std::to_string(k.ratio) + ", params " + std::string(to_string(k.params)) +
+      ", optimizer " + std::string(to_string(k.optimizer));
+  return check(what, c, s, k.ratio, g);
+}
+
+// Whether this rank's device modules contain the tied embedding unit (module 0), on every rank.
+std::vector<int> tied_on_device(const std::vector<int>& dev) {
+  const bool mine = !dev.empty() && dev.front() == 0;
+  return counts_of_every_rank(mine ? 1 : 0);
+}
+
+TEST(PartialNp2, PipelineLlama) {
+  // The last stage (the last block and the head) is mostly its block: a small ratio so that its
+  // share holds it.
+  const std::vector<int> dev = check_pp({ModelKind::kLlama, DType::kF32, 0.05});
+  // Each stage splits its own units: both keep their first ones on the device.
+  const std::vector<int> counts = counts_of_every_rank(dev.size());
+  EXPECT_GT(counts[0], 0);
+  EXPECT_GT(counts[1], 0);
+  if (world().rank() == 1 && !dev.empty()) EXPECT_GT(dev.front(), 0) << "stage 1's first unit is its own";
+}
+
+// GPT-2's tied embedding: the first of both ends' units, on the device at both ends.
+TEST(PartialNp2, PipelineGpt2TiedOnTheDeviceAtBothEnds) {
+  const std::vector<int> dev = check_pp({ModelKind::kGpt2, DType::kF32, 0.5});
+  const std::vector<int> tied = tied_on_device(dev);
+  EXPECT_EQ(tied[0], 1);
+  EXPECT_EQ(tied[1], 1);
+}
+
+// A ratio whose share holds the embedding unit on one end only (the first stage, about twice the
+// last's elements): the last stage runs ratio 1's path (no device unit) and sums the tied
+// gradient from host memory, the first from device memory.
+TEST(PartialNp2, PipelineGpt2TiedOnTheDeviceAtOneEnd) {
+  const std::vector<int> dev = check_pp({ModelKind::kGpt2, DType::kF32, 0.88});
+  const std::vector<int> tied = tied_on_device(dev);
+  EXPECT_NE(tied[0], tied[1]) << "the case needs the tied unit on the device at one end only";
+}
+
+// Most modules on the device (each stage all but its last unit), GPipe.
+TEST(PartialNp2, PipelineGpt2Bf16MostModulesOnTheDeviceGpipe) {
+  const std::vector<int> dev =
+      check_pp({ModelKind::kGpt2, DType::kBF16, 0.01, Tier::kDevice, Tier::kHost, PipelineSchedule::kGpipe});
+  const std::vector<int> tied = tied_on_device(dev);
+  EXPECT_EQ(tied[0], 1);
+  EXPECT_EQ(tied[1], 1);
+}
+
+// The parameters on the host: the device modules resident, the others fetched.
+TEST(PartialNp2, PipelineGpt2Bf16ParametersOnTheHost) {
+  check_pp({ModelKind::kGpt2, DType::kBF16, 0.5, Tier::kHost, Tier::kHost});
+}
+
+// The NVMe optimizer: the host units' [master | m | v] stream through the ring in sub-groups.
+TEST(PartialNp2, PipelineGpt2NvmeOptimizer) {
+  check_pp({ModelKind::kGpt2, DType::kF32, 0.5, Tier::kDevice, Tier::kNvme});
+}
+
+// Interleaved 1F1B (2 chunks per stage, FLOP-balanced over the 5 modules, so a stage's modules are
+// not contiguous; GPT-2's last stage also holds the tied embedding): each stage splits the units
+// of all its chunks, in module order.
+TEST(PartialNp2, PipelineInterleaved) {
+  for (const auto& [kind, ratio] : {std::pair{ModelKind::kGpt2, 0.5}, std::pair{ModelKind::kLlama, 0.05}}) {
+    PipeCase k{kind, DType::kF32, ratio};
+    k.virtual_stages = 2;
+    const std::vector<int> dev = check_pp(k);
+    EXPECT_FALSE(dev.empty()) << to_string(kind);
+  }
+}
+
+// What is not built with a pipeline (data-parallel ranks per stage at stage 2) is refused by
+// validate(), naming the key: test_offload_partial.cpp.
+
+// ---- 4 ranks -------------------------------------------------------------------------------------
+
+// tp 2 x dp 2: the data-parallel split of the device units (their slices reduced, scanned with
+// scan_norm and gathered on the compute stream) on each tp rank's shard, stages 1 and 2.
+TEST(PartialNp4, TensorTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  Groups g;
+  g.dp = groups->dp.get();
+  g.tp = groups->tp.get();
+  g.dp_rank = groups->dp->rank();
+  g.dp_size = groups->dp->size();
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int stage : {1, 2}) {
+      const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, 2 * g.dp_size, 0.5);
+      OffloadSettings s = host_optimizer();
+      s.zero_stage = stage;
+      const std::string what = "gpt2 " + std::string(to_string(dtype)) + ", tp 2 x dp 2, stage " +
+                               std::to_string(stage) + ", ratio 0.5";
+      const std::vector<int> dev = check(what, global, s, 0.5, g);
+      EXPECT_FALSE(dev.empty()) << what;
+    }
+  }
+}
+
+// pp 2 x dp 2 (stages 0-1): each stage's device units reduced once after the schedule on the
+// compute stream, the tied unit's reduced slice summed between the ends; at ratio 0.88 the tied
+// unit is on the device at the first stage only (the last sums its slice from host memory).
+TEST(PartialNp4, PipelineTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  Groups g;
+  g.dp = groups->dp.get();
+  g.pp = groups->pp.get();
+  g.dp_rank = groups->dp->rank();
+  g.dp_size = groups->dp->size();
+  struct K {
+    ModelKind kind;
+    DType dtype;
+    double ratio;
+    int stage;
+  };
+  for (const K& k : {K{ModelKind::kGpt2, DType::kF32, 0.5, 1}, K{ModelKind::kGpt2, DType::kF32, 0.88, 1},
+                     K{ModelKind::kLlama, DType::kBF16, 0.05, 0}}) {
+    const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * g.dp_size, 0.5);
+    OffloadSettings s = host_optimizer();
+    s.zero_stage = k.stage;
+    const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
+                             ", pp 2 x dp 2, stage " + std::to_string(k.stage) + ", ratio " +
+                             std::to_string(k.ratio);
+    check(what, global, s, k.ratio, g);
+  }
+}
+
+// tp 2 x pp 2: each stage's tp ranks split the stage's units alike; GPT-2's tied unit on both ends.
+TEST(PartialNp4, TensorTimesPipeline) {
+  ASSERT_EQ(world().size(), 4);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  Groups g;
+  g.tp = groups->tp.get();
+  g.pp = groups->pp.get();
+  // LLaMA's last stage is mostly its last block: a small ratio so that its share holds it.
+  for (const auto& [kind, ratio] : {std::pair{ModelKind::kGpt2, 0.5}, std::pair{ModelKind::kLlama, 0.05}}) {
+    const TrainerConfig c = testing::tiny(kind, DType::kF32, 2, 0.5);
+    const std::string what =
+        std::string(to_string(kind)) + " fp32, tp 2 x pp 2, ratio " + std::to_string(ratio);
+    const std::vector<int> dev = check(what, c, host_optimizer(), ratio, g);
+    EXPECT_FALSE(dev.empty()) << what;
+  }
+}
+
+}  // namespace
+}  // namespace strata
