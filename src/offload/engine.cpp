@@ -4737,9 +4737,6 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
     return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(s.optimizer_ratio) + ranks +
                             " is not built yet: use ratio 1");
   }
-  if (s.delayed_update) {
-    return invalid_argument("strata.delayed_update" + ranks + " is not built yet (untested): turn it off");
-  }
   if (device.info().kind == DeviceKind::kCuda) {
     // The model's collectives reduce device buffers (nccl), while the norm statistics and the
     // parameter gathers reduce host buffers, which need an mpi group beside it.

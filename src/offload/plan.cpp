@@ -127,9 +127,6 @@ Status OffloadSettings::validate() const {
       return invalid_argument("zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) +
                               stages + " is not built yet: use ratio 1");
     }
-    if (delayed_update) {
-      return invalid_argument("strata.delayed_update" + stages + " is not built yet: turn it off");
-    }
   }
   if (delayed_update_warmup < 0) {
     return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +
