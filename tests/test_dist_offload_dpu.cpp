@@ -259,8 +259,9 @@ TEST(DelayedUpdateDataParallel, PlanHoldsTheNextVersion) {
 
 // ---- Tensor and pipeline parallelism ------------------------------------------------------
 
-// How a delayed run uses the world.
-enum class Split { kNone, kTensor, kPipeline };
+// How a delayed run uses the world: one process (the reference), one tensor-parallel group, one
+// pipeline, or (4 ranks) the grid tensor 2 x pipeline 2 (make_process_groups).
+enum class Split { kNone, kTensor, kPipeline, kTensorPipeline };
 
 // `steps` steps of the deterministic batches (every rank the whole batch), with a flush
 // (synchronize) after `flush_after` steps when > 0; the state this rank holds afterwards (a
@@ -272,6 +273,14 @@ Snapshot train_split(const TrainerConfig& c, const OffloadSettings& s, Split spl
   auto device = testing::make_device();
   Comm* tp = split == Split::kTensor ? &world() : nullptr;
   Comm* pp = split == Split::kPipeline ? &world() : nullptr;
+  Result<ProcessGroups> grid = failed_precondition("no grid");  // outlives the engine
+  if (split == Split::kTensorPipeline) {
+    grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+    EXPECT_TRUE(grid.ok()) << grid.status().to_string();
+    if (!grid.ok()) return out;
+    tp = grid->tp.get();
+    pp = grid->pp.get();
+  }
   auto engine = OffloadEngine::create(c, s, *device, nullptr, nullptr, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
@@ -282,7 +291,7 @@ Snapshot train_split(const TrainerConfig& c, const OffloadSettings& s, Split spl
       EXPECT_TRUE(flushed.ok()) << flushed.to_string();
     }
   }
-  if (split == Split::kPipeline) {
+  if (split == Split::kPipeline || split == Split::kTensorPipeline) {
     EXPECT_TRUE(testing::capture_stage(**engine, out, held));
   } else if (split == Split::kNone && !held.empty()) {
     EXPECT_TRUE(testing::capture_held(**engine, held, out));
@@ -322,7 +331,9 @@ void expect_ranks_identical(const Snapshot& s, const std::string& what) {
 // run learns.
 void check_split(Split split, const SplitCase& c) {
   const int P = world().size();
-  const std::string what = std::string(c.name) + (split == Split::kTensor ? ", tp " : ", pp ") + std::to_string(P);
+  const std::string what = std::string(c.name) + (split == Split::kTensor     ? ", tp " + std::to_string(P)
+                                                   : split == Split::kPipeline ? ", pp " + std::to_string(P)
+                                                                               : std::string(", tp 2 x pp 2"));
   TrainerConfig config = testing::tiny(c.kind, c.dtype, c.accum, c.clip);
   OffloadSettings s;
   s.params = c.params;
@@ -345,6 +356,10 @@ void check_split(Split split, const SplitCase& c) {
   testing::Tolerance tol;  // fp32 tensor parallel (dist_compare.hpp)
   if (split == Split::kTensor) {
     expect_ranks_identical(got, what);
+    testing::expect_close(ref, got, tol, what);
+  } else if (split == Split::kTensorPipeline) {
+    // Each stage's full (gathered) state within the tensor-parallel bounds; the pipeline adds no
+    // rounding of its own (one micro-batch).
     testing::expect_close(ref, got, tol, what);
   } else {
     testing::expect_same(ref, got, what);
@@ -420,6 +435,16 @@ TEST(DelayedUpdatePipeline, LlamaBf16ParamsOnDeviceMicroBatches) {
   ASSERT_EQ(world().size(), 2) << "run under mpirun -np 2";
   check_split(Split::kPipeline, {"llama bf16, params on the device, optimizer on host, 2 micro-batches, warm-up 0",
                                  ModelKind::kLlama, DType::kBF16, 2, 1.0, Tier::kDevice, Tier::kHost, 0});
+}
+
+// The grid tensor 2 x pipeline 2 on 4 ranks (dist.offload_dpu_grid.np4): every stage a tensor
+// group of shard engines, each rank delaying its shard of its stage's units; GPT-2 with one
+// micro-batch (the tied embedding's shard on both ends of each pipeline), against one process
+// within the tensor-parallel bounds.
+TEST(DelayedUpdateGrid, TensorTimesPipelineGpt2ParamsOnHostWarmup1) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  check_split(Split::kTensorPipeline, {"gpt2 fp32, params and optimizer on host, clip 1, warm-up 1", ModelKind::kGpt2,
+                                       DType::kF32, 1, 1.0, Tier::kHost, Tier::kHost, 1});
 }
 
 }  // namespace
