@@ -357,6 +357,11 @@ struct OffloadEngine::Impl {
   // (host_params); the caller uploads them (publish_delayed) once the device may see them: after
   // the next step's backward, or before anything else reads the parameters. pending_publish is
   // the step whose update has not been uploaded yet (0: none). Caller thread only.
+  // With tensor or pipeline parallelism every rank delays its own shard's (stage's) update alike:
+  // the norm is merged over the groups as without the delay, publish_delayed talks to no one and
+  // runs at the same point of every rank's step (after its passes, or at a flush every rank's
+  // collective call makes), and a backward waits only for this rank's own update of the previous
+  // step, which needs nothing but that step's commands, already pushed on every rank.
   bool delayed = false;
   std::int64_t pending_publish = 0;
   // The delayed update with working parameters off the device: the next step's fetches read the
