@@ -533,20 +533,20 @@ TEST(DistCliTrain, DeviceStagesWithPipelinePlanAndTrainingUnderMpirun) {
 }
 
 // Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
-// directory); what the engine cannot do yet (the delayed update with tensor parallelism) is
-// refused on every rank, naming the rank and the key.
+// directory); what the engine cannot do (fp16 with tensor parallelism: the collectives carry f32
+// and bf16) is refused on every rank, naming the rank and the dtype.
 TEST(DistCliTrain, UnsupportedPlacementIsRefusedNamingTheRank) {
   TempDir dir("strata-dist-cli");
   std::filesystem::create_directories(dir / "swap");
   auto ok = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-optimizer nvme --offload-gradients nvme " +
                         "--nvme-path " + (dir / "swap").string());
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
-  const std::string tp =
-      write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2, "delayed_update": true}})");
+  const std::string tp = write_file(dir / "tp.json",
+                                    R"({"fp16": {"enabled": true}, "strata": {"tensor_parallel_size": 2}})");
   auto r = run_command(mpirun(2) + "train " + kTiny + "--steps 2 --offload-param none --config " + tp);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("strata.delayed_update with tensor_parallel_size = 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tensor parallel runs f32 or bf16 models"), std::string::npos) << r.output;
 }
 
 // Gradients on NVMe with tensor parallelism (refused before): 2 ranks of one tensor-parallel

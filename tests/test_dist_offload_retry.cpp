@@ -28,9 +28,9 @@ namespace {
 using testing::Snapshot;
 using testing::world;
 
-// kDataTensor: the 2 x 2 grid of 4 ranks (data 2 x tensor 2, make_process_groups); the others
-// use the whole world as their one group.
-enum class Group { kData, kTensor, kPipeline, kDataTensor };
+// kDataTensor, kDataPipeline: the 2 x 2 grids of 4 ranks (data 2 x tensor 2, data 2 x pipeline
+// 2; make_process_groups); the others use the whole world as their one group.
+enum class Group { kData, kTensor, kPipeline, kDataTensor, kDataPipeline };
 
 // One case: how the world is used, the ZeRO stage, the dtype, where the working parameters and
 // the optimizer state live and (NVMe optimizer) the sub-group size, small enough that a
@@ -69,11 +69,12 @@ const char* name_of(Group g) {
     case Group::kTensor: return "tensor parallel";
     case Group::kPipeline: return "pipeline";
     case Group::kDataTensor: return "data 2 x tensor 2";
+    case Group::kDataPipeline: return "data 2 x pipeline 2";
   }
   return "?";
 }
 
-// This rank's groups for `g`: the world as the one group, or the data 2 x tensor 2 grid.
+// This rank's groups for `g`: the world as the one group, or a grid of 4 ranks.
 struct Groups {
   Comm* dp = nullptr;
   Comm* tp = nullptr;
@@ -98,9 +99,19 @@ struct Groups {
         dp_rank = grid->coord.dp;
         dp_size = grid->grid.dp();
         break;
+      case Group::kDataPipeline:
+        // rank = dp * 2 + stage: world rank 1 is data-parallel rank 0 of stage 1.
+        grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+        if (!grid.ok()) break;
+        dp = grid->dp.get();
+        pp = grid->pp.get();
+        dp_rank = grid->coord.dp;
+        dp_size = grid->grid.dp();
+        break;
     }
   }
   bool data() const { return dp != nullptr; }
+  bool pipeline() const { return pp != nullptr; }
 };
 
 // The engine of this rank for its groups, with `faults` when given.
@@ -148,12 +159,14 @@ void retry_case(const Case& which) {
   const int R = world().rank();
   const int failing = 1;  // the (world) rank whose disk fails
   const Groups groups(which.group);
-  ASSERT_TRUE(which.group != Group::kDataTensor || groups.grid.ok()) << groups.grid.status().to_string();
+  ASSERT_TRUE((which.group != Group::kDataTensor && which.group != Group::kDataPipeline) || groups.grid.ok())
+      << groups.grid.status().to_string();
   const bool data = groups.data();
   const int DP = groups.dp_size;
-  // Data parallel: the global batch of DP micro-batches, each rank its share; otherwise every rank
-  // runs the whole batch (two micro-batches: the pipeline's schedule has something to overlap).
-  const TrainerConfig global = testing::tiny(which.kind, dtype, data ? DP : 2, 1.0);
+  // Data parallel: the global batch of DP micro-batches (with a pipeline 2 DP: two per rank),
+  // each rank its share; otherwise every rank runs the whole batch (two micro-batches: the
+  // pipeline's schedule has something to overlap).
+  const TrainerConfig global = testing::tiny(which.kind, dtype, data ? DP * (groups.pipeline() ? 2 : 1) : 2, 1.0);
   TrainerConfig c = global;
   if (data) c.grad_accum = global.grad_accum / DP;
   auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
@@ -162,7 +175,7 @@ void retry_case(const Case& which) {
   };
   // This rank's state: a pipeline stage holds its own modules only.
   auto capture = [&](OffloadEngine& e, Snapshot& out) {
-    if (which.group != Group::kPipeline) return testing::capture_state(e, out);
+    if (!groups.pipeline()) return testing::capture_state(e, out);
     std::vector<int> held;
     return testing::capture_stage(e, out, held) && !held.empty();
   };
@@ -203,6 +216,13 @@ void retry_case(const Case& which) {
   if (R == failing) {
     EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
     EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
+  } else if (which.group == Group::kDataPipeline) {
+    // World rank 1 is data-parallel rank 0 of stage 1: its data-parallel peer (stage 1) learns it
+    // in the per-module agreement, stage 0 in the stages' agreement.
+    const std::string named = groups.grid->coord.pp == 1 ? "failed on data-parallel rank 0"
+                                                         : "failed on pipeline stage 1";
+    EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
+    EXPECT_NE(first.message().find(named), std::string::npos) << first.to_string();
   } else {
     // The grid: world rank 1 is data-parallel rank 0 of tensor-parallel rank 1.
     const std::string named = which.group == Group::kData         ? "failed on data-parallel rank "
@@ -225,7 +245,7 @@ void retry_case(const Case& which) {
   Status retried = e.synchronize();
   ASSERT_TRUE(retried.ok()) << "rank " << R << ": " << retried.to_string();
   const std::uint64_t retry_bytes = faults.write_bytes_started.load() - before_retry;
-  if (which.group != Group::kPipeline || R == failing) {
+  if (!groups.pipeline() || R == failing) {
     EXPECT_GT(retry_bytes, 0u) << "rank " << R;
   }
   EXPECT_LT(retry_bytes, per_step) << "rank " << R << ": the retry rewrote what had already gone through";
@@ -264,10 +284,11 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
   const int R = world().rank();
   const int failing = 1;  // the (world) rank whose gradients are bad or whose disk fails
   const Groups groups(group);
-  ASSERT_TRUE(group != Group::kDataTensor || groups.grid.ok()) << groups.grid.status().to_string();
+  ASSERT_TRUE((group != Group::kDataTensor && group != Group::kDataPipeline) || groups.grid.ok())
+      << groups.grid.status().to_string();
   const bool data = groups.data();
   const int DP = groups.dp_size;
-  const TrainerConfig global = testing::tiny(kind, DType::kF32, data ? DP : 2, 1.0);
+  const TrainerConfig global = testing::tiny(kind, DType::kF32, data ? DP * (groups.pipeline() ? 2 : 1) : 2, 1.0);
   TrainerConfig c = global;
   if (data) c.grad_accum = global.grad_accum / DP;
   auto run = [&](OffloadEngine& e, int from, int to, Snapshot& out) {
@@ -275,7 +296,7 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
                 : testing::run_steps(e, c, from, to, out);
   };
   auto capture = [&](OffloadEngine& e, Snapshot& out) {
-    if (group != Group::kPipeline) return testing::capture_state(e, out);
+    if (!groups.pipeline()) return testing::capture_state(e, out);
     std::vector<int> held;
     return testing::capture_stage(e, out, held) && !held.empty();
   };
@@ -355,10 +376,11 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
       EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
       EXPECT_NE(s.message().find(dir.path().string()), std::string::npos) << s.to_string();
     } else {
-      const std::string named = group == Group::kData       ? "data-parallel rank 1"
-                                : group == Group::kTensor   ? "tensor-parallel rank 1"
-                                : group == Group::kPipeline ? "pipeline stage 1"
-                                                            : "data-parallel rank 0, tensor-parallel rank 1";
+      const std::string named = group == Group::kData           ? "data-parallel rank 1"
+                                : group == Group::kTensor       ? "tensor-parallel rank 1"
+                                : group == Group::kPipeline     ? "pipeline stage 1"
+                                : group == Group::kDataPipeline ? "data-parallel rank 0, pipeline stage 1"
+                                                                : "data-parallel rank 0, tensor-parallel rank 1";
       EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
       EXPECT_NE(s.message().find(step_name + ": the step failed before its update on " + named), std::string::npos)
           << s.to_string();
@@ -467,6 +489,25 @@ TEST(DistOffloadRetry, PipelineWriteErrorOnOneStageIsRetriedInPlaceOnEveryStage)
   Case step_next{Group::kPipeline, 0, DType::kF32, Tier::kDevice, Tier::kNvme, 4097};
   step_next.next_is_step = true;
   retry_case(step_next);
+}
+
+// The grid of 4 ranks data 2 x pipeline 2 (dist.offload_retry_pp.np4): world rank 1
+// (data-parallel rank 0 of stage 1) fails part-way through one step's update (host optimizer,
+// stage 2 bf16, GPT-2 with its tied embedding on both stages, parameters on NVMe). The per-module
+// agreement runs over each stage's data-parallel group, then the stages agree on the step over
+// each pipeline; every rank reports, a retry while the disk fails fails on every rank, and then
+// the run continues bit for bit against the same grid without the fault. The next call is
+// synchronize(), and in the second case the next step() (every rank reports at its start, before
+// any send or receive). Then, before the update: world rank 1's NVMe gradient writes fail
+// half-way through a step's backward; its flag travels with the data-parallel statistics gather
+// and the stages' gather, so all four ranks fail the step and run it again.
+TEST(DistOffloadRetryGridPipeline, DataTimesPipelineFailureOnOneRankIsAgreedOnEveryRank) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  retry_case({Group::kDataPipeline, 2, DType::kBF16});
+  Case step_next{Group::kDataPipeline, 2, DType::kBF16};
+  step_next.next_is_step = true;
+  retry_case(step_next);
+  before_update_case(Group::kDataPipeline, Before::kGradientWrite, 2, Tier::kDevice, ModelKind::kGpt2);
 }
 
 }  // namespace

@@ -114,8 +114,10 @@ struct OffloadSettings {
   // step's host update runs while the next step's forward and backward compute with the
   // parameters from before it, so step t+1 computes its gradients at the parameters after step
   // t-1's update. Not equivalent to the ordinary run (it trades exactness for overlap). Needs the
-  // optimizer off the device; with the working parameters off it (each unit then has a second
-  // version at home, written by the update in flight), one process. strata.delayed_update.
+  // optimizer off the device; the working parameters may be off it too (each unit then has a
+  // second version at home, written by the update in flight). Composes with data, tensor and
+  // pipeline parallelism (each rank delays the update of its shard, slice or stage alike); not
+  // with optimizer_ratio < 1. strata.delayed_update.
   bool delayed_update = false;
   // The first this many steps' updates are not delayed (the next step sees them).
   // strata.delayed_update_warmup.

@@ -55,7 +55,7 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kDelayedUpdate, "delayed_update", OptionKind::kBool, "false",
      "offload: one-step delayed parameter update (ZeRO-Offload's DPU): step t's host update runs while step "
      "t+1 computes with the parameters before it; not equivalent to the ordinary step; needs the optimizer "
-     "off the device; not with tensor or pipeline parallelism"},
+     "off the device; composes with data, tensor and pipeline parallelism"},
     {Option::kDelayedUpdateWarmup, "delayed_update_warmup", OptionKind::kInt, "1",
      "offload: with delayed_update, the first this many steps' updates are seen by the next step (not "
      "delayed)"},

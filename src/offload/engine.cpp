@@ -360,6 +360,11 @@ struct OffloadEngine::Impl {
   // (host_params); the caller uploads them (publish_delayed) once the device may see them: after
   // the next step's backward, or before anything else reads the parameters. pending_publish is
   // the step whose update has not been uploaded yet (0: none). Caller thread only.
+  // With tensor or pipeline parallelism every rank delays its own shard's (stage's) update alike:
+  // the norm is merged over the groups as without the delay, publish_delayed talks to no one and
+  // runs at the same point of every rank's step (after its passes, or at a flush every rank's
+  // collective call makes), and a backward waits only for this rank's own update of the previous
+  // step, which needs nothing but that step's commands, already pushed on every rank.
   bool delayed = false;
   std::int64_t pending_publish = 0;
   // The delayed update with working parameters off the device: the next step's fetches read the
@@ -4786,10 +4791,8 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
   // Gradients on NVMe train: each rank's shard's gradients (or its dp slice of them) on its own
   // keys, scanned with scan_norm's tensor-parallel rule on the way out.
   // Partial optimizer offload trains: the device units' scan is scan_norm too (replicated
-  // parameters on tp rank 0 only), merged with the host units' before merge_over_tp.
-  if (s.delayed_update) {
-    return invalid_argument("strata.delayed_update" + ranks + " is not built yet (untested): turn it off");
-  }
+  // parameters on tp rank 0 only), merged with the host units' before merge_over_tp. The delayed
+  // update trains too (each tp rank publishes its shard's update at the same point of its step).
   if (device.info().kind == DeviceKind::kCuda) {
     // The model's collectives reduce device buffers (nccl), while the norm statistics and the
     // parameter gathers reduce host buffers, which need an mpi group beside it.

@@ -136,9 +136,6 @@ Status OffloadSettings::validate() const {
                                 std::to_string(zero_stage) + " is not built yet: use stage 1, or ratio 1");
       }
     }
-    if (delayed_update) {
-      return invalid_argument("strata.delayed_update" + stages + " is not built yet: turn it off");
-    }
   }
   if (delayed_update_warmup < 0) {
     return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +

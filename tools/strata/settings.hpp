@@ -62,7 +62,7 @@ inline constexpr FlagSpec kSettingsFlags[] = {
     {"delayed-update", "",
      "one-step delayed parameter update (strata.delayed_update): each step computes with the parameters "
      "from before the previous step's update, which overlaps it; not equivalent to the ordinary step; needs "
-     "the optimizer on cpu or nvme; not with tensor or pipeline parallelism"},
+     "the optimizer on cpu or nvme; composes with data, tensor and pipeline parallelism"},
     {"offload-activations", "",
      "activation offload (activation_checkpointing.cpu_checkpointing): keep the checkpointed block inputs in "
      "pinned host memory, fetched back ahead of backward; needs --checkpointing on; the same training, bit "
