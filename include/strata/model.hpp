@@ -271,8 +271,9 @@ class Model {
     // all-gather the normed rows, the row-parallel exits and the vocabulary-parallel embedding
     // reduce-scatter them. max_seq_len (and every batch's T) must be a multiple of t. The norms'
     // gradients are summed over the group inside backward (each rank sees only its tokens), so
-    // they stay identical on every rank. Not with activation offload or a module range (a
-    // pipeline stage's boundary tensors are the full residual stream).
+    // they stay identical on every rank. With a module range (a pipeline stage) the boundary
+    // tensors are this rank's rows too (boundary_bytes); with activation offload the ring and the
+    // host copies hold this rank's rows. Not with several module_ranges (interleaved) yet.
     bool sequence_parallel = false;
     // Pipeline parallel (docs/parallel.md "Pipeline parallel"). activation_slots sets of
     // tokens, targets, residual stream, block activations, head buffers and per-token losses, so
@@ -408,7 +409,8 @@ class Model {
   // is the selected slot. Error: no such slot, or it holds no batch.
   Status share_batch(int from);
   // The residual stream between module `module` - 1 and `module` (1 <= module < num_modules())
-  // in the selected slot: (B, T, C) in the working dtype, boundary_bytes() long. For a stage
+  // in the selected slot: (B, T, C) in the working dtype (sequence parallel: this rank's
+  // local_rows() token rows of it, (B·T/t, C)), boundary_bytes() long. For a stage
   // [b, e): receive the forward input into boundary_activation(b) before forward_module(b),
   // send boundary_activation(e) after forward_module(e - 1) has run. Null where not allocated.
   void* boundary_activation(int module) const;
@@ -417,7 +419,8 @@ class Model {
   // at the stage's output (receive it here); after backward_module(b) it holds the gradient at
   // boundary_activation(b) (send it).
   void* activation_grad() const;
-  // Bytes of one boundary tensor for the selected slot's batch (B·T·C working-dtype elements).
+  // Bytes of one boundary tensor for the selected slot's batch (local_rows()·C working-dtype
+  // elements: B·T·C, or B·T/t·C with sequence parallelism).
   std::uint64_t boundary_bytes() const;
 
   // Device bytes of activations + activation gradients + io buffers allocated at create().
