@@ -289,7 +289,7 @@ class Model {
     // [first_module, end_module) (which must then be left at their defaults): non-empty,
     // increasing, not touching. Every slot carves the activations of every range (a slot holds
     // every chunk of one micro-batch); select_range() picks the range the passes run. Not with
-    // activation offload or sequence parallelism.
+    // sequence parallelism; with activation offload only with slot_ranges.
     std::vector<std::pair<int, int>> module_ranges;
     // With module_ranges, activation slots carved per chunk (docs/parallel.md "Schedules"): one
     // entry per slot (activation_slots must equal its size), listing the ranges (indices into
@@ -306,6 +306,8 @@ class Model {
     // memory (from the device's pool, allocated at create()) on the model's own copy stream once
     // the block that reads it has run, and comes back ahead of its backward, the compute stream
     // waiting on an event. The arithmetic is that of checkpointing without offload, bit for bit.
+    // With module_ranges and slot_ranges, a slot's ranges share its ring and host copies (sized
+    // for its largest range), one range at a time.
     bool offload_activations = false;
   };
 

@@ -36,7 +36,11 @@
 // ring still holds it, and x_{i-1} .. x_{i-R+1} are fetched ahead; a fetch waits for the compute
 // stream's last use of its buffer (ring_read), the compute stream for the fetch (ring_copied).
 // At the end of each pass the compute stream waits for every copy of the slot, so synchronizing
-// the compute stream also covers the copy stream's work on the ring. With sequence parallelism
+// the compute stream also covers the copy stream's work on the ring. Interleaved (several module
+// ranges, slots carved per chunk): a slot's ranges share its ring (R for the largest range), its
+// host copies and its bookkeeping, one range at a time; residual indices of different ranges
+// never coincide, and a range's backward waits for its copies before the slot takes another
+// range. With sequence parallelism
 // the ring buffers, the host copies and every copy hold this rank's N/t rows of a residual.
 //
 // Pipeline stages with sequence parallelism: the boundary tensors are x_first-1 / x_end-1 and
@@ -437,7 +441,7 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads, const std::vecto
     const auto [b, e] = ranges[static_cast<std::size_t>(r)];
     if (alias) c.rewind(base);
     const std::int64_t lo = std::max(b - 1, 0), hi = std::min<std::int64_t>(e - 1, L);
-    if (ring > 0) {  // one range (activation offload refuses several)
+    if (ring > 0) {  // one range, or per-chunk slots whose ranges alias (one live at a time)
       std::vector<Tensor> bufs;
       for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(Nl * C, wdt));
       for (std::int64_t l = lo; l <= hi; ++l)
@@ -532,11 +536,17 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
         return invalid_argument(
             "model: Options::module_ranges with first_module / end_module set: give one or the other");
       }
-      if (options.offload_activations || options.sequence_parallel) {
+      if (options.sequence_parallel) {
         return invalid_argument(
-            "model: several module ranges (interleaved pipeline, strata.pipeline_virtual_stages > 1) with " +
-            std::string(options.offload_activations ? "activation offload" : "sequence parallelism") +
-            " are not built yet");
+            "model: several module ranges (interleaved pipeline, strata.pipeline_virtual_stages > 1) with "
+            "sequence parallelism (strata.sequence_parallel) are not built yet");
+      }
+      // Activation offload keeps one ring and one set of host copies per slot, used by one range
+      // at a time: the slots must be carved per chunk.
+      if (options.offload_activations && options.slot_ranges.empty()) {
+        return invalid_argument(
+            "model: several module ranges with activation offload need activation slots carved per chunk "
+            "(Options::slot_ranges): a slot's device ring holds one range's block inputs at a time");
       }
       int prev_end = -1;
       for (const auto& [b, e2] : options.module_ranges) {
@@ -655,9 +665,17 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   }
 
   // Activations: measure, allocate once per slot, carve; slot 0 is selected.
-  const std::int64_t resid_count = m.resid_hi() - m.resid_lo() + 1;
+  // The residual indices [lo, hi] range r reads and writes (resid_lo/hi of the range selected).
+  auto resid_count = [&](int r) -> std::int64_t {
+    const auto [b, e] = m.ranges[static_cast<std::size_t>(r)];
+    return std::min<std::int64_t>(e - 1, cfg.n_layer) - std::max(b - 1, 0) + 1;
+  };
   if (options.offload_activations) {
-    m.ring = static_cast<int>(std::min<std::int64_t>(kActivationRing, resid_count));
+    // One ring size for every range (interleaved: a slot's ranges share its ring, one at a time);
+    // a range with fewer inputs than R keeps them all in the ring.
+    std::int64_t most = 0;
+    for (std::size_t r = 0; r < m.ranges.size(); ++r) most = std::max(most, resid_count(static_cast<int>(r)));
+    m.ring = static_cast<int>(std::min<std::int64_t>(kActivationRing, most));
     // This rank's rows of a residual (all of them without sequence parallelism).
     m.host_stride = static_cast<std::uint64_t>(m.Bmax * m.Tmax / m.sp * m.C) * dtype_size(m.wdt);
     STRATA_ASSIGN_OR_RETURN(m.copy_stream, device.create_stream("model.activation_offload"));
@@ -675,9 +693,12 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     m.carve_activations(carve, options.with_grads, held);
     if (m.ring > 0) {
       if (options.with_grads) {
-        STRATA_ASSIGN_OR_RETURN(
-            m.host_block, device.pinned().allocate(static_cast<std::uint64_t>(resid_count) * m.host_stride,
-                                                   "model.activations.host"));
+        // Host copies for the slot's largest range (its ranges alias them, as their device buffers).
+        std::int64_t count = 0;
+        for (int r : held) count = std::max(count, resid_count(r));
+        STRATA_ASSIGN_OR_RETURN(m.host_block,
+                                device.pinned().allocate(static_cast<std::uint64_t>(count) * m.host_stride,
+                                                         "model.activations.host"));
       }
       m.ring_holds.assign(static_cast<std::size_t>(m.ring), -1);
       m.ring_pending.assign(static_cast<std::size_t>(m.ring), 0);

@@ -4866,11 +4866,9 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
   // run the same op list, so their per-unit reductions (issued as each unit's last micro-batch
   // backward releases it) come in the same order on every rank (docs/parallel.md "Interleaved
   // 1F1B with data parallelism").
-  if (s.offload_activations) {
-    return invalid_argument(key +
-                            " with activation offload (activation_checkpointing.cpu_checkpointing) is not "
-                            "built yet: turn one of them off");
-  }
+  // Activation offload needs nothing of its own: the model's per-chunk slots share one ring and
+  // one set of host copies per slot, used by one chunk at a time (docs/offload.md "Activation
+  // offload").
   if (s.pipeline_schedule != PipelineSchedule::kOneFOneB) {
     return invalid_argument(key + " runs interleaved 1F1B; strata.pipeline_schedule = " +
                             std::string(to_string(s.pipeline_schedule)) + " with it is not built: use 1f1b");
