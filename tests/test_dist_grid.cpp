@@ -364,6 +364,7 @@ struct SpGridCase {
   PipelineSchedule schedule;
   double clip;
   bool offload_activations;  // with checkpointing and 5 blocks (more inputs than the ring holds)
+  int virtual_stages = 1;    // > 1: interleaved 1F1B (each chunk's boundary rows, both directions)
 };
 
 void check_sp_grid(const SpGridCase& c) {
@@ -383,6 +384,7 @@ void check_sp_grid(const SpGridCase& c) {
   s.persistence_threshold = 0;
   s.pipeline_schedule = c.schedule;
   s.offload_activations = c.offload_activations;
+  s.pipeline_virtual_stages = c.virtual_stages;
   const GridRun full = run_grid_sp(*groups, config, s, true, what);
   s.sequence_parallel = true;
   const GridRun split = run_grid_sp(*groups, config, s, true, what + ", sequence parallel");
@@ -398,8 +400,13 @@ void check_sp_grid(const SpGridCase& c) {
   const std::uint64_t tensor =
       static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
       dtype_size(config.model.dtype);
-  EXPECT_EQ(full.bytes_pp, 3 * kMicro * tensor) << what << ": boundary bytes without sequence parallel";
-  EXPECT_EQ(split.bytes_pp, 3 * kMicro * tensor / 2) << what << ": boundary bytes with sequence parallel";
+  // Interleaved (v chunks): stage 0 sends v activations and v - 1 gradients per micro-batch,
+  // stage 1 v - 1 activations and v gradients.
+  const auto crossings = static_cast<std::uint64_t>(2 * c.virtual_stages - 1);
+  EXPECT_EQ(full.bytes_pp, 3 * kMicro * crossings * tensor)
+      << what << ": boundary bytes without sequence parallel";
+  EXPECT_EQ(split.bytes_pp, 3 * kMicro * crossings * tensor / 2)
+      << what << ": boundary bytes with sequence parallel";
   EXPECT_EQ(2 * split.bytes_pp, full.bytes_pp) << what;
   if (world().rank() == 0) {
     std::printf("%s: boundary bytes per rank over 3 steps %llu without sequence parallel, %llu with\n",
@@ -426,7 +433,10 @@ void check_sp_grid(const SpGridCase& c) {
   }
   if (c.kind == ModelKind::kLlama) {
     // The same tp group without a pipeline, with sequence parallelism: the same bits.
-    const GridRun tp_only = run_grid_sp(*groups, config, s, false, what + ", sequence parallel, no pipeline");
+    OffloadSettings alone = s;
+    alone.pipeline_virtual_stages = 1;
+    const GridRun tp_only =
+        run_grid_sp(*groups, config, alone, false, what + ", sequence parallel, no pipeline");
     ASSERT_FALSE(tp_only.held.empty()) << what;
     for (std::size_t i = 0; i < tp_only.held.size(); ++i) {
       const auto it = std::find(split.held.begin(), split.held.end(), tp_only.held[i]);
@@ -464,6 +474,15 @@ TEST(GridSequenceParallel, Gpt2Bf16OptimizerOnDevice) {
 TEST(GridSequenceParallel, LlamaFp32ActivationOffload) {
   check_sp_grid({"llama fp32, host optimizer, checkpointing, activation offload", ModelKind::kLlama,
                  DType::kF32, Tier::kDevice, Tier::kHost, PipelineSchedule::kOneFOneB, 0.0, true});
+}
+
+// Interleaved 1F1B (v = 2: the tiny model's 5 modules in 4 chunks, stage 0 running chunks 0 and 2):
+// every chunk's boundary carries each tp rank's rows, in both directions on both stages. LLaMA
+// also gives the bits of sequence parallelism without a pipeline (interleaving, like 1F1B,
+// accumulates every unit in micro-batch order).
+TEST(GridSequenceParallel, InterleavedLlamaHostOptimizer) {
+  check_sp_grid({"llama fp32, host optimizer, interleaved v=2", ModelKind::kLlama, DType::kF32, Tier::kDevice,
+                 Tier::kHost, PipelineSchedule::kOneFOneB, 0.0, false, 2});
 }
 
 }  // namespace

@@ -642,8 +642,8 @@ TEST(PipelineEngine, InterleavedRefusals) {
     zero.pipeline_virtual_stages = 0;
     refused(even, zero, true, {"strata.pipeline_virtual_stages = 0", "at least 1"}, "zero chunks");
   }
-  // Activation offload trains with interleaving (InterleavedActivationOffload); sequence
-  // parallelism does not yet (test_dist_tensor_parallel's SequenceParallel.UnsupportedCombinations).
+  // Activation offload trains with interleaving (InterleavedActivationOffload), and so does
+  // sequence parallelism (test_dist_grid's GridSequenceParallel.InterleavedLlama).
 }
 
 // Pipeline x data parallel against one process on the whole batch: the data-parallel sums run in

@@ -273,7 +273,7 @@ class Model {
     // gradients are summed over the group inside backward (each rank sees only its tokens), so
     // they stay identical on every rank. With a module range (a pipeline stage) the boundary
     // tensors are this rank's rows too (boundary_bytes); with activation offload the ring and the
-    // host copies hold this rank's rows. Not with several module_ranges (interleaved) yet.
+    // host copies hold this rank's rows; with several module_ranges every range's residuals too.
     bool sequence_parallel = false;
     // Pipeline parallel (docs/parallel.md "Pipeline parallel"). activation_slots sets of
     // tokens, targets, residual stream, block activations, head buffers and per-token losses, so
@@ -288,8 +288,8 @@ class Model {
     // Interleaved 1F1B (docs/parallel.md "Schedules"): several module ranges instead of
     // [first_module, end_module) (which must then be left at their defaults): non-empty,
     // increasing, not touching. Every slot carves the activations of every range (a slot holds
-    // every chunk of one micro-batch); select_range() picks the range the passes run. Not with
-    // sequence parallelism; with activation offload only with slot_ranges.
+    // every chunk of one micro-batch); select_range() picks the range the passes run. With
+    // activation offload only with slot_ranges.
     std::vector<std::pair<int, int>> module_ranges;
     // With module_ranges, activation slots carved per chunk (docs/parallel.md "Schedules"): one
     // entry per slot (activation_slots must equal its size), listing the ranges (indices into

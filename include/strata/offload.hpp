@@ -151,8 +151,8 @@ struct OffloadSettings {
   // tp_size > 1, each tensor-parallel rank keeps 1/tp_size of the token rows of the residual
   // stream and the norms (Model::Options::sequence_parallel). seq_len must be a multiple of
   // tp_size. With a pipeline each tp rank exchanges its rows of the boundary tensors with the same
-  // tp rank of the neighbour stages; with activation offload it offloads its rows. Not with
-  // interleaved 1F1B (pipeline_virtual_stages > 1) yet.
+  // tp rank of the neighbour stages (interleaved 1F1B too); with activation offload it offloads
+  // its rows.
   bool sequence_parallel = false;
   // Pipeline parallel (docs/parallel.md "Pipeline parallel"): the stages' module bounds
   // (pipeline_stages; empty: one process runs every module) and this process's stage. create()

@@ -536,11 +536,6 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
         return invalid_argument(
             "model: Options::module_ranges with first_module / end_module set: give one or the other");
       }
-      if (options.sequence_parallel) {
-        return invalid_argument(
-            "model: several module ranges (interleaved pipeline, strata.pipeline_virtual_stages > 1) with "
-            "sequence parallelism (strata.sequence_parallel) are not built yet");
-      }
       // Activation offload keeps one ring and one set of host copies per slot, used by one range
       // at a time: the slots must be carved per chunk.
       if (options.offload_activations && options.slot_ranges.empty()) {

@@ -4758,7 +4758,7 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
 }
 
 // Sequence parallelism splits a tensor-parallel group's tokens; the errors name the keys.
-Status check_sequence_parallel(const TrainerConfig& config, const OffloadSettings& s, int pp_size) {
+Status check_sequence_parallel(const TrainerConfig& config, const OffloadSettings& s) {
   if (!s.sequence_parallel) return ok_status();
   const std::string tp = "strata.tensor_parallel_size = " + std::to_string(s.tp_size);
   if (s.tp_size < 2) {
@@ -4770,15 +4770,9 @@ Status check_sequence_parallel(const TrainerConfig& config, const OffloadSetting
     return invalid_argument("strata.sequence_parallel: seq_len = " + std::to_string(config.seq_len) +
                             " is not a multiple of " + tp + " (each rank keeps 1/tensor_parallel_size of the token rows)");
   }
-  // With a pipeline each tp rank sends its rows of the boundary tensors to the same tp rank of
-  // the neighbour stage (boundary_bytes); with activation offload each rank offloads its rows.
-  if (pp_size > 1 && s.pipeline_virtual_stages > 1) {
-    return invalid_argument("strata.sequence_parallel with strata.pipeline_virtual_stages = " +
-                            std::to_string(s.pipeline_virtual_stages) +
-                            " (interleaved 1F1B) is not built yet (the model's several module ranges with "
-                            "split token rows are untested): set pipeline_virtual_stages to 1 or "
-                            "sequence_parallel false");
-  }
+  // With a pipeline (interleaved too) each tp rank sends its rows of the boundary tensors to the
+  // same tp rank of the neighbour stage (boundary_bytes); with activation offload each rank
+  // offloads its rows.
   return ok_status();
 }
 
@@ -4905,7 +4899,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
     STRATA_RETURN_IF_ERROR(check_tensor_parallel(config.model, settings.tp_size));
     STRATA_RETURN_IF_ERROR(check_tensor_parallel_placement(settings, device));
   }
-  STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings, pp_size));
+  STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings));
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
   STRATA_RETURN_IF_ERROR(check_virtual_stages(config, settings, pp_size));
