@@ -40,8 +40,8 @@
 // ranges, slots carved per chunk): a slot's ranges share its ring (R for the largest range), its
 // host copies and its bookkeeping, one range at a time; residual indices of different ranges
 // never coincide, and a range's backward waits for its copies before the slot takes another
-// range. With sequence parallelism
-// the ring buffers, the host copies and every copy hold this rank's N/t rows of a residual.
+// range. With sequence parallelism the ring buffers, the host copies and every copy hold this
+// rank's N/t rows of a residual.
 //
 // Pipeline stages with sequence parallelism: the boundary tensors are x_first-1 / x_end-1 and
 // the residual gradient, all split, so a stage sends and receives this rank's N/t rows
