@@ -163,6 +163,22 @@ struct Tolerance {
   double max = 2e-3;
 };
 
+// bf16 tensor parallelism (and sequence parallelism) against one process or another layout: each rank's
+// partial sum is rounded to 8 bits before the all-reduce rounds the sum again, and working weights
+// round the master, so rounding differences become bf16 steps of the weights and of the
+// activations, and grow over the steps. Measured on 2 ranks (test_dist_tensor_parallel, 3 steps):
+// loss 1.3e-3 relative, norm 1.6e-2, parameters rms 2.0e-3 and max 0.054, moments rms 3.2e-3 and
+// max 0.18 of their scale. The bounds hold 1.7x (moments) to 3x (parameters, loss, norm)
+// headroom; the fp32 cases are the precise check.
+inline Tolerance bf16_tensor_parallel_tolerance() {
+  Tolerance t;
+  t.loss = 5e-3;
+  t.norm = 5e-2;
+  t.rms = 6e-3;
+  t.max = 0.3;
+  return t;
+}
+
 struct Diff {
   double max = 0.0, rms = 0.0;
 };

@@ -28,6 +28,7 @@
 //   weights file is the file one process writes from that checkpoint, byte for byte.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -303,6 +304,185 @@ TEST(Grid, InterleavedGpt2AllDevice) {
 TEST(Grid, InterleavedLlamaHostOptimizer) {
   ASSERT_EQ(world().size() % 4, 0) << "runs on a multiple of 4 ranks (tp 2 x pp 2)";
   check_case({ModelKind::kLlama, Tier::kDevice, Tier::kHost, 1, PipelineSchedule::kOneFOneB, 2, false, 2});
+}
+
+// ---- Sequence parallel on the grid (docs/parallel.md "Sequence parallel with a pipeline") ----
+//
+// tp 2 x pp 2 on 4 ranks with strata.sequence_parallel: each tp rank holds its half of the token
+// rows of the residual stream and sends that half across the stage boundary to the same tp rank
+// of the neighbour stage. Checked against the same grid without sequence parallelism:
+// - the state within the tolerances of test_dist_tensor_parallel's sequence-parallel cases
+//   (fp32: dist_compare.hpp's Tolerance; bf16: bf16_tensor_parallel_tolerance()): the
+//   reduce-scatters sum the same partial products as the all-reduces, but the residual is added
+//   after the sum instead of by rank 0 before it, and the norm parameters' gradients are summed
+//   from 2 partial sums: rounding only. A boundary that carried the wrong rows, or one rank's
+//   rows to the wrong peer, would move the parameters by about the learning rate (1e-2);
+// - the boundary bytes each rank sends (OffloadStats::bytes_pp) are exactly half of the grid's
+//   without it, and exactly steps x micro-batches x B·T/2·C·(dtype size);
+// - every rank reports the same loss and norm bits, the ranks of a stage the same state, and
+//   GPT-2's two wte copies are equal;
+// - LLaMA: the pipeline computes module by module what one tp group computes, so the grid with
+//   sequence parallelism gives the bits of sequence parallelism on the same tp group without a
+//   pipeline (parameters, masters, moments, losses and norms: no dp merge here);
+// - with activation offload (checkpointing, cpu_checkpointing): each rank offloads its rows, so
+//   the run is the checkpointed sequence-parallel grid bit for bit (only where the block inputs
+//   wait changes), and each rank copies exactly half the bytes of the offloaded grid without
+//   sequence parallelism.
+
+struct GridRun {
+  Snapshot state;
+  std::vector<int> held;
+  std::uint64_t bytes_pp = 0, to_host = 0, to_device = 0;
+};
+
+// Three steps on the tp 2 x pp 2 grid (DP = 1), the state this stage holds and its counters.
+GridRun run_grid_sp(ProcessGroups& groups, const TrainerConfig& c, const OffloadSettings& s, bool pipeline,
+                    const std::string& what) {
+  GridRun r;
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(c, s, *device, nullptr, nullptr, groups.tp.get(),
+                                      pipeline ? groups.pp.get() : nullptr);
+  EXPECT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+  if (!engine.ok()) return r;
+  if (!run_share(**engine, c, 0, 1, 3, r.state)) return r;
+  EXPECT_TRUE((*engine)->synchronize().ok()) << what;
+  const OffloadStats st = (*engine)->stats();
+  r.bytes_pp = st.bytes_pp;
+  r.to_host = st.bytes_activations_to_host;
+  r.to_device = st.bytes_activations_to_device;
+  r.state.scales = std::vector<double>(r.state.losses.size(), 1.0);
+  r.state.skipped = std::vector<int>(r.state.losses.size(), 0);
+  EXPECT_TRUE(capture_stage(**engine, r.state, r.held)) << what;
+  return r;
+}
+
+struct SpGridCase {
+  const char* name;
+  ModelKind kind;
+  DType dtype;
+  Tier params, optimizer;
+  PipelineSchedule schedule;
+  double clip;
+  bool offload_activations;  // with checkpointing and 5 blocks (more inputs than the ring holds)
+  int virtual_stages = 1;    // > 1: interleaved 1F1B (each chunk's boundary rows, both directions)
+};
+
+void check_sp_grid(const SpGridCase& c) {
+  ASSERT_EQ(world().size(), 4) << "runs on 4 ranks (tp 2 x pp 2)";
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const std::string what = std::string(c.name) + ", tp 2 x pp 2";
+  constexpr std::int64_t kMicro = 2;
+  TrainerConfig config = testing::tiny(c.kind, c.dtype, kMicro, c.clip);
+  if (c.offload_activations) {
+    config.model.n_layer = 5;
+    config.model.activation_checkpointing = true;
+  }
+  OffloadSettings s;
+  s.params = c.params;
+  s.optimizer = c.optimizer;
+  s.persistence_threshold = 0;
+  s.pipeline_schedule = c.schedule;
+  s.offload_activations = c.offload_activations;
+  s.pipeline_virtual_stages = c.virtual_stages;
+  const GridRun full = run_grid_sp(*groups, config, s, true, what);
+  s.sequence_parallel = true;
+  const GridRun split = run_grid_sp(*groups, config, s, true, what + ", sequence parallel");
+  ASSERT_FALSE(split.held.empty()) << what;
+  ASSERT_EQ(split.held, full.held) << what;
+  expect_grid_consistent(split.state, split.held, groups->coord, 2, c.kind == ModelKind::kGpt2,
+                         what + ", sequence parallel");
+  const Tolerance tol = c.dtype == DType::kF32 ? Tolerance{} : testing::bf16_tensor_parallel_tolerance();
+  expect_close(full.state, split.state, tol, what + ": sequence parallel against the grid without it");
+
+  // The boundary: each rank sends its half of the rows, micro-batch by micro-batch (stage 0 the
+  // activations, stage 1 their gradients).
+  const std::uint64_t tensor =
+      static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+      dtype_size(config.model.dtype);
+  // Interleaved (v chunks): stage 0 sends v activations and v - 1 gradients per micro-batch,
+  // stage 1 v - 1 activations and v gradients.
+  const auto crossings = static_cast<std::uint64_t>(2 * c.virtual_stages - 1);
+  EXPECT_EQ(full.bytes_pp, 3 * kMicro * crossings * tensor)
+      << what << ": boundary bytes without sequence parallel";
+  EXPECT_EQ(split.bytes_pp, 3 * kMicro * crossings * tensor / 2)
+      << what << ": boundary bytes with sequence parallel";
+  EXPECT_EQ(2 * split.bytes_pp, full.bytes_pp) << what;
+  if (world().rank() == 0) {
+    std::printf("%s: boundary bytes per rank over 3 steps %llu without sequence parallel, %llu with\n",
+                what.c_str(), static_cast<unsigned long long>(full.bytes_pp),
+                static_cast<unsigned long long>(split.bytes_pp));
+  }
+
+  if (c.offload_activations) {
+    // Each rank's rows go to the host and back: half the bytes, the same copies.
+    EXPECT_EQ(2 * split.to_host, full.to_host) << what << ": activation bytes to the host";
+    EXPECT_EQ(2 * split.to_device, full.to_device) << what << ": activation bytes to the device";
+    // A stage with more block inputs than the ring holds offloads some.
+    std::vector<std::uint64_t> every(static_cast<std::size_t>(world().size()));
+    ASSERT_TRUE(world().all_gather(&split.to_host, every.data(), 2, DType::kF32).wait().ok());
+    std::uint64_t total = 0;
+    for (std::uint64_t b : every) total += b;
+    EXPECT_GT(total, 0u) << what << ": no block input travelled";
+    // The checkpointed grid with sequence parallelism, its block inputs on the device: the same bits.
+    OffloadSettings kept = s;
+    kept.offload_activations = false;
+    const GridRun on_device =
+        run_grid_sp(*groups, config, kept, true, what + ", sequence parallel, no offload");
+    testing::expect_same(on_device.state, split.state, what + ": activation offload against none");
+  }
+  if (c.kind == ModelKind::kLlama) {
+    // The same tp group without a pipeline, with sequence parallelism: the same bits.
+    OffloadSettings alone = s;
+    alone.pipeline_virtual_stages = 1;
+    const GridRun tp_only =
+        run_grid_sp(*groups, config, alone, false, what + ", sequence parallel, no pipeline");
+    ASSERT_FALSE(tp_only.held.empty()) << what;
+    for (std::size_t i = 0; i < tp_only.held.size(); ++i) {
+      const auto it = std::find(split.held.begin(), split.held.end(), tp_only.held[i]);
+      if (it == split.held.end()) continue;
+      const std::size_t k = static_cast<std::size_t>(it - split.held.begin());
+      const std::string p = what + ": parameter " + std::to_string(tp_only.held[i]) + " against no pipeline";
+      EXPECT_TRUE(testing::bitwise_equal(tp_only.state.param[i], split.state.param[k])) << p;
+      EXPECT_TRUE(testing::bitwise_equal(tp_only.state.master[i], split.state.master[k])) << p << " (master)";
+      EXPECT_TRUE(testing::bitwise_equal(tp_only.state.m[i], split.state.m[k])) << p << " (exp_avg)";
+      EXPECT_TRUE(testing::bitwise_equal(tp_only.state.v[i], split.state.v[k])) << p << " (exp_avg_sq)";
+    }
+    EXPECT_EQ(tp_only.state.losses, split.state.losses) << what << ": losses against no pipeline";
+    EXPECT_EQ(tp_only.state.norms, split.state.norms) << what << ": norms against no pipeline";
+  }
+}
+
+// GPT-2 (the tied embedding on both ends), everything on the device, 1F1B, clipping.
+TEST(GridSequenceParallel, Gpt2Fp32AllDevice) {
+  check_sp_grid({"gpt2 fp32, all on the device, 1f1b, clip 1", ModelKind::kGpt2, DType::kF32, Tier::kDevice,
+                 Tier::kDevice, PipelineSchedule::kOneFOneB, 1.0, false});
+}
+
+// LLaMA with grouped kv heads, parameters and optimizer on the host, GPipe.
+TEST(GridSequenceParallel, LlamaGroupedKvFp32HostOptimizer) {
+  check_sp_grid({"llama fp32, parameters and optimizer on the host, gpipe", ModelKind::kLlama, DType::kF32,
+                 Tier::kHost, Tier::kHost, PipelineSchedule::kGpipe, 0.0, false});
+}
+
+TEST(GridSequenceParallel, Gpt2Bf16OptimizerOnDevice) {
+  check_sp_grid({"gpt2 bf16, all on the device, 1f1b", ModelKind::kGpt2, DType::kBF16, Tier::kDevice,
+                 Tier::kDevice, PipelineSchedule::kOneFOneB, 0.0, false});
+}
+
+// Activation offload on every stage's ranks: LLaMA with checkpointing, the host optimizer.
+TEST(GridSequenceParallel, LlamaFp32ActivationOffload) {
+  check_sp_grid({"llama fp32, host optimizer, checkpointing, activation offload", ModelKind::kLlama,
+                 DType::kF32, Tier::kDevice, Tier::kHost, PipelineSchedule::kOneFOneB, 0.0, true});
+}
+
+// Interleaved 1F1B (v = 2: the tiny model's 5 modules in 4 chunks, stage 0 running chunks 0 and 2):
+// every chunk's boundary carries each tp rank's rows, in both directions on both stages. LLaMA
+// also gives the bits of sequence parallelism without a pipeline (interleaving, like 1F1B,
+// accumulates every unit in micro-batch order).
+TEST(GridSequenceParallel, InterleavedLlamaHostOptimizer) {
+  check_sp_grid({"llama fp32, host optimizer, interleaved v=2", ModelKind::kLlama, DType::kF32, Tier::kDevice,
+                 Tier::kHost, PipelineSchedule::kOneFOneB, 0.0, false, 2});
 }
 
 }  // namespace

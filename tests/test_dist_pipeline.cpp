@@ -642,14 +642,8 @@ TEST(PipelineEngine, InterleavedRefusals) {
     zero.pipeline_virtual_stages = 0;
     refused(even, zero, true, {"strata.pipeline_virtual_stages = 0", "at least 1"}, "zero chunks");
   }
-  {
-    TrainerConfig ck = even;
-    ck.model.activation_checkpointing = true;
-    OffloadSettings act = s;
-    act.offload_activations = true;
-    refused(ck, act, true, {"strata.pipeline_virtual_stages = 2", "activation offload"},
-            "activation offload");
-  }
+  // Activation offload trains with interleaving (InterleavedActivationOffload), and so does
+  // sequence parallelism (test_dist_grid's GridSequenceParallel.InterleavedLlama).
 }
 
 // Pipeline x data parallel against one process on the whole batch: the data-parallel sums run in
@@ -958,6 +952,96 @@ TEST(PipelineEngine, InterleavedWithDataParallel) {
       ASSERT_TRUE(testing::capture_held(**engine, held_inter, ref)) << what;
     }
     expect_within_rounding(ref, inter, what + ": against one process");
+  }
+}
+
+// Interleaved 1F1B with activation offload (checkpointing, cpu_checkpointing) on 2 stages, v = 2,
+// 12 blocks (14 modules in 4 chunks of 3 or 4: chunks with more block inputs than the device ring
+// holds). Each per-chunk activation slot keeps one ring, one set of pinned copies (sized for its
+// largest chunk) and one bookkeeping, used by one chunk at a time. Only where the checkpointed
+// inputs wait changes, so:
+// - against plain 1F1B with activation offload on the same 2 ranks: losses, norms and every
+//   parameter's working copy, master and moments bit for bit (per parameter through a hash from
+//   the rank holding it: the stages hold different units), as interleaved against 1F1B without
+//   offload (InterleavedWithDataParallel's argument: each unit accumulates in micro-batch order);
+// - against interleaved without offload (checkpointing only): the same bits on every rank;
+// - the traffic is exactly the ring's rule per chunk: each forward of a chunk with k > R block
+//   inputs sends its first k - R inputs out and its backward brings them back.
+TEST(PipelineEngine, InterleavedActivationOffload) {
+  ASSERT_EQ(world().size(), 2) << "runs on 2 stages (tests/CMakeLists.txt filters it elsewhere)";
+  for (ModelKind kind : {ModelKind::kLlama, ModelKind::kGpt2}) {
+    constexpr std::int64_t kMicro = 4;
+    constexpr int kSteps = 3;
+    const std::string what = std::string(to_string(kind)) + " m=4, 12 blocks, checkpointing, interleaved v=2";
+    TrainerConfig config = testing::tiny(kind, DType::kF32, kMicro, 1.0);
+    config.model.n_layer = 12;
+    config.model.activation_checkpointing = true;
+    const ModelLayout layout = *describe_model(config.model);
+    struct Run {
+      Snapshot state;
+      std::vector<int> held;
+      std::uint64_t to_host = 0, to_device = 0;
+    };
+    auto train = [&](int v, bool offload, Run& r) {
+      OffloadSettings s;
+      s.optimizer = Tier::kHost;
+      s.persistence_threshold = 0;
+      s.pipeline_virtual_stages = v;
+      s.offload_activations = offload;
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, nullptr, &world());
+      ASSERT_TRUE(engine.ok()) << what << " v=" << v << ": " << engine.status().to_string();
+      ASSERT_TRUE(testing::run_steps(**engine, config, 0, kSteps, r.state)) << what << " v=" << v;
+      ASSERT_TRUE((*engine)->synchronize().ok()) << what;
+      r.to_host = (*engine)->stats().bytes_activations_to_host;
+      r.to_device = (*engine)->stats().bytes_activations_to_device;
+      ASSERT_TRUE(capture_stage(**engine, r.state, r.held)) << what << " v=" << v;
+    };
+    Run inter, plain, kept;
+    train(2, true, inter);
+    train(1, true, plain);
+    train(2, false, kept);
+    ASSERT_FALSE(HasFatalFailure()) << what;
+    // Against plain 1F1B with offload.
+    EXPECT_NE(inter.held, plain.held) << what << ": the two schedules' stages hold the same units";
+    EXPECT_EQ(inter.state.losses, plain.state.losses) << what << ": losses, interleaved against 1F1B";
+    EXPECT_EQ(inter.state.norms, plain.state.norms) << what << ": norms, interleaved against 1F1B";
+    const auto hi = held_state_hashes(layout, inter.state, inter.held, what + " (interleaved)");
+    const auto hp = held_state_hashes(layout, plain.state, plain.held, what + " (1F1B)");
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      if (!layout.params[i].owns_storage()) continue;
+      EXPECT_NE(hi[i], 0u) << what << ": no rank holds " << layout.params[i].name;
+      EXPECT_EQ(hi[i], hp[i]) << what << ": " << layout.params[i].name << ", interleaved against 1F1B";
+    }
+    // Against interleaved without offload.
+    EXPECT_EQ(inter.held, kept.held) << what;
+    EXPECT_EQ(inter.state.losses, kept.state.losses) << what << ": losses, offload against none";
+    EXPECT_EQ(inter.state.norms, kept.state.norms) << what << ": norms, offload against none";
+    EXPECT_EQ(inter.state.param, kept.state.param) << what << ": parameters, offload against none";
+    EXPECT_EQ(inter.state.master, kept.state.master) << what << ": masters, offload against none";
+    EXPECT_EQ(inter.state.m, kept.state.m) << what << ": exp_avg, offload against none";
+    EXPECT_EQ(inter.state.v, kept.state.v) << what << ": exp_avg_sq, offload against none";
+    EXPECT_EQ(kept.to_host, 0u) << what;
+    // The traffic: per chunk of this stage with k block inputs, k - R of them out and back per
+    // micro-batch (R = the ring, min(3, the largest chunk's inputs)).
+    auto bounds = pipeline_stages(config.model, 4, config.seq_len);
+    ASSERT_TRUE(bounds.ok()) << bounds.status().to_string();
+    const auto ranges = offload_detail::stage_ranges(*bounds, 2, world().rank());
+    const std::int64_t L = config.model.n_layer;
+    std::int64_t most = 0, evicted = 0;
+    for (const auto& [b, e] : ranges)
+      most = std::max(most, std::min<std::int64_t>(e - 1, L) - std::max(b - 1, 0) + 1);
+    const std::int64_t R = std::min<std::int64_t>(Model::kActivationRing, most);
+    for (const auto& [b, e] : ranges)
+      evicted += std::max<std::int64_t>(0, std::min<std::int64_t>(e - 1, L) - std::max(b - 1, 0) + 1 - R);
+    const std::uint64_t residual =
+        static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) * 4;
+    const std::uint64_t want = static_cast<std::uint64_t>(evicted * kMicro * kSteps) * residual;
+    EXPECT_EQ(inter.to_host, want) << what << ": bytes to the host on stage " << world().rank();
+    EXPECT_EQ(inter.to_device, want) << what << ": bytes back on stage " << world().rank();
+    std::vector<std::uint64_t> every(2);
+    ASSERT_TRUE(world().all_gather(&want, every.data(), 2, DType::kF32).wait().ok());
+    EXPECT_GT(every[0] + every[1], 0u) << what << ": no chunk has more block inputs than the ring";
   }
 }
 

@@ -368,6 +368,48 @@ TEST(PipelineSchedule, InterleavedSlotsPerChunk) {
   EXPECT_FALSE(interleaved_slot_assignment(2, 0, 2, 3).ok());
 }
 
+// With sequence parallelism a stage's plan counts each boundary tensor as this tp rank's rows
+// (docs/parallel.md "Sequence parallel across pipeline stages and with activation offload"): the
+// send and receive buffers are half of tp 2 without it, and so are the activation-offload copies
+// (the pinned line: (L + 1) residuals per slot plus its 4 KiB of slack; the ring: R per slot,
+// each padded by 256 bytes).
+TEST(PipelineSchedule, SequenceParallelPlanCountsTheRanksRows) {
+  TrainerConfig config;
+  config.model = small(ModelKind::kLlama, 6);
+  config.model.activation_checkpointing = true;
+  config.micro_batch = 2;
+  config.seq_len = 16;
+  config.grad_accum = 2;
+  auto line_bytes = [&](bool sp, const std::string& prefix) -> std::uint64_t {
+    OffloadSettings settings;
+    settings.tp_size = 2;
+    settings.sequence_parallel = sp;
+    settings.offload_activations = true;
+    settings.pipeline_bounds = *pipeline_stages(config.model, 2, config.seq_len);
+    settings.pp_stage = 0;
+    auto plan = OffloadPlan::make(config, settings);
+    EXPECT_TRUE(plan.ok()) << plan.status().to_string();
+    if (!plan.ok()) return 0;
+    for (const PlanLine& line : plan->lines)
+      if (line.what.rfind(prefix, 0) == 0) return line.bytes;
+    ADD_FAILURE() << "no plan line '" << prefix << "'";
+    return 0;
+  };
+  const std::uint64_t residual = 2 * 16 * 64 * 4;  // B·T·C fp32
+  const std::uint64_t buffers = line_bytes(false, "pipeline: send and receive buffers");
+  EXPECT_GT(buffers, 0u);
+  EXPECT_EQ(2 * line_bytes(true, "pipeline: send and receive buffers"), buffers);
+  const std::uint64_t pinned = line_bytes(false, "activation offload: checkpointed block inputs");
+  const std::uint64_t pinned_sp = line_bytes(true, "activation offload: checkpointed block inputs");
+  EXPECT_EQ(2 * (pinned_sp - 4096), pinned - 4096);
+  const std::uint64_t ring = line_bytes(false, "activation offload: device ring");
+  const std::uint64_t ring_sp = line_bytes(true, "activation offload: device ring");
+  // Per slot R buffers of (rows·C + 256) bytes: the difference is slots·R half residuals.
+  const auto slots = static_cast<std::uint64_t>(pipeline_slots(PipelineSchedule::kOneFOneB, 2, 0, 2));
+  EXPECT_GT(ring_sp, 0u);
+  EXPECT_EQ(ring - ring_sp, slots * Model::kActivationRing * (residual / 2));
+}
+
 // The plan of an interleaved stage states the per-chunk slots: one line whose count is the
 // schedule's peak of live chunk forwards and whose bytes are, per slot, the largest chunk it
 // holds (activation_slot_estimate); less than slots per micro-batch holding every chunk once

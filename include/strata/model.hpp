@@ -271,8 +271,9 @@ class Model {
     // all-gather the normed rows, the row-parallel exits and the vocabulary-parallel embedding
     // reduce-scatter them. max_seq_len (and every batch's T) must be a multiple of t. The norms'
     // gradients are summed over the group inside backward (each rank sees only its tokens), so
-    // they stay identical on every rank. Not with activation offload or a module range (a
-    // pipeline stage's boundary tensors are the full residual stream).
+    // they stay identical on every rank. With a module range (a pipeline stage) the boundary
+    // tensors are this rank's rows too (boundary_bytes); with activation offload the ring and the
+    // host copies hold this rank's rows; with several module_ranges every range's residuals too.
     bool sequence_parallel = false;
     // Pipeline parallel (docs/parallel.md "Pipeline parallel"). activation_slots sets of
     // tokens, targets, residual stream, block activations, head buffers and per-token losses, so
@@ -287,8 +288,8 @@ class Model {
     // Interleaved 1F1B (docs/parallel.md "Schedules"): several module ranges instead of
     // [first_module, end_module) (which must then be left at their defaults): non-empty,
     // increasing, not touching. Every slot carves the activations of every range (a slot holds
-    // every chunk of one micro-batch); select_range() picks the range the passes run. Not with
-    // activation offload or sequence parallelism.
+    // every chunk of one micro-batch); select_range() picks the range the passes run. With
+    // activation offload only with slot_ranges.
     std::vector<std::pair<int, int>> module_ranges;
     // With module_ranges, activation slots carved per chunk (docs/parallel.md "Schedules"): one
     // entry per slot (activation_slots must equal its size), listing the ranges (indices into
@@ -305,6 +306,8 @@ class Model {
     // memory (from the device's pool, allocated at create()) on the model's own copy stream once
     // the block that reads it has run, and comes back ahead of its backward, the compute stream
     // waiting on an event. The arithmetic is that of checkpointing without offload, bit for bit.
+    // With module_ranges and slot_ranges, a slot's ranges share its ring and host copies (sized
+    // for its largest range), one range at a time.
     bool offload_activations = false;
   };
 
@@ -408,7 +411,8 @@ class Model {
   // is the selected slot. Error: no such slot, or it holds no batch.
   Status share_batch(int from);
   // The residual stream between module `module` - 1 and `module` (1 <= module < num_modules())
-  // in the selected slot: (B, T, C) in the working dtype, boundary_bytes() long. For a stage
+  // in the selected slot: (B, T, C) in the working dtype (sequence parallel: this rank's
+  // local_rows() token rows of it, (B·T/t, C)), boundary_bytes() long. For a stage
   // [b, e): receive the forward input into boundary_activation(b) before forward_module(b),
   // send boundary_activation(e) after forward_module(e - 1) has run. Null where not allocated.
   void* boundary_activation(int module) const;
@@ -417,7 +421,8 @@ class Model {
   // at the stage's output (receive it here); after backward_module(b) it holds the gradient at
   // boundary_activation(b) (send it).
   void* activation_grad() const;
-  // Bytes of one boundary tensor for the selected slot's batch (B·T·C working-dtype elements).
+  // Bytes of one boundary tensor for the selected slot's batch (local_rows()·C working-dtype
+  // elements: B·T·C, or B·T/t·C with sequence parallelism).
   std::uint64_t boundary_bytes() const;
 
   // Device bytes of activations + activation gradients + io buffers allocated at create().

@@ -155,7 +155,9 @@ struct OffloadSettings {
   // Sequence parallel (docs/parallel.md "Sequence parallel", strata.sequence_parallel): with
   // tp_size > 1, each tensor-parallel rank keeps 1/tp_size of the token rows of the residual
   // stream and the norms (Model::Options::sequence_parallel). seq_len must be a multiple of
-  // tp_size; not with a pipeline or activation offload.
+  // tp_size. With a pipeline each tp rank exchanges its rows of the boundary tensors with the same
+  // tp rank of the neighbour stages (interleaved 1F1B too); with activation offload it offloads
+  // its rows.
   bool sequence_parallel = false;
   // Pipeline parallel (docs/parallel.md "Pipeline parallel"): the stages' module bounds
   // (pipeline_stages; empty: one process runs every module) and this process's stage. create()
@@ -443,7 +445,7 @@ struct OffloadStats {
   double dp_seconds = 0.0;
   // Pipeline parallel: wall seconds of the steps' schedules on this stage, and the part of them
   // it sat waiting for a neighbour's activations or activation gradients (its bubble);
-  // bytes_pp counts the boundary tensors it sent.
+  // bytes_pp counts the boundary tensors it sent (with sequence parallelism this rank's rows).
   double pipeline_seconds = 0.0;
   double pipeline_wait_seconds = 0.0;
   std::uint64_t bytes_pp = 0;

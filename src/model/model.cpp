@@ -36,7 +36,16 @@
 // ring still holds it, and x_{i-1} .. x_{i-R+1} are fetched ahead; a fetch waits for the compute
 // stream's last use of its buffer (ring_read), the compute stream for the fetch (ring_copied).
 // At the end of each pass the compute stream waits for every copy of the slot, so synchronizing
-// the compute stream also covers the copy stream's work on the ring.
+// the compute stream also covers the copy stream's work on the ring. Interleaved (several module
+// ranges, slots carved per chunk): a slot's ranges share its ring (R for the largest range), its
+// host copies and its bookkeeping, one range at a time; residual indices of different ranges
+// never coincide, and a range's backward waits for its copies before the slot takes another
+// range. With sequence parallelism the ring buffers, the host copies and every copy hold this
+// rank's N/t rows of a residual.
+//
+// Pipeline stages with sequence parallelism: the boundary tensors are x_first-1 / x_end-1 and
+// the residual gradient, all split, so a stage sends and receives this rank's N/t rows
+// (boundary_bytes), and the neighbour stage's rank with the same tp coordinate holds the same rows.
 #include "strata/model.hpp"
 
 #include <algorithm>
@@ -214,7 +223,7 @@ struct Model::Impl : ActState {
   // Activation offload: ring buffers per slot (0: off), the copy stream, bytes moved.
   int ring = 0;
   Stream* copy_stream = nullptr;
-  std::uint64_t host_stride = 0;  // bytes of one residual index in host_block (Bmax·Tmax·C)
+  std::uint64_t host_stride = 0;  // bytes of one residual index in host_block (Bmax·Tmax/sp·C)
   Model::ActivationTraffic traffic;
 
   void select(int slot) {
@@ -432,9 +441,9 @@ void Model::Impl::carve_activations(Carver& c, bool with_grads, const std::vecto
     const auto [b, e] = ranges[static_cast<std::size_t>(r)];
     if (alias) c.rewind(base);
     const std::int64_t lo = std::max(b - 1, 0), hi = std::min<std::int64_t>(e - 1, L);
-    if (ring > 0) {  // one range (activation offload refuses several)
+    if (ring > 0) {  // one range, or per-chunk slots whose ranges alias (one live at a time)
       std::vector<Tensor> bufs;
-      for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(N * C, wdt));
+      for (int k = 0; k < ring; ++k) bufs.push_back(c.tensor(Nl * C, wdt));
       for (std::int64_t l = lo; l <= hi; ++l)
         resid[static_cast<std::size_t>(l)] = bufs[static_cast<std::size_t>(l % ring)];
     } else {
@@ -527,11 +536,12 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
         return invalid_argument(
             "model: Options::module_ranges with first_module / end_module set: give one or the other");
       }
-      if (options.offload_activations || options.sequence_parallel) {
+      // Activation offload keeps one ring and one set of host copies per slot, used by one range
+      // at a time: the slots must be carved per chunk.
+      if (options.offload_activations && options.slot_ranges.empty()) {
         return invalid_argument(
-            "model: several module ranges (interleaved pipeline, strata.pipeline_virtual_stages > 1) with " +
-            std::string(options.offload_activations ? "activation offload" : "sequence parallelism") +
-            " are not built yet");
+            "model: several module ranges with activation offload need activation slots carved per chunk "
+            "(Options::slot_ranges): a slot's device ring holds one range's block inputs at a time");
       }
       int prev_end = -1;
       for (const auto& [b, e2] : options.module_ranges) {
@@ -604,16 +614,9 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
       return invalid_argument(sp_key + ": max_seq_len (seq_len) = " + std::to_string(m.Tmax) +
                               " is not a multiple of tensor_parallel_size = " + std::to_string(tpl.size));
     }
-    if (options.offload_activations) {
-      return invalid_argument(sp_key +
-                              " with activation offload (activation_checkpointing.cpu_checkpointing) "
-                              "is not built yet: turn one of them off");
-    }
-    if (m.first != 0 || m.end != static_cast<int>(layout.modules.size())) {
-      return invalid_argument(sp_key +
-                              " on a pipeline stage (strata.pipeline_parallel_size > 1) is not built "
-                              "yet: the stage boundary carries the full residual stream");
-    }
+    // A pipeline stage (first_module / end_module) and activation offload need nothing more:
+    // the residual stream is this rank's rows everywhere, so the stage boundary tensors
+    // (boundary_activation, activation_grad) and the offloaded block inputs are too.
     m.sp = tpl.size;
   }
   const std::int64_t t = tpl.size;
@@ -657,10 +660,19 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
   }
 
   // Activations: measure, allocate once per slot, carve; slot 0 is selected.
-  const std::int64_t resid_count = m.resid_hi() - m.resid_lo() + 1;
+  // The residual indices [lo, hi] range r reads and writes (resid_lo/hi of the range selected).
+  auto resid_count = [&](int r) -> std::int64_t {
+    const auto [b, e] = m.ranges[static_cast<std::size_t>(r)];
+    return std::min<std::int64_t>(e - 1, cfg.n_layer) - std::max(b - 1, 0) + 1;
+  };
   if (options.offload_activations) {
-    m.ring = static_cast<int>(std::min<std::int64_t>(kActivationRing, resid_count));
-    m.host_stride = static_cast<std::uint64_t>(m.Bmax * m.Tmax * m.C) * dtype_size(m.wdt);
+    // One ring size for every range (interleaved: a slot's ranges share its ring, one at a time);
+    // a range with fewer inputs than R keeps them all in the ring.
+    std::int64_t most = 0;
+    for (std::size_t r = 0; r < m.ranges.size(); ++r) most = std::max(most, resid_count(static_cast<int>(r)));
+    m.ring = static_cast<int>(std::min<std::int64_t>(kActivationRing, most));
+    // This rank's rows of a residual (all of them without sequence parallelism).
+    m.host_stride = static_cast<std::uint64_t>(m.Bmax * m.Tmax / m.sp * m.C) * dtype_size(m.wdt);
     STRATA_ASSIGN_OR_RETURN(m.copy_stream, device.create_stream("model.activation_offload"));
   }
   m.parked.resize(static_cast<std::size_t>(options.activation_slots));
@@ -676,9 +688,12 @@ Result<std::unique_ptr<Model>> Model::create(ModelLayout layout, Device& device,
     m.carve_activations(carve, options.with_grads, held);
     if (m.ring > 0) {
       if (options.with_grads) {
-        STRATA_ASSIGN_OR_RETURN(
-            m.host_block, device.pinned().allocate(static_cast<std::uint64_t>(resid_count) * m.host_stride,
-                                                   "model.activations.host"));
+        // Host copies for the slot's largest range (its ranges alias them, as their device buffers).
+        std::int64_t count = 0;
+        for (int r : held) count = std::max(count, resid_count(r));
+        STRATA_ASSIGN_OR_RETURN(m.host_block,
+                                device.pinned().allocate(static_cast<std::uint64_t>(count) * m.host_stride,
+                                                         "model.activations.host"));
       }
       m.ring_holds.assign(static_cast<std::size_t>(m.ring), -1);
       m.ring_pending.assign(static_cast<std::size_t>(m.ring), 0);
@@ -867,7 +882,7 @@ void* Model::boundary_activation(int module) const {
 void* Model::activation_grad() const { return impl_->dres.data; }
 std::uint64_t Model::boundary_bytes() const {
   const Impl& m = *impl_;
-  return static_cast<std::uint64_t>(m.B * m.T * m.C) * dtype_size(m.wdt);
+  return static_cast<std::uint64_t>(m.local_rows() * m.C) * dtype_size(m.wdt);
 }
 
 Status Model::upload_param(int index, std::span<const float> values) {
@@ -1159,7 +1174,7 @@ Status Model::Impl::offload_after_forward(int m, bool for_backward) {
   if (r >= 0 && r + ring <= resid_hi()) {
     const int k = ring_of(r);
     const auto ks = static_cast<std::size_t>(k);
-    const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * C) * dtype_size(wdt);
+    const std::uint64_t bytes = static_cast<std::uint64_t>(local_rows() * C) * dtype_size(wdt);
     STRATA_RETURN_IF_ERROR(stream->record(*ring_read[ks]));
     STRATA_RETURN_IF_ERROR(copy_stream->wait(*ring_read[ks]));
     char* host =
@@ -1184,7 +1199,7 @@ Status Model::Impl::fetch_resid(std::int64_t i) {
     return internal_error("model: activation offload: residual " + std::to_string(i) +
                           " is neither in the device ring nor on the host");
   }
-  const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * C) * dtype_size(wdt);
+  const std::uint64_t bytes = static_cast<std::uint64_t>(local_rows() * C) * dtype_size(wdt);
   // The buffer's previous index: every compute use of it has run (ring_read), and the copy out
   // of it is earlier on this same stream.
   STRATA_RETURN_IF_ERROR(copy_stream->wait(*ring_read[ks]));

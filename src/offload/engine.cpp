@@ -869,6 +869,14 @@ struct OffloadEngine::Impl {
   // rescanned into landed_stats and written again.
   Status sum_tied_landed(const Command& c);
   DType wire_dtype() const { return half ? DType::kBF16 : DType::kF32; }  // 16-bit: moved as bits
+  // Bytes of one boundary tensor of a training micro-batch: the residual stream's rows this rank
+  // holds (sequence parallel: its 1/tp of them, exchanged with the same tp rank of the neighbour
+  // stage, which holds the same rows), times the width, in the working dtype.
+  std::uint64_t boundary_bytes() const {
+    const std::int64_t sp = settings.sequence_parallel ? tp_size : 1;
+    return static_cast<std::uint64_t>(config.micro_batch * config.seq_len / sp * config.model.n_embd) *
+           dtype_size(wdtype);
+  }
   // The stage whose copy of unit u counts (the lowest stage holding it: GPT-2's tied embedding
   // is the first stage's); 0 without a pipeline.
   int holder(int u) const { return pp_size > 1 ? unit_stage[static_cast<std::size_t>(u)] : 0; }
@@ -1956,8 +1964,7 @@ Status OffloadEngine::Impl::setup_pipeline() {
   }
   pp_stats.assign(static_cast<std::size_t>(M) + 1, GradStats{});  // + the failure flag (merge_stage_stats)
   pp_gathered.assign((static_cast<std::size_t>(M) + 1) * static_cast<std::size_t>(pp_size), GradStats{});
-  const std::uint64_t boundary = static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
-                                 dtype_size(wdtype);
+  const std::uint64_t boundary = boundary_bytes();
   // Interleaved: every stage sends and receives in both directions (a chunk's output goes to the
   // next stage, the last stage's to the first), one send buffer per (micro-batch, chunk).
   const bool both = chunks > 1;
@@ -2250,7 +2257,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   const int v = chunks;
   const int prev = (pp_rank + pp_size - 1) % pp_size, next = (pp_rank + 1) % pp_size;
   const DType wire = wire_dtype();
-  const std::uint64_t bytes = static_cast<std::uint64_t>(B * T * config.model.n_embd) * dtype_size(wdtype);
+  const std::uint64_t bytes = boundary_bytes();
   const std::size_t count = bytes / dtype_size(wire);
   const auto started = std::chrono::steady_clock::now();
   Comm* const comm = pp_stream.get();
@@ -4804,7 +4811,7 @@ Status check_tensor_parallel_placement(const OffloadSettings& s, Device& device)
 }
 
 // Sequence parallelism splits a tensor-parallel group's tokens; the errors name the keys.
-Status check_sequence_parallel(const TrainerConfig& config, const OffloadSettings& s, int pp_size) {
+Status check_sequence_parallel(const TrainerConfig& config, const OffloadSettings& s) {
   if (!s.sequence_parallel) return ok_status();
   const std::string tp = "strata.tensor_parallel_size = " + std::to_string(s.tp_size);
   if (s.tp_size < 2) {
@@ -4816,16 +4823,9 @@ Status check_sequence_parallel(const TrainerConfig& config, const OffloadSetting
     return invalid_argument("strata.sequence_parallel: seq_len = " + std::to_string(config.seq_len) +
                             " is not a multiple of " + tp + " (each rank keeps 1/tensor_parallel_size of the token rows)");
   }
-  if (pp_size > 1) {
-    return invalid_argument(
-        "strata.sequence_parallel with strata.pipeline_parallel_size = " + std::to_string(pp_size) +
-        " is not built yet (the stage boundary carries the full residual stream): turn one of them off");
-  }
-  if (s.offload_activations) {
-    return invalid_argument(
-        "strata.sequence_parallel with activation_checkpointing.cpu_checkpointing (--offload-activations) is not "
-        "built yet: turn one of them off");
-  }
+  // With a pipeline (interleaved too) each tp rank sends its rows of the boundary tensors to the
+  // same tp rank of the neighbour stage (boundary_bytes); with activation offload each rank
+  // offloads its rows.
   return ok_status();
 }
 
@@ -4913,11 +4913,9 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
   // run the same op list, so their per-unit reductions (issued as each unit's last micro-batch
   // backward releases it) come in the same order on every rank (docs/parallel.md "Interleaved
   // 1F1B with data parallelism").
-  if (s.offload_activations) {
-    return invalid_argument(key +
-                            " with activation offload (activation_checkpointing.cpu_checkpointing) is not "
-                            "built yet: turn one of them off");
-  }
+  // Activation offload needs nothing of its own: the model's per-chunk slots share one ring and
+  // one set of host copies per slot, used by one chunk at a time (docs/offload.md "Activation
+  // offload").
   if (s.pipeline_schedule != PipelineSchedule::kOneFOneB) {
     return invalid_argument(key + " runs interleaved 1F1B; strata.pipeline_schedule = " +
                             std::string(to_string(s.pipeline_schedule)) + " with it is not built: use 1f1b");
@@ -4954,7 +4952,7 @@ Result<std::unique_ptr<OffloadEngine>> OffloadEngine::create_with_faults(const T
     STRATA_RETURN_IF_ERROR(check_tensor_parallel(config.model, settings.tp_size));
     STRATA_RETURN_IF_ERROR(check_tensor_parallel_placement(settings, device));
   }
-  STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings, pp_size));
+  STRATA_RETURN_IF_ERROR(check_sequence_parallel(config, settings));
   settings.pipeline_bounds.clear();
   settings.pp_stage = 0;
   STRATA_RETURN_IF_ERROR(check_virtual_stages(config, settings, pp_size));

@@ -251,8 +251,11 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
         "checkpointed block inputs on the host: it needs activation checkpointing (--checkpointing on, "
         "ModelConfig::activation_checkpointing)");
   }
+  // One residual of a micro-batch as this rank holds it: with sequence parallelism its 1/tp of
+  // the token rows (the pipeline's boundary buffers and the activation-offload ring and copies).
+  const std::int64_t sp_rows = settings.sequence_parallel ? std::max(settings.tp_size, 1) : 1;
   const std::uint64_t boundary =
-      static_cast<std::uint64_t>(config.micro_batch * config.seq_len * config.model.n_embd) *
+      static_cast<std::uint64_t>(config.micro_batch * config.seq_len / sp_rows * config.model.n_embd) *
       dtype_size(config.model.dtype);
   const int pp_stages = offload_detail::pipeline_stage_count(settings);
   const int chunks = settings.pipeline_virtual_stages;
