@@ -6,6 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 
 #include "harness/harness.hpp"
 #include "strata/config.hpp"
@@ -201,16 +202,21 @@ TEST(CliPlan, RanksGiveTheDataParallelTermOfEstimate) {
   EXPECT_DOUBLE_EQ(j["machine"]["dp_collective_s"].get<double>(), 50e-6);
   TempDir dir("strata-plan-ranks");
   // strata estimate's rows with the gradient buckets of a plan row.
-  std::map<std::pair<std::int64_t, bool>, nlohmann::json> estimates;
+  // (The prefetch depth and budget too: stage 3's slots in device memory follow the depth plan
+  // tuned, which depends on the measured rates.)
+  std::map<std::tuple<std::int64_t, bool, int, std::int64_t>, nlohmann::json> estimates;
   auto estimate_for = [&](const nlohmann::json& row) -> const nlohmann::json& {
-    const std::pair<std::int64_t, bool> key{row["reduce_bucket_size"].get<std::int64_t>(),
-                                            row["overlap_comm"].get<bool>()};
+    const std::tuple<std::int64_t, bool, int, std::int64_t> key{
+        row["reduce_bucket_size"].get<std::int64_t>(), row["overlap_comm"].get<bool>(),
+        row["prefetch_modules"].get<int>(), row["prefetch_elements"].get<std::int64_t>()};
     auto it = estimates.find(key);
     if (it != estimates.end()) return it->second;
     const std::string cfg = (dir / ("buckets-" + std::to_string(estimates.size()) + ".json")).string();
     nlohmann::json c;
-    c["zero_optimization"]["reduce_bucket_size"] = key.first;
-    c["zero_optimization"]["overlap_comm"] = key.second;
+    c["zero_optimization"]["reduce_bucket_size"] = std::get<0>(key);
+    c["zero_optimization"]["overlap_comm"] = std::get<1>(key);
+    c["strata"]["offload_prefetch_modules"] = std::get<2>(key);
+    c["zero_optimization"]["stage3_prefetch_bucket_size"] = std::get<3>(key);
     testing::write_file(cfg, c.dump());
     auto e = run_cli("estimate --json --config " + cfg + " " + link + " " + kShape);
     EXPECT_EQ(e.exit_code, 0) << e.output;
@@ -222,7 +228,9 @@ TEST(CliPlan, RanksGiveTheDataParallelTermOfEstimate) {
   for (const auto& row : j["placements"]) {
     const std::string params = row["offload_param"], optimizer = row["offload_optimizer"];
     const int stage = row["zero_stage"];
-    if (optimizer != "device") EXPECT_EQ(stage, params != "device" ? 3 : 2) << row.dump();
+    if (optimizer != "device") {
+      EXPECT_EQ(stage, params != "device" ? 3 : 2) << row.dump();
+    }
     const nlohmann::json& est = estimate_for(row);
     ASSERT_TRUE(est.contains("placements")) << est.dump();
     const nlohmann::json* match = nullptr;

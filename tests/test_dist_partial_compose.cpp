@@ -148,8 +148,9 @@ std::vector<int> check(const std::string& what, const TrainerConfig& global, Off
         << what << ": device bytes beyond ratio 1's, carved vs planned";
   }
   testing::expect_same(ref.snap, got.snap, what);
-  if (!ref.snap.losses.empty())
+  if (!ref.snap.losses.empty()) {
     EXPECT_NE(ref.snap.losses.front(), ref.snap.losses.back()) << what << ": trained";
+  }
   return got.device_modules;
 }
 
@@ -243,7 +244,9 @@ TEST(PartialNp2, PipelineLlama) {
   const std::vector<int> counts = counts_of_every_rank(dev.size());
   EXPECT_GT(counts[0], 0);
   EXPECT_GT(counts[1], 0);
-  if (world().rank() == 1 && !dev.empty()) EXPECT_GT(dev.front(), 0) << "stage 1's first unit is its own";
+  if (world().rank() == 1 && !dev.empty()) {
+    EXPECT_GT(dev.front(), 0) << "stage 1's first unit is its own";
+  }
 }
 
 // GPT-2's tied embedding: the first of both ends' units, on the device at both ends.
