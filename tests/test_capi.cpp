@@ -415,6 +415,34 @@ TEST(CApi, TrainsLikeTheCppEngineWithParamsOnNvme) {
   EXPECT_GT(st.bytes_nvme_read, 0u);
 }
 
+// The NVMe optimizer's reads during backward reach the C struct (added in C API version 3):
+// with 3 pinned buffers the first 2 sub-group reads of each update are issued during backward and
+// every update takes them over.
+TEST(CApi, EarlyOptimizerReadsAreReported) {
+  DeviceHandle dev;
+  TempDir dir("strata-capi");
+  const std::string path = dir.path().string();
+  strata_engine_settings s = small_settings();
+  s.optimizer_tier = "nvme";
+  s.nvme_path = path.c_str();
+  const std::string config = R"({"zero_optimization": {"stage": 2, "sub_group_size": 4097, "offload_optimizer":
+      {"device": "nvme", "nvme_path": ")" + path + R"(", "buffer_count": 3}}})";
+  EngineHandle eng;
+  ASSERT_EQ(strata_engine_create(dev.d, &s, config.c_str(), &eng.e), STRATA_OK) << last_error();
+  std::vector<std::int32_t> in, tg;
+  constexpr int kSteps = 3;
+  for (int i = 0; i < kSteps; ++i) {
+    batch(61, 2 * 16, i, in, tg);
+    strata_step_result r{};
+    ASSERT_EQ(strata_engine_step(eng.e, in.data(), tg.data(), 2 * 16, &r), STRATA_OK) << last_error();
+  }
+  ASSERT_EQ(strata_engine_synchronize(eng.e), STRATA_OK) << last_error();
+  strata_stats st{};
+  ASSERT_EQ(strata_engine_get_stats(eng.e, &st), STRATA_OK);
+  EXPECT_EQ(st.early_optimizer_reads, 2u * kSteps);
+  EXPECT_EQ(st.early_optimizer_reads_dropped, 0u);
+}
+
 TEST(CApi, OwnershipRulesAreEnforced) {
   strata_device_settings ds;
   strata_device_settings_init(&ds);

@@ -49,7 +49,7 @@ extern "C" {
 #define STRATA_C_EXPORT
 #endif
 
-#define STRATA_C_API_VERSION 2
+#define STRATA_C_API_VERSION 3
 
 /* The same codes, in the same order, as strata::StatusCode (status.hpp). */
 typedef enum strata_status {
@@ -221,6 +221,11 @@ typedef struct strata_stats {
   uint64_t plan_host_bytes;
   uint64_t plan_pinned_bytes;
   uint64_t plan_nvme_bytes;
+  /* The NVMe optimizer's sub-group reads issued during backward (ahead of the update), and those
+   * of them no update took over (a step that failed, or the engine stopping). Added in C API
+   * version 3, which appended them (an out-struct that grows is an incompatible change). */
+  uint64_t early_optimizer_reads;
+  uint64_t early_optimizer_reads_dropped;
 } strata_stats;
 STRATA_C_EXPORT strata_status strata_engine_get_stats(const strata_engine* engine, strata_stats* out);
 

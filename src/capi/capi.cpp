@@ -541,6 +541,8 @@ strata_status strata_engine_get_stats(const strata_engine* engine, strata_stats*
     r.plan_host_bytes = plan.host_bytes;
     r.plan_pinned_bytes = plan.pinned_bytes;
     r.plan_nvme_bytes = plan.nvme_bytes;
+    r.early_optimizer_reads = s.early_optimizer_reads;
+    r.early_optimizer_reads_dropped = s.early_optimizer_reads_dropped;
     *out = r;
     return strata::ok_status();
   });
