@@ -68,7 +68,8 @@ constexpr std::array<OptionDesc, static_cast<size_t>(Option::kCount)> kTable = {
     {Option::kSequenceParallel, "sequence_parallel", OptionKind::kBool, "false",
      "tensor parallel: each of the tensor_parallel_size ranks keeps 1/tensor_parallel_size of the tokens of "
      "the residual stream and the norms (Megatron-style sequence parallelism); needs tensor_parallel_size > 1 "
-     "and seq_len a multiple of it"},
+     "and seq_len a multiple of it; with a pipeline each tensor-parallel rank sends its rows across a stage "
+     "boundary"},
     {Option::kPipelineVirtualStages, "pipeline_virtual_stages", OptionKind::kInt, "1",
      "pipeline parallel: module chunks per stage (interleaved 1F1B): the model is split into "
      "pipeline_parallel_size x this FLOP-balanced chunks and stage s runs chunks s, s + P, ...; 1 is plain "
