@@ -252,6 +252,102 @@ TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
   EXPECT_EQ(row(j, 3, "host", "host")["total"]["device"], p3->device_bytes);
 }
 
+// A config's tensor and pipeline parallel layout: every stage's bytes are the library's plan of
+// one rank (its tensor-parallel shard of the stage's modules), a placement's row is its largest
+// stage, and world_size counts every process of the grid. The data-parallel term is not modelled
+// there (null), and a layout the model cannot take is refused naming the key.
+TEST(CliEstimate, ConfigGridGivesOneRanksShardOfItsStage) {
+  testing::TempDir dir("strata-cli-estimate");
+  const std::string tp_file =
+      testing::write_file(dir / "tp.json", R"({"strata": {"tensor_parallel_size": 2}})");
+  const std::string grid_file = testing::write_file(
+      dir / "grid.json", R"({"strata": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})");
+  auto one = run_cli(std::string("estimate --json ") + kShape);
+  auto tp = run_cli(std::string("estimate --json ") + kShape + " --config " + tp_file);
+  auto grid = run_cli(std::string("estimate --json --ranks 2 ") + kShape + " --config " + grid_file);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  const auto j1 = nlohmann::json::parse(one.output), jt = nlohmann::json::parse(tp.output),
+             jg = nlohmann::json::parse(grid.output);
+  EXPECT_EQ(jt["world_size"], 2);
+  EXPECT_EQ(jt["tensor_parallel_size"], 2);
+  EXPECT_EQ(jg["world_size"], 8);
+  EXPECT_EQ(jg["data_parallel_size"], 2);
+  EXPECT_EQ(jg["pipeline_parallel_size"], 2);
+  auto bounds = pipeline_stages(same_shape().model, 2, 32);
+  ASSERT_TRUE(bounds.ok()) << bounds.status().to_string();
+  for (const auto& [params, optimizer] :
+       {std::pair{Tier::kDevice, Tier::kDevice}, std::pair{Tier::kDevice, Tier::kHost},
+        std::pair{Tier::kNvme, Tier::kNvme}}) {
+    const std::string p(to_string(params)), o(to_string(optimizer));
+    SCOPED_TRACE(p + "/" + o);
+    OffloadSettings s;
+    s.params = params;
+    s.optimizer = optimizer;
+    s.zero_stage = 3;
+    s.nvme_path = {"/x"};
+    s.io.nvme_path = s.nvme_path;
+    s.tp_size = 2;
+    auto plan = OffloadPlan::make(same_shape(), s);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    const auto& t = row(jt, 3, p.c_str(), o.c_str());
+    EXPECT_EQ(t["total"]["device"], plan->device_bytes);
+    EXPECT_EQ(t["total"]["host"], plan->host_bytes);
+    EXPECT_EQ(t["total"]["nvme"], plan->nvme_bytes);
+    EXPECT_TRUE(t["data_parallel"].is_null());
+    // The shard is smaller than the whole model's plan.
+    EXPECT_LT(t["total"]["device"].get<std::uint64_t>(),
+              row(j1, 3, p.c_str(), o.c_str())["total"]["device"].get<std::uint64_t>());
+    // The grid: each stage is the library's plan of that stage on 2 data-parallel ranks.
+    s.dp_size = 2;
+    s.pipeline_bounds = *bounds;
+    const auto& g = row(jg, 3, p.c_str(), o.c_str());
+    ASSERT_EQ(g["pipeline_stages"].size(), 2u);
+    std::uint64_t largest = 0;
+    int largest_stage = -1;
+    for (int st = 0; st < 2; ++st) {
+      s.pp_stage = st;
+      auto sp = OffloadPlan::make(same_shape(), s);
+      ASSERT_TRUE(sp.ok()) << sp.status().to_string();
+      const auto& gs = g["pipeline_stages"][static_cast<std::size_t>(st)];
+      EXPECT_EQ(gs["device"], sp->device_bytes) << "stage " << st;
+      EXPECT_EQ(gs["host"], sp->host_bytes) << "stage " << st;
+      EXPECT_EQ(gs["pinned"], sp->pinned_bytes) << "stage " << st;
+      EXPECT_EQ(gs["nvme"], sp->nvme_bytes) << "stage " << st;
+      if (sp->device_bytes > largest) {
+        largest = sp->device_bytes;
+        largest_stage = st;
+      }
+    }
+    EXPECT_EQ(g["pipeline_stage"], largest_stage);
+    EXPECT_EQ(g["total"]["device"], largest);
+  }
+  // A budget between the stages' needs: the row does not fit although one stage would.
+  const auto& dd = row(jg, 3, "device", "device");
+  const std::uint64_t small = std::min(dd["pipeline_stages"][0]["device_need"].get<std::uint64_t>(),
+                                       dd["pipeline_stages"][1]["device_need"].get<std::uint64_t>());
+  const std::uint64_t big = dd["total"]["device"].get<std::uint64_t>();
+  if (small < big) {
+    auto tight = run_cli(std::string("estimate --json --ranks 2 ") + kShape + " --config " + grid_file +
+                         " --device-memory " + std::to_string(small));
+    ASSERT_EQ(tight.exit_code, 0) << tight.output;
+    EXPECT_FALSE(row(nlohmann::json::parse(tight.output), 3, "device", "device")["fits"]["device"].get<bool>());
+  }
+  // Text: the grid line and the stage column.
+  auto text = run_cli(std::string("estimate --ranks 2 ") + kShape + " --config " + grid_file);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("tensor parallel 2 x pipeline 2 x data parallel 2 = 8 processes"), std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("pp stage"), std::string::npos) << text.output;
+  // Three tensor-parallel ranks cannot split 2 heads: refused naming the key.
+  const std::string bad =
+      testing::write_file(dir / "bad.json", R"({"strata": {"tensor_parallel_size": 3}})");
+  auto refused = run_cli(std::string("estimate ") + kShape + " --config " + bad);
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("strata.tensor_parallel_size = 3"), std::string::npos) << refused.output;
+}
+
 TEST(CliEstimate, VocabularySizeIsPartOfTheShape) {
   auto r = run_cli(std::string("estimate --json --vocab-size 50257 ") + kShape);
   ASSERT_EQ(r.exit_code, 0) << r.output;

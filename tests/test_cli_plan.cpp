@@ -277,6 +277,20 @@ TEST(CliPlan, RanksGiveTheDataParallelTermOfEstimate) {
   }
 }
 
+// The step-time model has no tensor-parallel collectives or pipeline schedule: a config with
+// either is refused naming the key (not planned as the whole model in one process).
+TEST(CliPlan, TensorOrPipelineParallelConfigIsRefusedNamingTheKey) {
+  TempDir dir("strata-plan-grid");
+  for (const char* key : {"tensor_parallel_size", "pipeline_parallel_size"}) {
+    const std::string file = testing::write_file(dir / (std::string(key) + ".json"),
+                                                 std::string(R"({"strata": {")") + key + R"(": 2}})");
+    auto r = run_cli("plan --layers 2 --width 64 --heads 2 --seq-len 32 --batch 2 --config " + file);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(std::string("strata.") + key + " = 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("strata estimate"), std::string::npos) << r.output;
+  }
+}
+
 TEST(CliPlan, BadFlagsNameTheFlag) {
   struct Case {
     std::string flags;

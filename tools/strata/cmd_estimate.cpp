@@ -55,7 +55,11 @@ std::string estimate_usage() {
          "engine's own memory plan, and whether each fits the budgets. With one process (the default)\n"
          "every stage of a placement needs the same bytes and the stage column lists the stages\n"
          "DeepSpeed allows; with --ranks N the bytes are per rank, each stage sharding over the N ranks\n"
-         "what it shards (combinations the engine refuses are left out).\n\nflags:\n" +
+         "what it shards (combinations the engine refuses are left out). A config's\n"
+         "strata.tensor_parallel_size and pipeline_parallel_size (with pipeline_virtual_stages,\n"
+         "sequence_parallel) make the bytes one rank's: its tensor-parallel shard of its pipeline\n"
+         "stage, each placement shown at its largest stage; --ranks counts the data-parallel ranks\n"
+         "beside them.\n\nflags:\n" +
          format_flags(all_flags());
 }
 
@@ -104,6 +108,15 @@ int run_estimate(std::span<const std::string> argv) {
     return usage_error("estimate", r.message(), estimate_usage());
   }
   rs.offload.dp_size = static_cast<int>(ranks);
+  // The config's tensor and pipeline parallel layout: the bytes are one rank's (its tensor-parallel
+  // shard of its pipeline stage's modules), --ranks the data-parallel ranks beside them.
+  int pp = 1;
+  if (Status g = apply_model_parallel(&rs, &pp); !g.ok()) {
+    std::fprintf(stderr, "strata estimate: %s\n", g.message().c_str());
+    return kExitFailure;
+  }
+  const int tp = rs.offload.tp_size;
+  const bool model_parallel = tp > 1 || pp > 1;
   auto link = args.get_double("link-bandwidth", kDefaultDpBusBytesPerSecond / 1e9, 1e-6, 1e6);
   auto latency = args.get_double("link-latency-us", kDefaultDpCollectiveSeconds * 1e6, 0.0, 1e7);
   for (const auto* r : {&link, &latency}) {
@@ -111,16 +124,55 @@ int run_estimate(std::span<const std::string> argv) {
   }
   const double bus = *link * 1e9, per_collective = *latency * 1e-6;
   const bool cuda = args.get("device").value_or("") == "cuda";
-  auto rows = estimate_placements(rs.trainer, rs.offload, budgets, cuda);
-  if (!rows.ok()) {
-    std::fprintf(stderr, "strata estimate: %s\n", rows.status().message().c_str());
-    return kExitFailure;
+  // With a pipeline every stage is planned (each places only its modules' state); a placement's
+  // row is its largest stage's (the most device memory), and it fits only where every stage does.
+  std::vector<std::vector<PlacementEstimate>> stage_rows;
+  for (int st = 0; st < pp; ++st) {
+    OffloadSettings stage = rs.offload;
+    stage.pp_stage = st;
+    auto r = estimate_placements(rs.trainer, stage, budgets, cuda);
+    if (!r.ok()) {
+      Status e = pp > 1 ? r.status().with_context("pipeline stage " + std::to_string(st)) : r.status();
+      std::fprintf(stderr, "strata estimate: %s\n", e.message().c_str());
+      return kExitFailure;
+    }
+    // Every stage takes the same placements (the refusals are the layout's, not a stage's).
+    bool same = st == 0 || r->size() == stage_rows[0].size();
+    for (std::size_t i = 0; same && st > 0 && i < r->size(); ++i) {
+      const PlacementEstimate &a = (*r)[i], &b = stage_rows[0][i];
+      same = a.zero_stage == b.zero_stage && a.params == b.params && a.optimizer == b.optimizer;
+    }
+    if (!same) {
+      std::fprintf(stderr, "strata estimate: pipeline stage %d takes other placements than stage 0\n", st);
+      return kExitFailure;
+    }
+    stage_rows.push_back(std::move(*r));
   }
+  std::vector<PlacementEstimate> combined = stage_rows[0];
+  std::vector<int> worst_stage(combined.size(), 0);
+  for (std::size_t i = 0; i < combined.size(); ++i) {
+    for (int st = 1; st < pp; ++st) {
+      const PlacementEstimate& e = stage_rows[static_cast<std::size_t>(st)][i];
+      PlacementEstimate& c = combined[i];
+      const bool fits_device = c.fits_device && e.fits_device, fits_host = c.fits_host && e.fits_host,
+                 fits_nvme = c.fits_nvme && e.fits_nvme;
+      if (e.device_need > c.device_need) {
+        c = e;
+        worst_stage[i] = st;
+      }
+      c.fits_device = fits_device;
+      c.fits_host = fits_host;
+      c.fits_nvme = fits_nvme;
+    }
+  }
+  const std::vector<PlacementEstimate>* rows = &combined;
   const TrainerConfig& tc = rs.trainer;
   // The data-parallel collectives of each row's step (per rank; docs/performance.md's per-stage
   // bytes), and their time at the link if nothing overlapped them.
+  // (Not modelled with tensor or pipeline parallelism: the columns are left out there.)
   std::vector<DpTraffic> traffic;
   for (const PlacementEstimate& e : *rows) {
+    if (model_parallel) break;
     OffloadSettings s = rs.offload;
     s.params = e.params;
     s.optimizer = e.optimizer;
@@ -142,9 +194,14 @@ int run_estimate(std::span<const std::string> argv) {
 
   if (args.has("json")) {
     Json out;
-    out["world_size"] = ranks;
-    out["note"] = ranks == 1 ? "one process: every stage of a placement has the same bytes"
-                             : "bytes per data-parallel rank";
+    out["world_size"] = ranks * tp * pp;
+    out["data_parallel_size"] = ranks;
+    out["tensor_parallel_size"] = tp;
+    out["pipeline_parallel_size"] = pp;
+    out["note"] = model_parallel ? "bytes per rank: its tensor-parallel shard of its pipeline stage (each "
+                                   "placement's largest stage), beside the data-parallel ranks"
+                  : ranks == 1   ? "one process: every stage of a placement has the same bytes"
+                                 : "bytes per data-parallel rank";
     out["model"] = Json::parse(model_config_to_json(tc.model));
     out["micro_batch"] = tc.micro_batch;
     out["seq_len"] = tc.seq_len;
@@ -153,7 +210,6 @@ int run_estimate(std::span<const std::string> argv) {
     Json list = Json::array();
     for (std::size_t i = 0; i < rows->size(); ++i) {
       const PlacementEstimate& e = (*rows)[i];
-      const DpTraffic& t = traffic[i];
       Json j;
       j["zero_stage"] = e.zero_stage;
       j["offload_param"] = tier_name(e.params);
@@ -172,6 +228,26 @@ int run_estimate(std::span<const std::string> argv) {
       j["nvme_need"] = e.nvme_need;
       j["fits"] = {
           {"device", e.fits_device}, {"host", e.fits_host}, {"nvme", e.fits_nvme}, {"all", e.fits()}};
+      if (pp > 1) {
+        j["pipeline_stage"] = worst_stage[i];
+        Json stages = Json::array();
+        for (int st = 0; st < pp; ++st) {
+          const PlacementEstimate& e2 = stage_rows[static_cast<std::size_t>(st)][i];
+          stages.push_back({{"device", e2.plan.device_bytes},
+                            {"host", e2.plan.host_bytes},
+                            {"pinned", e2.plan.pinned_bytes},
+                            {"nvme", e2.plan.nvme_bytes},
+                            {"device_need", e2.device_need},
+                            {"fits", e2.fits()}});
+        }
+        j["pipeline_stages"] = std::move(stages);
+      }
+      if (model_parallel) {
+        j["data_parallel"] = nullptr;  // not modelled with tensor or pipeline parallelism
+        list.push_back(std::move(j));
+        continue;
+      }
+      const DpTraffic& t = traffic[i];
       j["data_parallel"] = {{"stage_run", t.stage},
                             {"all_reduce_bytes", t.all_reduce_bytes},
                             {"reduce_scatter_bytes", t.reduce_scatter_bytes},
@@ -198,7 +274,18 @@ int run_estimate(std::span<const std::string> argv) {
               static_cast<long long>(tc.seq_len));
   std::printf("budgets  device %s, host %s, nvme %s\n", budget_text(budgets.device).c_str(),
               budget_text(budgets.host).c_str(), budget_text(budgets.nvme).c_str());
-  if (ranks == 1) {
+  if (model_parallel) {
+    std::printf("grid     tensor parallel %d x pipeline %d x data parallel %lld = %lld processes%s\n", tp, pp,
+                static_cast<long long>(ranks), static_cast<long long>(ranks) * tp * pp,
+                rs.offload.sequence_parallel ? ", sequence parallel" : "");
+    std::printf("bytes per rank: its tensor-parallel shard%s%s.\n",
+                pp > 1 ? " of its pipeline stage; each row is the placement's largest stage (pp stage), and fits "
+                         "only where every stage fits"
+                       : "",
+                ranks > 1 ? "; the data-parallel collectives are not modelled with tensor or pipeline parallelism"
+                          : "");
+    std::printf("\n");
+  } else if (ranks == 1) {
     std::printf("one process (world size 1): each ZeRO stage of a placement needs the same bytes (--ranks N: per rank "
         "of N).\n\n");
   } else {
@@ -210,7 +297,9 @@ int run_estimate(std::span<const std::string> argv) {
   }
   std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %-10s", "stage", "params", "optimizer", "device",
               "host", "pinned", "nvme", "swap", "fits");
-  if (ranks > 1) std::printf(" | %10s %9s", "dp/step", "dp s");
+  const bool dp_columns = ranks > 1 && !model_parallel;
+  if (dp_columns) std::printf(" | %10s %9s", "dp/step", "dp s");
+  if (pp > 1) std::printf(" | %8s", "pp stage");
   std::printf("\n");
   for (std::size_t i = 0; i < rows->size(); ++i) {
     const PlacementEstimate& e = (*rows)[i];
@@ -227,10 +316,11 @@ int run_estimate(std::span<const std::string> argv) {
                 format_bytes(e.device_need).c_str(), format_bytes(e.plan.host_bytes).c_str(),
                 format_bytes(e.plan.pinned_bytes).c_str(), format_bytes(e.plan.nvme_bytes).c_str(),
                 format_bytes(e.nvme_need).c_str(), fits.c_str());
-    if (ranks > 1) {
+    if (dp_columns) {
       std::printf(" | %10s %9.4f", format_bytes(traffic[i].buffer_bytes()).c_str(),
                   traffic[i].seconds(bus, per_collective));
     }
+    if (pp > 1) std::printf(" | %8d", worst_stage[i]);
     std::printf("\n");
   }
   std::printf("\nby kind (device / host / pinned / nvme), one row per placement:\n");

@@ -288,6 +288,23 @@ int run_plan(std::span<const std::string> argv) {
   if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok())
     return usage(v);
   if (Status v = rs.trainer.validate(); !v.ok()) return usage(v);
+  {
+    // The step-time model replays one data-parallel rank's schedule; it has no tensor-parallel
+    // collectives and no pipeline schedule yet, so a config with either is refused, naming the
+    // key, rather than planned as the whole model in one process.
+    int pp = 1;
+    if (Status g = apply_model_parallel(&rs, &pp); !g.ok()) return fail(g);
+    if (rs.offload.tp_size > 1 || pp > 1) {
+      const Option key = rs.offload.tp_size > 1 ? Option::kTensorParallelSize : Option::kPipelineParallelSize;
+      Options o = rs.options;
+      (void)o.load_env();
+      return fail(invalid_argument(
+          o.source(key) + " = " + std::to_string(rs.offload.tp_size > 1 ? rs.offload.tp_size : pp) +
+          ": strata plan predicts the step of data-parallel ranks only (the step-time model has no tensor-parallel "
+          "collectives or pipeline schedule yet); `strata estimate` with this config gives each rank's bytes, "
+          "and strata train --plan under mpirun each rank's plan"));
+    }
+  }
   constexpr std::uint64_t kMax = ~0ull;
   auto device_mem = args.get_bytes("device-memory", 0, 1u << 20, kMax);
   auto host_mem = args.get_bytes("host-memory", 0, 1u << 20, kMax);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "model_flags.hpp"
+#include "strata/model.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata::cli {
@@ -114,6 +115,60 @@ Status apply_settings_flags(const Args& args, RunSettings* rs) {
     rs->offload.nvme_path = {*dir};
     rs->offload.io.nvme_path = rs->offload.nvme_path;
   }
+  return ok_status();
+}
+
+Status apply_model_parallel(RunSettings* rs, int* stages) {
+  Options o = rs->options;  // the config's, then the environment's (as strata train reads them)
+  STRATA_RETURN_IF_ERROR(o.load_env());
+  const std::int64_t tp = o.get_int(Option::kTensorParallelSize);
+  const std::int64_t pp = o.get_int(Option::kPipelineParallelSize);
+  const std::int64_t v = o.get_int(Option::kPipelineVirtualStages);
+  if (tp < 1) {
+    return invalid_argument(o.source(Option::kTensorParallelSize) + ": tensor_parallel_size = " +
+                            std::to_string(tp) + " must be at least 1");
+  }
+  if (pp < 1) {
+    return invalid_argument(o.source(Option::kPipelineParallelSize) + ": pipeline_parallel_size = " +
+                            std::to_string(pp) + " must be at least 1");
+  }
+  if (v < 1 || (v > 1 && pp < 2)) {
+    return invalid_argument(o.source(Option::kPipelineVirtualStages) + ": pipeline_virtual_stages = " +
+                            std::to_string(v) +
+                            (v < 1 ? " must be at least 1"
+                                   : " interleaves the chunks of a pipeline and needs pipeline_parallel_size > 1"));
+  }
+  OffloadSettings& s = rs->offload;
+  if (tp > 1) {
+    if (Status c = check_tensor_parallel(rs->trainer.model, static_cast<int>(tp)); !c.ok()) {
+      return c.with_context(o.source(Option::kTensorParallelSize) + " = " + std::to_string(tp));
+    }
+  }
+  s.tp_size = static_cast<int>(tp);
+  s.sequence_parallel = o.get_bool(Option::kSequenceParallel);
+  if (s.sequence_parallel && tp < 2) {
+    return invalid_argument(o.source(Option::kSequenceParallel) +
+                            ": sequence_parallel = true splits the tokens over the tensor-parallel group, but "
+                            "strata.tensor_parallel_size = " +
+                            std::to_string(tp) + ": set tensor_parallel_size > 1 or sequence_parallel false");
+  }
+  auto schedule = parse_pipeline_schedule(o.get_string(Option::kPipelineSchedule));
+  if (!schedule.ok()) return invalid_argument(o.source(Option::kPipelineSchedule) + ": " + schedule.status().message());
+  s.pipeline_schedule = *schedule;
+  s.pipeline_virtual_stages = static_cast<int>(v);
+  s.pipeline_bounds.clear();
+  s.pp_stage = 0;
+  if (pp > 1) {
+    auto bounds = strata::pipeline_stages(rs->trainer.model, static_cast<int>(pp * v), rs->trainer.seq_len);
+    if (!bounds.ok()) {
+      return bounds.status().with_context(o.source(v > 1 ? Option::kPipelineVirtualStages
+                                                          : Option::kPipelineParallelSize) +
+                                          " (pipeline_parallel_size " + std::to_string(pp) +
+                                          ", pipeline_virtual_stages " + std::to_string(v) + ")");
+    }
+    s.pipeline_bounds = std::move(*bounds);
+  }
+  *stages = static_cast<int>(pp);
   return ok_status();
 }
 

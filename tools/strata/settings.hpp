@@ -94,6 +94,14 @@ Status load_settings(const Args& args, const std::string& config_path, RunSettin
 // The flags on top (model-shape flags included). A bad flag is a usage error (exit 2).
 Status apply_settings_flags(const Args& args, RunSettings* settings);
 
+// The model-parallel layout the config asks for (strata.tensor_parallel_size,
+// pipeline_parallel_size, pipeline_virtual_stages, pipeline_schedule, sequence_parallel; the
+// environment's STRATA_* over the file's, as strata train reads them), applied to
+// settings->offload as one rank's: tp_size, sequence_parallel, the schedule, the virtual stages
+// and, with a pipeline, pipeline_bounds (pipeline_parallel_size x virtual FLOP-balanced chunks);
+// pp_stage is left at 0. Sets *pipeline_stages. Errors name the key and what was expected.
+Status apply_model_parallel(RunSettings* settings, int* pipeline_stages);
+
 // How each "auto" key of the config was resolved.
 struct AutoValue {
   std::string path;
