@@ -254,8 +254,9 @@ TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
 
 // A config's tensor and pipeline parallel layout: every stage's bytes are the library's plan of
 // one rank (its tensor-parallel shard of the stage's modules), a placement's row is its largest
-// stage, and world_size counts every process of the grid. The data-parallel term is not modelled
-// there (null), and a layout the model cannot take is refused naming the key.
+// stage, and world_size counts every process of the grid. The data-parallel term is dp_traffic's
+// for the shown stage's rank (dist.cost_grid checks it against the engine's count), and a layout
+// the model cannot take is refused naming the key.
 TEST(CliEstimate, ConfigGridGivesOneRanksShardOfItsStage) {
   testing::TempDir dir("strata-cli-estimate");
   const std::string tp_file =
@@ -295,7 +296,7 @@ TEST(CliEstimate, ConfigGridGivesOneRanksShardOfItsStage) {
     EXPECT_EQ(t["total"]["device"], plan->device_bytes);
     EXPECT_EQ(t["total"]["host"], plan->host_bytes);
     EXPECT_EQ(t["total"]["nvme"], plan->nvme_bytes);
-    EXPECT_TRUE(t["data_parallel"].is_null());
+    EXPECT_EQ(t["data_parallel"]["buffer_bytes"], 0u);  // one data-parallel rank
     // The shard is smaller than the whole model's plan.
     EXPECT_LT(t["total"]["device"].get<std::uint64_t>(),
               row(j1, 3, p.c_str(), o.c_str())["total"]["device"].get<std::uint64_t>());
@@ -322,6 +323,12 @@ TEST(CliEstimate, ConfigGridGivesOneRanksShardOfItsStage) {
     }
     EXPECT_EQ(g["pipeline_stage"], largest_stage);
     EXPECT_EQ(g["total"]["device"], largest);
+    s.pp_stage = largest_stage;
+    auto dp = dp_traffic(same_shape(), s);
+    ASSERT_TRUE(dp.ok()) << dp.status().to_string();
+    EXPECT_GT(dp->buffer_bytes(), 0u);
+    EXPECT_EQ(g["data_parallel"]["buffer_bytes"], dp->buffer_bytes());
+    EXPECT_EQ(g["data_parallel"]["collectives"], dp->collectives);
   }
   // A budget between the stages' needs: the row does not fit although one stage would.
   const auto& dd = row(jg, 3, "device", "device");

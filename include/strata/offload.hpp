@@ -346,6 +346,8 @@ struct DpTraffic {
 // being predict_step's (the slot rule with prefetch_modules).
 // `cuda`: the cuda backend, whose stage 0 all-reduces once; the cpu backend's stage 0 all-reduces
 // each gradient bucket (the same bytes in more collectives, beside backward with overlap_comm).
+// With tp_size > 1 the bytes are a tensor-parallel rank's (its shard; the same shapes on every tp
+// rank), with pipeline_bounds the stage pp_stage's units'.
 Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings, bool cuda = false);
 
 // The predicted steady-state step (the time between the returns of consecutive step() calls)

@@ -186,7 +186,9 @@ double DpTraffic::seconds(double bus_bytes_per_s, double collective_seconds) con
 Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings& settings, bool cuda) {
   STRATA_RETURN_IF_ERROR(config.validate());
   STRATA_RETURN_IF_ERROR(settings.validate());
-  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+  // Tensor parallel: a rank's data-parallel group reduces its shard (the same shapes on every
+  // tensor-parallel rank); with a pipeline, the units of its stage (describe_units).
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model, TensorParallel{settings.tp_size, 0}));
   const Units units = offload_detail::describe_units(layout, settings);
   const DpShape d = dp_shape(config, settings, units);
   DpTraffic t;

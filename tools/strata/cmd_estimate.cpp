@@ -168,12 +168,14 @@ int run_estimate(std::span<const std::string> argv) {
   const std::vector<PlacementEstimate>* rows = &combined;
   const TrainerConfig& tc = rs.trainer;
   // The data-parallel collectives of each row's step (per rank; docs/performance.md's per-stage
-  // bytes), and their time at the link if nothing overlapped them.
-  // (Not modelled with tensor or pipeline parallelism: the columns are left out there.)
+  // bytes), and their time at the link if nothing overlapped them. With tensor parallelism the
+  // rank's shard's; with a pipeline the shown stage's (dist.cost_grid checks both against the
+  // engine's count).
   std::vector<DpTraffic> traffic;
-  for (const PlacementEstimate& e : *rows) {
-    if (model_parallel) break;
+  for (std::size_t i = 0; i < rows->size(); ++i) {
+    const PlacementEstimate& e = (*rows)[i];
     OffloadSettings s = rs.offload;
+    s.pp_stage = worst_stage[i];
     s.params = e.params;
     s.optimizer = e.optimizer;
     s.zero_stage = e.zero_stage;
@@ -199,7 +201,7 @@ int run_estimate(std::span<const std::string> argv) {
     out["tensor_parallel_size"] = tp;
     out["pipeline_parallel_size"] = pp;
     out["note"] = model_parallel ? "bytes per rank: its tensor-parallel shard of its pipeline stage (each "
-                                   "placement's largest stage), beside the data-parallel ranks"
+                                   "placement's largest stage, whose data-parallel collectives are shown)"
                   : ranks == 1   ? "one process: every stage of a placement has the same bytes"
                                  : "bytes per data-parallel rank";
     out["model"] = Json::parse(model_config_to_json(tc.model));
@@ -242,11 +244,6 @@ int run_estimate(std::span<const std::string> argv) {
         }
         j["pipeline_stages"] = std::move(stages);
       }
-      if (model_parallel) {
-        j["data_parallel"] = nullptr;  // not modelled with tensor or pipeline parallelism
-        list.push_back(std::move(j));
-        continue;
-      }
       const DpTraffic& t = traffic[i];
       j["data_parallel"] = {{"stage_run", t.stage},
                             {"all_reduce_bytes", t.all_reduce_bytes},
@@ -282,7 +279,7 @@ int run_estimate(std::span<const std::string> argv) {
                 pp > 1 ? " of its pipeline stage; each row is the placement's largest stage (pp stage), and fits "
                          "only where every stage fits"
                        : "",
-                ranks > 1 ? "; the data-parallel collectives are not modelled with tensor or pipeline parallelism"
+                ranks > 1 ? "; dp/step: that rank's data-parallel collectives per step at the link (not overlapped)"
                           : "");
     std::printf("\n");
   } else if (ranks == 1) {
@@ -297,7 +294,7 @@ int run_estimate(std::span<const std::string> argv) {
   }
   std::printf("%-5s %-6s %-9s | %10s %10s %10s %10s | %10s | %-10s", "stage", "params", "optimizer", "device",
               "host", "pinned", "nvme", "swap", "fits");
-  const bool dp_columns = ranks > 1 && !model_parallel;
+  const bool dp_columns = ranks > 1;
   if (dp_columns) std::printf(" | %10s %9s", "dp/step", "dp s");
   if (pp > 1) std::printf(" | %8s", "pp stage");
   std::printf("\n");
