@@ -339,5 +339,41 @@ TEST(ComposeNp8, DeviceStage3Grid) {
   check(llama);
 }
 
+
+// Stage 3 on tp 2 x pp 2 x dp 2 read back through its slices and shards (GPT-2 bf16, the tied
+// embedding's slices on both ends): loss() and evaluate() give device stage 2's values on the same
+// grid; a checkpoint (each stage's units gathered over dp and tp, written by the stage's first
+// rank) resumes in a fresh grid bit for bit and loads into one process with the grid's state, bit
+// for bit (dist_compare.hpp's expect_stage3_reads_back_as_stage2, as dist.device_pp and
+// dist.device_tp check on their grids).
+TEST(ComposeNp8, DeviceStage3GridReadBack) {
+  ASSERT_EQ(world().size(), 8);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const int DP = groups->grid.dp();
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * DP, 1.0);
+  TrainerConfig local = global;
+  local.grad_accum = 2;
+  auto settings = [](int stage) {
+    OffloadSettings s;
+    s.optimizer = Tier::kDevice;
+    s.params = Tier::kDevice;
+    s.zero_stage = stage;
+    s.update_during_backward = false;
+    return s;
+  };
+  auto create = [&](std::unique_ptr<Device>& device, int stage) {
+    device = testing::make_device();
+    OffloadSettings s = settings(stage);
+    s.reduce_bucket_elements = 20'000;
+    s.overlap_comm = true;
+    return OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), groups->tp.get(),
+                                 groups->pp.get());
+  };
+  testing::expect_stage3_reads_back_as_stage2(global, groups->coord.dp, DP, create, settings(0),
+                                              "compose-stage3-state",
+                                              "gpt2 bf16 tp 2 x pp 2 x dp 2, m=2, clip 1, device stage 3");
+}
+
 }  // namespace
 }  // namespace strata
