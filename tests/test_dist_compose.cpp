@@ -14,6 +14,10 @@
 //   included; its stages 2 and 3 reduce every micro-batch in their gradient buckets, with or
 //   without a pipeline, as the host tier's stage 2 does: the same stage). Losses, norms, and
 //   every held parameter's working copy, master and moments.
+// - On 8 ranks also the device optimizer's stage 3 against its stage 2 on the same grid, bit for
+//   bit (the same placement, another stage: a fetch gathers the bits stage 2's after-update
+//   all-gather lays into its whole copy), and stage 3 read back through loss(), evaluate() and a
+//   checkpoint (dist_compare.hpp's expect_stage3_reads_back_as_stage2).
 // - Every rank reports the same loss and norm bits.
 // - Against one process on the whole global batch (fp32): dist_compare.hpp's Tolerance (the fp32
 //   tensor-parallel bounds, which the pipeline's tied-gradient order and the data-parallel sum
