@@ -424,7 +424,8 @@ TEST(DevicePipeline, Stage3CheckpointLossAndEvaluate) {
     s.overlap_comm = true;
     return OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), nullptr, g.pp.get());
   };
-  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0), "device-pp-state", what);
+  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0),
+                                              "device-pp-state", what);
 }
 
 // The plan of a stage's rank: OffloadPlan::make with the pipeline bounds, the stage and the dp

@@ -384,7 +384,8 @@ TEST(DeviceTensorParallel, Stage3CheckpointLossAndEvaluate) {
     s.overlap_comm = true;
     return OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), g.tp.get());
   };
-  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0), "device-tp-state", what);
+  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0),
+                                              "device-tp-state", what);
 }
 
 }  // namespace
