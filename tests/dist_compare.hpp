@@ -15,7 +15,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -238,6 +240,108 @@ inline void expect_close(const Snapshot& ref, const Snapshot& got, const Toleran
     EXPECT_LE(d.max, tol.max * scale) << what << ": " << names[k] << " (largest difference)";
   }
   EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
+}
+
+// Creates a fresh engine at ZeRO `stage` on the caller's grid (the same groups and settings
+// otherwise); `device` receives the device it runs on, which must outlive the engine.
+using StageEngineFactory =
+    std::function<Result<std::unique_ptr<OffloadEngine>>(std::unique_ptr<Device>& device, int stage)>;
+
+// Stage 3 in device memory read back through its slices, against stage 2 on the same grid
+// (`create` makes either; `global` is the whole global batch, this rank data-parallel rank `dp` of
+// DP; `single` the settings of one process holding every parameter): after 2 steps
+// - loss() on one micro-batch and evaluate() (the fetches, collective over dp) give stage 2's
+//   values, bit for bit;
+// - a checkpoint of stage 3 resumes in a fresh engine and its third step is the uninterrupted
+//   run's bit for bit (losses, norms, every held parameter's working copy, master and moments);
+// - one process loading that checkpoint holds every parameter's state as a fresh grid engine
+//   loading it gathers it, bit for bit.
+// Collective over the world (a shared directory under `tag`, removed at the end).
+inline void expect_stage3_reads_back_as_stage2(const TrainerConfig& global, int dp, int DP,
+                                               const StageEngineFactory& create, const OffloadSettings& single,
+                                               const std::string& tag, const std::string& what) {
+  const std::string root = shared_temp_dir(tag);
+  std::vector<std::int32_t> in, tg;
+  share_of(global, 3, dp, DP, in, tg);
+  in.resize(static_cast<std::size_t>(global.micro_batch * global.seq_len));  // loss(): one micro-batch
+  tg.resize(in.size());
+  const std::vector<std::int32_t> tokens = eval_tokens(global);
+  double losses[2] = {0, 0};
+  EvalResult evals[2];
+  Snapshot straight, resumed;
+  std::string dir;
+  for (int stage : {2, 3}) {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, stage);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    Snapshot warm;
+    ASSERT_TRUE(run_share(**engine, global, dp, DP, 2, warm)) << what;
+    if (stage == 3) {
+      auto saved = (*engine)->save_checkpoint(root + "/ck", "{}", 1);
+      ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
+      dir = *saved;
+    }
+    auto l = (*engine)->loss(in, tg);
+    ASSERT_TRUE(l.ok()) << what << ": " << l.status().to_string();
+    losses[stage - 2] = *l;
+    auto e = (*engine)->evaluate(tokens, 3);
+    ASSERT_TRUE(e.ok()) << what << ": " << e.status().to_string();
+    evals[stage - 2] = *e;
+    if (stage == 3) {
+      ASSERT_TRUE(run_share(**engine, global, dp, DP, 3, straight, 2)) << what;
+      std::vector<int> held;
+      ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
+    }
+  }
+  EXPECT_EQ(losses[0], losses[1]) << what << ": loss() at stage 2 vs 3";
+  EXPECT_EQ(evals[0].loss, evals[1].loss) << what << ": evaluate() at stage 2 vs 3";
+  EXPECT_EQ(evals[0].tokens, evals[1].tokens) << what;
+  {
+    std::unique_ptr<Device> device;
+    auto engine = create(device, 3);
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(dir);
+    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+    EXPECT_EQ(m->step, 2) << what;
+    ASSERT_TRUE(run_share(**engine, global, dp, DP, 3, resumed, 2)) << what;
+    std::vector<int> held;
+    ASSERT_TRUE(capture_stage(**engine, resumed, held)) << what;
+  }
+  for (Snapshot* snap : {&straight, &resumed}) {
+    snap->scales.assign(snap->losses.size(), 1.0);
+    snap->skipped.assign(snap->losses.size(), 0);
+  }
+  expect_same(straight, resumed, what + ": resumed against uninterrupted");
+  {
+    // One process loads the grid's checkpoint: the state of the parameters this rank's grid
+    // engine holds as it held them after step 2 (a fresh grid engine loading it gathers that state
+    // again).
+    Snapshot grid_state, single_state;
+    std::vector<int> held;
+    {
+      std::unique_ptr<Device> device;
+      auto engine = create(device, 3);
+      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+      ASSERT_TRUE((*engine)->load_checkpoint(dir).ok()) << what;
+      ASSERT_TRUE(capture_stage(**engine, grid_state, held)) << what;
+    }
+    auto device = make_device();
+    auto engine = OffloadEngine::create(global, single, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    auto m = (*engine)->load_checkpoint(dir);
+    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
+    ASSERT_TRUE(capture_held(**engine, held, single_state)) << what;
+    ASSERT_FALSE(held.empty()) << what;
+    ASSERT_EQ(grid_state.param.size(), single_state.param.size()) << what;
+    for (std::size_t i = 0; i < grid_state.param.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(grid_state.param[i], single_state.param[i])) << what << ": param " << held[i];
+      EXPECT_TRUE(bitwise_equal(grid_state.master[i], single_state.master[i])) << what << ": master " << held[i];
+      EXPECT_TRUE(bitwise_equal(grid_state.m[i], single_state.m[i])) << what << ": exp_avg " << held[i];
+      EXPECT_TRUE(bitwise_equal(grid_state.v[i], single_state.v[i])) << what << ": exp_avg_sq " << held[i];
+    }
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
 }  // namespace strata::testing

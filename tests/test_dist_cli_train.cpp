@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "harness/harness.hpp"
 
@@ -710,6 +712,69 @@ TEST(DistCliTrain, SequenceParallelFromTheConfigTrainsLikeOneProcess) {
   EXPECT_EQ(alone.exit_code, 2) << alone.output;
   EXPECT_NE(alone.output.find("sequence_parallel"), std::string::npos) << alone.output;
   EXPECT_NE(alone.output.find("strata.tensor_parallel_size = 1"), std::string::npos) << alone.output;
+}
+
+// This rank's boundary bytes sent per step (the metrics' traffic.pipeline).
+std::vector<std::uint64_t> pipeline_bytes_of(const std::filesystem::path& metrics) {
+  std::vector<std::uint64_t> out;
+  for (const auto& j : read_jsonl(metrics)) out.push_back(j.at("traffic").at("pipeline").get<std::uint64_t>());
+  return out;
+}
+
+// Sequence parallel with a pipeline from the config (tp 2 x pp 2 on 4 ranks): trains like one
+// process and like the grid without sequence parallelism on the same batch (losses within the
+// same bound: rounding only, docs/parallel.md "Sequence parallel across pipeline stages"), and the
+// metrics show the boundary traffic: rank 0 (stage 0, tp rank 0) sends each micro-batch's
+// activations, all B·T rows of C fp32 values per step and micro-batch without sequence
+// parallelism, its B·T/2 rows with it. With interleaved 1F1B (v = 2) and activation offload
+// (checkpointing, cpu_checkpointing) as well, all keys at once, it still trains like one process;
+// stage 0 then sends 2 activations and 1 activation gradient per micro-batch.
+TEST(DistCliTrain, SequenceParallelWithAPipelineTrainsLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  const std::string grid_config = write_file(
+      dir / "grid.json", R"({"strata": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})");
+  const std::string sp_config =
+      write_file(dir / "sp.json",
+                 R"({"strata": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "sequence_parallel": true}})");
+  const std::string all_config = write_file(dir / "all.json", R"({"strata": {"tensor_parallel_size": 2,
+    "pipeline_parallel_size": 2, "sequence_parallel": true, "pipeline_virtual_stages": 2},
+    "activation_checkpointing": {"cpu_checkpointing": true}})");
+  const std::string flags = kTiny + "--dtype f32 --steps 5 --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto one = run_cli("train " + flags + "--metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto grid = run_command(mpirun(4) + "train " + flags + "--config " + grid_config + " --metrics " +
+                          (dir / "grid.jsonl").string());
+  ASSERT_EQ(grid.exit_code, 0) << grid.output;
+  auto sp = run_command(mpirun(4) + "train " + flags + "--config " + sp_config + " --metrics " +
+                        (dir / "sp.jsonl").string());
+  ASSERT_EQ(sp.exit_code, 0) << sp.output;
+  EXPECT_NE(sp.output.find("sequence parallel: each tensor-parallel rank keeps 1/2"), std::string::npos)
+      << sp.output;
+  EXPECT_NE(sp.output.find("2 pipeline stages (1f1b schedule)"), std::string::npos) << sp.output;
+  EXPECT_EQ(sp.output.find("done:"), sp.output.rfind("done:")) << sp.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "sp.jsonl"), "tp 2 x pp 2, sequence parallel");
+  expect_same_losses(losses_of(dir / "grid.jsonl"), losses_of(dir / "sp.jsonl"),
+                     "tp 2 x pp 2, sequence parallel against the grid without it");
+  // 2 micro-batches x (batch 2 x seq 32) rows x width 32 x 4 bytes per step.
+  const std::uint64_t rows_bytes = 2 * (2 * 32) * 32 * 4;
+  const std::vector<std::uint64_t> full = pipeline_bytes_of(dir / "grid.jsonl"),
+                                   split = pipeline_bytes_of(dir / "sp.jsonl");
+  ASSERT_EQ(full.size(), 5u);
+  ASSERT_EQ(split.size(), 5u);
+  for (std::size_t i = 0; i < split.size(); ++i) {
+    EXPECT_EQ(full[i], rows_bytes) << "step " << i + 1 << " without sequence parallel";
+    EXPECT_EQ(split[i], rows_bytes / 2) << "step " << i + 1 << " with sequence parallel";
+  }
+  auto all = run_command(mpirun(4) + "train " + flags + "--checkpointing on --config " + all_config +
+                         " --metrics " + (dir / "all.jsonl").string());
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  EXPECT_NE(all.output.find("sequence parallel: each tensor-parallel rank keeps 1/2"), std::string::npos)
+      << all.output;
+  EXPECT_NE(all.output.find("interleaved 1f1b schedule, 2 chunks per stage"), std::string::npos) << all.output;
+  EXPECT_NE(all.output.find("activations      to host"), std::string::npos) << all.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "all.jsonl"),
+                     "tp 2 x pp 2, sequence parallel, interleaved, activation offload");
+  for (std::uint64_t b : pipeline_bytes_of(dir / "all.jsonl")) EXPECT_EQ(b, 3 * rows_bytes / 2);
 }
 
 // A tensor-parallel size the launch or the model cannot split is refused before training,

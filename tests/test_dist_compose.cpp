@@ -14,6 +14,10 @@
 //   included; its stages 2 and 3 reduce every micro-batch in their gradient buckets, with or
 //   without a pipeline, as the host tier's stage 2 does: the same stage). Losses, norms, and
 //   every held parameter's working copy, master and moments.
+// - On 8 ranks also the device optimizer's stage 3 against its stage 2 on the same grid, bit for
+//   bit (the same placement, another stage: a fetch gathers the bits stage 2's after-update
+//   all-gather lays into its whole copy), and stage 3 read back through loss(), evaluate() and a
+//   checkpoint (dist_compare.hpp's expect_stage3_reads_back_as_stage2).
 // - Every rank reports the same loss and norm bits.
 // - Against one process on the whole global batch (fp32): dist_compare.hpp's Tolerance (the fp32
 //   tensor-parallel bounds, which the pipeline's tied-gradient order and the data-parallel sum
@@ -57,6 +61,11 @@ struct Case {
   Placement tested;
   Placement baseline;  // the same bits on the same ranks
   PipelineSchedule schedule = PipelineSchedule::kOneFOneB;
+  // The baseline's ZeRO stage (-1: the tested one). Device stage 3 against device stage 2 on the
+  // same grid: the same placement, another stage, the same bits.
+  int baseline_zero_stage = -1;
+  // reduce_bucket_size in elements, with overlap_comm on (0: the default buckets, overlap off).
+  std::int64_t reduce_bucket_elements = 0;
 };
 
 std::string name_of(const Case& c, int DP) {
@@ -80,6 +89,10 @@ OffloadSettings settings_of(const Case& c, const Placement& p, const testing::Te
   s.pipeline_schedule = c.schedule;
   s.update_during_backward = false;
   s.sub_group_size = 1000;  // several NVMe sub-groups (and gradient shards) per module
+  if (c.reduce_bucket_elements > 0) {
+    s.reduce_bucket_elements = c.reduce_bucket_elements;
+    s.overlap_comm = true;
+  }
   if (p.optimizer == Tier::kNvme || c.params == Tier::kNvme) s.nvme_path = {swap.path().string()};
   return s;
 }
@@ -103,6 +116,22 @@ bool train_grid(const Case& c, const Placement& p, ProcessGroups& g, const Train
                                       c.tp > 1 ? g.tp.get() : nullptr, c.pp > 1 ? g.pp.get() : nullptr);
   EXPECT_TRUE(engine.ok()) << name_of(c, DP) << ": " << engine.status().to_string();
   if (!engine.ok()) return false;
+  // The device optimizer's stage 3 slices the working parameters (the param slots exist only
+  // then), stages 2-3 reduce in gradient buckets: a comparison says something only on that path.
+  if (DP > 1 && p.optimizer == Tier::kDevice && c.params == Tier::kDevice && c.zero_stage >= 2) {
+    std::uint64_t buckets = 0, slots = 0;
+    for (const PlanLine& l : (*engine)->plan().lines) {
+      if (l.tier != Tier::kDevice) continue;
+      if (l.what.rfind("device region offload.grad_buckets", 0) == 0) buckets += l.bytes;
+      if (l.what.rfind("device region offload.param_slots", 0) == 0) slots += l.bytes;
+    }
+    EXPECT_GT(buckets, 0u) << name_of(c, DP) << ": gradient buckets";
+    if (c.zero_stage == 3) {
+      EXPECT_GT(slots, 0u) << name_of(c, DP) << ": parameter slots";
+    } else {
+      EXPECT_EQ(slots, 0u) << name_of(c, DP) << ": parameter slots";
+    }
+  }
   if (!run_share(**engine, global, g.coord.dp, DP, kSteps, out)) return false;
   // run_share records no loss scale or skip flags: fp32 and bf16 scale 1 and never skip.
   out.scales.assign(out.losses.size(), 1.0);
@@ -119,13 +148,16 @@ void check(const Case& c) {
   const TrainerConfig global = testing::tiny(c.kind, c.dtype, c.micro * DP, c.clip);
   Snapshot got, base;
   std::vector<int> held, held_base;
+  Case b = c;
+  if (c.baseline_zero_stage >= 0) b.zero_stage = c.baseline_zero_stage;
   ASSERT_TRUE(train_grid(c, c.tested, *groups, global, got, held)) << what;
-  ASSERT_TRUE(train_grid(c, c.baseline, *groups, global, base, held_base)) << what;
+  ASSERT_TRUE(train_grid(b, c.baseline, *groups, global, base, held_base)) << what;
   ASSERT_EQ(held, held_base) << what;
   ASSERT_FALSE(held.empty()) << what;
   testing::expect_same(base, got,
                        what + " against " + std::string(to_string(c.baseline.optimizer)) + " optimizer, " +
-                           std::string(to_string(c.baseline.gradients)) + " gradients on the same ranks");
+                           std::string(to_string(c.baseline.gradients)) + " gradients, zero " +
+                           std::to_string(b.zero_stage) + " on the same ranks");
   // The same loss and norm bits on every rank.
   std::vector<double> mine = got.losses;
   mine.insert(mine.end(), got.norms.begin(), got.norms.end());
@@ -290,6 +322,61 @@ TEST(ComposeNp8, Grid) {
   check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 1, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 2, Tier::kDevice, kDeviceOpt, kHostOpt});
   check({2, 2, ModelKind::kGpt2, DType::kF32, 1, 1.0, 2, Tier::kDevice, kNvmeGrads, kNvmeHostGrads});
+}
+
+// TP 2 x PP 2 x DP 2, the optimizer and the parameters in device memory at stage 3: each stage's
+// tp shard's units sliced over dp and all-gathered ahead of use (the prefetcher follows the
+// stage's recorded trace), gradients reduce-scattered per bucket inside every backward op, the
+// tied embedding's slice of each tp shard summed between the ends. Bit for bit the device stage 2
+// on the same grid (a fetch gathers the bits stage 2's after-update all-gather lays into its whole
+// copy), as dist.device_pp checks on pp 2 x dp 2 and dist.device_tp on tp 2 x dp 2: GPT-2 fp32
+// with accumulation 2, clipping and one bucket per block with overlap (also within the tolerances
+// of one process), LLaMA bf16 with the default buckets.
+TEST(ComposeNp8, DeviceStage3Grid) {
+  ASSERT_EQ(world().size(), 8);
+  Case gpt2{2, 2, ModelKind::kGpt2, DType::kF32, 2, 1.0, 3, Tier::kDevice, kDeviceOpt, kDeviceOpt};
+  gpt2.baseline_zero_stage = 2;
+  gpt2.reduce_bucket_elements = 20'000;  // a tp shard's block is about 25k elements: one bucket each
+  check(gpt2);
+  Case llama{2, 2, ModelKind::kLlama, DType::kBF16, 2, 1.0, 3, Tier::kDevice, kDeviceOpt, kDeviceOpt};
+  llama.baseline_zero_stage = 2;
+  check(llama);
+}
+
+
+// Stage 3 on tp 2 x pp 2 x dp 2 read back through its slices and shards (GPT-2 bf16, the tied
+// embedding's slices on both ends): loss() and evaluate() give device stage 2's values on the same
+// grid; a checkpoint (each stage's units gathered over dp and tp, written by the stage's first
+// rank) resumes in a fresh grid bit for bit and loads into one process with the grid's state, bit
+// for bit (dist_compare.hpp's expect_stage3_reads_back_as_stage2, as dist.device_pp and
+// dist.device_tp check on their grids).
+TEST(ComposeNp8, DeviceStage3GridReadBack) {
+  ASSERT_EQ(world().size(), 8);
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  const int DP = groups->grid.dp();
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * DP, 1.0);
+  TrainerConfig local = global;
+  local.grad_accum = 2;
+  auto settings = [](int stage) {
+    OffloadSettings s;
+    s.optimizer = Tier::kDevice;
+    s.params = Tier::kDevice;
+    s.zero_stage = stage;
+    s.update_during_backward = false;
+    return s;
+  };
+  auto create = [&](std::unique_ptr<Device>& device, int stage) {
+    device = testing::make_device();
+    OffloadSettings s = settings(stage);
+    s.reduce_bucket_elements = 20'000;
+    s.overlap_comm = true;
+    return OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), groups->tp.get(),
+                                 groups->pp.get());
+  };
+  testing::expect_stage3_reads_back_as_stage2(global, groups->coord.dp, DP, create, settings(0),
+                                              "compose-stage3-state",
+                                              "gpt2 bf16 tp 2 x pp 2 x dp 2, m=2, clip 1, device stage 3");
 }
 
 }  // namespace

@@ -417,7 +417,6 @@ TEST(DevicePipeline, Stage3CheckpointLossAndEvaluate) {
   const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * DP, 1.0);
   TrainerConfig local = global;
   local.grad_accum = 2;
-  const std::string root = testing::shared_temp_dir("device-pp-state");
   auto create = [&](std::unique_ptr<Device>& device, int stage) {
     device = testing::make_device();
     OffloadSettings s = device_settings(stage);
@@ -425,89 +424,8 @@ TEST(DevicePipeline, Stage3CheckpointLossAndEvaluate) {
     s.overlap_comm = true;
     return OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), nullptr, g.pp.get());
   };
-  std::vector<std::int32_t> in, tg;
-  testing::share_of(global, 3, g.coord.dp, DP, in, tg);
-  in.resize(static_cast<std::size_t>(global.micro_batch * global.seq_len));  // loss(): one micro-batch
-  tg.resize(in.size());
-  const std::vector<std::int32_t> tokens = testing::eval_tokens(global);
-  double losses[2] = {0, 0};
-  EvalResult evals[2];
-  Snapshot straight, resumed;
-  std::string dir;
-  for (int stage : {2, 3}) {
-    std::unique_ptr<Device> device;
-    auto engine = create(device, stage);
-    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
-    Snapshot warm;
-    ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 2, warm)) << what;
-    if (stage == 3) {
-      auto saved = (*engine)->save_checkpoint(root + "/ck", "{}", 1);
-      ASSERT_TRUE(saved.ok()) << what << ": " << saved.status().to_string();
-      dir = *saved;
-    }
-    auto l = (*engine)->loss(in, tg);
-    ASSERT_TRUE(l.ok()) << what << ": " << l.status().to_string();
-    losses[stage - 2] = *l;
-    auto e = (*engine)->evaluate(tokens, 3);
-    ASSERT_TRUE(e.ok()) << what << ": " << e.status().to_string();
-    evals[stage - 2] = *e;
-    if (stage == 3) {
-      ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 3, straight, 2)) << what;
-      std::vector<int> held;
-      ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
-    }
-  }
-  EXPECT_EQ(losses[0], losses[1]) << what << ": loss() at stage 2 vs 3";
-  EXPECT_EQ(evals[0].loss, evals[1].loss) << what << ": evaluate() at stage 2 vs 3";
-  EXPECT_EQ(evals[0].tokens, evals[1].tokens) << what;
-  {
-    std::unique_ptr<Device> device;
-    auto engine = create(device, 3);
-    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
-    auto m = (*engine)->load_checkpoint(dir);
-    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
-    EXPECT_EQ(m->step, 2) << what;
-    ASSERT_TRUE(run_share(**engine, global, g.coord.dp, DP, 3, resumed, 2)) << what;
-    std::vector<int> held;
-    ASSERT_TRUE(capture_stage(**engine, resumed, held)) << what;
-  }
-  for (Snapshot* snap : {&straight, &resumed}) {
-    snap->scales.assign(snap->losses.size(), 1.0);
-    snap->skipped.assign(snap->losses.size(), 0);
-  }
-  testing::expect_same(straight, resumed, what + ": resumed against uninterrupted");
-  {
-    // One process loads the grid's checkpoint: the state of the stage's parameters as the grid
-    // held it after step 2 (a fresh grid engine loading it gathers that state again).
-    Snapshot grid_state, single_state;
-    std::vector<int> held;
-    {
-      std::unique_ptr<Device> device;
-      auto engine = create(device, 3);
-      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
-      ASSERT_TRUE((*engine)->load_checkpoint(dir).ok()) << what;
-      ASSERT_TRUE(capture_stage(**engine, grid_state, held)) << what;
-    }
-    auto device = testing::make_device();
-    auto engine = OffloadEngine::create(global, device_settings(0), *device);
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    auto m = (*engine)->load_checkpoint(dir);
-    ASSERT_TRUE(m.ok()) << what << ": " << m.status().to_string();
-    ASSERT_TRUE(capture_held(**engine, held, single_state)) << what;
-    ASSERT_EQ(grid_state.param.size(), single_state.param.size()) << what;
-    for (std::size_t i = 0; i < grid_state.param.size(); ++i) {
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.param[i], single_state.param[i]))
-          << what << ": param " << held[i];
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.master[i], single_state.master[i]))
-          << what << ": master " << held[i];
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.m[i], single_state.m[i]))
-          << what << ": exp_avg " << held[i];
-      EXPECT_TRUE(testing::bitwise_equal(grid_state.v[i], single_state.v[i]))
-          << what << ": exp_avg_sq " << held[i];
-    }
-  }
-  ASSERT_TRUE(world().barrier().wait().ok());
-  if (world().rank() == 0) std::filesystem::remove_all(root);
+  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0),
+                                              "device-pp-state", what);
 }
 
 // The plan of a stage's rank: OffloadPlan::make with the pipeline bounds, the stage and the dp

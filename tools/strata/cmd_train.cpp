@@ -201,6 +201,9 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
            {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
            {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
            {"data_parallel", after.bytes_dp - before.bytes_dp},
+           // This rank's boundary tensors sent to its pipeline neighbours (with sequence
+           // parallelism its rows of them: 1/tp of the bytes without it).
+           {"pipeline", after.bytes_pp - before.bytes_pp},
            {"activations", (after.bytes_activations_to_host - before.bytes_activations_to_host) +
                                (after.bytes_activations_to_device - before.bytes_activations_to_device)}};
   j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
@@ -920,6 +923,7 @@ int run_train(std::span<const std::string> argv) {
     summary["offload_param"] = std::string(to_string(offload.params));
     summary["offload_optimizer"] = std::string(to_string(offload.optimizer));
     summary["bytes_data_parallel"] = os.bytes_dp;
+    summary["bytes_pipeline"] = os.bytes_pp;
     summary["bytes_h2d"] = os.bytes_h2d;
     summary["bytes_d2h"] = os.bytes_d2h;
     summary["bytes_nvme_read"] = os.bytes_nvme_read;
