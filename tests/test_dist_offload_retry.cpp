@@ -8,7 +8,10 @@
 // disk is still failing fails again on every rank, and once it is back the next call finishes
 // the update in place on every rank. The run then continues bit for bit as the same ranks
 // without the fault: the reduction order is the same, so the comparison is bitwise (losses,
-// norms, and every parameter, master and moment this rank holds).
+// norms, and every parameter, master and moment this rank holds). Also on the 2 x 2 grids of 4
+// ranks, with the delayed update, with update_during_backward (agreed, sticky), and a failure
+// that stops one rank's pass before a collective (not agreed: the job ends with an error on
+// every rank, DistOffloadPassFault).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -76,7 +79,8 @@ const char* name_of(Group g) {
     case Group::kPipeline: return "pipeline";
     case Group::kDataTensor: return "data 2 x tensor 2";
     case Group::kDataPipeline: return "data 2 x pipeline 2";
-    case Group::kTensorPipeline: return "tensor 2 x pipeline 2";
+    case Group::kTensorPipeline:
+      return "tensor 2 x pipeline 2";
   }
   return "?";
 }
@@ -239,8 +243,8 @@ void retry_case(const Case& which) {
   } else if (which.group == Group::kTensorPipeline) {
     // World rank 1 is tensor-parallel rank 1 of stage 0: its tensor peer (stage 0) learns it in
     // the per-module agreement, stage 1's two ranks in the stages' agreement.
-    const std::string named = groups.grid->coord.pp == 0 ? "failed on tensor-parallel rank 1"
-                                                         : "failed on pipeline stage 0";
+    const std::string named =
+        groups.grid->coord.pp == 0 ? "failed on tensor-parallel rank 1" : "failed on pipeline stage 0";
     EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
     EXPECT_NE(first.message().find(named), std::string::npos) << first.to_string();
   } else {
@@ -399,8 +403,9 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
                                 : group == Group::kTensor       ? "tensor-parallel rank 1"
                                 : group == Group::kPipeline     ? "pipeline stage 1"
                                 : group == Group::kDataPipeline ? "data-parallel rank 0, pipeline stage 1"
-                                : group == Group::kTensorPipeline ? "tensor-parallel rank 1, pipeline stage 0"
-                                                                : "data-parallel rank 0, tensor-parallel rank 1";
+                                : group == Group::kTensorPipeline
+                                    ? "tensor-parallel rank 1, pipeline stage 0"
+                                    : "data-parallel rank 0, tensor-parallel rank 1";
       EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
       EXPECT_NE(s.message().find(step_name + ": the step failed before its update on " + named), std::string::npos)
           << s.to_string();
@@ -663,11 +668,13 @@ void delayed_case(DelayedFault fault) {
       EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
     } else {
       EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-      EXPECT_NE(first.message().find("failed on data-parallel rank 1"), std::string::npos) << first.to_string();
+      EXPECT_NE(first.message().find("failed on data-parallel rank 1"), std::string::npos)
+          << first.to_string();
     }
     Status again = e.synchronize();
     ASSERT_FALSE(again.ok()) << "rank " << R;
-    EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos) << again.to_string();
+    EXPECT_NE(again.message().find("retrying the update of " + step_name), std::string::npos)
+        << again.to_string();
     faults.fail_writes_after_bytes = 0;
     const std::uint64_t before_retry = faults.write_bytes_started.load();
     Status retried = e.synchronize();
@@ -732,8 +739,10 @@ TEST(DistOffloadRetry, UpdateDuringBackwardFailureOnOneRankIsStickyOnEveryRank) 
   auto expect_sticky = [&](const Status& st, const char* when) {
     ASSERT_FALSE(st.ok()) << "rank " << R << ": " << when << " did not fail";
     EXPECT_NE(st.message().find(step_name + ": "), std::string::npos) << when << ": " << st.to_string();
-    EXPECT_NE(st.message().find("with update_during_backward"), std::string::npos) << when << ": " << st.to_string();
-    EXPECT_NE(st.message().find("load the last checkpoint"), std::string::npos) << when << ": " << st.to_string();
+    EXPECT_NE(st.message().find("with update_during_backward"), std::string::npos)
+        << when << ": " << st.to_string();
+    EXPECT_NE(st.message().find("load the last checkpoint"), std::string::npos)
+        << when << ": " << st.to_string();
     if (R == failing) {
       EXPECT_EQ(st.code(), StatusCode::kInternal) << when << ": " << st.to_string();
       EXPECT_NE(st.message().find(cause), std::string::npos) << when << ": " << st.to_string();

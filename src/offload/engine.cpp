@@ -3276,9 +3276,10 @@ void OffloadEngine::Impl::worker_main() {
     // still the cause it reports, with what became of the agreement; not retryable.
     auto unagreed = [&](Status gathered) {
       if (own.ok()) return gathered;
-      return own.with_context("step " + std::to_string(c.step) +
-                              ": this rank's failure before the norm could not be agreed with the other ranks (" +
-                              gathered.to_string() + ")");
+      return own.with_context(
+          "step " + std::to_string(c.step) +
+          ": this rank's failure before the norm could not be agreed with the other ranks (" +
+          gathered.to_string() + ")");
     };
     // Partial offload: the device units' statistics are their scans on the compute stream (with
     // data parallelism: of this rank's slices), which the caller synchronised before it pushed
@@ -3343,7 +3344,8 @@ void OffloadEngine::Impl::worker_main() {
                                "update_during_backward off, such a step can be run again)";
       if (!own.ok()) return fail(own.with_context(what), FailPhase::kNone, c);
       return fail(unavailable("step " + std::to_string(c.step) + ": the step failed before its norm on " +
-                              name_grid_place(verdict) + " (its error names the cause); " + what.substr(what.find("with "))),
+                              name_grid_place(verdict) + " (its error names the cause); " +
+                              what.substr(what.find("with "))),
                   FailPhase::kNone, c);
     }
     if (verdict != 0.0f) {
@@ -5163,7 +5165,8 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
         const bool this_step = !t.worker_error.ok() && t.failed.cmd.step == m.step;
         // Every rank failed this step before its update (agreed): the peers whose pass went
         // through published the previous update, this call did not; the rerun publishes first.
-        if (this_step && t.failed.phase == Impl::FailPhase::kBeforeUpdate && t.delayed && t.pending_publish > 0)
+        if (this_step && t.failed.phase == Impl::FailPhase::kBeforeUpdate && t.delayed &&
+            t.pending_publish > 0)
           t.publish_before_rerun = true;
         // Agreed but not retryable (update_during_backward): the verdict every rank reports,
         // which names this rank's cause and what to do.
