@@ -300,12 +300,13 @@ struct OffloadEngine::Impl {
   //     statistics to every rank (agree_before_norm), so every rank fails that step and runs it
   //     again.
   //   kNone: not retryable — more than one process and a failure before the norm that is not
-  //     agreed on (!agree_before_norm: the delayed update, update_during_backward) or a failed
+  //     agreed on (!agree_before_norm: data parallelism with unsharded state) or a failed
   //     collective (after the norm the ranks agree: agree_unit per unit over the data-parallel
   //     and tensor groups, agree_stages per step over the pipeline stages); or
   //     update_during_backward, where units are updated while the step's call is still running
   //     (only a non-finite gradient or a stream error can fail there, and neither goes away by
-  //     retrying): sticky until load_checkpoint.
+  //     retrying; with several processes the failure is agreed, so every rank reports it):
+  //     sticky until load_checkpoint.
   // Which units (and NVMe sub-groups) already hold the step is what updated_step,
   // host_opt_step and group_step record; a failed swap write keeps the previous version
   // readable (swap_store.cpp), so a sub-group that is not marked reads back as before the step.
@@ -367,6 +368,11 @@ struct OffloadEngine::Impl {
   // step, which needs nothing but that step's commands, already pushed on every rank.
   bool delayed = false;
   std::int64_t pending_publish = 0;
+  // Several processes (agree_before_norm): this rank's call of a step that every rank failed
+  // before its update returned before publishing step pending_publish's update, which its peers
+  // whose pass succeeded did publish. The next step() publishes it first, so the step runs again
+  // at P[pending_publish] on every rank (as after a flush). Caller thread only.
+  bool publish_before_rerun = false;
   // The delayed update with working parameters off the device: the next step's fetches read the
   // home while the update in flight produces the next version, so every off-device unit has two.
   // Host home: the update writes `delayed_next` (offset next_offset[u]) and publish_delayed
@@ -395,6 +401,13 @@ struct OffloadEngine::Impl {
   std::uint64_t update_failures = 0;
   bool worker_busy = false;  // a command is being processed (guarded by mu)
   const nvme_detail::IoFaults* io_faults = nullptr;  // tests only (offload_detail::EngineFaults)
+  // Tests only (EngineFaults::fail_next_pass): the next step's call fails with it once its
+  // streams are idle, as a stream error seen after the pass. Caller thread only.
+  Status injected_pass_error;
+  // Tests only (EngineFaults::fail_compute_at): the next access of module injected_compute_module
+  // enqueues injected_compute_error on the compute stream. Caller thread only.
+  int injected_compute_module = -1;
+  Status injected_compute_error;
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -636,13 +649,16 @@ struct OffloadEngine::Impl {
   // stream error the caller sees, a failed scan or copy of landed gradients, a gradient read or
   // write) travels as a flag with the statistics that every rank gathers for the norm anyway (the
   // data-parallel all-gather, the stages' and the tensor ranks' gathers: together they reach every
-  // rank of the grid), so every rank fails the step and runs it again; nothing was updated
-  // anywhere. Not with the delayed update (the failing rank's call skips publishing the previous
-  // update that its peers publish, so the repeated step would not start alike), not when units
-  // are updated while they land, and not with data parallelism whose optimizer state is not
-  // sharded (no statistics gather over the data-parallel group).
+  // rank of the grid), so every rank fails the step alike and none waits in a gather its peer
+  // skipped; nothing was updated anywhere and every rank runs the step again. With the delayed
+  // update the failing rank's call may have skipped publishing the previous update that its
+  // peers published: it publishes it before the step runs again (publish_before_rerun), so every
+  // rank reruns at the same parameters. Units updated while they land (update_immediately) are
+  // agreed the same way but not retryable: some ranks may have updated some units (sticky, every
+  // rank naming the cause and the checkpoint to reload). Not with data parallelism whose
+  // optimizer state is not sharded (no statistics gather over the data-parallel group).
   bool agree_before_norm() const {
-    return !opt_on_device && (dp_size > 1 || tp_size > 1 || pp_size > 1) && !delayed && !update_immediately() &&
+    return !opt_on_device && (dp_size > 1 || tp_size > 1 || pp_size > 1) &&
            (dp_size == 1 || (sharded && dp_params != nullptr));
   }
   // The agreed place of a failing rank in the grid (1 + data-parallel rank + dp * (tensor rank +
@@ -3255,6 +3271,16 @@ void OffloadEngine::Impl::worker_main() {
     GradStats total;
     float verdict = own.ok() ? 0.0f : grid_place();
     float* flag = agree_before ? &verdict : nullptr;
+    // A gather of the statistics failed (a peer never joined: it waits in a collective of the
+    // pass this rank skipped, docs/offload.md "Faults", "Not agreed"). This rank's own failure is
+    // still the cause it reports, with what became of the agreement; not retryable.
+    auto unagreed = [&](Status gathered) {
+      if (own.ok()) return gathered;
+      return own.with_context(
+          "step " + std::to_string(c.step) +
+          ": this rank's failure before the norm could not be agreed with the other ranks (" +
+          gathered.to_string() + ")");
+    };
     // Partial offload: the device units' statistics are their scans on the compute stream (with
     // data parallelism: of this rank's slices), which the caller synchronised before it pushed
     // this command; every merge below takes them where the host units' are.
@@ -3271,7 +3297,7 @@ void OffloadEngine::Impl::worker_main() {
       Status s = dp_wait(dp_tracks[2], dp_params->all_gather(mine.data(), all.data(), per * sizeof(GradStats) / 4,
                                                              DType::kF32),
                          "gather gradient statistics", -1, all.size() * sizeof(GradStats));
-      if (!s.ok()) return fail(s, phase_of(c, FailPhase::kNone), c);
+      if (!s.ok()) return fail(unagreed(s), phase_of(c, FailPhase::kNone), c);
       for (int r = 0; r < dp_size; ++r) {
         const GradStats& theirs = all[static_cast<std::size_t>(r) * per + per - 1];
         verdict = std::max(verdict, static_cast<float>(theirs.sum_of_squares));
@@ -3286,7 +3312,7 @@ void OffloadEngine::Impl::worker_main() {
           for (int r = 0; r < dp_size; ++r) per_unit[static_cast<std::size_t>(u)].merge(at(r, u));
         }
         auto merged = merge_stage_stats(per_unit, flag);
-        if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+        if (!merged.ok()) return fail(unagreed(merged.status()), phase_of(c, FailPhase::kNone), c);
         total = *merged;
       } else {
         for (int u = 0; u < M; ++u) {
@@ -3295,15 +3321,32 @@ void OffloadEngine::Impl::worker_main() {
       }
     } else if (pp_size > 1) {
       auto merged = merge_stage_stats(stats, flag);
-      if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+      if (!merged.ok()) return fail(unagreed(merged.status()), phase_of(c, FailPhase::kNone), c);
       total = *merged;
     } else {
       for (int u = 0; u < M; ++u) total.merge(stats[static_cast<std::size_t>(u)]);
     }
     if (tp_size > 1) {
       auto merged = merge_over_tp(total, *tp_norm, flag);
-      if (!merged.ok()) return fail(merged.status(), phase_of(c, FailPhase::kNone), c);
+      if (!merged.ok()) return fail(unagreed(merged.status()), phase_of(c, FailPhase::kNone), c);
       total = *merged;
+    }
+    if (verdict != 0.0f && immediate_ok) {
+      // Units are updated as they land: by now some ranks may hold this step's update of some
+      // units (whichever landed before the failure, or on a peer that did not fail), and the
+      // gradients of the others are lost with the failed pass. Every rank learnt it in the same
+      // collectives; none may run the step again: sticky (FailPhase::kNone) on every rank,
+      // until a checkpoint is loaded.
+      const std::string what = "step " + std::to_string(c.step) +
+                               ": with update_during_backward the modules whose gradients landed before the "
+                               "failure already hold this step's update on some ranks, so the step cannot "
+                               "run again; load the last checkpoint (with gradient clipping, or "
+                               "update_during_backward off, such a step can be run again)";
+      if (!own.ok()) return fail(own.with_context(what), FailPhase::kNone, c);
+      return fail(unavailable("step " + std::to_string(c.step) + ": the step failed before its norm on " +
+                              name_grid_place(verdict) + " (its error names the cause); " +
+                              what.substr(what.find("with "))),
+                  FailPhase::kNone, c);
     }
     if (verdict != 0.0f) {
       // Some rank failed the step before its norm; every rank saw the same flags, in the same
@@ -3640,6 +3683,7 @@ Status OffloadEngine::Impl::publish_delayed() {
     uploaded_recorded[uu] = 1;
   }
   pending_publish = 0;
+  publish_before_rerun = false;
   return ok_status();
 }
 
@@ -3806,6 +3850,13 @@ bool OffloadEngine::Impl::gate_open(const ParamSlot& slot) const {
 }
 
 Status OffloadEngine::Impl::access_params(int m) {
+  if (injected_compute_module == m) {
+    // Tests only (EngineFaults::fail_compute_at): the compute stream fails here, so its later
+    // work, the model's tensor all-reduces included, is skipped.
+    injected_compute_module = -1;
+    STRATA_RETURN_IF_ERROR(
+        compute->host_fn("offload: injected compute fault", [f = injected_compute_error]() { return f; }));
+  }
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
     if (units.pbytes[uu] == 0) continue;
@@ -4790,6 +4841,15 @@ void offload_detail::EngineFaults::fail_state_downloads(OffloadEngine& engine, S
   engine.impl_->stager->set_download_fault(std::move(fault));
 }
 
+void offload_detail::EngineFaults::fail_next_pass(OffloadEngine& engine, Status fault) {
+  engine.impl_->injected_pass_error = std::move(fault);
+}
+
+void offload_detail::EngineFaults::fail_compute_at(OffloadEngine& engine, int module, Status fault) {
+  engine.impl_->injected_compute_module = module;
+  engine.impl_->injected_compute_error = std::move(fault);
+}
+
 namespace {
 
 // What tensor parallelism supports today; the errors say what to use instead.
@@ -5037,7 +5097,10 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
   t.loss_scale_now = m.loss_scale;
   // Delayed update: the update of a warm-up step (the first delayed_update_warmup) is seen by
   // the next step, like a flush (synchronize, a checkpoint, an evaluation).
-  if (t.delayed && t.pending_publish > 0 && t.pending_publish <= t.settings.delayed_update_warmup) {
+  // A step every rank failed before its update runs again at the same parameters on every rank:
+  // a rank whose failed call skipped the publish its peers made catches up first.
+  if (t.delayed && t.pending_publish > 0 &&
+      (t.pending_publish <= t.settings.delayed_update_warmup || t.publish_before_rerun)) {
     STRATA_RETURN_IF_ERROR(t.publish_delayed());
   }
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
@@ -5077,6 +5140,7 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     // Several processes: a gradient read or write error kept while the gradient stream went on
     // (its reduce-scatters are every rank's); the step fails here, agreed with the norm.
     if (s.ok()) s = t.take_grad_io_error();
+    if (s.ok() && !t.injected_pass_error.ok()) s = std::exchange(t.injected_pass_error, ok_status());
     // Delayed update: compute is done with the parameters of this step; the previous step's
     // update (which this step did not see) goes to the device now, before this step's update
     // may rewrite the host copy it is uploaded from (await_upload).
@@ -5096,6 +5160,18 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
       // Let the optimizer thread drain this step's landed units before the caller retries.
       s = t.abandon_pass(s);
       t.drain_worker();
+      if (t.agree_before_norm()) {
+        std::lock_guard<std::mutex> lock(t.mu);
+        const bool this_step = !t.worker_error.ok() && t.failed.cmd.step == m.step;
+        // Every rank failed this step before its update (agreed): the peers whose pass went
+        // through published the previous update, this call did not; the rerun publishes first.
+        if (this_step && t.failed.phase == Impl::FailPhase::kBeforeUpdate && t.delayed &&
+            t.pending_publish > 0)
+          t.publish_before_rerun = true;
+        // Agreed but not retryable (update_during_backward): the verdict every rank reports,
+        // which names this rank's cause and what to do.
+        if (this_step && t.failed.phase == Impl::FailPhase::kNone) return t.worker_error;
+      }
       return s;
     }
     std::unique_lock<std::mutex> lock(t.mu);
@@ -5788,6 +5864,7 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     t.failed = Impl::FailedUpdate{};
   }
   t.pending_publish = 0;  // the checkpoint's parameters replace the delayed update's
+  t.publish_before_rerun = false;
   std::fill(t.next_fresh.begin(), t.next_fresh.end(), 0);
   const std::uint64_t wsize = dtype_size(t.wdtype);
   std::vector<char> pbytes;

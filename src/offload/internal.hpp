@@ -734,6 +734,14 @@ struct EngineFaults {
   // for get_param, the state getters, save_weights, checkpoints) returns `fault` until it is
   // cleared with ok_status(), as a failing device copy would. Caller thread, between calls.
   static void fail_state_downloads(OffloadEngine& engine, Status fault);
+  // Tests only: the next step() (host optimizer) fails with `fault` once its passes ran through
+  // and its streams are idle, as a stream error its call sees then (a local failure before the
+  // norm, after every collective of the pass). Once. Caller thread, between calls.
+  static void fail_next_pass(OffloadEngine& engine, Status fault);
+  // Tests only: the compute stream fails with `fault` at the next access of module `module` (the
+  // next forward's), so the rest of the pass's compute work, collectives included, is skipped:
+  // a failure that stops this rank's pass before its peers' next collective. Once.
+  static void fail_compute_at(OffloadEngine& engine, int module, Status fault);
 };
 
 }  // namespace strata::offload_detail
