@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -302,6 +303,52 @@ TEST(Comm, AllGatherEqualsTheMpiLibrarysAllgatherBitForBit) {
     }
   }
   MPI_Comm_free(&ref);
+}
+
+// all_reduce and reduce_scatter of up to 256 KiB are point-to-point messages with each element
+// folded in rank order by one rank (mpi_comm.cpp reduce_direct). With values whose fp32 sum
+// depends on the order (signs and exponents spread over 2^-20..2^20), every rank's result must
+// be the left-to-right sum over ranks 0, 1, ..., n-1 bit for bit, and so the same on every rank
+// (on 2 ranks any order gives these bits; 3 and 4 ranks tell the orders apart).
+TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  auto value = [](int rank, std::size_t i) {
+    const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
+    const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
+    return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
+  };
+  auto fold = [&](std::size_t i) {
+    float acc = value(0, i);
+    for (int r = 1; r < p; ++r) acc += value(r, i);
+    return acc;
+  };
+  // 65536 x f32 = 256 KiB: the largest all_reduce the direct path takes.
+  for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{4097}, std::size_t{65536}}) {
+    std::vector<float> x(n);
+    std::vector<float> got(n, -1.0f);
+    for (std::size_t i = 0; i < n; ++i) x[i] = value(me, i);
+    ASSERT_TRUE(c.all_reduce(x.data(), got.data(), n, DType::kF32, ReduceOp::kSum).wait().ok()) << "n=" << n;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float want = fold(i);
+      ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)
+          << "all_reduce n=" << n << " i=" << i << ": " << got[i] << " vs " << want;
+    }
+    // reduce_scatter of n per rank, as long as the input (n per rank, times the ranks) stays
+    // within the direct path's 256 KiB; above it the MPI library's order applies.
+    if (n * static_cast<std::size_t>(p) > 65536) continue;
+    std::vector<float> all(n * static_cast<std::size_t>(p));
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = value(me, i);
+    std::vector<float> part(n, -1.0f);
+    ASSERT_TRUE(c.reduce_scatter(all.data(), part.data(), n, DType::kF32, ReduceOp::kSum).wait().ok())
+        << "n=" << n;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float want = fold(static_cast<std::size_t>(me) * n + i);
+      ASSERT_EQ(std::memcmp(&part[i], &want, sizeof(float)), 0)
+          << "reduce_scatter n=" << n << " i=" << i << ": " << part[i] << " vs " << want;
+    }
+  }
 }
 
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on

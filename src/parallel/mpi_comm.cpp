@@ -57,18 +57,29 @@ class MpiComm final : public Comm {
     return queue_.submit([=, this]() -> Status {
       const int n = static_cast<int>(count);
       if (dtype == DType::kF32) {
-        MPI_Request req;
-        const void* src = send == recv ? MPI_IN_PLACE : send;
-        STRATA_RETURN_IF_ERROR(start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (reduces_direct(count)) {
+          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
+                                               count,
+                                               /*scatter=*/false, op, what));
+        } else {
+          MPI_Request req;
+          const void* src = send == recv ? MPI_IN_PLACE : send;
+          STRATA_RETURN_IF_ERROR(
+              start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+          STRATA_RETURN_IF_ERROR(finish(req, what));
+        }
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), count, scratch_);
-      MPI_Request req;
-      STRATA_RETURN_IF_ERROR(
-          start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (reduces_direct(count)) {
+        STRATA_RETURN_IF_ERROR(reduce_direct(wide, wide, count, /*scatter=*/false, op, what));
+      } else {
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+      }
       if (op == ReduceOp::kAvg) divide(wide, count);
       convert(wide, static_cast<bf16*>(recv), count);
       return ok_status();
@@ -87,19 +98,30 @@ class MpiComm final : public Comm {
       const int n = static_cast<int>(recv_count);
       const std::size_t total = recv_count * static_cast<std::size_t>(size_);
       if (dtype == DType::kF32) {
-        MPI_Request req;
-        STRATA_RETURN_IF_ERROR(
-            start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (reduces_direct(total)) {
+          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
+                                               total,
+                                               /*scatter=*/true, op, what));
+        } else {
+          MPI_Request req;
+          STRATA_RETURN_IF_ERROR(
+              start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+          STRATA_RETURN_IF_ERROR(finish(req, what));
+        }
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), recv_count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), total, scratch_);
       if (scratch_out_.size() < recv_count) scratch_out_.resize(recv_count);
-      MPI_Request req;
-      STRATA_RETURN_IF_ERROR(start(
-          MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (reduces_direct(total)) {
+        STRATA_RETURN_IF_ERROR(reduce_direct(wide, scratch_out_.data(), total, /*scatter=*/true, op, what));
+      } else {
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req),
+                  what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+      }
       if (op == ReduceOp::kAvg) divide(scratch_out_.data(), recv_count);
       convert(scratch_out_.data(), static_cast<bf16*>(recv), recv_count);
       return ok_status();
@@ -205,6 +227,12 @@ class MpiComm final : public Comm {
   // gather_direct posts 2 (n - 1) requests per call; above this group size MPI_Iallgather's
   // logarithmic schedules are left to the library.
   static constexpr int kMaxDirectGatherRanks = 16;
+  // reduce_direct's first step uses this tag (its second, the gather, kGatherTag).
+  static constexpr int kReduceTag = 9;
+  // reduce_direct up to this many fp32 bytes in all: below it libnbc's reduction schedules cost
+  // more than the blocking calls', above it they were as fast or faster here
+  // (docs/parallel.md "Small messages and all_gather").
+  static constexpr std::size_t kMaxDirectReduceBytes = std::size_t{256} << 10;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -300,6 +328,70 @@ class MpiComm final : public Comm {
     };
   }
 
+  bool reduces_direct(std::size_t total) const {
+    return size_ <= kMaxDirectGatherRanks && total * sizeof(float) <= kMaxDirectReduceBytes;
+  }
+
+  // all_reduce (scatter false: dst gets all `total` elements; src == dst allowed) or
+  // reduce_scatter (true: dst gets this rank's block of total / size) of fp32 as point-to-point
+  // messages. Element range q of `total` (begin(q) .. begin(q + 1)) is reduced by rank q: it
+  // receives range q of every peer's src and folds the size values of each element in rank
+  // order (0, 1, ..., size - 1), so the result does not depend on which rank computes it or on
+  // message timing, and every rank gets the same bits. all_reduce then gathers the ranges.
+  // Each rank sends and receives (n - 1) / n of the buffer per step, as a ring does, in one
+  // step instead of n - 1.
+  Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
+                       const std::string& what) {
+    const auto n = static_cast<std::size_t>(size_);
+    const auto begin = [&](int q) { return total * static_cast<std::size_t>(q) / n; };
+    const std::size_t lo = begin(rank_);
+    const std::size_t len = begin(rank_ + 1) - lo;
+    if (peer_blocks_.size() < len * (n - 1)) peer_blocks_.resize(len * (n - 1));
+    // Peer q's range of this rank's elements lands in slot (rank - q) mod size, minus one.
+    const auto slot = [&](int q) { return static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * len; };
+    requests_.assign(2 * (n - 1), MPI_REQUEST_NULL);
+    int k = 0;
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(peer_blocks_.data() + slot(from), static_cast<int>(len),
+                                             MPI_FLOAT, from, kReduceTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      const int to = (rank_ + step) % size_;
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to), static_cast<int>(begin(to + 1) - begin(to)),
+                                             MPI_FLOAT, to, kReduceTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    STRATA_RETURN_IF_ERROR(finish(requests_.data(), k, what));
+    float* out = scatter ? dst : dst + lo;
+    const bool max = op == ReduceOp::kMax;
+    for (std::size_t i = 0; i < len; ++i) {
+      // Element by element: in place, out[i] is src[lo + i], read here before it is written.
+      float acc = rank_ == 0 ? src[lo + i] : peer_blocks_[slot(0) + i];
+      for (int q = 1; q < size_; ++q) {
+        const float v = q == rank_ ? src[lo + i] : peer_blocks_[slot(q) + i];
+        acc = max ? std::max(acc, v) : acc + v;
+      }
+      out[i] = acc;
+    }
+    if (scatter) return ok_status();
+    k = 0;
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), MPI_FLOAT, from,
+                          kGatherTag, comm_, &requests_[k++]),
+                what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), MPI_FLOAT, (rank_ + step) % size_,
+                                             kGatherTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    return finish(requests_.data(), k, what);
+  }
+
   static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
     if (scratch.size() < n) scratch.resize(n);
     convert(src, scratch.data(), n);
@@ -321,8 +413,11 @@ class MpiComm final : public Comm {
   // fp32 staging for bf16 reductions; touched only by the queue thread.
   std::vector<float> scratch_;
   std::vector<float> scratch_out_;
-  // The requests of gather_direct; touched only by the thread running the operation.
+  // The requests of gather_direct and reduce_direct; touched only by the thread running the
+  // operation.
   std::vector<MPI_Request> requests_;
+  // reduce_direct's receive buffer: the peers' ranges of this rank's elements.
+  std::vector<float> peer_blocks_;
   CommQueue queue_;  // last: its thread uses the members above, and stops first
 };
 
