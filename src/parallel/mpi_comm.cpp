@@ -1,8 +1,9 @@
 // The mpi backend: host buffers, the MPI library's non-blocking collectives, polled on the
 // Comm's queue thread so that a deadline can be enforced (a blocking MPI call cannot be
-// interrupted). all_gather is built from non-blocking point-to-point messages instead
-// (gather_direct, docs/parallel.md "Small messages and all_gather"): OpenMPI's non-blocking
-// all-gather schedule is several times slower than its blocking one.
+// interrupted). all_gather, and all_reduce and reduce_scatter up to 256 KiB, are built from
+// non-blocking point-to-point messages instead (gather_direct, reduce_direct; docs/parallel.md
+// "Small messages and all_gather"): OpenMPI's non-blocking schedules for them are several times
+// slower than its blocking algorithms there.
 //
 // bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
 // buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
