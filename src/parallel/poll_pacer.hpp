@@ -18,7 +18,7 @@ namespace strata::detail {
 // polls without giving up the core, as the MPI library's own blocking calls do: on a loaded
 // machine a yield hands the core to another process for the rest of its time slice
 // (milliseconds), far longer than the message it waits for takes (measured in docs/parallel.md
-// "Waiting without burning a core"); the rest of the window yields between polls, so that an
+// "Small messages and all_gather"); the rest of the window yields between polls, so that an
 // oversubscribed machine (more ranks than cores) keeps moving. Then sleep
 // between polls, each sleep an eighth of the time waited so far and at most kMaxSleep, so a wait
 // finishes at most ~12% (and at most kMaxSleep plus the timer slack) after the request did, and
