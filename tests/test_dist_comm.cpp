@@ -7,11 +7,11 @@
 // The CommFailure tests are DISABLED_ here and run by their own ctest entries, which expect the
 // job to end with an error (a skipped collective, a killed rank).
 #include <gtest/gtest.h>
+#include <time.h>
 #include <unistd.h>
 
-#include <time.h>
-
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +20,11 @@
 
 #include "comm_environment.hpp"
 #include "strata/parallel.hpp"
+
+// The reference for all_gather is the MPI library itself (the C API only).
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
 
 namespace strata {
 namespace {
@@ -252,6 +257,100 @@ TEST(Comm, AsyncOperationsRunInEnqueueOrder) {
   EXPECT_EQ(gathered, sim_gathered);
 }
 
+// all_gather moves its blocks as point-to-point messages of its own (mpi_comm.cpp gather_direct)
+// rather than through MPI_Iallgather. It moves bytes, so its result must equal the MPI library's
+// blocking MPI_Allgather's bit for bit: both dtypes, arbitrary bit patterns (NaN payloads and
+// denormals included), awkward sizes, out of place and in place, with a send and a recv of the
+// same Comm enqueued around it (a message of one must never match a receive of the other: a
+// 1-element send taken by the all_gather would fail its count, or leave the recv waiting).
+TEST(Comm, AllGatherEqualsTheMpiLibrarysAllgatherBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  for (DType d : kDtypes) {
+    for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{4097}, std::size_t{65537}}) {
+      const std::size_t block = n * dtype_size(d);
+      const std::size_t total = block * static_cast<std::size_t>(p);
+      std::vector<unsigned char> send(block);
+      for (std::size_t i = 0; i < block; ++i) {
+        send[i] = static_cast<unsigned char>((i * 131 + static_cast<std::size_t>(me) * 197 + 7) ^ (i >> 7));
+      }
+      std::vector<unsigned char> want(total, 0xCD);
+      ASSERT_EQ(MPI_Allgather(send.data(), static_cast<int>(block), MPI_BYTE, want.data(),
+                              static_cast<int>(block), MPI_BYTE, ref),
+                MPI_SUCCESS);
+      const std::string what = std::string(to_string(d)) + " n=" + std::to_string(n);
+
+      std::vector<unsigned char> got(total, 0xAB);
+      float token = static_cast<float>(me + 1);
+      float token_in = -1.0f;
+      CommWork s = c.send(&token, 1, DType::kF32, (me + 1) % p);
+      CommWork g = c.all_gather(send.data(), got.data(), n, d);
+      CommWork r = c.recv(&token_in, 1, DType::kF32, (me + p - 1) % p);
+      Status gs = g.wait();
+      ASSERT_TRUE(gs.ok()) << what << ": " << gs.to_string();
+      ASSERT_TRUE(s.wait().ok()) << what;
+      ASSERT_TRUE(r.wait().ok()) << what;
+      EXPECT_TRUE(got == want) << what << ": differs from MPI_Allgather";
+      EXPECT_EQ(token_in, static_cast<float>((me + p - 1) % p + 1)) << what;
+
+      std::vector<unsigned char> in_place(total, 0xEE);
+      std::copy(send.begin(), send.end(), in_place.begin() + static_cast<std::ptrdiff_t>(me * block));
+      ASSERT_TRUE(c.all_gather(in_place.data() + me * block, in_place.data(), n, d).wait().ok()) << what;
+      EXPECT_TRUE(in_place == want) << what << " in place: differs from MPI_Allgather";
+    }
+  }
+  MPI_Comm_free(&ref);
+}
+
+// all_reduce and reduce_scatter of up to 256 KiB are point-to-point messages with each element
+// folded in rank order by one rank (mpi_comm.cpp reduce_direct). With values whose fp32 sum
+// depends on the order (signs and exponents spread over 2^-20..2^20), every rank's result must
+// be the left-to-right sum over ranks 0, 1, ..., n-1 bit for bit, and so the same on every rank
+// (on 2 ranks any order gives these bits; 3 and 4 ranks tell the orders apart).
+TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  auto value = [](int rank, std::size_t i) {
+    const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
+    const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
+    return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
+  };
+  auto fold = [&](std::size_t i) {
+    float acc = value(0, i);
+    for (int r = 1; r < p; ++r) acc += value(r, i);
+    return acc;
+  };
+  // 65536 x f32 = 256 KiB: the largest all_reduce the direct path takes.
+  for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{4097}, std::size_t{65536}}) {
+    std::vector<float> x(n);
+    std::vector<float> got(n, -1.0f);
+    for (std::size_t i = 0; i < n; ++i) x[i] = value(me, i);
+    ASSERT_TRUE(c.all_reduce(x.data(), got.data(), n, DType::kF32, ReduceOp::kSum).wait().ok()) << "n=" << n;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float want = fold(i);
+      ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)
+          << "all_reduce n=" << n << " i=" << i << ": " << got[i] << " vs " << want;
+    }
+    // reduce_scatter of n per rank, as long as the input (n per rank, times the ranks) stays
+    // within the direct path's 256 KiB; above it the MPI library's order applies.
+    if (n * static_cast<std::size_t>(p) > 65536) continue;
+    std::vector<float> all(n * static_cast<std::size_t>(p));
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = value(me, i);
+    std::vector<float> part(n, -1.0f);
+    ASSERT_TRUE(c.reduce_scatter(all.data(), part.data(), n, DType::kF32, ReduceOp::kSum).wait().ok())
+        << "n=" << n;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float want = fold(static_cast<std::size_t>(me) * n + i);
+      ASSERT_EQ(std::memcmp(&part[i], &want, sizeof(float)), 0)
+          << "reduce_scatter n=" << n << " i=" << i << ": " << part[i] << " vs " << want;
+    }
+  }
+}
+
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on
 // B before A, and neither blocks the other.
 TEST(Comm, SeparateCommsProgressIndependently) {
@@ -394,8 +493,8 @@ TEST(Comm, WaitingForALatePeerCostsLittleCpu) {
     ASSERT_TRUE(a.wait().ok());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double cpu = process_cpu_seconds() - cpu0;
-    std::printf("rank %d, %s: waited %.3f s, used %.3f s of CPU (%.1f%%)\n", c.rank(), kRounds[round],
-                wall, cpu, 100.0 * cpu / wall);
+    std::printf("rank %d, %s: waited %.3f s, used %.3f s of CPU (%.1f%%)\n", c.rank(), kRounds[round], wall,
+                cpu, 100.0 * cpu / wall);
     std::fflush(stdout);
     EXPECT_LT(cpu, kMaxCpuShare * wall) << kRounds[round] << ": waited " << wall << " s";
     // The exchange itself still happened.
@@ -436,6 +535,32 @@ TEST(CommFailure, DISABLED_SkippedCollectiveTimesOut) {
   Status later = failed.barrier().wait();
   EXPECT_EQ(later.code(), StatusCode::kCancelled) << later.to_string();
   EXPECT_NE(later.message().find("comm timeout"), std::string::npos) << later.to_string();
+}
+
+// The same for all_gather, whose point-to-point messages are polled against the deadline like
+// any operation: ranks 0 and 2 exchange their blocks but never get rank 1's, and time out
+// naming the all_gather.
+TEST(CommFailure, DISABLED_SkippedAllGatherTimesOut) {
+  auto second = testing::g_comm_env->context->world(CommBackend::kMpi);
+  ASSERT_TRUE(second.ok());
+  ASSERT_TRUE(world().barrier().wait().ok());
+  Status s;
+  std::vector<float> x(4097, 1.0f);
+  std::vector<float> all(x.size() * static_cast<std::size_t>(world().size()));
+  if (world().rank() == 1) {
+    s = (*second)->barrier().wait();
+  } else {
+    s = world().all_gather(x.data(), all.data(), x.size(), DType::kF32).wait();
+    EXPECT_NE(s.message().find("all_gather of 4097 x f32 per rank on group 'world'"), std::string::npos)
+        << s.to_string();
+  }
+  EXPECT_NE(s.message().find("comm timeout"), std::string::npos) << s.to_string();
+  EXPECT_EQ(testing::g_comm_env->context->failure(), s);
+  std::printf("rank %d observed the timeout: %s\n", world().rank(), s.to_string().c_str());
+  std::fflush(stdout);
+  Comm& failed = world().rank() == 1 ? **second : world();
+  Status later = failed.all_gather(x.data(), all.data(), x.size(), DType::kF32).wait();
+  EXPECT_EQ(later.code(), StatusCode::kCancelled) << later.to_string();
 }
 
 // Rank 1 kills itself with SIGKILL before an all_reduce. Either the launcher notices and ends

@@ -101,6 +101,31 @@ TEST(PollPacer, SpinsThenSleepsAnEighthOfTheWaitCappedAndStartsOverOnReset) {
   EXPECT_EQ(q.next_at(t1 + std::chrono::seconds(5)), nanoseconds(0));
 }
 
+// The first kHotSpin of a wait polls without yielding (a yield on a loaded machine gives the
+// core away for a time slice, longer than a small message takes); the rest of the spin window
+// yields (next_at is zero), then the sleeps start as above.
+TEST(PollPacer, PollsWithoutYieldingForTheHotWindowOnly) {
+  using detail::PollPacer;
+  using std::chrono::microseconds;
+  using std::chrono::nanoseconds;
+  static_assert(PollPacer::kHotSpin == microseconds(50) && PollPacer::kHotSpin < PollPacer::kSpin);
+  const auto t0 = std::chrono::steady_clock::time_point{} + std::chrono::seconds(1000);
+  PollPacer p;
+  EXPECT_TRUE(p.hot_at(t0));  // no wait started yet
+  EXPECT_EQ(p.next_at(t0), nanoseconds(0));
+  EXPECT_TRUE(p.hot_at(t0 + microseconds(49)));
+  EXPECT_FALSE(p.hot_at(t0 + microseconds(50)));
+  EXPECT_EQ(p.next_at(t0 + microseconds(50)), nanoseconds(0));  // yielding from here to kSpin
+  EXPECT_FALSE(p.hot_at(t0 + std::chrono::seconds(3)));
+  // Progress starts a new wait with its own hot window.
+  p.reset();
+  const auto t1 = t0 + std::chrono::seconds(5);
+  EXPECT_TRUE(p.hot_at(t1));
+  EXPECT_EQ(p.next_at(t1), nanoseconds(0));
+  EXPECT_TRUE(p.hot_at(t1 + microseconds(10)));
+  EXPECT_FALSE(p.hot_at(t1 + microseconds(60)));
+}
+
 TEST(CommConfig, TimeoutComesFromTheTunable) {
   Options o;
   auto c = CommConfig::from_options(o);

@@ -154,7 +154,8 @@ class Comm {
   // send holds size() * recv_count elements; rank r receives the reduction of block r.
   virtual CommWork reduce_scatter(const void* send, void* recv, std::size_t recv_count, DType dtype,
                                   ReduceOp op) = 0;
-  // recv holds size() * send_count elements; block r is rank r's send.
+  // recv holds size() * send_count elements; block r is rank r's send. send may be this rank's
+  // block of recv (in place).
   virtual CommWork all_gather(const void* send, void* recv, std::size_t send_count, DType dtype) = 0;
   // buf of `root` is copied into buf of every rank.
   virtual CommWork broadcast(void* buf, std::size_t count, DType dtype, int root) = 0;

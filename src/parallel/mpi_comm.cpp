@@ -1,6 +1,9 @@
 // The mpi backend: host buffers, the MPI library's non-blocking collectives, polled on the
 // Comm's queue thread so that a deadline can be enforced (a blocking MPI call cannot be
-// interrupted).
+// interrupted). all_gather, and all_reduce and reduce_scatter up to 256 KiB, are built from
+// non-blocking point-to-point messages instead (gather_direct, reduce_direct; docs/parallel.md
+// "Small messages and all_gather"): OpenMPI's non-blocking schedules for them are several times
+// slower than its blocking algorithms there.
 //
 // bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
 // buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
@@ -11,6 +14,7 @@
 #if STRATA_HAVE_MPI
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "parallel/internal.hpp"
@@ -54,18 +58,29 @@ class MpiComm final : public Comm {
     return queue_.submit([=, this]() -> Status {
       const int n = static_cast<int>(count);
       if (dtype == DType::kF32) {
-        MPI_Request req;
-        const void* src = send == recv ? MPI_IN_PLACE : send;
-        STRATA_RETURN_IF_ERROR(start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (reduces_direct(count)) {
+          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
+                                               count,
+                                               /*scatter=*/false, op, what));
+        } else {
+          MPI_Request req;
+          const void* src = send == recv ? MPI_IN_PLACE : send;
+          STRATA_RETURN_IF_ERROR(
+              start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+          STRATA_RETURN_IF_ERROR(finish(req, what));
+        }
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), count, scratch_);
-      MPI_Request req;
-      STRATA_RETURN_IF_ERROR(
-          start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (reduces_direct(count)) {
+        STRATA_RETURN_IF_ERROR(reduce_direct(wide, wide, count, /*scatter=*/false, op, what));
+      } else {
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+      }
       if (op == ReduceOp::kAvg) divide(wide, count);
       convert(wide, static_cast<bf16*>(recv), count);
       return ok_status();
@@ -84,19 +99,30 @@ class MpiComm final : public Comm {
       const int n = static_cast<int>(recv_count);
       const std::size_t total = recv_count * static_cast<std::size_t>(size_);
       if (dtype == DType::kF32) {
-        MPI_Request req;
-        STRATA_RETURN_IF_ERROR(
-            start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
+        if (reduces_direct(total)) {
+          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
+                                               total,
+                                               /*scatter=*/true, op, what));
+        } else {
+          MPI_Request req;
+          STRATA_RETURN_IF_ERROR(
+              start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
+          STRATA_RETURN_IF_ERROR(finish(req, what));
+        }
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), recv_count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), total, scratch_);
       if (scratch_out_.size() < recv_count) scratch_out_.resize(recv_count);
-      MPI_Request req;
-      STRATA_RETURN_IF_ERROR(start(
-          MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-      STRATA_RETURN_IF_ERROR(finish(req, what));
+      if (reduces_direct(total)) {
+        STRATA_RETURN_IF_ERROR(reduce_direct(wide, scratch_out_.data(), total, /*scatter=*/true, op, what));
+      } else {
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req),
+                  what));
+        STRATA_RETURN_IF_ERROR(finish(req, what));
+      }
       if (op == ReduceOp::kAvg) divide(scratch_out_.data(), recv_count);
       convert(scratch_out_.data(), static_cast<bf16*>(recv), recv_count);
       return ok_status();
@@ -110,10 +136,19 @@ class MpiComm final : public Comm {
     const std::string what = "all_gather of " + describe_count(send_count, dtype) + " per rank";
     return queue_.submit([=, this]() -> Status {
       const int n = static_cast<int>(send_count);
-      MPI_Request req;
-      STRATA_RETURN_IF_ERROR(
-          start(MPI_Iallgather(send, n, wire_type(dtype), recv, n, wire_type(dtype), comm_, &req), what));
-      return finish(req, what);
+      if (size_ > kMaxDirectGatherRanks) {
+        // In place (send is this rank's block of recv) is MPI_IN_PLACE to MPI: aliased buffers
+        // are erroneous there.
+        const void* src = send == static_cast<const unsigned char*>(recv) +
+                                      static_cast<std::size_t>(rank_) * send_count * dtype_size(dtype)
+                              ? MPI_IN_PLACE
+                              : send;
+        MPI_Request req;
+        STRATA_RETURN_IF_ERROR(
+            start(MPI_Iallgather(src, n, wire_type(dtype), recv, n, wire_type(dtype), comm_, &req), what));
+        return finish(&req, 1, what);
+      }
+      return gather_direct(send, recv, send_count, dtype, what);
     });
   }
 
@@ -187,6 +222,18 @@ class MpiComm final : public Comm {
 
  private:
   static constexpr int kTag = 7;
+  // The collectives this backend builds from point-to-point messages (gather_direct) use a tag of
+  // their own, so a peer's send/recv can never match one of their receives.
+  static constexpr int kGatherTag = 8;
+  // gather_direct posts 2 (n - 1) requests per call; above this group size MPI_Iallgather's
+  // logarithmic schedules are left to the library.
+  static constexpr int kMaxDirectGatherRanks = 16;
+  // reduce_direct's first step uses this tag (its second, the gather, kGatherTag).
+  static constexpr int kReduceTag = 9;
+  // reduce_direct up to this many fp32 bytes in all: below it libnbc's reduction schedules cost
+  // more than the blocking calls', above it they were as fast or faster here
+  // (docs/parallel.md "Small messages and all_gather").
+  static constexpr std::size_t kMaxDirectReduceBytes = std::size_t{256} << 10;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -212,17 +259,50 @@ class MpiComm final : public Comm {
   // yielding at first, which keeps an oversubscribed machine (more ranks than cores) moving, then
   // short sleeps, so a rank waiting for a slow peer does not burn a core. Runs on the queue
   // thread or, through run_inline, on the waiting caller's.
-  Status finish(MPI_Request& req, const std::string& what) const {
+  // `count` requests, done when all are.
+  Status finish(MPI_Request* reqs, int count, const std::string& what) const {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
     PollPacer pacer;
     for (;;) {
       int flag = 0;
-      const int rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+      const int rc = MPI_Testall(count, reqs, &flag, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
       if (flag) return ok_status();
       if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
       pacer.pause();
     }
+  }
+  Status finish(MPI_Request& req, const std::string& what) const { return finish(&req, 1, what); }
+
+  // all_gather as one message from every rank to every other (docs/parallel.md "all_gather from
+  // point-to-point messages"): OpenMPI serves MPI_Iallgather with libnbc, whose schedule took
+  // 1.7-5.4x the blocking MPI_Allgather's time at 64 KiB-1 MiB here, while these messages go
+  // straight to the point-to-point transport (the same one the blocking call's algorithm uses)
+  // and stay non-blocking, so the deadline and the paced poll hold. Receives are posted first;
+  // each rank sends to rank+1, rank+2, ... so the ranks do not all send to rank 0 first. Two
+  // all_gathers in a row cannot mix: MPI keeps the messages of one sender and tag in order, and
+  // each rank posts its receives in the order of its operations on the queue.
+  Status gather_direct(const void* send, void* recv, std::size_t count, DType dtype,
+                       const std::string& what) {
+    const std::size_t block = count * dtype_size(dtype);
+    const int n = static_cast<int>(count);
+    auto* out = static_cast<unsigned char*>(recv);
+    requests_.assign(static_cast<std::size_t>(2 * (size_ - 1)), MPI_REQUEST_NULL);
+    int k = 0;
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(out + static_cast<std::size_t>(from) * block, n,
+                                             wire_type(dtype), from, kGatherTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      const int to = (rank_ + step) % size_;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Isend(send, n, wire_type(dtype), to, kGatherTag, comm_, &requests_[k++]), what));
+    }
+    unsigned char* mine = out + static_cast<std::size_t>(rank_) * block;
+    if (send != mine) std::memcpy(mine, send, block);
+    return finish(requests_.data(), k, what);
   }
 
   // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.
@@ -249,6 +329,70 @@ class MpiComm final : public Comm {
     };
   }
 
+  bool reduces_direct(std::size_t total) const {
+    return size_ <= kMaxDirectGatherRanks && total * sizeof(float) <= kMaxDirectReduceBytes;
+  }
+
+  // all_reduce (scatter false: dst gets all `total` elements; src == dst allowed) or
+  // reduce_scatter (true: dst gets this rank's block of total / size) of fp32 as point-to-point
+  // messages. Element range q of `total` (begin(q) .. begin(q + 1)) is reduced by rank q: it
+  // receives range q of every peer's src and folds the size values of each element in rank
+  // order (0, 1, ..., size - 1), so the result does not depend on which rank computes it or on
+  // message timing, and every rank gets the same bits. all_reduce then gathers the ranges.
+  // Each rank sends and receives (n - 1) / n of the buffer per step, as a ring does, in one
+  // step instead of n - 1.
+  Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
+                       const std::string& what) {
+    const auto n = static_cast<std::size_t>(size_);
+    const auto begin = [&](int q) { return total * static_cast<std::size_t>(q) / n; };
+    const std::size_t lo = begin(rank_);
+    const std::size_t len = begin(rank_ + 1) - lo;
+    if (peer_blocks_.size() < len * (n - 1)) peer_blocks_.resize(len * (n - 1));
+    // Peer q's range of this rank's elements lands in slot (rank - q) mod size, minus one.
+    const auto slot = [&](int q) { return static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * len; };
+    requests_.assign(2 * (n - 1), MPI_REQUEST_NULL);
+    int k = 0;
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(peer_blocks_.data() + slot(from), static_cast<int>(len),
+                                             MPI_FLOAT, from, kReduceTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      const int to = (rank_ + step) % size_;
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to), static_cast<int>(begin(to + 1) - begin(to)),
+                                             MPI_FLOAT, to, kReduceTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    STRATA_RETURN_IF_ERROR(finish(requests_.data(), k, what));
+    float* out = scatter ? dst : dst + lo;
+    const bool max = op == ReduceOp::kMax;
+    for (std::size_t i = 0; i < len; ++i) {
+      // Element by element: in place, out[i] is src[lo + i], read here before it is written.
+      float acc = rank_ == 0 ? src[lo + i] : peer_blocks_[slot(0) + i];
+      for (int q = 1; q < size_; ++q) {
+        const float v = q == rank_ ? src[lo + i] : peer_blocks_[slot(q) + i];
+        acc = max ? std::max(acc, v) : acc + v;
+      }
+      out[i] = acc;
+    }
+    if (scatter) return ok_status();
+    k = 0;
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), MPI_FLOAT, from,
+                          kGatherTag, comm_, &requests_[k++]),
+                what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), MPI_FLOAT, (rank_ + step) % size_,
+                                             kGatherTag, comm_, &requests_[k++]),
+                                   what));
+    }
+    return finish(requests_.data(), k, what);
+  }
+
   static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
     if (scratch.size() < n) scratch.resize(n);
     convert(src, scratch.data(), n);
@@ -270,6 +414,11 @@ class MpiComm final : public Comm {
   // fp32 staging for bf16 reductions; touched only by the queue thread.
   std::vector<float> scratch_;
   std::vector<float> scratch_out_;
+  // The requests of gather_direct and reduce_direct; touched only by the thread running the
+  // operation.
+  std::vector<MPI_Request> requests_;
+  // reduce_direct's receive buffer: the peers' ranges of this rank's elements.
+  std::vector<float> peer_blocks_;
   CommQueue queue_;  // last: its thread uses the members above, and stops first
 };
 

@@ -98,7 +98,9 @@ std::chrono::nanoseconds PollPacer::next_at(std::chrono::steady_clock::time_poin
 }
 
 void PollPacer::pause() {
-  const std::chrono::nanoseconds d = next();
+  const auto now = std::chrono::steady_clock::now();
+  const std::chrono::nanoseconds d = next_at(now);
+  if (hot_at(now)) return;
   if (d.count() == 0) {
     std::this_thread::yield();
   } else {
@@ -177,7 +179,9 @@ void CommQueue::run() {
         if (in_flight_.empty()) continue;
         // Paced like any poll, but a newly submitted operation ends the sleep at once: it may be
         // the send a peer is waiting for.
-        const std::chrono::nanoseconds d = pacer_.next();
+        const auto now = std::chrono::steady_clock::now();
+        const std::chrono::nanoseconds d = pacer_.next_at(now);
+        if (pacer_.hot_at(now)) continue;
         if (d.count() == 0) {
           std::this_thread::yield();
         } else {
