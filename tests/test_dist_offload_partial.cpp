@@ -341,15 +341,22 @@ TEST(PartialOffloadDataParallel, DeviceStateIsOneSlicePerRank) {
 // A checkpoint written with the split (the device slices gathered over the ranks) resumes at ratio
 // 1 and the other way round, bit for bit the straight run: the files are the placement's whole
 // state, each rank keeping its slices on load.
-TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
+void check_checkpoint(const Case& k, int stage) {
   const int P = world().size();
-  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * P, 0.5);
-  const OffloadSettings split = host_sharded(2, 0.5), whole = host_sharded(2, 1.0);
-  const Snapshot straight = train_share(global, whole, 4);
+  const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * P, 0.5);
+  testing::TempDir swap_straight("strata-partdp-ckpt-a");  // each rank its own
+  const Snapshot straight = train_share(global, settings_of(k, stage, 1.0, swap_straight), 4);
+  ASSERT_EQ(straight.losses.size(), 4u);
   for (const bool split_first : {true, false}) {
+    // A swap store per engine: each sizes its files by its own placement.
+    testing::TempDir swap_first("strata-partdp-ckpt-b"), swap_second("strata-partdp-ckpt-c");
     const std::string root = testing::shared_temp_dir("partial-ckpt");
-    const std::string what =
-        split_first ? "saved at ratio 0.5, resumed at ratio 1" : "saved at ratio 1, resumed at 0.5";
+    const std::string what = std::string(split_first ? "saved at the split, resumed at ratio 1"
+                                                     : "saved at ratio 1, resumed at the split") +
+                             ", stage " + std::to_string(stage) + ", params " + std::string(to_string(k.params)) +
+                             ", optimizer " + std::string(to_string(k.optimizer));
+    const OffloadSettings split = settings_of(k, stage, k.ratio, swap_first),
+                          whole = settings_of(k, stage, 1.0, swap_first);
     Snapshot got;
     {
       auto device = testing::make_device();
@@ -361,9 +368,11 @@ TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
       ASSERT_TRUE(saved.ok()) << saved.status().to_string();
     }
     {
+      const OffloadSettings split2 = settings_of(k, stage, k.ratio, swap_second),
+                            whole2 = settings_of(k, stage, 1.0, swap_second);
       auto device = testing::make_device();
       auto engine =
-          OffloadEngine::create(local_of(global), split_first ? whole : split, *device, nullptr, &world());
+          OffloadEngine::create(local_of(global), split_first ? whole2 : split2, *device, nullptr, &world());
       ASSERT_TRUE(engine.ok()) << engine.status().to_string();
       auto m = (*engine)->load_checkpoint(root);
       ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -375,6 +384,19 @@ TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
     ASSERT_TRUE(world().barrier().wait().ok());
     if (world().rank() == 0) std::filesystem::remove_all(root);
   }
+}
+
+TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
+  check_checkpoint(Case{ModelKind::kGpt2, DType::kBF16, 0.5}, 2);
+}
+
+// Stage 3 with the parameters on the host and the NVMe optimizer: the host modules' slices read
+// from their homes and the ring, the device modules' from the device.
+TEST(PartialOffloadDpStage3, CheckpointsWithTheParametersOnTheHostAndTheNvmeOptimizer) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.params = Tier::kHost;
+  k.optimizer = Tier::kNvme;
+  check_checkpoint(k, 3);
 }
 
 // What is not built stays refused, naming the key and what to use instead.
