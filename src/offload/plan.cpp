@@ -570,8 +570,8 @@ OffloadSettings placement_settings(const OffloadSettings& settings) {
   // from one base): the others are estimated without them. The delayed update adds a second
   // version of the parameters off the device;
   // the partial optimizer split applies to the host or NVMe optimizer in one process and, with
-  // several data-parallel ranks, where validate() takes it (stages 0-2, the host optimizer, the
-  // parameters on the device).
+  // several data-parallel ranks or a pipeline, where validate() takes it (with data parallelism
+  // alone: every stage and placement of the host or NVMe optimizer).
   if (s.optimizer == Tier::kDevice) s.delayed_update = false;
   if (s.optimizer == Tier::kDevice || s.delayed_update) {
     s.optimizer_ratio = 1.0;
