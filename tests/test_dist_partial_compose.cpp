@@ -388,7 +388,7 @@ TEST(PartialNp2, CheckpointResumesUnderPipeline) {
 // ---- 4 ranks -------------------------------------------------------------------------------------
 
 // tp 2 x dp 2: the data-parallel split of the device units (their slices reduced, scanned with
-// scan_norm and gathered on the compute stream) on each tp rank's shard, stages 1 and 2.
+// scan_norm and gathered on the compute stream) on each tp rank's shard, stages 1-3.
 TEST(PartialNp4, TensorTimesDataParallel) {
   ASSERT_EQ(world().size(), 4);
   auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
@@ -399,7 +399,7 @@ TEST(PartialNp4, TensorTimesDataParallel) {
   g.dp_rank = groups->dp->rank();
   g.dp_size = groups->dp->size();
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
-    for (int stage : {1, 2}) {
+    for (int stage : {1, 2, 3}) {
       const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, 2 * g.dp_size, 0.5);
       OffloadSettings s = host_optimizer();
       s.zero_stage = stage;
