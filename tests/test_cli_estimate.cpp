@@ -210,9 +210,9 @@ TEST(CliEstimate, ConfigOffloadTuningChangesThePlan) {
 }
 
 // A config's partial optimizer split (offload_optimizer.ratio) with --ranks N: the rows that take
-// it with several data-parallel ranks (parameters on the device, the host optimizer, stages 0-2)
-// are the library's plan of the split on N ranks (what the engine carves, test_dist_offload_partial);
-// the others are planned at ratio 1.
+// it with several data-parallel ranks (the optimizer off the device: every stage and parameter
+// placement) are the library's plan of the split on N ranks (what the engine carves,
+// test_dist_offload_partial); the others (the optimizer on the device) are planned at ratio 1.
 TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
   testing::TempDir dir("strata-cli-estimate");
   const std::string file = testing::write_file(
@@ -241,14 +241,20 @@ TEST(CliEstimate, RanksTakeAPartialOptimizerSplitWhereTheEngineDoes) {
       sliced = sliced || l.what.rfind("device region optim.exp_avg_sq (this rank's 1/2)", 0) == 0;
     EXPECT_TRUE(sliced) << "stage " << stage << ": the device state is this rank's slices";
   }
-  // Stage 3 (parameters off the device) does not take the split with several ranks.
+  // Stage 3 with the parameters off the device takes the split too (the device modules'
+  // parameters resident, the others' slices at their home).
   OffloadSettings s3;
   s3.params = Tier::kHost;
   s3.optimizer = Tier::kHost;
   s3.zero_stage = 3;
   s3.dp_size = 2;
+  s3.optimizer_ratio = 0.5;
   auto p3 = OffloadPlan::make(same_shape(), s3);
   ASSERT_TRUE(p3.ok()) << p3.status().to_string();
+  s3.optimizer_ratio = 1.0;
+  auto p3_whole = OffloadPlan::make(same_shape(), s3);
+  ASSERT_TRUE(p3_whole.ok()) << p3_whole.status().to_string();
+  EXPECT_GT(p3->device_bytes, p3_whole->device_bytes) << "stage 3: the device keeps the first modules";
   EXPECT_EQ(row(j, 3, "host", "host")["total"]["device"], p3->device_bytes);
 }
 

@@ -46,13 +46,28 @@ bool run_share(OffloadEngine& engine, const TrainerConfig& global, int from, int
   return true;
 }
 
+// What an engine's plan put where: the device's exp_avg region, and the NVMe optimizer's state.
+struct PlanBytes {
+  std::uint64_t exp_avg_device = 0, nvme_state = 0;
+  std::uint64_t param_slices = 0;  // stage 3: this rank's slices of the parameters at their home
+};
+
 // Steps [0, steps); then the full state (collective).
-Snapshot train_share(const TrainerConfig& global, const OffloadSettings& s, int steps) {
+Snapshot train_share(const TrainerConfig& global, const OffloadSettings& s, int steps, PlanBytes* bytes = nullptr) {
   Snapshot out;
   auto device = testing::make_device();
   auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
+  if (bytes != nullptr) {
+    for (const PlanLine& l : (*engine)->plan().lines) {
+      if (l.what.rfind("device region optim.exp_avg ", 0) == 0) bytes->exp_avg_device += l.bytes;
+      if (l.what.rfind("fp32 master + exp_avg + exp_avg_sq", 0) == 0 && l.tier == Tier::kNvme)
+        bytes->nvme_state += l.bytes;
+      if (l.what.rfind("working parameters (this rank's 1/", 0) == 0 && l.tier != Tier::kDevice)
+        bytes->param_slices += l.bytes;
+    }
+  }
   if (!run_share(**engine, global, 0, steps, out)) return out;
   testing::capture_state(**engine, out);
   return out;
@@ -80,23 +95,62 @@ struct Case {
   ModelKind kind;
   DType dtype;
   double ratio;
+  Tier params = Tier::kDevice;     // offload_param.device
+  Tier optimizer = Tier::kHost;    // offload_optimizer.device (the host part's)
+  Tier gradients = Tier::kHost;    // strata.offload_gradients (the host units')
+  std::vector<int> stages = {1, 2};
 };
 
-// Stages 1 and 2, accumulation 2 per rank, clipping on: bit for bit ratio 1 on the same ranks.
+// The placement of a case at `stage` and `ratio`, its NVMe files (if any) under `swap`.
+OffloadSettings settings_of(const Case& k, int stage, double ratio, const testing::TempDir& swap) {
+  OffloadSettings s = host_sharded(stage, ratio);
+  s.params = k.params;
+  s.optimizer = k.optimizer;
+  s.gradients = k.gradients;
+  s.persistence_threshold = 0;  // every module off the device moves
+  if (k.params == Tier::kNvme || k.optimizer == Tier::kNvme || k.gradients == Tier::kNvme) {
+    s.nvme_path = {swap.path().string()};
+    s.io.nvme_path = s.nvme_path;
+    s.sub_group_size = 4097;  // sub-groups that cut units: the ring indexes the host units only
+  }
+  return s;
+}
+
+// Accumulation 2 per rank, clipping on: bit for bit ratio 1 on the same ranks and stage, in the
+// same placement (parameters, optimizer and gradient tiers).
 void check(const Case& k) {
   const int P = world().size();
   const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * P, 0.5);
   const std::uint32_t kdev = device_modules(local_of(global), k.ratio);
   ASSERT_GT(kdev, 0u) << "ratio " << k.ratio << " keeps no module on the device";
-  for (int stage : {1, 2}) {
+  for (int stage : k.stages) {
     const std::string what = std::string(k.kind == ModelKind::kGpt2 ? "GPT-2" : "LLaMA") + " " +
                              std::string(to_string(k.dtype)) + ", stage " + std::to_string(stage) +
                              ", ratio " + std::to_string(k.ratio) + " (" + std::to_string(kdev) +
-                             " modules on the device), " + std::to_string(P) + " ranks";
+                             " modules on the device), params " + std::string(to_string(k.params)) +
+                             ", optimizer " + std::string(to_string(k.optimizer)) + ", gradients " +
+                             std::string(to_string(k.gradients)) + ", " + std::to_string(P) + " ranks";
     constexpr int kSteps = 3;
-    const Snapshot ref = train_share(global, host_sharded(stage, 1.0), kSteps);
-    const Snapshot got = train_share(global, host_sharded(stage, k.ratio), kSteps);
+    testing::TempDir swap_ref("strata-partdp-ref"), swap_got("strata-partdp-got");  // each rank its own
+    PlanBytes ref_bytes, got_bytes;
+    const Snapshot ref = train_share(global, settings_of(k, stage, 1.0, swap_ref), kSteps, &ref_bytes);
+    const Snapshot got = train_share(global, settings_of(k, stage, k.ratio, swap_got), kSteps, &got_bytes);
+    // The engine split its state: the device modules' moments on the device (this rank's
+    // slices), and with the NVMe optimizer only the host modules' slices on NVMe.
+    EXPECT_EQ(ref_bytes.exp_avg_device, 0u) << what;
+    EXPECT_GT(got_bytes.exp_avg_device, 0u) << what;
+    if (stage == 3 && k.params != Tier::kDevice) {
+      // Stage 3: the host modules' parameters sliced at their home, fewer than ratio 1's (the
+      // device modules' are resident and whole).
+      EXPECT_GT(got_bytes.param_slices, 0u) << what;
+      EXPECT_LT(got_bytes.param_slices, ref_bytes.param_slices) << what;
+    }
+    if (k.optimizer == Tier::kNvme) {
+      EXPECT_GT(got_bytes.nvme_state, 0u) << what;
+      EXPECT_LT(got_bytes.nvme_state, ref_bytes.nvme_state) << what << ": the host modules' slices only";
+    }
     testing::expect_same(ref, got, what);
+    ASSERT_FALSE(ref.losses.empty()) << what;
     EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
   }
 }
@@ -118,6 +172,96 @@ TEST(PartialOffloadDataParallel, EveryModuleOnTheDeviceLlamaBf16) {
 // fp16: the loss scale and the skipped steps (an overflow skips the device units on every rank,
 // as ratio 1 skips every unit).
 TEST(PartialOffloadDataParallel, Fp16SkipsAlikeBitForBit) { check({ModelKind::kGpt2, DType::kF16, 0.2}); }
+
+// ---- the host part off host memory, the parameters off the device (PartialOffloadDpTiers) ----
+// The host units take ratio 1's sharded path in each placement unchanged (the NVMe ring over
+// their slices, their parameters fetched from their home); the device units keep their
+// parameters resident and take the sharded device path above. Bit for bit ratio 1 in the same
+// placement on the same ranks.
+
+// The NVMe optimizer: the host units' slices of [master | m | v] stream through the ring in
+// sub-groups of 4097 elements.
+TEST(PartialOffloadDpTiers, NvmeOptimizerFp32) {
+  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
+  k.optimizer = Tier::kNvme;
+  check(k);
+}
+TEST(PartialOffloadDpTiers, NvmeOptimizerBf16) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.optimizer = Tier::kNvme;
+  check(k);
+}
+// The host units' reduced gradient slices on NVMe too.
+TEST(PartialOffloadDpTiers, NvmeOptimizerAndGradientsBf16) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.optimizer = Tier::kNvme;
+  k.gradients = Tier::kNvme;
+  check(k);
+}
+// The parameters on the host and on NVMe: the device modules resident, the others fetched.
+TEST(PartialOffloadDpTiers, ParametersOnTheHostBf16) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.params = Tier::kHost;
+  check(k);
+}
+TEST(PartialOffloadDpTiers, ParametersOnTheHostFp32) {
+  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
+  k.params = Tier::kHost;
+  check(k);
+}
+TEST(PartialOffloadDpTiers, ParametersAndOptimizerOnNvmeBf16) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.params = Tier::kNvme;
+  k.optimizer = Tier::kNvme;
+  check(k);
+}
+
+// ---- stage 3 (PartialOffloadDpStage3) ----------------------------------------------------------
+// The device units' working parameters stay whole and resident on every rank at stage 3 (their
+// update writes them in place and all-gathers the slices, as at stages 1-2); the host units take
+// ratio 1's stage 3 path (their parameters sliced at their home, gathered by the fetch). Their
+// gradients are reduced after every micro-batch as at stage 2. Bit for bit ratio 1 at stage 3.
+
+// The units of the split at stage 3: the device modules resident (home device), the others at
+// the parameters' home.
+void expect_device_modules_resident(const Case& k) {
+  auto layout = describe_model(local_of(testing::tiny(k.kind, k.dtype, 2 * world().size(), 0.5)).model);
+  ASSERT_TRUE(layout.ok());
+  OffloadSettings s = host_sharded(3, k.ratio);
+  s.params = k.params;
+  s.persistence_threshold = 0;  // as settings_of: every module off the device moves
+  s.dp_size = world().size();
+  const offload_detail::Units u = offload_detail::describe_units(*layout, s, world().rank());
+  ASSERT_GT(u.device_opt_units, 0u);
+  for (std::size_t m = 0; m < u.device_opt.size(); ++m) {
+    if (u.device_opt[m]) {
+      EXPECT_EQ(u.home[m], Tier::kDevice) << "module " << m << ": a device module stays resident";
+    } else if (u.pbytes[m] > 0) {
+      EXPECT_EQ(u.home[m], k.params) << "module " << m << ": a host module at the parameters' home";
+    }
+  }
+}
+
+TEST(PartialOffloadDpStage3, ParametersOnTheDeviceFp32) {
+  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
+  k.stages = {3};
+  check(k);
+}
+TEST(PartialOffloadDpStage3, ParametersOnTheHostBf16) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.params = Tier::kHost;
+  k.stages = {3};
+  expect_device_modules_resident(k);
+  check(k);
+}
+TEST(PartialOffloadDpStage3, ParametersAndOptimizerOnNvmeFp32) {
+  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
+  k.params = Tier::kNvme;
+  k.optimizer = Tier::kNvme;
+  k.stages = {3};
+  expect_device_modules_resident(k);
+  check(k);
+}
 
 // The device regions of the device modules' state are this rank's 1/N of one process's split
 // (the plan's lines, and the arena bytes the engine carved), beside the staging of their
@@ -197,15 +341,22 @@ TEST(PartialOffloadDataParallel, DeviceStateIsOneSlicePerRank) {
 // A checkpoint written with the split (the device slices gathered over the ranks) resumes at ratio
 // 1 and the other way round, bit for bit the straight run: the files are the placement's whole
 // state, each rank keeping its slices on load.
-TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
+void check_checkpoint(const Case& k, int stage) {
   const int P = world().size();
-  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * P, 0.5);
-  const OffloadSettings split = host_sharded(2, 0.5), whole = host_sharded(2, 1.0);
-  const Snapshot straight = train_share(global, whole, 4);
+  const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * P, 0.5);
+  testing::TempDir swap_straight("strata-partdp-ckpt-a");  // each rank its own
+  const Snapshot straight = train_share(global, settings_of(k, stage, 1.0, swap_straight), 4);
+  ASSERT_EQ(straight.losses.size(), 4u);
   for (const bool split_first : {true, false}) {
+    // A swap store per engine: each sizes its files by its own placement.
+    testing::TempDir swap_first("strata-partdp-ckpt-b"), swap_second("strata-partdp-ckpt-c");
     const std::string root = testing::shared_temp_dir("partial-ckpt");
-    const std::string what =
-        split_first ? "saved at ratio 0.5, resumed at ratio 1" : "saved at ratio 1, resumed at 0.5";
+    const std::string what = std::string(split_first ? "saved at the split, resumed at ratio 1"
+                                                     : "saved at ratio 1, resumed at the split") +
+                             ", stage " + std::to_string(stage) + ", params " + std::string(to_string(k.params)) +
+                             ", optimizer " + std::string(to_string(k.optimizer));
+    const OffloadSettings split = settings_of(k, stage, k.ratio, swap_first),
+                          whole = settings_of(k, stage, 1.0, swap_first);
     Snapshot got;
     {
       auto device = testing::make_device();
@@ -217,9 +368,11 @@ TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
       ASSERT_TRUE(saved.ok()) << saved.status().to_string();
     }
     {
+      const OffloadSettings split2 = settings_of(k, stage, k.ratio, swap_second),
+                            whole2 = settings_of(k, stage, 1.0, swap_second);
       auto device = testing::make_device();
       auto engine =
-          OffloadEngine::create(local_of(global), split_first ? whole : split, *device, nullptr, &world());
+          OffloadEngine::create(local_of(global), split_first ? whole2 : split2, *device, nullptr, &world());
       ASSERT_TRUE(engine.ok()) << engine.status().to_string();
       auto m = (*engine)->load_checkpoint(root);
       ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -233,6 +386,19 @@ TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
   }
 }
 
+TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
+  check_checkpoint(Case{ModelKind::kGpt2, DType::kBF16, 0.5}, 2);
+}
+
+// Stage 3 with the parameters on the host and the NVMe optimizer: the host modules' slices read
+// from their homes and the ring, the device modules' from the device.
+TEST(PartialOffloadDpStage3, CheckpointsWithTheParametersOnTheHostAndTheNvmeOptimizer) {
+  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
+  k.params = Tier::kHost;
+  k.optimizer = Tier::kNvme;
+  check_checkpoint(k, 3);
+}
+
 // What is not built stays refused, naming the key and what to use instead.
 TEST(PartialOffloadDataParallel, RefusedWhereNotBuilt) {
   auto refused = [](OffloadSettings s, const std::string& want) {
@@ -244,15 +410,11 @@ TEST(PartialOffloadDataParallel, RefusedWhereNotBuilt) {
     EXPECT_NE(e.message().find("data-parallel ranks"), std::string::npos) << e.message();
     EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
   };
-  refused(host_sharded(3, 0.5), "stage 3");
-  OffloadSettings nvme = host_sharded(2, 0.5);
-  nvme.optimizer = Tier::kNvme;
-  nvme.nvme_path = {"nvme"};  // validate touches no disk
-  nvme.io.nvme_path = nvme.nvme_path;
-  refused(nvme, "nvme");
-  OffloadSettings params = host_sharded(2, 0.5);
-  params.params = Tier::kHost;
-  refused(params, "offload_param.device");
+  // A pipeline with data-parallel ranks per stage at stage 3 (the host units' parameter slices
+  // with the split: untested).
+  OffloadSettings piped = host_sharded(3, 0.5);
+  piped.pipeline_bounds = {0, 2, 5};
+  refused(piped, "zero_optimization.stage 3");
   OffloadSettings dpu = host_sharded(2, 0.5);
   dpu.delayed_update = true;
   Status e = [&] {
@@ -261,10 +423,19 @@ TEST(PartialOffloadDataParallel, RefusedWhereNotBuilt) {
   }();
   EXPECT_FALSE(e.ok());
   EXPECT_NE(e.message().find("strata.delayed_update"), std::string::npos) << e.message();
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     OffloadSettings ok = host_sharded(stage, 0.5);
     ok.dp_size = world().size();
     EXPECT_TRUE(ok.validate().ok()) << "stage " << stage;
+    // Built: the NVMe optimizer and gradients, the parameters on the host or NVMe.
+    OffloadSettings nvme = ok;
+    nvme.optimizer = Tier::kNvme;
+    nvme.gradients = Tier::kNvme;
+    nvme.params = Tier::kNvme;
+    nvme.nvme_path = {"nvme"};  // validate touches no disk
+    nvme.io.nvme_path = nvme.nvme_path;
+    const Status st = nvme.validate();
+    EXPECT_TRUE(st.ok()) << "stage " << stage << ": " << st.to_string();
   }
 }
 

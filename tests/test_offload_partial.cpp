@@ -319,38 +319,43 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
     params.nvme_path = {dir.path().string()};
     EXPECT_TRUE(params.validate().ok()) << "parameters on " << to_string(home) << " take the split";
   }
-  // Data parallelism: stages 0-2 with the host optimizer train (test_dist_offload_partial.cpp);
-  // stage 3, the NVMe optimizer and the parameters off the device are refused.
+  // Data parallelism: stages 0-3, the host or NVMe optimizer and gradients, the parameters on
+  // the device, host or NVMe train (test_dist_offload_partial.cpp).
   OffloadSettings dp = partial(0.5);
   dp.dp_size = 2;
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     OffloadSettings st = dp;
     st.zero_stage = stage;
     EXPECT_TRUE(st.validate().ok()) << "stage " << stage << " with 2 data-parallel ranks";
+    for (Tier home : {Tier::kHost, Tier::kNvme}) {
+      OffloadSettings tiers = st;
+      tiers.optimizer = Tier::kNvme;
+      tiers.gradients = Tier::kNvme;
+      tiers.params = home;
+      tiers.nvme_path = {dir.path().string()};
+      EXPECT_TRUE(tiers.validate().ok()) << "stage " << stage << ", parameters on " << to_string(home)
+                                         << ", NVMe optimizer and gradients, 2 data-parallel ranks";
+    }
   }
-  OffloadSettings dp3 = dp;
-  dp3.zero_stage = 3;
-  refused(dp3, "data-parallel ranks at zero_optimization.stage 3");
-  OffloadSettings dp_nvme = dp;
-  dp_nvme.optimizer = Tier::kNvme;
-  dp_nvme.nvme_path = {dir.path().string()};
-  refused(dp_nvme, "offload_optimizer.device nvme");
-  OffloadSettings dp_params = dp;
-  dp_params.params = Tier::kHost;
-  refused(dp_params, "offload_param.device");
   // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp, interleaved
-  // stages too, and data-parallel ranks per stage at stages 0-1); not at stage 2.
+  // stages too, and data-parallel ranks per stage at stages 0-2); not interleaved at stage 2,
+  // not at stage 3.
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
   EXPECT_TRUE(piped.validate().ok()) << "one pipeline of 2 stages takes the split";
   OffloadSettings piped_dp = piped;
   piped_dp.dp_size = 2;
-  for (int stage : {0, 1}) {
+  for (int stage : {0, 1, 2}) {
     piped_dp.zero_stage = stage;
     EXPECT_TRUE(piped_dp.validate().ok()) << "pipeline stages with 2 data-parallel ranks, stage " << stage;
   }
-  piped_dp.zero_stage = 2;
-  refused(piped_dp, "pipeline stages and 2 data-parallel ranks at zero_optimization.stage 2");
+  piped_dp.zero_stage = 3;
+  refused(piped_dp, "pipeline stages and 2 data-parallel ranks at zero_optimization.stage 3");
+  OffloadSettings piped_dp_v2 = piped_dp;
+  piped_dp_v2.zero_stage = 2;
+  piped_dp_v2.pipeline_virtual_stages = 2;
+  piped_dp_v2.pipeline_bounds = {0, 1, 2, 3, 5};
+  refused(piped_dp_v2, "strata.pipeline_virtual_stages = 2");
   OffloadSettings interleaved = piped;
   interleaved.pipeline_virtual_stages = 2;
   interleaved.pipeline_bounds = {0, 1, 2, 3, 5};

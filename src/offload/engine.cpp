@@ -2358,6 +2358,9 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   auto chunk_name = [&](const ChunkOp& op) {
     return v == 1 ? std::string() : " (chunk " + std::to_string(op.chunk) + ")";
   };
+  // Partial offload with data parallelism at stage 2 (one chunk per stage; validate() refuses
+  // interleaving there): the device units reduced after each micro-batch's backward op.
+  const bool reduce_each = part_dp && settings.zero_stage >= 2 && step > 0;
   auto schedule = [&]() -> Status {
     STRATA_RETURN_IF_ERROR(post(0));
     for (std::size_t j = 0; j < ops.size(); ++j) {
@@ -2402,6 +2405,16 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
         STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr, c));
         if (sends_out(op)) {
           STRATA_RETURN_IF_ERROR(send(grad_send, a * v + c, model->activation_grad(), prev, grad_comm));
+        }
+        if (reduce_each) {
+          // Partial offload, pipeline x data parallel at stage 2: this micro-batch's device-unit
+          // gradients are complete (one chunk: the op ran every module of the stage), so they are
+          // reduce-scattered now, as run_micro_batches does after each micro-batch, and added
+          // into offload.grad_slices; then zeroed for the next micro-batch's backward (the
+          // staging holds the copy the collective reads). Behind the send in stream order: the
+          // previous stage's backward does not wait for the collective.
+          STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/a > 0));
+          if (a + 1 < micro) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
         }
       }
     }
@@ -4326,10 +4339,11 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   if (pp_size > 1) {
     STRATA_RETURN_IF_ERROR(run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr));
     if (!part_dp || !update) return ok_status();
-    // Partial offload with data parallelism (stages 0-1; validate() refuses stage 2 with a
-    // pipeline): the device units' sums over the schedule's micro-batches, reduce-scattered once
-    // as below, after every pipeline transfer of the step (run_pipeline drained the stream).
-    STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/false));
+    // Partial offload with data parallelism, stages 0-1: the device units' sums over the
+    // schedule's micro-batches, reduce-scattered once as below, after every pipeline transfer of
+    // the step (run_pipeline drained the stream). Stage 2 reduced each micro-batch inside the
+    // schedule (run_pipeline) into offload.grad_slices.
+    if (settings.zero_stage < 2) STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/false));
     if (pp_tied && split_dev(tied_unit)) {
       // The tied unit's reduced slice summed with the other end's (the same slice of the same
       // unit), as sum_tied_landed sums a host unit's, before scan_device_units reads it.

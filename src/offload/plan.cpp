@@ -81,26 +81,10 @@ Status OffloadSettings::validate() const {
   }
   if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
     const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio);
-    if (dp_size > 1) {
-      // Built: stages 0-2 with the host optimizer, the parameters and the gradients of the host
-      // units in host memory (docs/offload.md "Partial optimizer offload", "Data parallel").
-      const std::string ranks = " with " + std::to_string(dp_size) + " data-parallel ranks";
-      if (zero_stage >= 3) {
-        return invalid_argument(key + ranks + " at zero_optimization.stage " + std::to_string(zero_stage) +
-                                " is not built yet (the device modules' parameters would need slicing and "
-                                "gathering on the compute stream): use stage 1 or 2, or ratio 1");
-      }
-      if (optimizer == Tier::kNvme || gradients == Tier::kNvme) {
-        return invalid_argument(key + ranks + " and offload_optimizer.device nvme" +
-                                (gradients == Tier::kNvme ? std::string(" (gradients on NVMe)") : std::string()) +
-                                " is not built yet: use offload_optimizer.device cpu with the gradients in host "
-                                "memory, or ratio 1");
-      }
-      if (params != Tier::kDevice) {
-        return invalid_argument(key + ranks + " and offload_param.device " + std::string(to_string(params)) +
-                                " is not built yet: use offload_param.device none, or ratio 1");
-      }
-    }
+    // With data-parallel ranks every stage is built (docs/offload.md "Partial optimizer offload",
+    // "Data parallel"): stages 0-3, the host or NVMe optimizer, the gradients of the host units in
+    // host memory or on NVMe, the parameters anywhere (the device units' stay resident and whole,
+    // also at stage 3). The cuda backend is refused at engine creation (check_data_parallel).
     if (delayed_update) {
       return invalid_argument(key + " with strata.delayed_update is not built yet: use one or the other");
     }
@@ -127,13 +111,20 @@ Status OffloadSettings::validate() const {
       // Built: each stage splits its own units, interleaved stages the units of all their
       // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel");
       // with data-parallel ranks per stage at stages 0-1 (the device units reduced once after
-      // the schedule). Not at stage 2: it reduces every micro-batch, and a device unit's
-      // reduce-scatter would have to follow its last backward of each micro-batch inside the
-      // schedule, interleaved with other micro-batches' forwards.
+      // the schedule) and at stage 2 with one chunk per stage (reduced after each micro-batch's
+      // backward op, inside the schedule). Not interleaved at stage 2: a chunk's backward op
+      // completes only its own units, so the reduce would have to be cut per chunk. Not stage 3
+      // (the host units' parameter slices with a pipeline and the split: untested).
       const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) + stages;
-      if (dp_size > 1 && zero_stage >= 2) {
-        return invalid_argument(key + " and " + std::to_string(dp_size) + " data-parallel ranks at zero_optimization.stage " +
-                                std::to_string(zero_stage) + " is not built yet: use stage 1, or ratio 1");
+      const std::string ranks = " and " + std::to_string(dp_size) + " data-parallel ranks at zero_optimization.stage " +
+                                std::to_string(zero_stage);
+      if (dp_size > 1 && zero_stage >= 3) {
+        return invalid_argument(key + ranks + " is not built yet: use stage 1 or 2, or ratio 1");
+      }
+      if (dp_size > 1 && zero_stage == 2 && pipeline_virtual_stages > 1) {
+        return invalid_argument(key + ranks + " and strata.pipeline_virtual_stages = " +
+                                std::to_string(pipeline_virtual_stages) +
+                                " is not built yet: use strata.pipeline_virtual_stages 1, stage 1, or ratio 1");
       }
     }
   }
@@ -579,8 +570,8 @@ OffloadSettings placement_settings(const OffloadSettings& settings) {
   // from one base): the others are estimated without them. The delayed update adds a second
   // version of the parameters off the device;
   // the partial optimizer split applies to the host or NVMe optimizer in one process and, with
-  // several data-parallel ranks, where validate() takes it (stages 0-2, the host optimizer, the
-  // parameters on the device).
+  // several data-parallel ranks or a pipeline, where validate() takes it (with data parallelism
+  // alone: every stage and placement of the host or NVMe optimizer).
   if (s.optimizer == Tier::kDevice) s.delayed_update = false;
   if (s.optimizer == Tier::kDevice || s.delayed_update) {
     s.optimizer_ratio = 1.0;
