@@ -255,10 +255,10 @@ void retry_case(const Case& which) {
   const OffloadStats last = e.stats();
   ASSERT_TRUE(capture(e, got));
   expect_bitwise(ref, got);
-  // The early fetch across steps (docs/offload.md "One step"; data parallel at stages 0-3 and
-  // tensor parallel; not with a pipeline in the grid) is in effect again after the agreed retry:
-  // every access of the last step, its first included, was fetched ahead.
-  if (which.params != Tier::kDevice && !groups.pipeline()) {
+  // The early fetch across steps (docs/offload.md "One step"; data parallel at stages 0-3,
+  // tensor parallel, pipelines) is in effect again after the agreed retry: every access of the
+  // last step, its first included, was fetched ahead.
+  if (which.params != Tier::kDevice) {
     const std::uint64_t accesses = last.param_accesses - before_last.param_accesses;
     EXPECT_GT(accesses, 0u) << "rank " << R;
     EXPECT_EQ(last.prefetch_hits - before_last.prefetch_hits, accesses) << "rank " << R;
