@@ -44,7 +44,9 @@ struct Run {
 
 // kData: each rank its data-parallel share of the global batch (dp = the world); otherwise
 // every rank the whole batch (tp = the world, pp = the world: each rank a stage, or one process).
-enum class Mode { kOneProcess, kData, kTensor, kPipeline };
+// kDataPipeline: the 4-rank grid of 2 stages x 2 data-parallel ranks (rank = dp * 2 + stage), each
+// data-parallel rank its share of the global batch.
+enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline };
 
 Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int steps) {
   Run out;
@@ -54,19 +56,32 @@ Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int 
   Comm* dp = mode == Mode::kData ? &world() : nullptr;
   Comm* tp = mode == Mode::kTensor ? &world() : nullptr;
   Comm* pp = mode == Mode::kPipeline ? &world() : nullptr;
+  int dp_rank = world().rank(), DP = world().size();
+  Result<ProcessGroups> grid = failed_precondition("no grid");
+  if (mode == Mode::kDataPipeline) {
+    grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+    EXPECT_TRUE(grid.ok()) << grid.status().to_string();
+    if (!grid.ok()) return out;
+    dp = grid->dp.get();
+    pp = grid->pp.get();
+    dp_rank = grid->coord.dp;
+    DP = grid->grid.dp();
+    c.grad_accum = global.grad_accum / DP;
+  }
+  const bool share = mode == Mode::kData || mode == Mode::kDataPipeline;
+  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline;
   auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
   for (int i = 0; i < steps; ++i) {
-    const bool ok = mode == Mode::kData ? testing::run_share(**engine, global, world().rank(), world().size(),
-                                                             i + 1, out.state, i)
-                                        : testing::run_steps(**engine, c, i, i + 1, out.state);
+    const bool ok = share ? testing::run_share(**engine, global, dp_rank, DP, i + 1, out.state, i)
+                          : testing::run_steps(**engine, c, i, i + 1, out.state);
     if (!ok) return out;
     out.stats.push_back((*engine)->stats());
   }
   EXPECT_TRUE((*engine)->synchronize().ok());
   out.stats.push_back((*engine)->stats());  // after every update finished
-  if (mode == Mode::kPipeline) {
+  if (stages) {
     std::vector<int> held;  // a stage holds its own modules
     EXPECT_TRUE(testing::capture_stage(**engine, out.state, held));
     EXPECT_FALSE(held.empty());
@@ -120,7 +135,7 @@ void check(const Case& k) {
   // fp32, clipping 1: the norm decides the update (it runs after step() returned, overlapped with
   // the next step's early fetches). Data parallel: one micro-batch per rank.
   const TrainerConfig global =
-      testing::tiny(k.kind, DType::kF32, k.mode == Mode::kData ? P : 2, 1.0);
+      testing::tiny(k.kind, DType::kF32, k.mode == Mode::kData ? P : k.mode == Mode::kDataPipeline ? 4 : 2, 1.0);
   testing::TempDir dir_a("strata-dist-early"), dir_b("strata-dist-early"), dir_c("strata-dist-early");
   auto settings_in = [&](const testing::TempDir& dir) {
     OffloadSettings s;
@@ -160,7 +175,7 @@ void check(const Case& k) {
   expect_bitwise(ref.state, got.state, std::string(k.name) + ", early fetch vs every fetch on demand");
   if (k.mode == Mode::kData) testing::expect_close(one.state, got.state, testing::Tolerance{}, k.name);
 
-  if (k.stage == 3) {
+  if (k.stage == 3 && k.mode == Mode::kData) {
     // Each rank's decisions (an early copy taken, or refetched with another all-gather) are the
     // same: equal hits, accesses and data-parallel bytes on every rank, after every step.
     for (std::size_t i = 0; i < got.stats.size(); ++i) {
@@ -215,6 +230,16 @@ TEST(DistOffloadEarly, PipelineHitsAsOneProcessAndChangesNoBits) {
   check({"pipeline, host optimizer, parameters on NVMe", Mode::kPipeline, 0, Tier::kHost});
   check({"pipeline, host optimizer, parameters on the host", Mode::kPipeline, 0, Tier::kHost, 1'000'000'000,
          Tier::kHost, ModelKind::kLlama});
+}
+
+// 2 stages x 2 data-parallel ranks (4 ranks; tests/CMakeLists.txt runs it in the 4-rank job
+// only), each rank two micro-batches of the global batch of four: stage 3 with the parameters on
+// NVMe (each stage's early fetches agreed and gathered over its data-parallel group), and stage 2.
+TEST(DistOffloadEarlyGrid, DataTimesPipelineHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  check({"data 2 x pipeline 2, stage 3, host optimizer, parameters on NVMe", Mode::kDataPipeline, 3, Tier::kHost});
+  check({"data 2 x pipeline 2, stage 2, host optimizer, parameters on the host", Mode::kDataPipeline, 2,
+         Tier::kHost, 1'000'000'000, Tier::kHost});
 }
 
 }  // namespace
