@@ -3,18 +3,26 @@
 //
 // An early fetch reads a unit from this rank's own home once the unit's (agreed) update is
 // published; nothing in it talks at ZeRO stages 0-2 or with tensor parallelism, so it may change
-// the timing only. What is checked, on every rank:
+// the timing only. At stage 3 it all-gathers the ranks' slices, after the ranks agreed (one flag
+// all-reduce per early fetch) that every rank's gate saw the agreed mark: every rank keeps the
+// copy or refetches it alike. On a pipeline each stage fetches the first units of its own
+// schedule's trace. What is checked, on every rank:
 // - the hit rate after warm-up (steps 2 on) is at least the one-process figure of the same
 //   global batch (which is 1: every access, the pass's first included, fetched ahead), so the
 //   early fetch is in effect with data (and tensor) parallelism;
 // - the run is bit for bit the run of the same ranks with prefetching off (prefetch_modules 0:
 //   fetches on demand, no early fetch; its hit rate is below 1): losses, norms, every
-//   parameter, master and moment;
+//   parameter, master and moment (a pipeline stage: those it holds);
 // - data parallel: within the fp32 data-parallel tolerances of one process of the same global
 //   batch (not bitwise: the ranks sum the gradients in another order, test_dist_data_parallel.cpp),
-//   and with the NVMe optimizer every step issues optimizer-state reads during backward.
+//   and with the NVMe optimizer every step issues optimizer-state reads during backward;
+// - stage 3: every rank counts the same hits and the same data-parallel bytes (each hit is an
+//   all-gather not issued again), and the parameters are read at home on NVMe and on the host
+//   (on NVMe an early read that did not wait for the update would read the previous version:
+//   the bitwise comparison with prefetching off sees it).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -34,9 +42,11 @@ struct Run {
   std::vector<OffloadStats> stats;  // after each step
 };
 
-// `share`: each rank its data-parallel share of the global batch (dp = the world); otherwise
-// every rank the whole batch (tp = the world, or one process when `alone`).
-enum class Mode { kOneProcess, kData, kTensor };
+// kData: each rank its data-parallel share of the global batch (dp = the world); otherwise
+// every rank the whole batch (tp = the world, pp = the world: each rank a stage, or one process).
+// kDataPipeline: the 4-rank grid of 2 stages x 2 data-parallel ranks (rank = dp * 2 + stage), each
+// data-parallel rank its share of the global batch.
+enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline };
 
 Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int steps) {
   Run out;
@@ -45,19 +55,39 @@ Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int 
   auto device = testing::make_device();
   Comm* dp = mode == Mode::kData ? &world() : nullptr;
   Comm* tp = mode == Mode::kTensor ? &world() : nullptr;
-  auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp);
+  Comm* pp = mode == Mode::kPipeline ? &world() : nullptr;
+  int dp_rank = world().rank(), DP = world().size();
+  Result<ProcessGroups> grid = failed_precondition("no grid");
+  if (mode == Mode::kDataPipeline) {
+    grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+    EXPECT_TRUE(grid.ok()) << grid.status().to_string();
+    if (!grid.ok()) return out;
+    dp = grid->dp.get();
+    pp = grid->pp.get();
+    dp_rank = grid->coord.dp;
+    DP = grid->grid.dp();
+    c.grad_accum = global.grad_accum / DP;
+  }
+  const bool share = mode == Mode::kData || mode == Mode::kDataPipeline;
+  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline;
+  auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
   for (int i = 0; i < steps; ++i) {
-    const bool ok = mode == Mode::kData ? testing::run_share(**engine, global, world().rank(), world().size(),
-                                                             i + 1, out.state, i)
-                                        : testing::run_steps(**engine, c, i, i + 1, out.state);
+    const bool ok = share ? testing::run_share(**engine, global, dp_rank, DP, i + 1, out.state, i)
+                          : testing::run_steps(**engine, c, i, i + 1, out.state);
     if (!ok) return out;
     out.stats.push_back((*engine)->stats());
   }
   EXPECT_TRUE((*engine)->synchronize().ok());
   out.stats.push_back((*engine)->stats());  // after every update finished
-  EXPECT_TRUE(testing::capture_state(**engine, out.state));
+  if (stages) {
+    std::vector<int> held;  // a stage holds its own modules
+    EXPECT_TRUE(testing::capture_stage(**engine, out.state, held));
+    EXPECT_FALSE(held.empty());
+  } else {
+    EXPECT_TRUE(testing::capture_state(**engine, out.state));
+  }
   return out;
 }
 
@@ -66,7 +96,7 @@ double hit_rate(const Run& r, int from, int to) {
   const OffloadStats& a = r.stats[static_cast<std::size_t>(from - 1)];
   const OffloadStats& b = r.stats[static_cast<std::size_t>(to - 1)];
   const std::uint64_t accesses = b.param_accesses - a.param_accesses;
-  EXPECT_GT(accesses, 0u) << "the parameters at home on NVMe are fetched every step";
+  EXPECT_GT(accesses, 0u) << "the parameters off the device are fetched every step";
   return accesses == 0
              ? 0.0
              : static_cast<double>(b.prefetch_hits - a.prefetch_hits) / static_cast<double>(accesses);
@@ -94,6 +124,8 @@ struct Case {
   int stage;
   Tier optimizer;
   std::int64_t sub_group_size = 1'000'000'000;
+  Tier params = Tier::kNvme;  // the working parameters' home (never the device: fetched every pass)
+  ModelKind kind = ModelKind::kGpt2;
 };
 
 void check(const Case& k) {
@@ -103,15 +135,15 @@ void check(const Case& k) {
   // fp32, clipping 1: the norm decides the update (it runs after step() returned, overlapped with
   // the next step's early fetches). Data parallel: one micro-batch per rank.
   const TrainerConfig global =
-      testing::tiny(ModelKind::kGpt2, DType::kF32, k.mode == Mode::kData ? P : 2, 1.0);
+      testing::tiny(k.kind, DType::kF32, k.mode == Mode::kData ? P : k.mode == Mode::kDataPipeline ? 4 : 2, 1.0);
   testing::TempDir dir_a("strata-dist-early"), dir_b("strata-dist-early"), dir_c("strata-dist-early");
   auto settings_in = [&](const testing::TempDir& dir) {
     OffloadSettings s;
-    s.params = Tier::kNvme;
+    s.params = k.params;
     s.optimizer = k.optimizer;
     s.zero_stage = k.stage;
     s.sub_group_size = k.sub_group_size;
-    s.persistence_threshold = 0;  // every module at its home on NVMe, fetched each pass
+    s.persistence_threshold = 0;  // every module at its home (NVMe or host), fetched each pass
     s.nvme_path = {dir.path().string()};
     return s;
   };
@@ -143,6 +175,18 @@ void check(const Case& k) {
   expect_bitwise(ref.state, got.state, std::string(k.name) + ", early fetch vs every fetch on demand");
   if (k.mode == Mode::kData) testing::expect_close(one.state, got.state, testing::Tolerance{}, k.name);
 
+  if (k.stage == 3 && k.mode == Mode::kData) {
+    // Each rank's decisions (an early copy taken, or refetched with another all-gather) are the
+    // same: equal hits, accesses and data-parallel bytes on every rank, after every step.
+    for (std::size_t i = 0; i < got.stats.size(); ++i) {
+      const OffloadStats& st = got.stats[i];
+      testing::expect_same_text_on_every_rank(
+          "hits " + std::to_string(st.prefetch_hits) + ", accesses " + std::to_string(st.param_accesses) +
+              ", data-parallel bytes " + std::to_string(st.bytes_dp),
+          std::string(k.name) + ", counters after step " + std::to_string(i + 1));
+    }
+  }
+
   if (k.optimizer == Tier::kNvme) {
     // Every step's update finds reads issued during its backward, and takes them over.
     for (int i = 0; i < kSteps; ++i) {
@@ -163,9 +207,39 @@ TEST(DistOffloadEarly, DataParallelHitsAsOneProcessAndChangesNoBits) {
   check({"data parallel, stage 1, NVMe optimizer", Mode::kData, 1, Tier::kNvme, 4097});
 }
 
+// Stage 3: every fetch of a module all-gathers the ranks' slices (parameters on NVMe: each
+// rank's slice is its own NVMe key, read behind the gate; on the host: its host slice).
+TEST(DistOffloadEarly, StageThreeAgreesOnEveryEarlyCopyAndChangesNoBits) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  check({"data parallel, stage 3, host optimizer, parameters on NVMe", Mode::kData, 3, Tier::kHost});
+  check({"data parallel, stage 3, NVMe optimizer, parameters on the host", Mode::kData, 3, Tier::kNvme, 4097,
+         Tier::kHost});
+}
+
 TEST(DistOffloadEarly, TensorParallelHitsAsOneProcessAndChangesNoBits) {
   ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
   check({"tensor parallel, host optimizer", Mode::kTensor, 0, Tier::kHost});
+}
+
+// A pipeline (each rank a stage, two micro-batches): a stage's pass is its whole schedule, and
+// the early fetch reads the first units of its trace. Parameters on NVMe (the update may fail
+// after the norm: each stage marks its units only once the stages agreed on the update) and on
+// the host (an update in memory: marked unit by unit, overlapped with the next step).
+TEST(DistOffloadEarly, PipelineHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
+  check({"pipeline, host optimizer, parameters on NVMe", Mode::kPipeline, 0, Tier::kHost});
+  check({"pipeline, host optimizer, parameters on the host", Mode::kPipeline, 0, Tier::kHost, 1'000'000'000,
+         Tier::kHost, ModelKind::kLlama});
+}
+
+// 2 stages x 2 data-parallel ranks (4 ranks; tests/CMakeLists.txt runs it in the 4-rank job
+// only), each rank two micro-batches of the global batch of four: stage 3 with the parameters on
+// NVMe (each stage's early fetches agreed and gathered over its data-parallel group), and stage 2.
+TEST(DistOffloadEarlyGrid, DataTimesPipelineHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  check({"data 2 x pipeline 2, stage 3, host optimizer, parameters on NVMe", Mode::kDataPipeline, 3, Tier::kHost});
+  check({"data 2 x pipeline 2, stage 2, host optimizer, parameters on the host", Mode::kDataPipeline, 2,
+         Tier::kHost, 1'000'000'000, Tier::kHost});
 }
 
 }  // namespace

@@ -279,13 +279,22 @@ void retry_case(const Case& which) {
   const OffloadStats last = e.stats();
   ASSERT_TRUE(capture(e, got));
   expect_bitwise(ref, got);
-  // The early fetch across steps (docs/offload.md "One step"; data parallel at stages 0-2 and
-  // tensor parallel; not with a pipeline in the grid) is in effect again after the agreed retry:
-  // every access of the last step, its first included, was fetched ahead.
-  if (which.params != Tier::kDevice && !groups.pipeline() && !(data && stage == 3)) {
+  // The early fetch across steps (docs/offload.md "One step"; data parallel at stages 0-3,
+  // tensor parallel, pipelines) is in effect again after the agreed retry: every access of the
+  // last step, its first included, was fetched ahead.
+  if (which.params != Tier::kDevice) {
     const std::uint64_t accesses = last.param_accesses - before_last.param_accesses;
     EXPECT_GT(accesses, 0u) << "rank " << R;
     EXPECT_EQ(last.prefetch_hits - before_last.prefetch_hits, accesses) << "rank " << R;
+  }
+  // Stage 3: an early copy taken or dropped (refetched: another all-gather) is decided alike on
+  // every rank, through the failed step, the reports and the retries: the same hits, accesses
+  // and data-parallel bytes on every rank.
+  if (stage == 3 && which.group == Group::kData) {
+    testing::expect_same_text_on_every_rank("hits " + std::to_string(last.prefetch_hits) + ", accesses " +
+                                                std::to_string(last.param_accesses) + ", data-parallel bytes " +
+                                                std::to_string(last.bytes_dp),
+                                            "the counters after the last step");
   }
 }
 
@@ -485,6 +494,11 @@ TEST(DistOffloadRetry, NvmeOptimizerWriteErrorOnOneRankIsRetriedInPlaceOnEveryRa
   retry_case({Group::kData, 2, DType::kBF16, Tier::kNvme, Tier::kNvme, 4097});
   // Stage 3: each rank's slice of the parameters is written at home after its sub-groups.
   retry_case({Group::kData, 3, DType::kF32, Tier::kNvme, Tier::kNvme, 4097});
+  // Stage 3 with the parameters on the host (each rank's slice in host memory; the sub-group
+  // writes fail): the next call is a step whose early fetches were gated on the failed update.
+  Case host_params{Group::kData, 3, DType::kBF16, Tier::kHost, Tier::kNvme, 4097};
+  host_params.next_is_step = true;
+  retry_case(host_params);
 }
 
 // Tensor parallelism: each rank updates its own shard of every module (no collective inside the

@@ -835,6 +835,14 @@ struct OffloadEngine::Impl {
   // ends its peers).
   Status gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv, char* working,
                             bool agree = false);
+  // h2d stream, stage 3: an early fetch's gather (prefetch_next_step). `mine`: this rank's gate
+  // saw the unit's agreed mark; its slice is then read. Every rank exchanges whether it holds its
+  // slice of that version (a 4-byte all-reduce over dp.fetch, issued by every rank for every
+  // early fetch, in the same h2d order), and gathers the unit only when all do: `early_ok` is then
+  // set, the same on every rank, so every rank's pass takes the copy or refetches (all-gathers)
+  // alike (docs/offload.md "Early fetch across steps", stage 3). Neither a closed gate nor a
+  // failed read is an error here; a failed exchange or gather is (the comm itself failed).
+  Status early_gather_unit_params(int u, bool mine, char* working, std::atomic<bool>* early_ok);
   // Collective over `comm` (every rank of it calls it at the same point): each rank's outcome
   // of the read before a collective, `mine`, exchanged (a flag, the status code and the first
   // bytes of the message, kAgreeWords words per rank). OK when every rank read; otherwise every
@@ -2533,6 +2541,42 @@ Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_trac
   return ok_status();
 }
 
+Status OffloadEngine::Impl::early_gather_unit_params(int u, bool mine, char* working, std::atomic<bool>* early_ok) {
+  early_ok->store(false);
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  char* send = fetch_send.bytes();
+  char* recv = fetch_recv.bytes();
+  if (mine) {
+    // Read only after the gate saw the agreed mark: the slice then holds the step's update, and
+    // nothing rewrites it before this rank's next pass has used or dropped this copy.
+    detail::HostSpan span(tracer, track.nvme_fetch,
+                          units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
+                          u, len * w);
+    Status read = read_param_slice(u, send);
+    if (!read.ok()) {
+      STRATA_LOG(kDebug, kOffload) << "offload: early read of this rank's slice of param." << u
+                                   << " failed; refetched on demand: " << read.to_string();
+      mine = false;
+    }
+  }
+  // 1 where a rank does not hold its slice of the step's version, max over the ranks: the same
+  // verdict on every rank, from what every rank sent (not from when its gate looked).
+  float missing = mine ? 0.0f : 1.0f, any_missing = 0.0f;
+  Status agreed = dp_fetch->all_reduce(&missing, &any_missing, 1, DType::kF32, ReduceOp::kMax).wait();
+  if (!agreed.ok()) {
+    return agreed.with_context("data parallel: agreeing on the early fetch of module '" +
+                               layout().modules[uu].name + "'");
+  }
+  if (any_missing != 0.0f) return ok_status();  // every rank refetches it on demand
+  std::memset(send + len * w, 0, (c - len) * w);
+  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[3], dp_fetch->all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
+                                 "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
+  from_elements(u, recv, working);
+  early_ok->store(true);
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::write_checkpoint_file(const SafetensorsWriter& w, const std::string& path) {
   STRATA_RETURN_IF_ERROR(w.write(path));
   std::error_code ec;
@@ -3794,20 +3838,29 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
     return updated_step[static_cast<std::size_t>(u)] >= gate_step && worker_error.ok() &&
            update_failures == failures_at_issue;
   };
-  if (early && units.home[uu] != Tier::kNvme) {
+  // Stage 3: the unit is gathered from every rank's slice, whatever its home (host or NVMe); an
+  // early one runs its gate inside the gather's host function (early_gather_unit_params).
+  const bool gathered = !psharded.empty() && psharded[uu];
+  if (early && !gathered && units.home[uu] != Tier::kNvme) {
     STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: early fetch of param." + std::to_string(u) + " waits for its update",
                                         [gate, early_ok]() {
                                           early_ok->store(gate());
                                           return ok_status();
                                         }));
   }
-  if (!psharded.empty() && psharded[uu]) {
+  if (gathered) {
     char* staging = slot.staging.bytes();
-    STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: data-parallel gather of param." + std::to_string(u),
-                                        [this, u, staging]() {
-                                          return gather_unit_params(u, *dp_fetch, dp_tracks[3], fetch_send.bytes(),
-                                                                    fetch_recv.bytes(), staging);
-                                        }));
+    if (early) {
+      STRATA_RETURN_IF_ERROR(h2d->host_fn(
+          "offload: early data-parallel gather of param." + std::to_string(u) + " (waits for its update)",
+          [this, u, staging, gate, early_ok]() { return early_gather_unit_params(u, gate(), staging, early_ok); }));
+    } else {
+      STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: data-parallel gather of param." + std::to_string(u),
+                                          [this, u, staging]() {
+                                            return gather_unit_params(u, *dp_fetch, dp_tracks[3], fetch_send.bytes(),
+                                                                      fetch_recv.bytes(), staging);
+                                          }));
+    }
     STRATA_RETURN_IF_ERROR(
         traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else if (units.home[uu] == Tier::kNvme) {
@@ -3965,16 +4018,23 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
 
 Status OffloadEngine::Impl::prefetch_next_step() {
   // Not with the optimizer on the device (every unit is resident), nor with the delayed update
-  // (publish_delayed decides what the next pass reads), nor on a pipeline (each stage runs its
-  // own passes through the schedule), nor where a fetch talks: a stage-3 fetch all-gathers the
-  // ranks' slices on the h2d stream, and whether the pass uses an early copy or refetches it
-  // depends on when this rank's gate looked at its own optimizer thread's failure, so a peer could
-  // issue an all-gather this rank does not (docs/offload.md "Early fetch across steps"). With
-  // data parallelism at stages 0-2 and with tensor parallelism every fetch reads this rank's own
-  // home: nothing in it talks, and the gate waits for the agreed per-unit mark.
-  if (opt_on_device || delayed || pp_size > 1 || trace.empty()) return ok_status();
-  if (std::any_of(psharded.begin(), psharded.end(), [](char p) { return p != 0; })) return ok_status();
-  {
+  // (publish_delayed decides what the next pass reads). On a pipeline a stage's pass is its whole
+  // schedule (one trace per step, begin_pass to end_pass), so its first accesses are known from
+  // it as in one process; a stage reads its own units and its gate waits for their marks, set
+  // only once every stage agreed on the update where it may fail (defer_marks), which needs the
+  // stages' optimizer threads only. With data parallelism at stages 0-2 and with tensor
+  // parallelism every fetch reads this rank's own home: nothing in it talks, and the gate waits
+  // for the agreed per-unit mark. At stage 3 a fetch all-gathers the ranks' slices on the h2d
+  // stream, so every rank must issue the same early fetches and take the same decision on each:
+  // the early fetches follow the trace, the slots and the budget (the same on every rank), and
+  // whether the pass uses a copy is agreed inside its gather (early_gather_unit_params), never
+  // taken from when this rank's gate looked (docs/offload.md "Early fetch across steps").
+  if (opt_on_device || delayed || trace.empty()) return ok_status();
+  const bool gathers = std::any_of(psharded.begin(), psharded.end(), [](char p) { return p != 0; });
+  if (!gathers) {
+    // This rank's own view suffices where nothing talks. At stage 3 an optimizer-thread failure
+    // reaches the ranks at different times: they issue the fetches regardless, and every gate
+    // ends at once on the failure (each rank's `missing`), so the agreement drops the copies.
     std::lock_guard<std::mutex> lock(mu);
     if (!worker_error.ok()) return ok_status();  // the next call reports or retries first
   }
@@ -5946,13 +6006,13 @@ OffloadStats OffloadEngine::stats() const {
   // whose gate is open (or opens while we look) is waited for (its read and copy take
   // milliseconds), one whose gate is still closed, with mu held so that it stays closed until
   // the counters are read, adds its read and copy bytes.
-  std::uint64_t pending_h2d = 0, pending_read = 0;
+  std::uint64_t pending_h2d = 0, pending_read = 0, pending_dp = 0;
   std::vector<char> settled(t.pslots.size(), 0);
   std::unique_lock<std::mutex> lock(t.mu, std::defer_lock);
   for (;;) {
     std::vector<std::size_t> open;
     lock.lock();
-    pending_h2d = pending_read = 0;
+    pending_h2d = pending_read = pending_dp = 0;
     for (std::size_t i = 0; i < t.pslots.size(); ++i) {
       const ParamSlot& slot = t.pslots[i];
       if (!slot.early || slot.unit < 0 || settled[i]) continue;
@@ -5960,9 +6020,17 @@ OffloadStats OffloadEngine::stats() const {
         open.push_back(i);
         continue;
       }
-      const std::uint64_t n = t.units.pbytes[static_cast<std::size_t>(slot.unit)];
+      const std::size_t uu = static_cast<std::size_t>(slot.unit);
+      const std::uint64_t n = t.units.pbytes[uu];
       pending_h2d += n;
-      if (t.units.home[static_cast<std::size_t>(slot.unit)] == Tier::kNvme) pending_read += n;
+      if (!t.psharded.empty() && t.psharded[uu]) {
+        // Stage 3: this rank's slice is read and the unit all-gathered (early_gather_unit_params).
+        const std::uint64_t w = t.half ? 2 : 4;
+        if (t.units.home[uu] == Tier::kNvme) pending_read += t.slices.len[uu] * w;
+        pending_dp += static_cast<std::uint64_t>(t.dp_size) * t.slices.chunk[uu] * w;
+      } else if (t.units.home[uu] == Tier::kNvme) {
+        pending_read += n;
+      }
     }
     if (open.empty()) break;  // the counters are read with mu still held
     lock.unlock();
@@ -5973,6 +6041,7 @@ OffloadStats OffloadEngine::stats() const {
   }
   const DeviceStats d = t.device->stats();
   const IoEngineStats io = t.io ? t.io->stats() : IoEngineStats{};
+  const std::uint64_t dp_bytes = t.dp_bytes.load(std::memory_order_relaxed) + pending_dp;
   lock.unlock();
   s.bytes_h2d = d.bytes_h2d + pending_h2d;
   s.bytes_d2h = d.bytes_d2h;
@@ -5999,7 +6068,7 @@ OffloadStats OffloadEngine::stats() const {
   s.nvme_write_seconds = t.tracer.seconds(TraceCounter::kNvmeWrite);
   s.optimizer_seconds = t.tracer.seconds(TraceCounter::kOptimizer);
   s.update_stall_seconds = t.tracer.seconds(TraceCounter::kUpdateStall);
-  s.bytes_dp = t.dp_bytes.load(std::memory_order_relaxed);
+  s.bytes_dp = dp_bytes;
   s.dp_seconds = t.tracer.seconds(TraceCounter::kComm);
   s.pipeline_seconds = t.pp_seconds;
   s.pipeline_wait_seconds = t.pp_wait_seconds;
