@@ -177,13 +177,19 @@ void check(const Case& k) {
 
   if (k.stage == 3 && k.mode == Mode::kData) {
     // Each rank's decisions (an early copy taken, or refetched with another all-gather) are the
-    // same: equal hits, accesses and data-parallel bytes on every rank, after every step.
+    // same: equal hits and accesses on every rank after every step (counted by the pass, so
+    // final when step() returns), and equal data-parallel bytes once every update finished. The
+    // bytes are not compared right after step() returns: the update's gathers and agreements
+    // and the next step's early gathers are then in flight on each rank's own threads, so how
+    // many of them a rank has counted is timing (it differs under load).
     for (std::size_t i = 0; i < got.stats.size(); ++i) {
       const OffloadStats& st = got.stats[i];
+      const bool settled = i + 1 == got.stats.size();  // after synchronize()
       testing::expect_same_text_on_every_rank(
           "hits " + std::to_string(st.prefetch_hits) + ", accesses " + std::to_string(st.param_accesses) +
-              ", data-parallel bytes " + std::to_string(st.bytes_dp),
-          std::string(k.name) + ", counters after step " + std::to_string(i + 1));
+              (settled ? ", data-parallel bytes " + std::to_string(st.bytes_dp) : std::string()),
+          std::string(k.name) + (settled ? ", counters after synchronize()" : ", counters after step " +
+                                                                                   std::to_string(i + 1)));
     }
   }
 
