@@ -122,6 +122,38 @@ inline void share_of(const TrainerConfig& global, int s, int dp, int DP, std::ve
 inline void share(const TrainerConfig& global, int s, std::vector<std::int32_t>& in, std::vector<std::int32_t>& tg) {
   share_of(global, s, world().rank(), world().size(), in, tg);
 }
+// The smallest unit of `c`'s model (of one tensor-parallel shard with tp > 1; every shard has the
+// same shapes): a persistence threshold at its size keeps it whole while every larger unit is
+// sliced at stage 3.
+inline std::int64_t smallest_unit(const TrainerConfig& c, int tp = 1) {
+  auto layout = describe_model(c.model, TensorParallel{tp, 0});
+  EXPECT_TRUE(layout.ok());
+  std::int64_t least = -1;
+  for (const ModuleDesc& m : layout->modules) {
+    const auto n = static_cast<std::int64_t>((m.grad_end - m.grad_begin) / 4);
+    if (n > 0 && (least < 0 || n < least)) least = n;
+  }
+  return least;
+}
+
+// The bytes of the plan's lines in `tier` whose description starts with `prefix`.
+inline std::uint64_t plan_bytes(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
+  std::uint64_t b = 0;
+  for (const PlanLine& l : p.lines)
+    if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
+  return b;
+}
+
+// The optimizer in device memory at `stage`, parameters on the device, the update after backward.
+inline OffloadSettings device_optimizer_settings(int stage) {
+  OffloadSettings s;
+  s.optimizer = Tier::kDevice;
+  s.params = Tier::kDevice;
+  s.zero_stage = stage;
+  s.update_during_backward = false;
+  return s;
+}
+
 inline TrainerConfig local_of(const TrainerConfig& global) {
   TrainerConfig c = global;
   c.grad_accum = global.grad_accum / world().size();

@@ -358,14 +358,7 @@ TEST(ComposeNp8, DeviceStage3GridReadBack) {
   const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2 * DP, 1.0);
   TrainerConfig local = global;
   local.grad_accum = 2;
-  auto settings = [](int stage) {
-    OffloadSettings s;
-    s.optimizer = Tier::kDevice;
-    s.params = Tier::kDevice;
-    s.zero_stage = stage;
-    s.update_during_backward = false;
-    return s;
-  };
+  const auto settings = testing::device_optimizer_settings;
   auto create = [&](std::unique_ptr<Device>& device, int stage) {
     device = testing::make_device();
     OffloadSettings s = settings(stage);

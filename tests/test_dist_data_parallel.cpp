@@ -34,6 +34,7 @@ namespace strata {
 namespace {
 
 using testing::expect_close;
+using testing::smallest_unit;
 using testing::shared_temp_dir;
 using testing::Snapshot;
 using testing::Tolerance;
@@ -618,19 +619,6 @@ TEST(DataParallel, DeviceGradientsShardedPlan) {
 }
 
 // ---- Stage 3 in device memory (docs/parallel.md "Stage 3 in device memory") ----------------------
-
-// The smallest unit with elements: a persistence threshold at its size keeps it whole while every
-// larger unit is sliced (persistent and sliced modules in one run).
-std::int64_t smallest_unit(const TrainerConfig& c) {
-  auto layout = describe_model(c.model);
-  EXPECT_TRUE(layout.ok());
-  std::int64_t least = -1;
-  for (const ModuleDesc& m : layout->modules) {
-    const auto n = static_cast<std::int64_t>((m.grad_end - m.grad_begin) / 4);
-    if (n > 0 && (least < 0 || n < least)) least = n;
-  }
-  return least;
-}
 
 // Stage 3 gathers each sliced unit's working parameters before use; the gathered bits are the
 // ones stage 2's all-gather after the update laid into its whole copy, the gradients go through

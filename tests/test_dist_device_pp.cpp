@@ -51,6 +51,9 @@ namespace {
 
 using testing::capture_held;
 using testing::capture_stage;
+using testing::device_optimizer_settings;
+using testing::plan_bytes;
+using testing::smallest_unit;
 using testing::expect_close;
 using testing::run_share;
 using testing::Snapshot;
@@ -86,22 +89,6 @@ std::string name_of(ModelKind kind, DType dtype, std::int64_t micro, int chunks 
   return std::string(to_string(kind)) + " " + std::string(to_string(dtype)) + ", pp 2 x dp 2" +
          (chunks > 1 ? " (v=" + std::to_string(chunks) + ")" : std::string()) +
          ", m=" + std::to_string(micro);
-}
-
-std::uint64_t bytes_of(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
-  std::uint64_t b = 0;
-  for (const PlanLine& l : p.lines)
-    if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
-  return b;
-}
-
-OffloadSettings device_settings(int stage) {
-  OffloadSettings s;
-  s.optimizer = Tier::kDevice;
-  s.params = Tier::kDevice;
-  s.zero_stage = stage;
-  s.update_during_backward = false;
-  return s;
 }
 
 OffloadSettings host_settings(int stage) {
@@ -150,10 +137,10 @@ Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t 
   // parameters), not stage 1's reduction in the update: a comparison says something only then.
   const OffloadPlan& plan = (*engine)->plan();
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 2) {
-    EXPECT_GT(bytes_of(plan, "device region offload.grad_buckets"), 0u) << what << ": gradient buckets";
+    EXPECT_GT(plan_bytes(plan, "device region offload.grad_buckets"), 0u) << what << ": gradient buckets";
   }
   if (s.optimizer == Tier::kDevice && s.zero_stage == 3) {
-    EXPECT_GT(bytes_of(plan, "device region offload.param_slots"), 0u) << what << ": parameter slices";
+    EXPECT_GT(plan_bytes(plan, "device region offload.param_slots"), 0u) << what << ": parameter slices";
   }
   if (!run_share(**engine, global, g.coord.dp, DP, kSteps, out)) return out;
   out.scales.assign(out.losses.size(), 1.0);  // fp32 and bf16: scale 1, never skipped
@@ -201,8 +188,8 @@ TEST(DevicePipeline, Stage2BucketsEqualHostStage2) {
     const std::string what = name_of(ModelKind::kGpt2, dtype, 2) + ", clip 1";
     const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, 2 * DP, 1.0);
     const Snapshot host = train_grid(g, global, 2, host_settings(2), what + ", host stage 2");
-    const Snapshot stage1 = train_grid(g, global, 2, device_settings(1), what + ", device stage 1");
-    OffloadSettings s = device_settings(2);
+    const Snapshot stage1 = train_grid(g, global, 2, device_optimizer_settings(1), what + ", device stage 1");
+    OffloadSettings s = device_optimizer_settings(2);
     s.reduce_bucket_elements = kSmallBucket;
     EXPECT_GE(stage_buckets(global, s, g).units.size(), 2u) << what << ": several buckets on the stage";
     const Snapshot serial = train_grid(g, global, 2, s, what + ", device stage 2");
@@ -233,8 +220,8 @@ TEST(DevicePipeline, Stage2OneMicroBatchBitwiseStage1) {
   for (const C& c : {C{ModelKind::kGpt2, DType::kF32, true}, C{ModelKind::kLlama, DType::kBF16, false}}) {
     const std::string what = name_of(c.kind, c.dtype, 1) + ", clip 1";
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, DP, 1.0);
-    const Snapshot stage1 = train_grid(g, global, 1, device_settings(1), what + ", stage 1");
-    OffloadSettings s = device_settings(2);
+    const Snapshot stage1 = train_grid(g, global, 1, device_optimizer_settings(1), what + ", stage 1");
+    OffloadSettings s = device_optimizer_settings(2);
     if (c.small_buckets) {
       s.reduce_bucket_elements = kSmallBucket;
       s.overlap_comm = true;
@@ -266,7 +253,7 @@ TEST(DevicePipeline, Stage2InterleavedAndGpipeEqualHostStage2) {
     h.pipeline_virtual_stages = c.chunks;
     h.pipeline_schedule = c.schedule;
     const Snapshot host = train_grid(g, global, 2, h, what + ", host stage 2");
-    OffloadSettings s = device_settings(2);
+    OffloadSettings s = device_optimizer_settings(2);
     s.pipeline_virtual_stages = c.chunks;
     s.pipeline_schedule = c.schedule;
     s.reduce_bucket_elements = kSmallBucket;
@@ -312,7 +299,7 @@ TEST(DevicePipeline, Stage0BucketsWithAPipeline) {
   for (int chunks : {1, 2}) {
     const std::string what = name_of(ModelKind::kGpt2, DType::kF32, 2, chunks) + ", stage 0, clip 1";
     const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, 2 * DP, 1.0);
-    OffloadSettings s = device_settings(0);
+    OffloadSettings s = device_optimizer_settings(0);
     s.pipeline_virtual_stages = chunks;
     // Each bucket is one contiguous range of the stage's fp32 layout (the in-place all-reduce's):
     // its units in descending order with no unit of the stage between them.
@@ -350,19 +337,6 @@ TEST(DevicePipeline, Stage0BucketsWithAPipeline) {
   }
 }
 
-// The smallest unit of the model: a persistence threshold at its size keeps it whole while every
-// larger unit is sliced.
-std::int64_t smallest_unit(const TrainerConfig& c) {
-  auto layout = describe_model(c.model);
-  EXPECT_TRUE(layout.ok());
-  std::int64_t least = -1;
-  for (const ModuleDesc& m : layout->modules) {
-    const auto n = static_cast<std::int64_t>((m.grad_end - m.grad_begin) / 4);
-    if (n > 0 && (least < 0 || n < least)) least = n;
-  }
-  return least;
-}
-
 // Stage 3 slices each stage's modules over its data-parallel ranks: bit for bit stage 2 on the
 // same grid. GPT-2 fp32 with accumulation 2, clipping, small buckets with overlap and one
 // persistent module (the last stage's head reads the sliced embedding copy); LLaMA bf16; GPT-2
@@ -381,7 +355,7 @@ TEST(DevicePipeline, Stage3SlicesBitwiseStage2) {
                      C{ModelKind::kGpt2, DType::kBF16, 2, true}}) {
     const std::string what = name_of(c.kind, c.dtype, 2, c.chunks) + ", clip 1";
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, 2 * DP, 1.0);
-    OffloadSettings s = device_settings(2);
+    OffloadSettings s = device_optimizer_settings(2);
     s.pipeline_virtual_stages = c.chunks;
     s.persistence_threshold = smallest_unit(global);
     if (c.small_buckets) {
@@ -419,12 +393,12 @@ TEST(DevicePipeline, Stage3CheckpointLossAndEvaluate) {
   local.grad_accum = 2;
   auto create = [&](std::unique_ptr<Device>& device, int stage) {
     device = testing::make_device();
-    OffloadSettings s = device_settings(stage);
+    OffloadSettings s = device_optimizer_settings(stage);
     s.reduce_bucket_elements = kSmallBucket;
     s.overlap_comm = true;
     return OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), nullptr, g.pp.get());
   };
-  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_settings(0),
+  testing::expect_stage3_reads_back_as_stage2(global, g.coord.dp, DP, create, device_optimizer_settings(0),
                                               "device-pp-state", what);
 }
 
@@ -442,7 +416,7 @@ TEST(DevicePipeline, PlanShrinksToOneOverDp) {
   const std::string of = " (this rank's 1/" + std::to_string(DP);
   TrainerConfig local = testing::tiny(ModelKind::kGpt2, DType::kBF16, 2, 0.0);
   local.model.n_layer = 12;
-  OffloadSettings s = device_settings(1);
+  OffloadSettings s = device_optimizer_settings(1);
   s.reduce_bucket_elements = kSmallBucket;
   s.persistence_threshold = smallest_unit(local);
   std::uint64_t grads[4] = {}, params[4] = {}, live[4] = {}, buckets[4] = {}, slots[4] = {}, regions[4] = {};
@@ -461,19 +435,19 @@ TEST(DevicePipeline, PlanShrinksToOneOverDp) {
       EXPECT_EQ(plan.lines[i].tier, made->lines[i].tier) << plan.lines[i].what;
     }
     EXPECT_EQ(plan.device_bytes, made->device_bytes) << "stage " << stage;
-    grads[stage] = bytes_of(plan, "device region offload.grads");
-    params[stage] = bytes_of(plan, "device region offload.params");
-    buckets[stage] = bytes_of(plan, "device region offload.grad_buckets");
-    slots[stage] = bytes_of(plan, "device region offload.param_slots");
+    grads[stage] = plan_bytes(plan, "device region offload.grads");
+    params[stage] = plan_bytes(plan, "device region offload.params");
+    buckets[stage] = plan_bytes(plan, "device region offload.grad_buckets");
+    slots[stage] = plan_bytes(plan, "device region offload.param_slots");
     live[stage] = device->memory().stats().live_bytes;
-    regions[stage] = bytes_of(plan, "device region ");
+    regions[stage] = plan_bytes(plan, "device region ");
     if (stage >= 2) {
-      EXPECT_EQ(grads[stage], bytes_of(plan, "device region offload.grads" + of + ")")) << "stage " << stage;
+      EXPECT_EQ(grads[stage], plan_bytes(plan, "device region offload.grads" + of + ")")) << "stage " << stage;
       EXPECT_GT(buckets[stage], 0u) << "stage " << stage;
     }
     if (stage == 3) {
-      EXPECT_GT(bytes_of(plan, "device region offload.params" + of + " of the modules above"), 0u);
-      EXPECT_GT(bytes_of(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
+      EXPECT_GT(plan_bytes(plan, "device region offload.params" + of + " of the modules above"), 0u);
+      EXPECT_GT(plan_bytes(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
     }
   }
   OffloadSettings s1 = s;

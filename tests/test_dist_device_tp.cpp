@@ -42,6 +42,8 @@ namespace {
 using testing::capture_held;
 using testing::capture_stage;
 using testing::expect_close;
+using testing::plan_bytes;
+using testing::smallest_unit;
 using testing::run_share;
 using testing::Snapshot;
 using testing::Tolerance;
@@ -64,13 +66,6 @@ std::string name_of(ModelKind kind, DType dtype, std::int64_t micro) {
          ", tp 2 x dp 2, m=" + std::to_string(micro);
 }
 
-std::uint64_t bytes_of(const OffloadPlan& p, const std::string& prefix, Tier tier = Tier::kDevice) {
-  std::uint64_t b = 0;
-  for (const PlanLine& l : p.lines)
-    if (l.what.rfind(prefix, 0) == 0 && l.tier == tier) b += l.bytes;
-  return b;
-}
-
 // Trains kSteps of `global` (grad_accum = micro x DP) with `s` on the grid; the state of every
 // parameter gathered full, the loss and norm bits checked equal on every rank.
 Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t micro,
@@ -88,10 +83,10 @@ Snapshot train_grid(ProcessGroups& g, const TrainerConfig& global, std::int64_t 
   // something only then.
   const OffloadPlan& plan = (*engine)->plan();
   if (s.optimizer == Tier::kDevice && s.zero_stage >= 2) {
-    EXPECT_GT(bytes_of(plan, "device region offload.grad_buckets"), 0u) << what << ": gradient buckets";
+    EXPECT_GT(plan_bytes(plan, "device region offload.grad_buckets"), 0u) << what << ": gradient buckets";
   }
   if (s.optimizer == Tier::kDevice && s.zero_stage == 3) {
-    EXPECT_GT(bytes_of(plan, "device region offload.param_slots"), 0u) << what << ": parameter slices";
+    EXPECT_GT(plan_bytes(plan, "device region offload.param_slots"), 0u) << what << ": parameter slices";
   }
   if (!run_share(**engine, global, g.coord.dp, DP, kSteps, out)) return out;
   out.scales.assign(out.losses.size(), 1.0);  // fp32 and bf16: scale 1, never skipped
@@ -204,19 +199,6 @@ TEST(DeviceTensorParallel, Stage2AccumulationBitwiseHostStage2) {
   }
 }
 
-// The smallest unit of the shard: a persistence threshold at its size keeps it whole while every
-// larger unit is sliced.
-std::int64_t smallest_unit(const TrainerConfig& c) {
-  auto layout = describe_model(c.model, TensorParallel{kTp, 0});
-  EXPECT_TRUE(layout.ok());
-  std::int64_t least = -1;
-  for (const ModuleDesc& m : layout->modules) {
-    const auto n = static_cast<std::int64_t>((m.grad_end - m.grad_begin) / 4);
-    if (n > 0 && (least < 0 || n < least)) least = n;
-  }
-  return least;
-}
-
 // Stage 3 slices each tp shard's modules over the data-parallel ranks: bitwise stage 2 on the same
 // ranks. GPT-2 fp32 with accumulation 2, clipping, small buckets with overlap and one persistent
 // module (the head reads the sliced embedding shard); LLaMA bf16. GPT-2 fp32 also within the
@@ -236,7 +218,7 @@ TEST(DeviceTensorParallel, Stage3SlicesBitwiseStage2) {
     const std::string what = name_of(c.kind, c.dtype, c.micro) + ", clip 1";
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, c.micro * DP, 1.0);
     OffloadSettings s = device_settings(2);
-    s.persistence_threshold = smallest_unit(global);
+    s.persistence_threshold = smallest_unit(global, kTp);
     if (c.small_buckets) {
       s.reduce_bucket_elements = kSmallBucket;
       s.overlap_comm = true;
@@ -289,7 +271,7 @@ TEST(DeviceTensorParallel, PlanShrinksToOneOverDp) {
   local.model.n_layer = 12;
   OffloadSettings s = device_settings(1);
   s.reduce_bucket_elements = kSmallBucket;
-  s.persistence_threshold = smallest_unit(local);
+  s.persistence_threshold = smallest_unit(local, kTp);
   std::uint64_t grads[4] = {}, params[4] = {}, live[4] = {}, buckets[4] = {}, slots[4] = {}, regions[4] = {};
   for (int stage : {1, 2, 3}) {
     s.zero_stage = stage;
@@ -309,19 +291,19 @@ TEST(DeviceTensorParallel, PlanShrinksToOneOverDp) {
       EXPECT_EQ(plan.lines[i].tier, made->lines[i].tier) << plan.lines[i].what;
     }
     EXPECT_EQ(plan.device_bytes, made->device_bytes) << "stage " << stage;
-    grads[stage] = bytes_of(plan, "device region offload.grads");
-    params[stage] = bytes_of(plan, "device region offload.params");
-    buckets[stage] = bytes_of(plan, "device region offload.grad_buckets");
-    slots[stage] = bytes_of(plan, "device region offload.param_slots");
+    grads[stage] = plan_bytes(plan, "device region offload.grads");
+    params[stage] = plan_bytes(plan, "device region offload.params");
+    buckets[stage] = plan_bytes(plan, "device region offload.grad_buckets");
+    slots[stage] = plan_bytes(plan, "device region offload.param_slots");
     live[stage] = device->memory().stats().live_bytes;
-    regions[stage] = bytes_of(plan, "device region ");
+    regions[stage] = plan_bytes(plan, "device region ");
     if (stage >= 2) {
-      EXPECT_EQ(grads[stage], bytes_of(plan, "device region offload.grads" + of + ")")) << "stage " << stage;
+      EXPECT_EQ(grads[stage], plan_bytes(plan, "device region offload.grads" + of + ")")) << "stage " << stage;
       EXPECT_GT(buckets[stage], 0u) << "stage " << stage;
     }
     if (stage == 3) {
-      EXPECT_GT(bytes_of(plan, "device region offload.params" + of + " of the modules above"), 0u);
-      EXPECT_GT(bytes_of(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
+      EXPECT_GT(plan_bytes(plan, "device region offload.params" + of + " of the modules above"), 0u);
+      EXPECT_GT(plan_bytes(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
     }
   }
   const offload_detail::Units u1 = shard_units(
