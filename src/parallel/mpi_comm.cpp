@@ -56,31 +56,14 @@ class MpiComm final : public Comm {
     const std::string what =
         "all_reduce(" + std::string(to_string(op)) + ") of " + describe_count(count, dtype);
     return queue_.submit([=, this]() -> Status {
-      const int n = static_cast<int>(count);
       if (dtype == DType::kF32) {
-        if (reduces_direct(count)) {
-          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
-                                               count,
-                                               /*scatter=*/false, op, what));
-        } else {
-          MPI_Request req;
-          const void* src = send == recv ? MPI_IN_PLACE : send;
-          STRATA_RETURN_IF_ERROR(
-              start(MPI_Iallreduce(src, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-          STRATA_RETURN_IF_ERROR(finish(req, what));
-        }
+        STRATA_RETURN_IF_ERROR(
+            all_reduce_f32(static_cast<const float*>(send), static_cast<float*>(recv), count, op, what));
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), count, scratch_);
-      if (reduces_direct(count)) {
-        STRATA_RETURN_IF_ERROR(reduce_direct(wide, wide, count, /*scatter=*/false, op, what));
-      } else {
-        MPI_Request req;
-        STRATA_RETURN_IF_ERROR(
-            start(MPI_Iallreduce(MPI_IN_PLACE, wide, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
-      }
+      STRATA_RETURN_IF_ERROR(all_reduce_f32(wide, wide, count, op, what));
       if (op == ReduceOp::kAvg) divide(wide, count);
       convert(wide, static_cast<bf16*>(recv), count);
       return ok_status();
@@ -96,33 +79,16 @@ class MpiComm final : public Comm {
     const std::string what = "reduce_scatter(" + std::string(to_string(op)) + ") of " +
                              describe_count(recv_count, dtype) + " per rank";
     return queue_.submit([=, this]() -> Status {
-      const int n = static_cast<int>(recv_count);
       const std::size_t total = recv_count * static_cast<std::size_t>(size_);
       if (dtype == DType::kF32) {
-        if (reduces_direct(total)) {
-          STRATA_RETURN_IF_ERROR(reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
-                                               total,
-                                               /*scatter=*/true, op, what));
-        } else {
-          MPI_Request req;
-          STRATA_RETURN_IF_ERROR(
-              start(MPI_Ireduce_scatter_block(send, recv, n, MPI_FLOAT, mpi_op(op), comm_, &req), what));
-          STRATA_RETURN_IF_ERROR(finish(req, what));
-        }
+        STRATA_RETURN_IF_ERROR(reduce_scatter_f32(static_cast<const float*>(send), static_cast<float*>(recv),
+                                                  recv_count, op, what));
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), recv_count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), total, scratch_);
       if (scratch_out_.size() < recv_count) scratch_out_.resize(recv_count);
-      if (reduces_direct(total)) {
-        STRATA_RETURN_IF_ERROR(reduce_direct(wide, scratch_out_.data(), total, /*scatter=*/true, op, what));
-      } else {
-        MPI_Request req;
-        STRATA_RETURN_IF_ERROR(
-            start(MPI_Ireduce_scatter_block(wide, scratch_out_.data(), n, MPI_FLOAT, mpi_op(op), comm_, &req),
-                  what));
-        STRATA_RETURN_IF_ERROR(finish(req, what));
-      }
+      STRATA_RETURN_IF_ERROR(reduce_scatter_f32(wide, scratch_out_.data(), recv_count, op, what));
       if (op == ReduceOp::kAvg) divide(scratch_out_.data(), recv_count);
       convert(scratch_out_.data(), static_cast<bf16*>(recv), recv_count);
       return ok_status();
@@ -327,6 +293,27 @@ class MpiComm final : public Comm {
       }
       return true;
     };
+  }
+
+  // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages up to
+  // kMaxDirectReduceBytes, else OpenMPI's non-blocking call. src == dst allowed for all_reduce.
+  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const std::string& what) {
+    if (reduces_direct(count)) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
+    MPI_Request req;
+    const void* in = src == dst ? MPI_IN_PLACE : src;
+    STRATA_RETURN_IF_ERROR(
+        start(MPI_Iallreduce(in, dst, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req), what));
+    return finish(req, what);
+  }
+  Status reduce_scatter_f32(const float* src, float* dst, std::size_t recv_count, ReduceOp op,
+                            const std::string& what) {
+    const std::size_t total = recv_count * static_cast<std::size_t>(size_);
+    if (reduces_direct(total)) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
+    MPI_Request req;
+    STRATA_RETURN_IF_ERROR(start(MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT,
+                                                           mpi_op(op), comm_, &req),
+                                 what));
+    return finish(req, what);
   }
 
   bool reduces_direct(std::size_t total) const {
