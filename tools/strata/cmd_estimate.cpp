@@ -148,12 +148,12 @@ int run_estimate(std::span<const std::string> argv) {
     }
     stage_rows.push_back(std::move(*r));
   }
-  std::vector<PlacementEstimate> combined = stage_rows[0];
-  std::vector<int> worst_stage(combined.size(), 0);
-  for (std::size_t i = 0; i < combined.size(); ++i) {
+  std::vector<PlacementEstimate> rows = stage_rows[0];
+  std::vector<int> worst_stage(rows.size(), 0);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
     for (int st = 1; st < pp; ++st) {
       const PlacementEstimate& e = stage_rows[static_cast<std::size_t>(st)][i];
-      PlacementEstimate& c = combined[i];
+      PlacementEstimate& c = rows[i];
       const bool fits_device = c.fits_device && e.fits_device, fits_host = c.fits_host && e.fits_host,
                  fits_nvme = c.fits_nvme && e.fits_nvme;
       if (e.device_need > c.device_need) {
@@ -165,15 +165,14 @@ int run_estimate(std::span<const std::string> argv) {
       c.fits_nvme = fits_nvme;
     }
   }
-  const std::vector<PlacementEstimate>* rows = &combined;
   const TrainerConfig& tc = rs.trainer;
   // The data-parallel collectives of each row's step (per rank; docs/performance.md's per-stage
   // bytes), and their time at the link if nothing overlapped them. With tensor parallelism the
   // rank's shard's; with a pipeline the shown stage's (dist.cost_grid checks both against the
   // engine's count).
   std::vector<DpTraffic> traffic;
-  for (std::size_t i = 0; i < rows->size(); ++i) {
-    const PlacementEstimate& e = (*rows)[i];
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const PlacementEstimate& e = rows[i];
     OffloadSettings s = rs.offload;
     s.pp_stage = worst_stage[i];
     s.params = e.params;
@@ -210,8 +209,8 @@ int run_estimate(std::span<const std::string> argv) {
     out["budgets"] = {{"device", budgets.device}, {"host", budgets.host}, {"nvme", budgets.nvme}};
     out["link"] = {{"bus_bytes_per_s", bus}, {"collective_s", per_collective}};
     Json list = Json::array();
-    for (std::size_t i = 0; i < rows->size(); ++i) {
-      const PlacementEstimate& e = (*rows)[i];
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const PlacementEstimate& e = rows[i];
       Json j;
       j["zero_stage"] = e.zero_stage;
       j["offload_param"] = tier_name(e.params);
@@ -298,8 +297,8 @@ int run_estimate(std::span<const std::string> argv) {
   if (dp_columns) std::printf(" | %10s %9s", "dp/step", "dp s");
   if (pp > 1) std::printf(" | %8s", "pp stage");
   std::printf("\n");
-  for (std::size_t i = 0; i < rows->size(); ++i) {
-    const PlacementEstimate& e = (*rows)[i];
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const PlacementEstimate& e = rows[i];
     std::string fits = e.fits() ? "yes" : "no (";
     if (!e.fits()) {
       std::string why;
@@ -327,9 +326,9 @@ int run_estimate(std::span<const std::string> argv) {
     return format_bytes(t.device) + " / " + format_bytes(t.host) + " / " + format_bytes(t.pinned) + " / " +
            format_bytes(t.nvme);
   };
-  for (std::size_t i = 0; i < rows->size(); ++i) {
-    const PlacementEstimate& e = (*rows)[i];
-    if (ranks == 1 && i > 0 && (*rows)[i - 1].params == e.params && (*rows)[i - 1].optimizer == e.optimizer) continue;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const PlacementEstimate& e = rows[i];
+    if (ranks == 1 && i > 0 && rows[i - 1].params == e.params && rows[i - 1].optimizer == e.optimizer) continue;
     std::printf("%-6s %-9s | %-36s | %-36s | %-36s | %s\n", tier_name(e.params).c_str(),
                 tier_name(e.optimizer).c_str(), cell(e.by_kind[0]).c_str(), cell(e.by_kind[1]).c_str(),
                 cell(e.by_kind[2]).c_str(), format_bytes(e.by_kind[3].device).c_str());
