@@ -843,6 +843,9 @@ struct OffloadEngine::Impl {
   // alike (docs/offload.md "Early fetch across steps", stage 3). Neither a closed gate nor a
   // failed read is an error here; a failed exchange or gather is (the comm itself failed).
   Status early_gather_unit_params(int u, bool mine, char* working, std::atomic<bool>* early_ok);
+  // The part both share: this rank's slice of unit u read into send[0, len), padded to the chunk,
+  // all-gathered over `comm` into recv and laid out as the whole unit in `working`.
+  Status gather_read_slice(int u, Comm& comm, int trace_track, char* send, char* recv, char* working);
   // Collective over `comm` (every rank of it calls it at the same point): each rank's outcome
   // of the read before a collective, `mine`, exchanged (a flag, the status code and the first
   // bytes of the message, kAgreeWords words per rank). OK when every rank read; otherwise every
@@ -2521,7 +2524,7 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice, bool nex
 Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv,
                                                char* working, bool agree) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, len = slices.len[uu];
   {
     detail::HostSpan span(tracer, track.nvme_fetch,
                           units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
@@ -2534,6 +2537,13 @@ Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_trac
     }
     STRATA_RETURN_IF_ERROR(read);
   }
+  return gather_read_slice(u, comm, trace_track, send, recv, working);
+}
+
+Status OffloadEngine::Impl::gather_read_slice(int u, Comm& comm, int trace_track, char* send, char* recv,
+                                              char* working) {
+  const std::size_t uu = static_cast<std::size_t>(u);
+  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
   std::memset(send + len * w, 0, (c - len) * w);
   STRATA_RETURN_IF_ERROR(dp_wait(trace_track, comm.all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
                                  "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
@@ -2544,7 +2554,7 @@ Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_trac
 Status OffloadEngine::Impl::early_gather_unit_params(int u, bool mine, char* working, std::atomic<bool>* early_ok) {
   early_ok->store(false);
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, len = slices.len[uu];
   char* send = fetch_send.bytes();
   char* recv = fetch_recv.bytes();
   if (mine) {
@@ -2569,10 +2579,7 @@ Status OffloadEngine::Impl::early_gather_unit_params(int u, bool mine, char* wor
                                layout().modules[uu].name + "'");
   }
   if (any_missing != 0.0f) return ok_status();  // every rank refetches it on demand
-  std::memset(send + len * w, 0, (c - len) * w);
-  STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[3], dp_fetch->all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
-                                 "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
-  from_elements(u, recv, working);
+  STRATA_RETURN_IF_ERROR(gather_read_slice(u, *dp_fetch, dp_tracks[3], send, recv, working));
   early_ok->store(true);
   return ok_status();
 }
