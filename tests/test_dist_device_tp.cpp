@@ -32,6 +32,7 @@
 
 #include "comm_environment.hpp"
 #include "dist_compare.hpp"
+#include "dist_device_plans.hpp"
 #include "offload/internal.hpp"
 #include "offload_fixture.hpp"
 #include "strata/parallel.hpp"
@@ -265,85 +266,29 @@ TEST(DeviceTensorParallel, PlanShrinksToOneOverDp) {
   ASSERT_EQ(world().size(), 4);
   ProcessGroups g = groups();
   const int DP = g.grid.dp();
-  const auto DPu = static_cast<std::uint64_t>(DP);
-  const std::string of = " (this rank's 1/" + std::to_string(DP);
   TrainerConfig local = testing::tiny(ModelKind::kGpt2, DType::kBF16, 1, 0.0);
   local.model.n_layer = 12;
   OffloadSettings s = device_settings(1);
   s.reduce_bucket_elements = kSmallBucket;
   s.persistence_threshold = smallest_unit(local, kTp);
-  std::uint64_t grads[4] = {}, params[4] = {}, live[4] = {}, buckets[4] = {}, slots[4] = {}, regions[4] = {};
-  for (int stage : {1, 2, 3}) {
-    s.zero_stage = stage;
-    OffloadSettings ps = s;
-    ps.dp_size = DP;
-    ps.tp_size = kTp;
-    auto made = OffloadPlan::make(local, ps);
-    ASSERT_TRUE(made.ok()) << made.status().to_string();
-    auto device = testing::make_device();
-    auto engine = OffloadEngine::create(local, s, *device, nullptr, g.dp.get(), g.tp.get());
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    const OffloadPlan& plan = (*engine)->plan();
-    ASSERT_EQ(plan.lines.size(), made->lines.size()) << "stage " << stage;
-    for (std::size_t i = 0; i < plan.lines.size(); ++i) {
-      EXPECT_EQ(plan.lines[i].what, made->lines[i].what) << "stage " << stage;
-      EXPECT_EQ(plan.lines[i].bytes, made->lines[i].bytes) << plan.lines[i].what;
-      EXPECT_EQ(plan.lines[i].tier, made->lines[i].tier) << plan.lines[i].what;
-    }
-    EXPECT_EQ(plan.device_bytes, made->device_bytes) << "stage " << stage;
-    grads[stage] = plan_bytes(plan, "device region offload.grads");
-    params[stage] = plan_bytes(plan, "device region offload.params");
-    buckets[stage] = plan_bytes(plan, "device region offload.grad_buckets");
-    slots[stage] = plan_bytes(plan, "device region offload.param_slots");
-    live[stage] = device->memory().stats().live_bytes;
-    regions[stage] = plan_bytes(plan, "device region ");
-    if (stage >= 2) {
-      EXPECT_EQ(grads[stage], plan_bytes(plan, "device region offload.grads" + of + ")")) << "stage " << stage;
-      EXPECT_GT(buckets[stage], 0u) << "stage " << stage;
-    }
-    if (stage == 3) {
-      EXPECT_GT(plan_bytes(plan, "device region offload.params" + of + " of the modules above"), 0u);
-      EXPECT_GT(plan_bytes(plan, "data-parallel parameter fetch staging (pinned)", Tier::kHost), 0u);
-    }
-  }
-  const offload_detail::Units u1 = shard_units(
-      local,
-      [&] {
-        OffloadSettings t = s;
-        t.zero_stage = 1;
-        return t;
-      }(),
-      g.coord.tp);
-  const auto M = u1.gbytes.size();
-  // Stage 1 holds the shard's whole gradient; stage 2 this rank's slices of it.
-  EXPECT_GE(grads[2], grads[1] / DPu);
-  EXPECT_LE(grads[2], grads[1] / DPu + 2 * 4 * 64 * M);
-  EXPECT_EQ(buckets[1], 0u);
-  EXPECT_EQ(slots[2], 0u);
-  EXPECT_EQ(params[1], params[2]);
-  // Stage 3: the sliced units keep rank 0's chunk (the largest) in the working dtype.
-  const offload_detail::Units u3 = shard_units(local, s, g.coord.tp);
-  std::uint64_t whole = 0, kept = 0;
-  for (std::size_t m = 0; m < M; ++m) {
-    if (!u3.sliced[m]) continue;
-    whole += u3.pbytes[m];
-    kept += 2 * offload_detail::dp_slice_of(u3.gbytes[m] / 4, DP, 0).chunk;
-  }
-  ASSERT_GT(whole, 0u);
-  EXPECT_LE(params[3], params[2] - whole + kept + 256 * M);
-  EXPECT_GE(params[3] + whole, params[2] + kept);
-  EXPECT_GT(slots[3], 0u);
+  const testing::DeviceStagePlans p = testing::record_device_stage_plans(
+      local, s, DP,
+      [&](const OffloadSettings& t) {
+        OffloadSettings ps = t;
+        ps.dp_size = DP;
+        ps.tp_size = kTp;
+        return ps;
+      },
+      [&](const OffloadSettings& t, Device& device) {
+        return OffloadEngine::create(local, t, device, nullptr, g.dp.get(), g.tp.get());
+      });
+  OffloadSettings s1 = s;
+  s1.zero_stage = 1;
+  OffloadSettings s3 = s;
+  s3.zero_stage = 3;
   // 12 layers: the slices and the buckets together below the shard's whole gradient.
-  EXPECT_LT(grads[2] + buckets[2], grads[1]);
-  // The arena carves what the plan says: between stages the live bytes move with the device
-  // regions' lines (within each region's alignment).
-  for (int stage : {2, 3}) {
-    EXPECT_NEAR(static_cast<double>(live[stage]) - static_cast<double>(live[1]),
-                static_cast<double>(regions[stage]) - static_cast<double>(regions[1]), 16.0 * 4096)
-        << "stage " << stage;
-  }
-  EXPECT_LT(live[2], live[1]);
-  EXPECT_LT(live[3], live[2] + slots[3]);
+  testing::expect_device_stages_shrink(p, shard_units(local, s1, g.coord.tp), shard_units(local, s3, g.coord.tp), DP,
+                                       "tensor rank " + std::to_string(g.coord.tp));
 }
 
 // Stage 3 on tp 2 x dp 2, the state read back through the slices and the shards: a checkpoint
