@@ -413,43 +413,59 @@ TEST(DistCliTrain, PlanUnderMpirunIsTheRanksShardedPlan) {
   EXPECT_EQ(fits.exit_code, 0) << "budget " << budget << " bytes\n" << fits.output;
 }
 
-// Stage 3 in device memory under mpirun (docs/parallel.md "Stage 3 in device memory"): --plan
-// prints each rank's slices of the working parameters, the param slots and the fetch staging;
-// the run trains with stage 2's losses bit for bit (the same collectives' sums) and writes the
-// same weights file (the slices gathered).
-TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
-  TempDir dir("strata-dist-cli");
+// The device optimizer at ZeRO stage 3 against stage 2 under `mpirun -np np` with `strata` (a
+// config's "strata" section, or empty): --plan at stage 3 prints each of `plan_lines` at least
+// `copies` times (once per pipeline stage), and the two runs' losses are equal bit for bit (the
+// same collectives' sums), fall, and the weights files are byte for byte the same (the slices
+// gathered).
+void expect_device_stage3_trains_as_stage2(const TempDir& dir, const std::string& tag, const std::string& strata,
+                                           int np, int steps, const std::vector<std::string>& plan_lines,
+                                           std::size_t copies, const std::string& what) {
   auto config = [&](int stage) {
-    return write_file(dir / ("stage" + std::to_string(stage) + ".json"),
-                      R"({"zero_optimization": {"stage": )" + std::to_string(stage) +
+    return write_file(dir / (tag + "stage" + std::to_string(stage) + ".json"),
+                      "{" + strata + R"("zero_optimization": {"stage": )" + std::to_string(stage) +
                           R"(, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
                           "stage3_param_persistence_threshold": 0}})");
   };
-  const std::string flags = kTiny + "--steps 4 --val-every 0 --val-windows 4 --grad-accum 2 ";
-  auto plan = run_command(mpirun(2) + "train " + flags + "--config " + config(3) + " --plan");
+  const std::string flags =
+      kTiny + "--steps " + std::to_string(steps) + " --val-every 0 --val-windows 4 --grad-accum 2 ";
+  auto plan = run_command(mpirun(np) + "train " + flags + "--config " + config(3) + " --plan");
   ASSERT_EQ(plan.exit_code, 0) << plan.output;
-  EXPECT_NE(plan.output.find("device region offload.params (this rank's 1/2 of the modules above "
-                             "stage3_param_persistence_threshold)"),
-            std::string::npos)
-      << plan.output;
-  EXPECT_NE(plan.output.find("device region offload.param_slots"), std::string::npos) << plan.output;
-  EXPECT_NE(plan.output.find("data-parallel parameter fetch staging (pinned)"), std::string::npos)
-      << plan.output;
+  for (const std::string& line : plan_lines) {
+    std::size_t count = 0;
+    for (std::size_t at = plan.output.find(line); at != std::string::npos; at = plan.output.find(line, at + 1))
+      ++count;
+    EXPECT_GE(count, copies) << what << ": " << line << "\n" << plan.output;
+  }
   std::vector<double> losses[2];
   std::string weights[2];
   for (int stage : {2, 3}) {
-    const std::filesystem::path out = dir / ("run" + std::to_string(stage));
+    const std::filesystem::path out = dir / (tag + "run" + std::to_string(stage));
     auto run =
-        run_command(mpirun(2) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
+        run_command(mpirun(np) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
     ASSERT_EQ(run.exit_code, 0) << run.output;
     losses[stage - 2] = losses_of(out / "metrics.jsonl");
     weights[stage - 2] = read_file(out / "weights.safetensors");
   }
-  ASSERT_EQ(losses[0].size(), 4u);
-  EXPECT_EQ(losses[0], losses[1]) << "stage 3 in device memory trains as stage 2, bit for bit";
-  EXPECT_LT(losses[1].back(), losses[1].front());
-  ASSERT_GT(weights[0].size(), 1000u);
-  EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
+  ASSERT_EQ(losses[0].size(), static_cast<std::size_t>(steps)) << what;
+  EXPECT_EQ(losses[0], losses[1]) << what << ": stage 3 in device memory trains as stage 2, bit for bit";
+  EXPECT_LT(losses[1].back(), losses[1].front()) << what;
+  ASSERT_GT(weights[0].size(), 1000u) << what;
+  EXPECT_TRUE(weights[0] == weights[1]) << what << ": stage 2 and stage 3 wrote different weights";
+}
+
+const std::string kStage3ParamsLine =
+    "device region offload.params (this rank's 1/2 of the modules above stage3_param_persistence_threshold)";
+
+// Stage 3 in device memory under mpirun (docs/parallel.md "Stage 3 in device memory"): --plan
+// prints each rank's slices of the working parameters, the param slots and the fetch staging;
+// the run trains with stage 2's losses bit for bit and writes the same weights file.
+TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
+  TempDir dir("strata-dist-cli");
+  expect_device_stage3_trains_as_stage2(
+      dir, "", "", 2, 4,
+      {kStage3ParamsLine, "device region offload.param_slots", "data-parallel parameter fetch staging (pinned)"}, 1,
+      "dp 2");
 }
 
 // The same with tensor parallelism (docs/parallel.md "With tensor parallelism"): 4 ranks, tp 2 x
@@ -458,80 +474,21 @@ TEST(DistCliTrain, Stage3DeviceParamsPlanAndTrainingUnderMpirun) {
 // bit and writes the same weights file (the shards gathered, then the slices).
 TEST(DistCliTrain, DeviceStagesWithTensorParallelPlanAndTrainingUnderMpirun) {
   TempDir dir("strata-dist-cli");
-  auto config = [&](int stage) {
-    return write_file(dir / ("tp-stage" + std::to_string(stage) + ".json"),
-                      R"({"strata": {"tensor_parallel_size": 2}, "zero_optimization": {"stage": )" +
-                          std::to_string(stage) +
-                          R"(, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
-                          "stage3_param_persistence_threshold": 0}})");
-  };
-  const std::string flags = kTiny + "--steps 3 --val-every 0 --val-windows 4 --grad-accum 2 ";
-  auto plan = run_command(mpirun(4) + "train " + flags + "--config " + config(3) + " --plan");
-  ASSERT_EQ(plan.exit_code, 0) << plan.output;
-  for (const char* line : {"device region offload.params (this rank's 1/2 of the modules above "
-                           "stage3_param_persistence_threshold)",
-                           "device region offload.grads (this rank's 1/2)", "device region offload.grad_buckets",
-                           "device region offload.param_slots"}) {
-    EXPECT_NE(plan.output.find(line), std::string::npos) << line << "\n" << plan.output;
-  }
-  std::vector<double> losses[2];
-  std::string weights[2];
-  for (int stage : {2, 3}) {
-    const std::filesystem::path out = dir / ("tp-run" + std::to_string(stage));
-    auto run =
-        run_command(mpirun(4) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
-    ASSERT_EQ(run.exit_code, 0) << run.output;
-    losses[stage - 2] = losses_of(out / "metrics.jsonl");
-    weights[stage - 2] = read_file(out / "weights.safetensors");
-  }
-  ASSERT_EQ(losses[0].size(), 3u);
-  EXPECT_EQ(losses[0], losses[1]) << "stage 3 with tensor parallelism trains as stage 2, bit for bit";
-  EXPECT_LT(losses[1].back(), losses[1].front());
-  ASSERT_GT(weights[0].size(), 1000u);
-  EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
+  expect_device_stage3_trains_as_stage2(dir, "tp-", R"("strata": {"tensor_parallel_size": 2}, )", 4, 3,
+                                        {kStage3ParamsLine, "device region offload.grads (this rank's 1/2)",
+                                         "device region offload.grad_buckets", "device region offload.param_slots"},
+                                        1, "tp 2 x dp 2");
 }
 
-// The device optimizer's stages 2-3 with a pipeline (pp 2 x dp 2 on 4 ranks): --plan prints each
-// stage's sliced gradient, bucket, parameter-slice and slot lines, and stage 3 trains as stage 2,
-// bit for bit (losses and the weights file).
+// The device optimizer's stages 2-3 with a pipeline (pp 2 x dp 2 on 4 ranks): every stage's
+// --plan prints its sliced gradient, bucket, parameter-slice and slot lines, and stage 3 trains
+// as stage 2, bit for bit (losses and the weights file).
 TEST(DistCliTrain, DeviceStagesWithPipelinePlanAndTrainingUnderMpirun) {
   TempDir dir("strata-dist-cli");
-  auto config = [&](int stage) {
-    return write_file(dir / ("pp-stage" + std::to_string(stage) + ".json"),
-                      R"({"strata": {"pipeline_parallel_size": 2}, "zero_optimization": {"stage": )" +
-                          std::to_string(stage) +
-                          R"(, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
-                          "stage3_param_persistence_threshold": 0}})");
-  };
-  const std::string flags = kTiny + "--steps 3 --val-every 0 --val-windows 4 --grad-accum 2 ";
-  auto plan = run_command(mpirun(4) + "train " + flags + "--config " + config(3) + " --plan");
-  ASSERT_EQ(plan.exit_code, 0) << plan.output;
-  for (const char* line : {"device region offload.params (this rank's 1/2 of the modules above "
-                           "stage3_param_persistence_threshold)",
-                           "device region offload.grads (this rank's 1/2)", "device region offload.grad_buckets",
-                           "device region offload.param_slots"}) {
-    // Every stage's plan holds the line.
-    const std::string text(line);
-    std::size_t count = 0;
-    for (std::size_t at = plan.output.find(text); at != std::string::npos; at = plan.output.find(text, at + 1))
-      ++count;
-    EXPECT_GE(count, 2u) << line << "\n" << plan.output;
-  }
-  std::vector<double> losses[2];
-  std::string weights[2];
-  for (int stage : {2, 3}) {
-    const std::filesystem::path out = dir / ("pp-run" + std::to_string(stage));
-    auto run =
-        run_command(mpirun(4) + "train " + flags + "--config " + config(stage) + " --out " + out.string());
-    ASSERT_EQ(run.exit_code, 0) << run.output;
-    losses[stage - 2] = losses_of(out / "metrics.jsonl");
-    weights[stage - 2] = read_file(out / "weights.safetensors");
-  }
-  ASSERT_EQ(losses[0].size(), 3u);
-  EXPECT_EQ(losses[0], losses[1]) << "stage 3 with a pipeline trains as stage 2, bit for bit";
-  EXPECT_LT(losses[1].back(), losses[1].front());
-  ASSERT_GT(weights[0].size(), 1000u);
-  EXPECT_TRUE(weights[0] == weights[1]) << "stage 2 and stage 3 wrote different weights";
+  expect_device_stage3_trains_as_stage2(dir, "pp-", R"("strata": {"pipeline_parallel_size": 2}, )", 4, 3,
+                                        {kStage3ParamsLine, "device region offload.grads (this rank's 1/2)",
+                                         "device region offload.grad_buckets", "device region offload.param_slots"},
+                                        2, "pp 2 x dp 2");
 }
 
 // Gradients on NVMe train with data parallelism (each rank's reduced slice in its own swap
