@@ -124,5 +124,34 @@ TEST(CliCheckpoint, SigtermSavesACheckpointThatResumesBitwise) {
   }
 }
 
+// SIGKILL (an out-of-memory killer, a node failure): nothing runs at exit, so the default swap
+// directory under $TMPDIR stays, but its swap data files were unlinked once open and went with
+// the process; only the store's journal and lock remain (a few KiB, not the run's NVMe state). The
+// optimizer state is on NVMe (the tiny model's parameters stay resident under the persistence
+// threshold).
+TEST(CliCheckpoint, AKilledRunLeavesNoSwapDataInItsTemporaryDirectory) {
+  TempDir dir("strata-cli-sigkill");
+  const std::filesystem::path tmp = dir / "tmp";
+  std::filesystem::create_directories(tmp);
+  const std::string m = (dir / "m.jsonl").string();
+  const std::string script = "TMPDIR='" + tmp.string() + "' '" + STRATA_CLI_PATH + "' train " + kTiny +
+                             "--offload-optimizer nvme --val-every 0 --steps 100000 --metrics " + m + " & pid=$!; " +
+                             "for i in $(seq 1200); do [ -f " + m + " ] && [ $(wc -l < " + m +
+                             ") -ge 2 ] && break; sleep 0.05; done; kill -KILL $pid; wait $pid; echo \"exit=$?\"";
+  auto r = run_command(script);
+  EXPECT_NE(r.output.find("exit=137"), std::string::npos) << r.output;
+  ASSERT_GE(read_jsonl(m).size(), 2u) << "the run trained before it was killed";
+  int swap_dirs = 0, data_files = 0;
+  for (const auto& d : std::filesystem::directory_iterator(tmp)) {
+    if (d.path().filename().string().rfind("strata-swap-", 0) != 0) continue;
+    ++swap_dirs;
+    EXPECT_TRUE(std::filesystem::exists(d.path() / "strata-swap.journal")) << d.path();
+    for (const auto& e : std::filesystem::directory_iterator(d.path()))
+      data_files += e.path().extension() == ".data" ? 1 : 0;
+  }
+  EXPECT_EQ(swap_dirs, 1) << "the optimizer state swaps to NVMe under $TMPDIR";
+  EXPECT_EQ(data_files, 0) << "the killed run's swap data went with it";
+}
+
 }  // namespace
 }  // namespace strata::testing

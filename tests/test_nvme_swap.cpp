@@ -408,6 +408,85 @@ TEST(SwapStore, CrashDuringAWriteKeepsThePreviousVersion) {
   EXPECT_EQ(read_back(*store, {"w", 0}, v2.size()), v2);
 }
 
+// A scratch store (strata train's default swap directory): the data files leave the directory as
+// soon as open() has them open, reads and writes still round-trip through the open descriptors,
+// and a process killed with the store open leaves no swap data behind; the journal and lock stay,
+// and a second scratch store in the same directory is refused naming the journal. Without
+// `scratch` the same store keeps its data files (the control).
+TEST(SwapStore, AScratchStoreLeavesNoSwapDataBehindWhenItsProcessIsKilled) {
+  TempDir root("strata-swap");
+  std::vector<std::string> dirs;
+  for (int i = 0; i < 2; ++i) {
+    dirs.push_back((root.path() / ("nvme" + std::to_string(i))).string());
+    std::filesystem::create_directory(dirs.back());
+  }
+  auto fresh_dirs = [&] {
+    for (const std::string& d : dirs) {
+      std::filesystem::remove_all(d);
+      std::filesystem::create_directory(d);
+    }
+  };
+  auto data_files = [&] {
+    int n = 0;
+    for (const std::string& d : dirs)
+      for (const auto& e : std::filesystem::directory_iterator(d))
+        n += e.path().extension() == ".data" ? 1 : 0;
+    return n;
+  };
+  SwapStoreConfig cfg = store_config(dirs, 16 << 20);
+  {
+    auto engine = engine_or_die();
+    ASSERT_NE(engine, nullptr);
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(data_files(), 2) << "an ordinary store keeps its files";
+  }
+  fresh_dirs();
+  cfg.scratch = true;
+  const auto v = random_bytes(3 << 20, 7);
+  {
+    auto engine = engine_or_die();
+    ASSERT_NE(engine, nullptr);
+    auto store = open_or_die(*engine, cfg);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(data_files(), 0) << "the scratch store's files are unlinked once open";
+    STRATA_ASSERT_OK(store->write({"w", 0}, v.data(), v.size()).wait());
+    EXPECT_EQ(read_back(*store, {"w", 0}, v.size()), v);
+    STRATA_ASSERT_OK(store->is_valid());
+  }
+  auto again = [&] {
+    auto engine = engine_or_die();
+    auto store = SwapStore::open(*engine, cfg);
+    EXPECT_FALSE(store.ok());
+    EXPECT_NE(store.status().message().find("strata-swap.journal"), std::string::npos) << store.status().to_string();
+  };
+  again();
+  fresh_dirs();
+  ChildResult child = run_in_child([&](std::string& report) {
+    auto engine = IoEngine::create(small_blocks());
+    if (!engine.ok()) {
+      report = engine.status().to_string();
+      return 1;
+    }
+    auto store = SwapStore::open(**engine, cfg);
+    if (!store.ok()) {
+      report = store.status().to_string();
+      return 1;
+    }
+    Status s = (*store)->write({"w", 0}, v.data(), v.size()).wait();
+    if (!s.ok()) {
+      report = s.to_string();
+      return 1;
+    }
+    ::raise(SIGKILL);
+    return 2;
+  });
+  ASSERT_TRUE(WIFSIGNALED(child.status) && WTERMSIG(child.status) == SIGKILL)
+      << "child status " << child.status << ": " << child.report;
+  EXPECT_EQ(data_files(), 0) << "the killed process's swap data went with it";
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(dirs[0]) / "strata-swap.journal"));
+}
+
 // The file system cannot hold the store (RLIMIT_FSIZE below the swap file size): open fails
 // naming the directory and the errno, and leaves no swap file behind.
 TEST(SwapStore, AFileSystemTooSmallFailsAtOpen) {

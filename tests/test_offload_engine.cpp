@@ -216,6 +216,31 @@ TEST(OffloadEngine, NvmeOptimizerSubGroupsGiveTheSameBits) {
   EXPECT_LT(nvme_plan->host_bytes + layout->grad_bytes / 2, host_plan->host_bytes);
 }
 
+// Scratch swap directories (OffloadSettings::nvme_scratch, strata train's default under $TMPDIR):
+// while the engine runs with everything on NVMe its directory holds no swap data file (they were
+// unlinked once open, so a killed run leaves none behind), and it trains bit for bit as the
+// ordinary store does, whose directory keeps them.
+TEST(OffloadEngine, ScratchSwapLeavesNoDataFilesAndTrainsTheSame) {
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);
+  Snapshot runs[2];
+  for (bool scratch : {false, true}) {
+    TempDir dir("strata-offload");
+    OffloadSettings s = settings_for({Tier::kNvme, Tier::kNvme}, dir);
+    s.gradients = Tier::kNvme;
+    s.nvme_scratch = scratch;
+    auto device = make_device();
+    auto engine = OffloadEngine::create(c, s, *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(run_steps(**engine, c, 0, 3, runs[scratch]));
+    ASSERT_TRUE(capture_state(**engine, runs[scratch]));
+    int data_files = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+      data_files += e.path().extension() == ".data" ? 1 : 0;
+    EXPECT_EQ(data_files, scratch ? 0 : 1) << (scratch ? "scratch" : "ordinary") << " swap directory";
+  }
+  expect_same(runs[0], runs[1], "scratch swap against the ordinary store");
+}
+
 // The resident trainer is the all-device placement of the same engine.
 TEST(OffloadEngine, TheTrainerIsTheAllDevicePlacement) {
   const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kBF16, 2, 1.0);

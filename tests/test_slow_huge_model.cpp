@@ -46,6 +46,7 @@ TEST(HugeModel, ThreeBillionParametersTrainOnNvmeWithTwoGibOfDeviceAndEightOfHos
   s.optimizer = Tier::kNvme;
   s.gradients = Tier::kNvme;
   s.nvme_path = {swap.path().string()};
+  s.nvme_scratch = true;  // a run killed by its timeout leaves no 48 GB behind
   s.io.nvme_path = s.nvme_path;
   s.sub_group_size = 20'000'000;
   s.prefetch_modules = 1;

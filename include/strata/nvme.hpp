@@ -257,6 +257,13 @@ struct SwapStoreConfig {
   // rest, reports them in recovery(), keeps the damaged journal as `<journal>.damaged` and
   // writes a clean one.
   bool salvage_journal = false;
+  // The store is this process's scratch space and nothing will reopen it (strata train's default
+  // swap directory under $TMPDIR): once open() has the data files open, it unlinks them, so their
+  // space returns to the file system when the process ends however it ends — killed by a signal,
+  // an abort or the job's watchdog included — instead of staying behind under the directory. Only
+  // the journal and lock files (a few KiB) stay. open() refuses a directory that already holds a
+  // store (there is nothing to recover from scratch).
+  bool scratch = false;
 
   Status validate() const;
 };

@@ -93,6 +93,10 @@ struct OffloadSettings {
   // setting (DeepSpeed keeps them in host memory): --offload-gradients.
   Tier gradients = Tier::kHost;
   std::vector<std::string> nvme_path;  // swap directories (offload_*.nvme_path / aio.nvme_path)
+  // The swap directories are this run's scratch space (strata train's default under $TMPDIR):
+  // the swap files are unlinked once open, so a killed process leaves no swap data behind
+  // (SwapStoreConfig::scratch). Needs directories without a store in them.
+  bool nvme_scratch = false;
   // Modules fetched ahead of the one running, bounded by prefetch_elements (0 disables prefetch).
   int prefetch_modules = 2;
   std::int64_t prefetch_elements = 50'000'000;      // stage3_prefetch_bucket_size

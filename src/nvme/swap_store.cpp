@@ -531,6 +531,10 @@ Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapS
 
   nvme_detail::JournalContents contents;
   bool existing = std::filesystem::exists(s.journal_path);
+  if (existing && config.scratch) {
+    return failed_precondition("a scratch swap store needs a directory without a store, but " + s.journal_path +
+                               " exists: remove the store's strata-swap.* files or give another directory");
+  }
   if (existing) {
     std::FILE* f = std::fopen(s.journal_path.c_str(), "rb");
     if (f == nullptr)
@@ -658,6 +662,15 @@ Result<std::unique_ptr<SwapStore>> SwapStore::open(IoEngine& engine, const SwapS
   if (s.journal_fd < 0) s.journal_fd = ::open(s.journal_path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
   if (s.journal_fd < 0)
     return io_error("cannot open " + s.journal_path + ": " + nvme_detail::errno_text(errno));
+  if (config.scratch) {
+    // The engine holds every descriptor of the data files (buffered and O_DIRECT, opened by
+    // open_striped above), so the names can go now: the inodes live while the engine has them open.
+    for (const auto& path : s.member_paths) {
+      if (::unlink(path.c_str()) != 0) {
+        return io_error("cannot unlink the scratch swap file " + path + ": " + nvme_detail::errno_text(errno));
+      }
+    }
+  }
   return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
 }
 

@@ -1344,6 +1344,7 @@ Status OffloadEngine::Impl::setup() {
     SwapStoreConfig sc;
     sc.dirs = settings.nvme_path;
     sc.capacity = plan.swap_bytes;
+    sc.scratch = settings.nvme_scratch;
     STRATA_ASSIGN_OR_RETURN(swap, SwapStore::open(*io, sc));
   }
 

@@ -57,7 +57,8 @@ using Clock = std::chrono::steady_clock;
 // Validation windows per evaluation (the other defaults are in settings.hpp).
 constexpr std::int64_t kValWindows = 64;
 
-// The default swap directory of the NVMe tier: fresh under $TMPDIR, removed when the run ends.
+// The default swap directory of the NVMe tier: fresh under $TMPDIR, removed when the run ends; its
+// swap files are scratch (unlinked once open), so a killed run does not leave them behind.
 class TempSwapDir {
  public:
   static Result<std::unique_ptr<TempSwapDir>> create() {
@@ -480,6 +481,9 @@ int run_train(std::span<const std::string> argv) {
     temp_swap = std::move(*t);
     offload.nvme_path = {temp_swap->path()};
     offload.io.nvme_path = offload.nvme_path;
+    // Nothing reopens it: the swap files go from the directory once open, so a killed run (where
+    // ~TempSwapDir never runs) leaves only the small journal and lock files behind.
+    offload.nvme_scratch = true;
   }
   if (pp > 1) {
     // A stage places only its modules' state: the plan, the device budget and the fit check are
