@@ -336,9 +336,10 @@ class MpiComm final : public Comm {
   // into half j % 2 of peer_blocks_, which therefore never exceeds kMpiReduceBufferBytes whatever
   // the message size. Step j posts chunk j + 1's messages before it waits for chunk j's and
   // folds them, so the transport moves the next chunk while this one is reduced. all_reduce
-  // sends each folded chunk to every peer at once (tag kGatherTag) and receives theirs straight
-  // into dst. Bytes per rank as a ring: (n - 1) / n of the buffer out and in per half, but in
-  // one step per chunk instead of n - 1.
+  // then sends its whole folded range to every peer (tag kGatherTag), received straight into
+  // dst: one message per peer (sending each chunk as soon as it was folded measured 5-7x slower
+  // at 4 MiB, docs/parallel.md). Bytes per rank as a ring: (n - 1) / n of the buffer out and in
+  // per half, in one step per chunk instead of n - 1.
   Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
                        const std::string& what) {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
@@ -386,7 +387,6 @@ class MpiComm final : public Comm {
       }
       return ok_status();
     };
-    requests_.clear();  // all_reduce's gather messages, from every step
     float* out = scatter ? dst : dst + lo;
     STRATA_RETURN_IF_ERROR(post(0));
     for (std::size_t j = 0; j < steps; ++j) {
@@ -395,26 +395,22 @@ class MpiComm final : public Comm {
       STRATA_RETURN_IF_ERROR(finish(reqs.data(), static_cast<int>(reqs.size()), what, deadline));
       const std::size_t m = piece(rank_, j);
       fold(src + lo + j * chunk, [&](int q) { return slot(q, j); }, out + j * chunk, m, op);
-      if (scatter) continue;
-      // This chunk's sends to every peer have completed (finish above), so in place their source,
-      // each peer's range of dst, may now receive that peer's folded chunk.
-      for (int step = 1; step < size_; ++step) {
-        const int from = (rank_ + size_ - step) % size_;
-        if (const std::size_t k = piece(from, j); k > 0) {
-          STRATA_RETURN_IF_ERROR(start(MPI_Irecv(dst + begin(from) + j * chunk, static_cast<int>(k), MPI_FLOAT,
-                                                 from, kGatherTag, comm_, &requests_.emplace_back()),
-                                       what));
-        }
-      }
-      if (m > 0) {
-        for (int step = 1; step < size_; ++step) {
-          STRATA_RETURN_IF_ERROR(start(MPI_Isend(out + j * chunk, static_cast<int>(m), MPI_FLOAT,
-                                                 (rank_ + step) % size_, kGatherTag, comm_, &requests_.emplace_back()),
-                                       what));
-        }
-      }
-      // Drop the completed ones, so a long message keeps only the few chunks still moving.
-      STRATA_RETURN_IF_ERROR(reap(requests_, what));
+    }
+    if (scatter) return ok_status();
+    // The gather: every rank's folded range to every peer, received straight into dst. In place,
+    // each peer's range of dst was the source of this rank's sends to it, all completed above.
+    requests_.clear();
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), MPI_FLOAT, from,
+                          kGatherTag, comm_, &requests_.emplace_back()),
+                what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), MPI_FLOAT, (rank_ + step) % size_,
+                                             kGatherTag, comm_, &requests_.emplace_back()),
+                                   what));
     }
     return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
   }
@@ -443,18 +439,6 @@ class MpiComm final : public Comm {
     }
   }
 
-  // Tests `reqs` once (which also moves the library's progress on) and removes the completed.
-  Status reap(std::vector<MPI_Request>& reqs, const std::string& what) {
-    if (reqs.empty()) return ok_status();
-    int done = 0;
-    indices_.resize(reqs.size());
-    const int rc = MPI_Testsome(static_cast<int>(reqs.size()), reqs.data(), &done, indices_.data(),
-                                MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
-    if (done > 0) std::erase(reqs, MPI_REQUEST_NULL);
-    return ok_status();
-  }
-
   static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
     if (scratch.size() < n) scratch.resize(n);
     convert(src, scratch.data(), n);
@@ -476,12 +460,10 @@ class MpiComm final : public Comm {
   // fp32 staging for bf16 reductions; touched only by the queue thread.
   std::vector<float> scratch_;
   std::vector<float> scratch_out_;
-  // The requests of gather_direct and reduce_direct (all_reduce's gather messages), reduce_direct's
-  // two chunks in flight, and MPI_Testsome's indices; touched only by the thread running the
-  // operation.
+  // The requests of gather_direct and reduce_direct (all_reduce's gather), and of reduce_direct's
+  // two chunks in flight; touched only by the thread running the operation.
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Request> chunk_requests_[2];
-  std::vector<int> indices_;
   // reduce_direct's receive buffer: one or two chunks of the peers' ranges of this rank's
   // elements, at most kMpiReduceBufferBytes (mpi_comm.hpp).
   std::vector<float> peer_blocks_;
