@@ -258,6 +258,76 @@ TEST(Comm, AsyncOperationsRunInEnqueueOrder) {
   EXPECT_EQ(gathered, sim_gathered);
 }
 
+// A waiting caller runs queued operations itself when the queue thread sleeps (CommQueue::
+// run_inline): the pending ones up to the one it waits for, in order, sends and recvs started at
+// once, a collective after those before it completed; what is still in flight when its
+// operation completes goes to the queue thread. Queued and inline operations interleave here
+// (1-element messages, so a send completes without its recv, as the queue's rules require for
+// a send queued before a collective); the point-to-point messages must match in enqueue order
+// and the collectives see their inputs in order. Last, a recv waited for while another thread
+// submits the send the peer needs first: the waiting caller must hand over rather than keep the
+// new send queued behind its wait (that would deadlock until the timeout).
+TEST(Comm, InlineAndQueuedOperationsKeepTheirOrder) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  const int next = (me + 1) % p;
+  const int prev = (me + p - 1) % p;
+  auto v = [](int rank, int k) { return static_cast<float>(rank * 100 + k); };
+  for (int round = 0; round < 20; ++round) {
+    const std::string at = "round " + std::to_string(round);
+    float out[5];
+    float in[5] = {-1, -1, -1, -1, -1};
+    for (int k = 0; k < 5; ++k) out[k] = v(me, k);
+    // Two sends, two recvs, the second recv waited first: all four run in order.
+    CommWork s0 = c.send(&out[0], 1, DType::kF32, next);
+    CommWork s1 = c.send(&out[1], 1, DType::kF32, next);
+    CommWork r0 = c.recv(&in[0], 1, DType::kF32, prev);
+    CommWork r1 = c.recv(&in[1], 1, DType::kF32, prev);
+    ASSERT_TRUE(r1.wait().ok()) << at;
+    ASSERT_TRUE(r0.wait().ok()) << at;
+    EXPECT_EQ(in[0], v(prev, 0)) << at;
+    EXPECT_EQ(in[1], v(prev, 1)) << at;
+    // A recv then a send, the send waited: the recv is left in flight for the queue thread.
+    CommWork r2 = c.recv(&in[2], 1, DType::kF32, prev);
+    CommWork s2 = c.send(&out[2], 1, DType::kF32, next);
+    ASSERT_TRUE(s2.wait().ok()) << at;
+    ASSERT_TRUE(r2.wait().ok()) << at;
+    EXPECT_EQ(in[2], v(prev, 2)) << at;
+    // A send, a collective that reads a buffer the send does not, a recv, and a second
+    // collective whose input is the first one's output: waited from the last.
+    float x = static_cast<float>(me + 1);
+    float y = 0.0f;
+    CommWork s3 = c.send(&out[3], 1, DType::kF32, next);
+    CommWork a0 = c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kMax);
+    CommWork r3 = c.recv(&in[3], 1, DType::kF32, prev);
+    CommWork a1 = c.all_reduce(&x, &y, 1, DType::kF32, ReduceOp::kSum);
+    ASSERT_TRUE(a1.wait().ok()) << at;
+    for (const CommWork* h : {&s0, &s1, &s3, &a0, &r3}) EXPECT_TRUE(h->wait().ok()) << at;
+    EXPECT_EQ(in[3], v(prev, 3)) << at;
+    EXPECT_EQ(x, static_cast<float>(p)) << at;
+    EXPECT_EQ(y, static_cast<float>(p * p)) << at;
+    // Rank 0 waits for a recv from rank 1 while a second thread submits its send to rank 1;
+    // rank 1 sends back only after receiving it.
+    if (me == 0) {
+      CommWork r4 = c.recv(&in[4], 1, DType::kF32, 1);
+      CommWork s4;
+      std::thread sender([&] { s4 = c.send(&out[4], 1, DType::kF32, 1); });
+      Status rs = r4.wait();
+      sender.join();
+      ASSERT_TRUE(rs.ok()) << at << ": " << rs.to_string();
+      ASSERT_TRUE(s4.wait().ok()) << at;
+      EXPECT_EQ(in[4], v(1, 4) + v(0, 4)) << at;
+    } else if (me == 1) {
+      float got = 0.0f;
+      ASSERT_TRUE(c.recv(&got, 1, DType::kF32, 0).wait().ok()) << at;
+      out[4] += got;
+      ASSERT_TRUE(c.send(&out[4], 1, DType::kF32, 0).wait().ok()) << at;
+    }
+  }
+  ASSERT_TRUE(c.barrier().wait().ok());
+}
+
 // all_gather moves its blocks as point-to-point messages of its own (mpi_comm.cpp gather_direct)
 // rather than through MPI_Iallgather. It moves bytes, so its result must equal the MPI library's
 // blocking MPI_Allgather's bit for bit: both dtypes, arbitrary bit patterns (NaN payloads and
