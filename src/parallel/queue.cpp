@@ -220,9 +220,17 @@ bool CommQueue::run_inline(WorkState* state) {
     }
     pacer.pause();
   }
+  // What is left is usually a send the library marks done at its next progress call: poll it
+  // through the hot window before handing it over (the queue thread's wake-up, and the caller's
+  // later wait for it, would cost the two hand-offs this function exists to avoid).
+  pacer.reset();
+  pacer.next_at(std::chrono::steady_clock::now());
+  while (!inline_flight_.empty() && pacer.hot_at(std::chrono::steady_clock::now())) {
+    poll_once(inline_flight_);
+  }
   {
     std::lock_guard lock(mu_);
-    // Still in flight (a send whose recv was waited for first): the queue thread polls it. It
+    // Still in flight (a recv not waited for yet, a slow send): the queue thread polls it. It
     // sleeps (inline_active_ kept it so) with in_flight_ empty.
     for (InFlight& f : inline_flight_) in_flight_.push_back(std::move(f));
     inline_flight_.clear();
