@@ -465,7 +465,8 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
     ASSERT_TRUE(c.all_reduce(x.data(), got.data(), total, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
     check_buffer("all_reduce " + at);
     std::vector<float> lib(total, -2.0f);
-    ASSERT_EQ(MPI_Allreduce(x.data(), lib.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM, ref), MPI_SUCCESS);
+    ASSERT_EQ(MPI_Allreduce(x.data(), lib.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM, ref),
+              MPI_SUCCESS);
     for (std::size_t i = 0; i < total; ++i) {
       const float want = fold(i);
       ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)
@@ -482,7 +483,8 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
     // reduce_scatter of total / n per rank (total rounded down to a multiple of n).
     const std::size_t block = total / np;
     std::vector<float> part(block, -1.0f);
-    ASSERT_TRUE(c.reduce_scatter(x.data(), part.data(), block, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
+    ASSERT_TRUE(c.reduce_scatter(x.data(), part.data(), block, DType::kF32, ReduceOp::kSum).wait().ok())
+        << at;
     check_buffer("reduce_scatter " + at);
     for (std::size_t i = 0; i < block; ++i) {
       const float want = fold(static_cast<std::size_t>(me) * block + i);
@@ -504,7 +506,8 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
       }
       const std::size_t block = total / np;
       Buf part(d, block);
-      ASSERT_TRUE(c.reduce_scatter(send.data(), part.data(), block, d, op).wait().ok()) << where(d, block, op);
+      ASSERT_TRUE(c.reduce_scatter(send.data(), part.data(), block, d, op).wait().ok())
+          << where(d, block, op);
       for (std::size_t i = 0; i < block; ++i) {
         const std::size_t j = static_cast<std::size_t>(me) * block + i;
         const float want = round_to(d, reduce_ref(op, p, [&](int r) { return input(d, r, j); }));

@@ -132,7 +132,7 @@ class CommQueue {
   // run_inline's, used only while inline_active_ (by the one thread that set it).
   std::vector<Entry> inline_batch_;
   std::vector<InFlight> inline_flight_;
-  std::thread thread_;               // last: started after every other member exists
+  std::thread thread_;  // last: started after every other member exists
 };
 
 // "group 'dp' (world ranks 0,2)".

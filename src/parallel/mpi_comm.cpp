@@ -1,9 +1,11 @@
 // The mpi backend: host buffers, the MPI library's non-blocking collectives, polled on the
 // Comm's queue thread so that a deadline can be enforced (a blocking MPI call cannot be
-// interrupted). all_gather, and all_reduce and reduce_scatter up to 256 KiB, are built from
-// non-blocking point-to-point messages instead (gather_direct, reduce_direct; docs/parallel.md
-// "Small messages and all_gather"): OpenMPI's non-blocking schedules for them are several times
-// slower than its blocking algorithms there.
+// interrupted). all_gather, all_reduce and reduce_scatter are built from non-blocking
+// point-to-point messages instead in groups of up to 16 ranks (gather_direct, reduce_direct;
+// docs/parallel.md "Small messages and all_gather", "Reductions from point-to-point messages,
+// chunked"): OpenMPI's non-blocking schedules for them are several times slower than its
+// blocking algorithms. The reductions stream through a receive buffer of at most
+// kMpiReduceBufferBytes (mpi_comm.hpp) whatever the message size.
 //
 // bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
 // buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
@@ -302,7 +304,8 @@ class MpiComm final : public Comm {
   // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages in
   // groups of up to kMaxDirectGatherRanks, else OpenMPI's non-blocking call. src == dst allowed
   // for all_reduce.
-  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const std::string& what) {
+  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op,
+                        const std::string& what) {
     if (reduces_direct()) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
     MPI_Request req;
     const void* in = src == dst ? MPI_IN_PLACE : src;
@@ -315,9 +318,9 @@ class MpiComm final : public Comm {
     const std::size_t total = recv_count * static_cast<std::size_t>(size_);
     if (reduces_direct()) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
     MPI_Request req;
-    STRATA_RETURN_IF_ERROR(start(MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT,
-                                                           mpi_op(op), comm_, &req),
-                                 what));
+    STRATA_RETURN_IF_ERROR(start(
+        MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT, mpi_op(op), comm_, &req),
+        what));
     return finish(req, what);
   }
 
@@ -360,7 +363,9 @@ class MpiComm final : public Comm {
     const std::size_t width = steps == 1 ? len : chunk;
     const std::size_t half = (n - 1) * width;
     const std::size_t need = steps == 1 ? half : 2 * half;
-    if (peer_blocks_.size() < need) peer_blocks_.resize(need);
+    // A fresh vector of exactly `need` (resize could round the capacity up past the bound, and
+    // would copy contents nobody reads).
+    if (peer_blocks_.size() < need) peer_blocks_ = std::vector<float>(need);
     const auto slot = [&](int q, std::size_t j) {
       return peer_blocks_.data() + (j % 2) * half +
              static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * width;
@@ -372,16 +377,16 @@ class MpiComm final : public Comm {
       if (const std::size_t m = piece(rank_, j); m > 0) {
         for (int step = 1; step < size_; ++step) {
           const int from = (rank_ + size_ - step) % size_;
-          STRATA_RETURN_IF_ERROR(start(
-              MPI_Irecv(slot(from, j), static_cast<int>(m), MPI_FLOAT, from, kReduceTag, comm_, &reqs.emplace_back()),
-              what));
+          STRATA_RETURN_IF_ERROR(start(MPI_Irecv(slot(from, j), static_cast<int>(m), MPI_FLOAT, from,
+                                                 kReduceTag, comm_, &reqs.emplace_back()),
+                                       what));
         }
       }
       for (int step = 1; step < size_; ++step) {
         const int to = (rank_ + step) % size_;
         if (const std::size_t m = piece(to, j); m > 0) {
-          STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to) + j * chunk, static_cast<int>(m), MPI_FLOAT, to,
-                                                 kReduceTag, comm_, &reqs.emplace_back()),
+          STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to) + j * chunk, static_cast<int>(m), MPI_FLOAT,
+                                                 to, kReduceTag, comm_, &reqs.emplace_back()),
                                        what));
         }
       }
@@ -394,7 +399,8 @@ class MpiComm final : public Comm {
       std::vector<MPI_Request>& reqs = chunk_requests_[j % 2];
       STRATA_RETURN_IF_ERROR(finish(reqs.data(), static_cast<int>(reqs.size()), what, deadline));
       const std::size_t m = piece(rank_, j);
-      fold(src + lo + j * chunk, [&](int q) { return slot(q, j); }, out + j * chunk, m, op);
+      fold(
+          src + lo + j * chunk, [&](int q) { return slot(q, j); }, out + j * chunk, m, op);
     }
     if (scatter) return ok_status();
     // The gather: every rank's folded range to every peer, received straight into dst. In place,

@@ -247,7 +247,8 @@ void CommQueue::run() {
       std::unique_lock lock(mu_);
       if (in_flight_.empty()) {
         worker_active_ = false;
-        cv_.wait(lock, [&] { return (stopping_ || !pending_.empty() || !in_flight_.empty()) && !inline_active_; });
+        cv_.wait(lock,
+                 [&] { return (stopping_ || !pending_.empty() || !in_flight_.empty()) && !inline_active_; });
         worker_active_ = true;
       }
       if (pending_.empty()) {
