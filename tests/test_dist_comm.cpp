@@ -627,14 +627,15 @@ double process_cpu_seconds() {
 // wait must stay well under the wait's wall time. A resource bound, not a timing one: it holds
 // however slow or loaded the machine is (measured on 2 loaded cores: back-to-back polling
 // 48-50%, paced 10-13%; docs/parallel.md "Waiting without burning a core").
-// Three ways of waiting: a recv polled by the queue thread among its in-flight operations; a
-// collective polled by the caller itself (run_inline); a collective queued behind an in-flight
-// recv, polled by the queue thread before it starts.
+// Three ways of waiting: a recv polled by the queue thread among its in-flight operations (the
+// caller looks at test() once a millisecond instead of waiting, so it does not run the recv
+// itself); a collective polled by the caller itself (run_inline); a recv and a collective queued
+// behind it, waited for by the caller (run_inline polls the recv, then runs the collective).
 TEST(Comm, WaitingForALatePeerCostsLittleCpu) {
   Comm& c = world();
   const int late = c.size() - 1;
   constexpr double kMaxCpuShare = 0.3;
-  const char* kRounds[] = {"recv on the queue thread", "all_reduce run by the caller",
+  const char* kRounds[] = {"recv polled by the queue thread", "all_reduce run by the caller",
                            "all_reduce behind a recv"};
   for (int round = 0; round < 3; ++round) {
     const bool with_recv = round != 1;
@@ -657,6 +658,9 @@ TEST(Comm, WaitingForALatePeerCostsLittleCpu) {
     const auto t0 = std::chrono::steady_clock::now();
     CommWork r = with_recv && c.rank() == 0 ? c.recv(&got, 1, DType::kF32, late) : CommWork();
     CommWork a = with_all_reduce ? c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum) : CommWork();
+    if (round == 0) {
+      while (!r.test()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     ASSERT_TRUE(r.wait().ok());
     ASSERT_TRUE(a.wait().ok());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
