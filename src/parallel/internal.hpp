@@ -76,8 +76,8 @@ class CommQueue {
   CommWork submit_async(Start start);
   // Waits until everything submitted so far has completed; the first failure, if any.
   Status drain();
-  // Called by a thread about to wait for `state`: when the queue thread is asleep (so nothing
-  // is in flight) and `state` is among the first kMaxInlineEntries pending operations, the
+  // Called by a thread about to wait for `state`: when the queue thread is asleep and nothing
+  // is in flight and `state` is among the first kMaxInlineEntries pending operations, the
   // calling thread takes the operations up to and including it, in order, and runs them as the
   // queue thread would (asynchronous ones started at once, a blocking one after those before it
   // completed), polls until `state` completes, and hands whatever is still in flight to the

@@ -169,7 +169,9 @@ bool CommQueue::run_inline(WorkState* state) {
     std::lock_guard lock(mu_);
     // The queue thread sleeps only with nothing in flight (run()), so while it sleeps the queue
     // is exactly pending_, and taking a prefix of it in order is what the thread would do next.
-    if (worker_active_ || inline_active_) return false;
+    // Not so between a hand-over and the thread's wake-up (in_flight_ filled, the thread not
+    // yet running): a collective taken now would not wait for what was handed over.
+    if (worker_active_ || inline_active_ || !in_flight_.empty()) return false;
     std::size_t k = 0;
     while (k < pending_.size() && k < kMaxInlineEntries && pending_[k].state.get() != state) ++k;
     if (k == pending_.size() || k == kMaxInlineEntries) return false;
