@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "comm_environment.hpp"
+#include "parallel/mpi_comm.hpp"
 #include "strata/parallel.hpp"
 
 // The reference for all_gather is the MPI library itself (the C API only).
@@ -257,6 +258,76 @@ TEST(Comm, AsyncOperationsRunInEnqueueOrder) {
   EXPECT_EQ(gathered, sim_gathered);
 }
 
+// A waiting caller runs queued operations itself when the queue thread sleeps (CommQueue::
+// run_inline): the pending ones up to the one it waits for, in order, sends and recvs started at
+// once, a collective after those before it completed; what is still in flight when its
+// operation completes goes to the queue thread. Queued and inline operations interleave here
+// (1-element messages, so a send completes without its recv, as the queue's rules require for
+// a send queued before a collective); the point-to-point messages must match in enqueue order
+// and the collectives see their inputs in order. Last, a recv waited for while another thread
+// submits the send the peer needs first: the waiting caller must hand over rather than keep the
+// new send queued behind its wait (that would deadlock until the timeout).
+TEST(Comm, InlineAndQueuedOperationsKeepTheirOrder) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  const int next = (me + 1) % p;
+  const int prev = (me + p - 1) % p;
+  auto v = [](int rank, int k) { return static_cast<float>(rank * 100 + k); };
+  for (int round = 0; round < 20; ++round) {
+    const std::string at = "round " + std::to_string(round);
+    float out[5];
+    float in[5] = {-1, -1, -1, -1, -1};
+    for (int k = 0; k < 5; ++k) out[k] = v(me, k);
+    // Two sends, two recvs, the second recv waited first: all four run in order.
+    CommWork s0 = c.send(&out[0], 1, DType::kF32, next);
+    CommWork s1 = c.send(&out[1], 1, DType::kF32, next);
+    CommWork r0 = c.recv(&in[0], 1, DType::kF32, prev);
+    CommWork r1 = c.recv(&in[1], 1, DType::kF32, prev);
+    ASSERT_TRUE(r1.wait().ok()) << at;
+    ASSERT_TRUE(r0.wait().ok()) << at;
+    EXPECT_EQ(in[0], v(prev, 0)) << at;
+    EXPECT_EQ(in[1], v(prev, 1)) << at;
+    // A recv then a send, the send waited: the recv is left in flight for the queue thread.
+    CommWork r2 = c.recv(&in[2], 1, DType::kF32, prev);
+    CommWork s2 = c.send(&out[2], 1, DType::kF32, next);
+    ASSERT_TRUE(s2.wait().ok()) << at;
+    ASSERT_TRUE(r2.wait().ok()) << at;
+    EXPECT_EQ(in[2], v(prev, 2)) << at;
+    // A send, a collective that reads a buffer the send does not, a recv, and a second
+    // collective whose input is the first one's output: waited from the last.
+    float x = static_cast<float>(me + 1);
+    float y = 0.0f;
+    CommWork s3 = c.send(&out[3], 1, DType::kF32, next);
+    CommWork a0 = c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kMax);
+    CommWork r3 = c.recv(&in[3], 1, DType::kF32, prev);
+    CommWork a1 = c.all_reduce(&x, &y, 1, DType::kF32, ReduceOp::kSum);
+    ASSERT_TRUE(a1.wait().ok()) << at;
+    for (const CommWork* h : {&s0, &s1, &s3, &a0, &r3}) EXPECT_TRUE(h->wait().ok()) << at;
+    EXPECT_EQ(in[3], v(prev, 3)) << at;
+    EXPECT_EQ(x, static_cast<float>(p)) << at;
+    EXPECT_EQ(y, static_cast<float>(p * p)) << at;
+    // Rank 0 waits for a recv from rank 1 while a second thread submits its send to rank 1;
+    // rank 1 sends back only after receiving it.
+    if (me == 0) {
+      CommWork r4 = c.recv(&in[4], 1, DType::kF32, 1);
+      CommWork s4;
+      std::thread sender([&] { s4 = c.send(&out[4], 1, DType::kF32, 1); });
+      Status rs = r4.wait();
+      sender.join();
+      ASSERT_TRUE(rs.ok()) << at << ": " << rs.to_string();
+      ASSERT_TRUE(s4.wait().ok()) << at;
+      EXPECT_EQ(in[4], v(1, 4) + v(0, 4)) << at;
+    } else if (me == 1) {
+      float got = 0.0f;
+      ASSERT_TRUE(c.recv(&got, 1, DType::kF32, 0).wait().ok()) << at;
+      out[4] += got;
+      ASSERT_TRUE(c.send(&out[4], 1, DType::kF32, 0).wait().ok()) << at;
+    }
+  }
+  ASSERT_TRUE(c.barrier().wait().ok());
+}
+
 // all_gather moves its blocks as point-to-point messages of its own (mpi_comm.cpp gather_direct)
 // rather than through MPI_Iallgather. It moves bytes, so its result must equal the MPI library's
 // blocking MPI_Allgather's bit for bit: both dtypes, arbitrary bit patterns (NaN payloads and
@@ -305,8 +376,8 @@ TEST(Comm, AllGatherEqualsTheMpiLibrarysAllgatherBitForBit) {
   MPI_Comm_free(&ref);
 }
 
-// all_reduce and reduce_scatter of up to 256 KiB are point-to-point messages with each element
-// folded in rank order by one rank (mpi_comm.cpp reduce_direct). With values whose fp32 sum
+// all_reduce and reduce_scatter are point-to-point messages with each element folded in rank
+// order by one rank (mpi_comm.cpp reduce_direct); these sizes fit in one chunk. With values whose fp32 sum
 // depends on the order (signs and exponents spread over 2^-20..2^20), every rank's result must
 // be the left-to-right sum over ranks 0, 1, ..., n-1 bit for bit, and so the same on every rank
 // (on 2 ranks any order gives these bits; 3 and 4 ranks tell the orders apart).
@@ -324,7 +395,6 @@ TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
     for (int r = 1; r < p; ++r) acc += value(r, i);
     return acc;
   };
-  // 65536 x f32 = 256 KiB: the largest all_reduce the direct path takes.
   for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{4097}, std::size_t{65536}}) {
     std::vector<float> x(n);
     std::vector<float> got(n, -1.0f);
@@ -335,8 +405,7 @@ TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
       ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)
           << "all_reduce n=" << n << " i=" << i << ": " << got[i] << " vs " << want;
     }
-    // reduce_scatter of n per rank, as long as the input (n per rank, times the ranks) stays
-    // within the direct path's 256 KiB; above it the MPI library's order applies.
+    // reduce_scatter of n per rank (the larger inputs: LargeReductionsStream... below).
     if (n * static_cast<std::size_t>(p) > 65536) continue;
     std::vector<float> all(n * static_cast<std::size_t>(p));
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = value(me, i);
@@ -349,6 +418,105 @@ TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
           << "reduce_scatter n=" << n << " i=" << i << ": " << part[i] << " vs " << want;
     }
   }
+}
+
+// Reductions of any size stream through a bounded receive buffer in chunks
+// (mpi_reduce_chunk_elements per peer; mpi_comm.cpp reduce_direct). Sizes around the chunk
+// boundaries (one chunk, exactly two, three with uneven ranges, in and out of place):
+//  - every element is the left-to-right fp32 fold over ranks 0..n-1 bit for bit, so every rank
+//    holds the same bits and the chunking changes nothing (on 3 and 4 ranks these values give
+//    other bits in any other order: folding in arrival order, or pairwise, fails here);
+//  - all_reduce agrees with the MPI library's MPI_Allreduce within the error bound of an fp32
+//    sum of n terms in any order, 2 (n - 1) u sum |v_r| with u = 2^-24 (the library may add in
+//    another order, so not bitwise);
+//  - sum, avg and max of exactly representable values, f32 and bf16, equal the exact result;
+//  - the buffer held afterwards is at most kMpiReduceBufferBytes, though the messages are several
+//    times larger.
+TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  const auto np = static_cast<std::size_t>(p);
+  const std::size_t chunk = detail::mpi_reduce_chunk_elements(p);
+  ASSERT_GT(chunk, 1000u);
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  auto value = [](int rank, std::size_t i) {
+    const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
+    const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
+    return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
+  };
+  auto fold = [&](std::size_t i) {
+    float acc = value(0, i);
+    for (int r = 1; r < p; ++r) acc += value(r, i);
+    return acc;
+  };
+  auto check_buffer = [&](const std::string& what) {
+    const std::size_t held = detail::mpi_reduce_buffer_bytes(c);
+    EXPECT_GT(held, 0u) << what;
+    EXPECT_LE(held, detail::kMpiReduceBufferBytes) << what << ": the reduction buffer grew past its capacity";
+  };
+  // Totals: one chunk per range, two exactly, three with ranges of unequal length.
+  for (std::size_t total : {np * chunk, np * 2 * chunk, np * (2 * chunk + 1) + (np - 1)}) {
+    const std::string at = "total=" + std::to_string(total) + " (chunk " + std::to_string(chunk) + ")";
+    std::vector<float> x(total);
+    for (std::size_t i = 0; i < total; ++i) x[i] = value(me, i);
+    std::vector<float> got(total, -1.0f);
+    ASSERT_TRUE(c.all_reduce(x.data(), got.data(), total, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
+    check_buffer("all_reduce " + at);
+    std::vector<float> lib(total, -2.0f);
+    ASSERT_EQ(MPI_Allreduce(x.data(), lib.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM, ref),
+              MPI_SUCCESS);
+    for (std::size_t i = 0; i < total; ++i) {
+      const float want = fold(i);
+      ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)
+          << "all_reduce " << at << " i=" << i << ": " << got[i] << " vs " << want;
+      double magnitude = 0;
+      for (int r = 0; r < p; ++r) magnitude += std::fabs(static_cast<double>(value(r, i)));
+      ASSERT_LE(std::fabs(static_cast<double>(got[i]) - lib[i]), 2.0 * (p - 1) * std::ldexp(magnitude, -24))
+          << "all_reduce " << at << " i=" << i << " against MPI_Allreduce";
+    }
+    // In place: the same bits.
+    std::vector<float> y = x;
+    ASSERT_TRUE(c.all_reduce(y.data(), y.data(), total, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
+    ASSERT_EQ(std::memcmp(y.data(), got.data(), total * sizeof(float)), 0) << "in-place all_reduce " << at;
+    // reduce_scatter of total / n per rank (total rounded down to a multiple of n).
+    const std::size_t block = total / np;
+    std::vector<float> part(block, -1.0f);
+    ASSERT_TRUE(c.reduce_scatter(x.data(), part.data(), block, DType::kF32, ReduceOp::kSum).wait().ok())
+        << at;
+    check_buffer("reduce_scatter " + at);
+    for (std::size_t i = 0; i < block; ++i) {
+      const float want = fold(static_cast<std::size_t>(me) * block + i);
+      ASSERT_EQ(std::memcmp(&part[i], &want, sizeof(float)), 0)
+          << "reduce_scatter " << at << " i=" << i << ": " << part[i] << " vs " << want;
+    }
+  }
+  // Every op and dtype across chunk boundaries, against the exact results.
+  const std::size_t total = np * (2 * chunk + 1) + 1;
+  for (DType d : kDtypes) {
+    for (ReduceOp op : kOps) {
+      Buf send(d, total);
+      Buf recv(d, total);
+      for (std::size_t i = 0; i < total; ++i) send.set(i, input(d, me, i));
+      ASSERT_TRUE(c.all_reduce(send.data(), recv.data(), total, d, op).wait().ok()) << where(d, total, op);
+      for (std::size_t i = 0; i < total; ++i) {
+        const float want = round_to(d, reduce_ref(op, p, [&](int r) { return input(d, r, i); }));
+        ASSERT_EQ(recv.get(i), want) << where(d, total, op) << " i=" << i;
+      }
+      const std::size_t block = total / np;
+      Buf part(d, block);
+      ASSERT_TRUE(c.reduce_scatter(send.data(), part.data(), block, d, op).wait().ok())
+          << where(d, block, op);
+      for (std::size_t i = 0; i < block; ++i) {
+        const std::size_t j = static_cast<std::size_t>(me) * block + i;
+        const float want = round_to(d, reduce_ref(op, p, [&](int r) { return input(d, r, j); }));
+        ASSERT_EQ(part.get(i), want) << where(d, block, op) << " reduce_scatter i=" << i;
+      }
+    }
+  }
+  check_buffer("every op");
+  MPI_Comm_free(&ref);
 }
 
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on
@@ -459,14 +627,15 @@ double process_cpu_seconds() {
 // wait must stay well under the wait's wall time. A resource bound, not a timing one: it holds
 // however slow or loaded the machine is (measured on 2 loaded cores: back-to-back polling
 // 48-50%, paced 10-13%; docs/parallel.md "Waiting without burning a core").
-// Three ways of waiting: a recv polled by the queue thread among its in-flight operations; a
-// collective polled by the caller itself (run_inline); a collective queued behind an in-flight
-// recv, polled by the queue thread before it starts.
+// Three ways of waiting: a recv polled by the queue thread among its in-flight operations (the
+// caller looks at test() once a millisecond instead of waiting, so it does not run the recv
+// itself); a collective polled by the caller itself (run_inline); a recv and a collective queued
+// behind it, waited for by the caller (run_inline polls the recv, then runs the collective).
 TEST(Comm, WaitingForALatePeerCostsLittleCpu) {
   Comm& c = world();
   const int late = c.size() - 1;
   constexpr double kMaxCpuShare = 0.3;
-  const char* kRounds[] = {"recv on the queue thread", "all_reduce run by the caller",
+  const char* kRounds[] = {"recv polled by the queue thread", "all_reduce run by the caller",
                            "all_reduce behind a recv"};
   for (int round = 0; round < 3; ++round) {
     const bool with_recv = round != 1;
@@ -489,6 +658,9 @@ TEST(Comm, WaitingForALatePeerCostsLittleCpu) {
     const auto t0 = std::chrono::steady_clock::now();
     CommWork r = with_recv && c.rank() == 0 ? c.recv(&got, 1, DType::kF32, late) : CommWork();
     CommWork a = with_all_reduce ? c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum) : CommWork();
+    if (round == 0) {
+      while (!r.test()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     ASSERT_TRUE(r.wait().ok());
     ASSERT_TRUE(a.wait().ok());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

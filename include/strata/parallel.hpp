@@ -112,8 +112,9 @@ struct WorkState;
 
 // The handle of one enqueued operation. Copyable; all copies observe the same operation.
 // A default-constructed handle is complete and OK. Thread-safe. The Comm that issued it must
-// outlive every wait() on it: a waiting thread may run the operation itself (when the Comm's
-// queue thread is idle and the operation is next, which saves two thread hand-offs).
+// outlive every wait() on it: a waiting thread may run the operation itself, with the ones
+// queued before it, in order (when the Comm's queue thread is idle, which saves two thread
+// hand-offs; the ordering rules of Comm are the same either way).
 class CommWork {
  public:
   CommWork() = default;

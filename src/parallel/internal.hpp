@@ -76,11 +76,15 @@ class CommQueue {
   CommWork submit_async(Start start);
   // Waits until everything submitted so far has completed; the first failure, if any.
   Status drain();
-  // Called by a thread about to wait for `state`: when the queue thread is asleep and `state`
-  // is the next operation and a blocking one, runs it on the calling thread instead (true).
-  // Waking the queue thread and being woken back costs two scheduler hand-offs, which dominate
-  // small messages; the MPI library's own blocking calls pay neither.
-  bool run_inline(const WorkState* state);
+  // Called by a thread about to wait for `state`: when the queue thread is asleep and nothing
+  // is in flight and `state` is among the first kMaxInlineEntries pending operations, the
+  // calling thread takes the operations up to and including it, in order, and runs them as the
+  // queue thread would (asynchronous ones started at once, a blocking one after those before it
+  // completed), polls until `state` completes, and hands whatever is still in flight to the
+  // queue thread (true). It stops early, handing over, when another operation is submitted
+  // meanwhile. Waking the queue thread and being woken back costs two scheduler hand-offs,
+  // which dominate small messages; the MPI library's own blocking calls pay neither.
+  bool run_inline(WorkState* state);
   bool broken() const;
 
  private:
@@ -94,9 +98,18 @@ class CommQueue {
     Poll poll;
   };
 
+  // A waiting caller runs at most this many queued operations (a send/recv pair, a few sends
+  // before a collective); further down a queue it leaves them to the queue thread.
+  static constexpr std::size_t kMaxInlineEntries = 8;
+
   void run();
   // Runs a dequeued blocking operation and completes its handle.
   void execute(Entry& e);
+  // Starts a dequeued asynchronous operation into `list` (or completes it with its error, or
+  // cancelled after an earlier failure).
+  void start_async(Entry& e, std::vector<InFlight>& list);
+  // Polls every operation of `list` once; completes and removes the finished. True if any did.
+  bool poll_once(std::vector<InFlight>& list);
   // Polls every in-flight operation once (or until none is left, pacing the polls); completes
   // the finished ones. True when at least one completed.
   bool poll_in_flight(bool until_empty);
@@ -113,9 +126,13 @@ class CommQueue {
   bool worker_active_ = true;   // the queue thread is not asleep (it owns in_flight_ then)
   bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
   Status failure_;
-  std::vector<InFlight> in_flight_;  // queue thread only
-  PollPacer pacer_;                  // queue thread only: paces the polls of in_flight_
-  std::thread thread_;               // last: started after every other member exists
+  // The queue thread's while it is awake; handed to it under mu_ by run_inline while it sleeps.
+  std::vector<InFlight> in_flight_;
+  PollPacer pacer_;  // queue thread only: paces the polls of in_flight_
+  // run_inline's, used only while inline_active_ (by the one thread that set it).
+  std::vector<Entry> inline_batch_;
+  std::vector<InFlight> inline_flight_;
+  std::thread thread_;  // last: started after every other member exists
 };
 
 // "group 'dp' (world ranks 0,2)".

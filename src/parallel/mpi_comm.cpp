@@ -1,9 +1,11 @@
 // The mpi backend: host buffers, the MPI library's non-blocking collectives, polled on the
 // Comm's queue thread so that a deadline can be enforced (a blocking MPI call cannot be
-// interrupted). all_gather, and all_reduce and reduce_scatter up to 256 KiB, are built from
-// non-blocking point-to-point messages instead (gather_direct, reduce_direct; docs/parallel.md
-// "Small messages and all_gather"): OpenMPI's non-blocking schedules for them are several times
-// slower than its blocking algorithms there.
+// interrupted). all_gather, all_reduce and reduce_scatter are built from non-blocking
+// point-to-point messages instead in groups of up to 16 ranks (gather_direct, reduce_direct;
+// docs/parallel.md "Small messages and all_gather", "Reductions from point-to-point messages,
+// chunked"): OpenMPI's non-blocking schedules for them are several times slower than its
+// blocking algorithms. The reductions stream through a receive buffer of at most
+// kMpiReduceBufferBytes (mpi_comm.hpp) whatever the message size.
 //
 // bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
 // buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
@@ -18,6 +20,7 @@
 #include <thread>
 
 #include "parallel/internal.hpp"
+#include "parallel/mpi_comm.hpp"
 
 namespace strata::detail {
 namespace {
@@ -49,6 +52,8 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
   const std::string& name() const override { return name_; }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
+  // mpi_reduce_buffer_bytes (mpi_comm.hpp).
+  std::size_t reduce_buffer_bytes() const { return peer_blocks_.capacity() * sizeof(float); }
 
   CommWork all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op) override {
     if (Status s = check_count(count, dtype, "all_reduce"); !s.ok())
@@ -194,12 +199,8 @@ class MpiComm final : public Comm {
   // gather_direct posts 2 (n - 1) requests per call; above this group size MPI_Iallgather's
   // logarithmic schedules are left to the library.
   static constexpr int kMaxDirectGatherRanks = 16;
-  // reduce_direct's first step uses this tag (its second, the gather, kGatherTag).
+  // reduce_direct's peer ranges use this tag (all_reduce's folded chunks, kGatherTag).
   static constexpr int kReduceTag = 9;
-  // reduce_direct up to this many fp32 bytes in all: below it libnbc's reduction schedules cost
-  // more than the blocking calls', above it they were as fast or faster here
-  // (docs/parallel.md "Small messages and all_gather").
-  static constexpr std::size_t kMaxDirectReduceBytes = std::size_t{256} << 10;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -227,7 +228,12 @@ class MpiComm final : public Comm {
   // thread or, through run_inline, on the waiting caller's.
   // `count` requests, done when all are.
   Status finish(MPI_Request* reqs, int count, const std::string& what) const {
-    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    return finish(reqs, count, what, std::chrono::steady_clock::now() + context_.config.timeout);
+  }
+  // The same against an operation's deadline set when it started (a chunked reduction waits
+  // several times).
+  Status finish(MPI_Request* reqs, int count, const std::string& what,
+                std::chrono::steady_clock::time_point deadline) const {
     PollPacer pacer;
     for (;;) {
       int flag = 0;
@@ -295,10 +301,12 @@ class MpiComm final : public Comm {
     };
   }
 
-  // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages up to
-  // kMaxDirectReduceBytes, else OpenMPI's non-blocking call. src == dst allowed for all_reduce.
-  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const std::string& what) {
-    if (reduces_direct(count)) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
+  // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages in
+  // groups of up to kMaxDirectGatherRanks, else OpenMPI's non-blocking call. src == dst allowed
+  // for all_reduce.
+  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op,
+                        const std::string& what) {
+    if (reduces_direct()) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
     MPI_Request req;
     const void* in = src == dst ? MPI_IN_PLACE : src;
     STRATA_RETURN_IF_ERROR(
@@ -308,76 +316,133 @@ class MpiComm final : public Comm {
   Status reduce_scatter_f32(const float* src, float* dst, std::size_t recv_count, ReduceOp op,
                             const std::string& what) {
     const std::size_t total = recv_count * static_cast<std::size_t>(size_);
-    if (reduces_direct(total)) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
+    if (reduces_direct()) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
     MPI_Request req;
-    STRATA_RETURN_IF_ERROR(start(MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT,
-                                                           mpi_op(op), comm_, &req),
-                                 what));
+    STRATA_RETURN_IF_ERROR(start(
+        MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT, mpi_op(op), comm_, &req),
+        what));
     return finish(req, what);
   }
 
-  bool reduces_direct(std::size_t total) const {
-    return size_ <= kMaxDirectGatherRanks && total * sizeof(float) <= kMaxDirectReduceBytes;
-  }
+  // Above kMaxDirectGatherRanks the 4 (n - 1) requests per chunk are left to libnbc's
+  // logarithmic schedules.
+  bool reduces_direct() const { return size_ <= kMaxDirectGatherRanks; }
 
   // all_reduce (scatter false: dst gets all `total` elements; src == dst allowed) or
   // reduce_scatter (true: dst gets this rank's block of total / size) of fp32 as point-to-point
-  // messages. Element range q of `total` (begin(q) .. begin(q + 1)) is reduced by rank q: it
-  // receives range q of every peer's src and folds the size values of each element in rank
-  // order (0, 1, ..., size - 1), so the result does not depend on which rank computes it or on
-  // message timing, and every rank gets the same bits. all_reduce then gathers the ranges.
-  // Each rank sends and receives (n - 1) / n of the buffer per step, as a ring does, in one
-  // step instead of n - 1.
+  // messages (docs/parallel.md "Reductions from point-to-point messages, chunked"). Element range
+  // q of `total` (begin(q) .. begin(q + 1)) is reduced by rank q: it receives range q of every
+  // peer's src and folds the size values of each element in rank order (0, 1, ..., size - 1), so
+  // the result does not depend on which rank computes it, on message timing or on the chunking,
+  // and every rank gets the same bits. Each range is cut into chunks of
+  // mpi_reduce_chunk_elements(size) elements; chunk j of every range travels in step j, received
+  // into half j % 2 of peer_blocks_, which therefore never exceeds kMpiReduceBufferBytes whatever
+  // the message size. Step j posts chunk j + 1's messages before it waits for chunk j's and
+  // folds them, so the transport moves the next chunk while this one is reduced. all_reduce
+  // then sends its whole folded range to every peer (tag kGatherTag), received straight into
+  // dst: one message per peer (sending each chunk as soon as it was folded measured 5-7x slower
+  // at 4 MiB, docs/parallel.md). Bytes per rank as a ring: (n - 1) / n of the buffer out and in
+  // per half, in one step per chunk instead of n - 1.
   Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
                        const std::string& what) {
+    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
     const auto n = static_cast<std::size_t>(size_);
     const auto begin = [&](int q) { return total * static_cast<std::size_t>(q) / n; };
     const std::size_t lo = begin(rank_);
     const std::size_t len = begin(rank_ + 1) - lo;
-    if (peer_blocks_.size() < len * (n - 1)) peer_blocks_.resize(len * (n - 1));
-    // Peer q's range of this rank's elements lands in slot (rank - q) mod size, minus one.
-    const auto slot = [&](int q) { return static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * len; };
-    requests_.assign(2 * (n - 1), MPI_REQUEST_NULL);
-    int k = 0;
-    for (int step = 1; step < size_; ++step) {
-      const int from = (rank_ + size_ - step) % size_;
-      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(peer_blocks_.data() + slot(from), static_cast<int>(len),
-                                             MPI_FLOAT, from, kReduceTag, comm_, &requests_[k++]),
-                                   what));
-    }
-    for (int step = 1; step < size_; ++step) {
-      const int to = (rank_ + step) % size_;
-      STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to), static_cast<int>(begin(to + 1) - begin(to)),
-                                             MPI_FLOAT, to, kReduceTag, comm_, &requests_[k++]),
-                                   what));
-    }
-    STRATA_RETURN_IF_ERROR(finish(requests_.data(), k, what));
-    float* out = scatter ? dst : dst + lo;
-    const bool max = op == ReduceOp::kMax;
-    for (std::size_t i = 0; i < len; ++i) {
-      // Element by element: in place, out[i] is src[lo + i], read here before it is written.
-      float acc = rank_ == 0 ? src[lo + i] : peer_blocks_[slot(0) + i];
-      for (int q = 1; q < size_; ++q) {
-        const float v = q == rank_ ? src[lo + i] : peer_blocks_[slot(q) + i];
-        acc = max ? std::max(acc, v) : acc + v;
+    const std::size_t chunk = mpi_reduce_chunk_elements(size_);
+    const std::size_t longest = (total + n - 1) / n;  // the longest range sets the number of steps
+    const std::size_t steps = longest == 0 ? 1 : (longest - 1) / chunk + 1;
+    // Elements of chunk j of rank q's range (0 past its end: ranges differ by one element).
+    const auto piece = [&](int q, std::size_t j) {
+      const std::size_t r = begin(q + 1) - begin(q);
+      return j * chunk >= r ? std::size_t{0} : std::min(chunk, r - j * chunk);
+    };
+    // One chunk of peer q lands in slot (rank - q) mod size, minus one, of a half; a message
+    // of one chunk needs only one half, holding this rank's whole range.
+    const std::size_t width = steps == 1 ? len : chunk;
+    const std::size_t half = (n - 1) * width;
+    const std::size_t need = steps == 1 ? half : 2 * half;
+    // A fresh vector of exactly `need` (resize could round the capacity up past the bound, and
+    // would copy contents nobody reads).
+    if (peer_blocks_.size() < need) peer_blocks_ = std::vector<float>(need);
+    const auto slot = [&](int q, std::size_t j) {
+      return peer_blocks_.data() + (j % 2) * half +
+             static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * width;
+    };
+    // Chunk j's receives and sends, in request set j % 2.
+    const auto post = [&](std::size_t j) -> Status {
+      std::vector<MPI_Request>& reqs = chunk_requests_[j % 2];
+      reqs.clear();
+      if (const std::size_t m = piece(rank_, j); m > 0) {
+        for (int step = 1; step < size_; ++step) {
+          const int from = (rank_ + size_ - step) % size_;
+          STRATA_RETURN_IF_ERROR(start(MPI_Irecv(slot(from, j), static_cast<int>(m), MPI_FLOAT, from,
+                                                 kReduceTag, comm_, &reqs.emplace_back()),
+                                       what));
+        }
       }
-      out[i] = acc;
+      for (int step = 1; step < size_; ++step) {
+        const int to = (rank_ + step) % size_;
+        if (const std::size_t m = piece(to, j); m > 0) {
+          STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to) + j * chunk, static_cast<int>(m), MPI_FLOAT,
+                                                 to, kReduceTag, comm_, &reqs.emplace_back()),
+                                       what));
+        }
+      }
+      return ok_status();
+    };
+    float* out = scatter ? dst : dst + lo;
+    STRATA_RETURN_IF_ERROR(post(0));
+    for (std::size_t j = 0; j < steps; ++j) {
+      if (j + 1 < steps) STRATA_RETURN_IF_ERROR(post(j + 1));
+      std::vector<MPI_Request>& reqs = chunk_requests_[j % 2];
+      STRATA_RETURN_IF_ERROR(finish(reqs.data(), static_cast<int>(reqs.size()), what, deadline));
+      const std::size_t m = piece(rank_, j);
+      fold(
+          src + lo + j * chunk, [&](int q) { return slot(q, j); }, out + j * chunk, m, op);
     }
     if (scatter) return ok_status();
-    k = 0;
+    // The gather: every rank's folded range to every peer, received straight into dst. In place,
+    // each peer's range of dst was the source of this rank's sends to it, all completed above.
+    requests_.clear();
     for (int step = 1; step < size_; ++step) {
       const int from = (rank_ + size_ - step) % size_;
       STRATA_RETURN_IF_ERROR(
           start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), MPI_FLOAT, from,
-                          kGatherTag, comm_, &requests_[k++]),
+                          kGatherTag, comm_, &requests_.emplace_back()),
                 what));
     }
     for (int step = 1; step < size_; ++step) {
       STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), MPI_FLOAT, (rank_ + step) % size_,
-                                             kGatherTag, comm_, &requests_[k++]),
+                                             kGatherTag, comm_, &requests_.emplace_back()),
                                    what));
     }
-    return finish(requests_.data(), k, what);
+    return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
+  }
+
+  // out[i] = the fold over ranks 0, 1, ..., size - 1 of element i (mine for this rank, peer(q)[i]
+  // for the others), left to right. out may be mine (in place): each tile is read before it is
+  // written.
+  template <typename Peer>
+  void fold(const float* mine, Peer peer, float* out, std::size_t count, ReduceOp op) const {
+    constexpr std::size_t kTile = 256;
+    float acc[kTile];
+    const bool max = op == ReduceOp::kMax;
+    for (std::size_t t = 0; t < count; t += kTile) {
+      const std::size_t m = std::min(kTile, count - t);
+      const float* first = rank_ == 0 ? mine + t : peer(0) + t;
+      std::copy(first, first + m, acc);
+      for (int q = 1; q < size_; ++q) {
+        const float* v = q == rank_ ? mine + t : peer(q) + t;
+        if (max) {
+          for (std::size_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], v[i]);
+        } else {
+          for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] + v[i];
+        }
+      }
+      std::copy(acc, acc + m, out + t);
+    }
   }
 
   static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
@@ -401,15 +466,22 @@ class MpiComm final : public Comm {
   // fp32 staging for bf16 reductions; touched only by the queue thread.
   std::vector<float> scratch_;
   std::vector<float> scratch_out_;
-  // The requests of gather_direct and reduce_direct; touched only by the thread running the
-  // operation.
+  // The requests of gather_direct and reduce_direct (all_reduce's gather), and of reduce_direct's
+  // two chunks in flight; touched only by the thread running the operation.
   std::vector<MPI_Request> requests_;
-  // reduce_direct's receive buffer: the peers' ranges of this rank's elements.
+  std::vector<MPI_Request> chunk_requests_[2];
+  // reduce_direct's receive buffer: one or two chunks of the peers' ranges of this rank's
+  // elements, at most kMpiReduceBufferBytes (mpi_comm.hpp).
   std::vector<float> peer_blocks_;
   CommQueue queue_;  // last: its thread uses the members above, and stops first
 };
 
 }  // namespace
+
+std::size_t mpi_reduce_buffer_bytes(const Comm& comm) {
+  const auto* mpi = dynamic_cast<const MpiComm*>(&comm);
+  return mpi == nullptr ? 0 : mpi->reduce_buffer_bytes();
+}
 
 std::unique_ptr<Comm> make_mpi_comm(CommContext::Impl& context, MPI_Comm comm, std::string name) {
   return std::make_unique<MpiComm>(context, comm, std::move(name));

@@ -108,19 +108,27 @@ void PollPacer::pause() {
   }
 }
 
+bool CommQueue::poll_once(std::vector<InFlight>& list) {
+  bool progressed = false;
+  for (std::size_t i = 0; i < list.size();) {
+    Result<bool> done = list[i].poll();
+    if (done.ok() && !*done) {
+      ++i;
+      continue;
+    }
+    Status s = done.status();
+    if (breaks_comm(s)) fail(s);
+    list[i].state->complete(std::move(s));
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(i));
+    progressed = true;
+  }
+  return progressed;
+}
+
 bool CommQueue::poll_in_flight(bool until_empty) {
   bool progressed = false;
   while (!in_flight_.empty()) {
-    for (std::size_t i = 0; i < in_flight_.size();) {
-      Result<bool> done = in_flight_[i].poll();
-      if (done.ok() && !*done) {
-        ++i;
-        continue;
-      }
-      Status s = done.status();
-      if (breaks_comm(s)) fail(s);
-      in_flight_[i].state->complete(std::move(s));
-      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (poll_once(in_flight_)) {
       progressed = true;
       pacer_.reset();
     }
@@ -128,6 +136,21 @@ bool CommQueue::poll_in_flight(bool until_empty) {
     if (!in_flight_.empty()) pacer_.pause();
   }
   return progressed;
+}
+
+void CommQueue::start_async(Entry& e, std::vector<InFlight>& list) {
+  if (Status earlier = earlier_failure(); !earlier.ok()) {
+    e.state->complete(
+        cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
+    return;
+  }
+  Result<Poll> poll = e.start();
+  if (!poll.ok()) {
+    if (breaks_comm(poll.status())) fail(poll.status());
+    e.state->complete(poll.status());
+    return;
+  }
+  list.push_back(InFlight{std::move(e.state), std::move(*poll)});
 }
 
 void CommQueue::execute(Entry& e) {
@@ -141,21 +164,78 @@ void CommQueue::execute(Entry& e) {
   e.state->complete(std::move(s));
 }
 
-bool CommQueue::run_inline(const WorkState* state) {
-  Entry e;
+bool CommQueue::run_inline(WorkState* state) {
   {
     std::lock_guard lock(mu_);
-    if (worker_active_ || inline_active_ || pending_.empty() || pending_.front().state.get() != state ||
-        !pending_.front().op) {
-      return false;
+    // The queue thread sleeps only with nothing in flight (run()), so while it sleeps the queue
+    // is exactly pending_, and taking a prefix of it in order is what the thread would do next.
+    // Not so between a hand-over and the thread's wake-up (in_flight_ filled, the thread not
+    // yet running): a collective taken now would not wait for what was handed over.
+    if (worker_active_ || inline_active_ || !in_flight_.empty()) return false;
+    std::size_t k = 0;
+    while (k < pending_.size() && k < kMaxInlineEntries && pending_[k].state.get() != state) ++k;
+    if (k == pending_.size() || k == kMaxInlineEntries) return false;
+    inline_batch_.clear();
+    for (std::size_t i = 0; i <= k; ++i) {
+      inline_batch_.push_back(std::move(pending_.front()));
+      pending_.pop_front();
     }
-    e = std::move(pending_.front());
-    pending_.pop_front();
     inline_active_ = true;
   }
-  execute(e);
+  // As run() would: asynchronous operations start at once, a blocking one after everything
+  // before it (here: what this batch started) has completed.
+  PollPacer pacer;
+  const auto settle = [&] {
+    while (!inline_flight_.empty()) {
+      if (poll_once(inline_flight_)) {
+        pacer.reset();
+      } else {
+        pacer.pause();
+      }
+    }
+  };
+  for (Entry& e : inline_batch_) {
+    if (e.op) {
+      settle();
+      execute(e);
+    } else {
+      start_async(e, inline_flight_);
+    }
+  }
+  inline_batch_.clear();
+  // Poll what this batch started until `state` completes. Operations submitted meanwhile (by
+  // another thread) must start now, as with the queue thread, not after this wait (a peer may
+  // need them to send what `state` receives): hand everything to the queue thread then.
+  pacer.reset();
+  const auto finished = [state] {
+    std::lock_guard lock(state->mu);
+    return state->done;
+  };
+  while (!inline_flight_.empty() && !finished()) {
+    if (poll_once(inline_flight_)) {
+      pacer.reset();
+      continue;
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (!pending_.empty() || stopping_) break;
+    }
+    pacer.pause();
+  }
+  // What is left is usually a send the library marks done at its next progress call: poll it
+  // through the hot window before handing it over (the queue thread's wake-up, and the caller's
+  // later wait for it, would cost the two hand-offs this function exists to avoid).
+  pacer.reset();
+  pacer.next_at(std::chrono::steady_clock::now());
+  while (!inline_flight_.empty() && pacer.hot_at(std::chrono::steady_clock::now())) {
+    poll_once(inline_flight_);
+  }
   {
     std::lock_guard lock(mu_);
+    // Still in flight (a recv not waited for yet, a slow send): the queue thread polls it. It
+    // sleeps (inline_active_ kept it so) with in_flight_ empty.
+    for (InFlight& f : inline_flight_) in_flight_.push_back(std::move(f));
+    inline_flight_.clear();
     inline_active_ = false;
   }
   cv_.notify_all();
@@ -169,7 +249,8 @@ void CommQueue::run() {
       std::unique_lock lock(mu_);
       if (in_flight_.empty()) {
         worker_active_ = false;
-        cv_.wait(lock, [&] { return (stopping_ || !pending_.empty()) && !inline_active_; });
+        cv_.wait(lock,
+                 [&] { return (stopping_ || !pending_.empty() || !in_flight_.empty()) && !inline_active_; });
         worker_active_ = true;
       }
       if (pending_.empty()) {
@@ -199,18 +280,7 @@ void CommQueue::run() {
       execute(e);
       continue;
     }
-    if (Status earlier = earlier_failure(); !earlier.ok()) {
-      e.state->complete(
-          cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
-      continue;
-    }
-    Result<Poll> poll = e.start();
-    if (!poll.ok()) {
-      if (breaks_comm(poll.status())) fail(poll.status());
-      e.state->complete(poll.status());
-      continue;
-    }
-    in_flight_.push_back(InFlight{std::move(e.state), std::move(*poll)});
+    start_async(e, in_flight_);
   }
 }
 
