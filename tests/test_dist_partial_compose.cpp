@@ -343,7 +343,8 @@ void check_checkpoint(const std::string& what, const TrainerConfig& c, OffloadSe
     ASSERT_TRUE(run_range(**engine, c, 2, 4, straight)) << what;
     ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
     const OffloadSettings& run = (*engine)->settings();
-    auto layout = describe_model(local.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
+    auto layout =
+        describe_model(local.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
     ASSERT_TRUE(layout.ok());
     device_modules = offload_detail::describe_units(*layout, run, g.dp_rank).device_opt_units;
   }
@@ -437,11 +438,11 @@ std::vector<int> check_grid(const GridCase& k, const Groups& g, const std::strin
   s.pipeline_virtual_stages = k.virtual_stages;
   // The NVMe optimizer's sub-groups cut units (its swap store: train()).
   if (k.optimizer == Tier::kNvme) s.sub_group_size = 4097;
-  const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", " + grid +
-                           (k.virtual_stages > 1 ? " interleaved (v = " + std::to_string(k.virtual_stages) + ")" : "") +
-                           ", stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio) +
-                           ", params " + std::string(to_string(k.params)) + ", optimizer " +
-                           std::string(to_string(k.optimizer));
+  const std::string what =
+      std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", " + grid +
+      (k.virtual_stages > 1 ? " interleaved (v = " + std::to_string(k.virtual_stages) + ")" : "") +
+      ", stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio) + ", params " +
+      std::string(to_string(k.params)) + ", optimizer " + std::string(to_string(k.optimizer));
   return check(what, global, s, k.ratio, g);
 }
 
@@ -485,9 +486,10 @@ TEST(PartialNp4, PipelineTimesDataParallel) {
   std::unique_ptr<ProcessGroups> keep;
   const Groups g = grid_groups(1, 2, keep);
   ASSERT_NE(g.dp, nullptr);
-  for (const GridCase& k : {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 1}, GridCase{ModelKind::kGpt2, DType::kF32, 0.88, 1},
-                            GridCase{ModelKind::kLlama, DType::kBF16, 0.05, 0}, GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 2},
-                            GridCase{ModelKind::kGpt2, DType::kBF16, 0.88, 2}}) {
+  for (const GridCase& k :
+       {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 1}, GridCase{ModelKind::kGpt2, DType::kF32, 0.88, 1},
+        GridCase{ModelKind::kLlama, DType::kBF16, 0.05, 0}, GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 2},
+        GridCase{ModelKind::kGpt2, DType::kBF16, 0.88, 2}}) {
     check_grid(k, g, "pp 2 x dp 2");
   }
 }

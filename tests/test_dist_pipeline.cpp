@@ -579,7 +579,8 @@ TEST(PipelineEngine, Interleaved) {
 // check_case's tolerances (LLaMA bit for bit, GPT-2 within the tied wte's rounding); m = 4: two
 // groups, so units are restored between micro-batches while other chunks land theirs.
 TEST(PipelineEngine, InterleavedNvmeGradients) {
-  ASSERT_EQ(world().size(), 2) << "interleaved equivalence runs on 2 stages (tests/CMakeLists.txt filters it elsewhere)";
+  ASSERT_EQ(world().size(), 2)
+      << "interleaved equivalence runs on 2 stages (tests/CMakeLists.txt filters it elsewhere)";
   for (ModelKind kind : {ModelKind::kLlama, ModelKind::kGpt2}) {
     Case c{kind, PipelineSchedule::kOneFOneB, 4, Tier::kDevice, Tier::kNvme};
     c.virtual_stages = 2;

@@ -1130,7 +1130,8 @@ Status OffloadEngine::Impl::setup() {
         reader = static_cast<int>(c);
       }
     }
-    if (reader < 0) return internal_error("offload: device module " + std::to_string(u) + " is read by no chunk");
+    if (reader < 0)
+      return internal_error("offload: device module " + std::to_string(u) + " is read by no chunk");
     dev_units_of_chunk[static_cast<std::size_t>(reader)].push_back(u);
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
@@ -4816,7 +4817,8 @@ Status OffloadEngine::Impl::reduce_device_units(bool accumulate, int chunk) {
         "partial optimizer offload with data parallelism reduces the device modules' gradients on the cpu "
         "backend only");
   }
-  const std::vector<int>* which = chunk < 0 ? &dev_units : &dev_units_of_chunk[static_cast<std::size_t>(chunk)];
+  const std::vector<int>* which =
+      chunk < 0 ? &dev_units : &dev_units_of_chunk[static_cast<std::size_t>(chunk)];
   if (which->empty()) return ok_status();  // the same on every rank of the group: the same collectives
   return launch->run(
       "data-parallel reduce-scatter (device modules)",
