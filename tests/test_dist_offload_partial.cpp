@@ -13,6 +13,7 @@
 // master and moment are compared bit for bit (testing::expect_same), no tolerance.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -29,6 +30,11 @@ namespace {
 using testing::local_of;
 using testing::Snapshot;
 using testing::world;
+
+// fp16: a first loss scale of 2^24 overflows the tiny GPT-2's first steps (the reference run
+// checks it). Measured on 2 ranks: batches 0-3 overflow at 2^24 down to 2^21, batches 4 and 5
+// apply at 2^20 (2^16 overflows nothing): 6 steps see both.
+constexpr int kOverflowScalePower = 24;
 
 // Steps [from, to) of the global batch, this rank's share.
 bool run_share(OffloadEngine& engine, const TrainerConfig& global, int from, int to, Snapshot& out) {
@@ -99,7 +105,21 @@ struct Case {
   Tier optimizer = Tier::kHost;    // offload_optimizer.device (the host part's)
   Tier gradients = Tier::kHost;    // strata.offload_gradients (the host units')
   std::vector<int> stages = {1, 2};
+  // fp16: > 0 starts at this loss scale power with no growth, so that the first step overflows
+  // (checked on the reference run: a skipped step, then applied ones).
+  int overflow_scale_power = 0;
 };
+
+// A case of the host part's placement (params, optimizer, gradients) at ratio 0.5.
+Case placed(ModelKind kind, DType dtype, Tier params, Tier optimizer, Tier gradients = Tier::kHost,
+            std::vector<int> stages = {1, 2}) {
+  Case k{kind, dtype, 0.5};
+  k.params = params;
+  k.optimizer = optimizer;
+  k.gradients = gradients;
+  k.stages = std::move(stages);
+  return k;
+}
 
 // The placement of a case at `stage` and `ratio`, its NVMe files (if any) under `swap`.
 OffloadSettings settings_of(const Case& k, int stage, double ratio, const testing::TempDir& swap) {
@@ -120,7 +140,11 @@ OffloadSettings settings_of(const Case& k, int stage, double ratio, const testin
 // same placement (parameters, optimizer and gradient tiers).
 void check(const Case& k) {
   const int P = world().size();
-  const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * P, 0.5);
+  TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * P, 0.5);
+  if (k.overflow_scale_power > 0) {
+    global.loss_scaling.initial_scale_power = k.overflow_scale_power;
+    global.loss_scaling.loss_scale_window = 1000;
+  }
   const std::uint32_t kdev = device_modules(local_of(global), k.ratio);
   ASSERT_GT(kdev, 0u) << "ratio " << k.ratio << " keeps no module on the device";
   for (int stage : k.stages) {
@@ -130,7 +154,7 @@ void check(const Case& k) {
                              " modules on the device), params " + std::string(to_string(k.params)) +
                              ", optimizer " + std::string(to_string(k.optimizer)) + ", gradients " +
                              std::string(to_string(k.gradients)) + ", " + std::to_string(P) + " ranks";
-    constexpr int kSteps = 3;
+    const int kSteps = k.overflow_scale_power > 0 ? 6 : 3;
     testing::TempDir swap_ref("strata-partdp-ref"), swap_got("strata-partdp-got");  // each rank its own
     PlanBytes ref_bytes, got_bytes;
     const Snapshot ref = train_share(global, settings_of(k, stage, 1.0, swap_ref), kSteps, &ref_bytes);
@@ -152,6 +176,12 @@ void check(const Case& k) {
     testing::expect_same(ref, got, what);
     ASSERT_FALSE(ref.losses.empty()) << what;
     EXPECT_NE(ref.losses.front(), ref.losses.back()) << what << ": the run trained";
+    if (k.overflow_scale_power > 0) {
+      // The forced overflow: the first step skipped (every unit, the device units too, on every
+      // rank: expect_same compared the state), and the lowered scale lets later steps apply.
+      EXPECT_EQ(ref.skipped.front(), 1) << what << ": the first step overflows";
+      EXPECT_GE(std::count(ref.skipped.begin(), ref.skipped.end(), 0), 1) << what << ": a step applied";
+    }
   }
 }
 
@@ -180,39 +210,45 @@ TEST(PartialOffloadDataParallel, Fp16SkipsAlikeBitForBit) { check({ModelKind::kG
 // placement on the same ranks.
 
 // The NVMe optimizer: the host units' slices of [master | m | v] stream through the ring in
-// sub-groups of 4097 elements.
+// sub-groups of 4097 elements; with the host units' reduced gradient slices on NVMe too.
 TEST(PartialOffloadDpTiers, NvmeOptimizerFp32) {
-  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
-  k.optimizer = Tier::kNvme;
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kF32, Tier::kDevice, Tier::kNvme));
 }
 TEST(PartialOffloadDpTiers, NvmeOptimizerBf16) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.optimizer = Tier::kNvme;
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kBF16, Tier::kDevice, Tier::kNvme));
 }
-// The host units' reduced gradient slices on NVMe too.
 TEST(PartialOffloadDpTiers, NvmeOptimizerAndGradientsBf16) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.optimizer = Tier::kNvme;
-  k.gradients = Tier::kNvme;
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kBF16, Tier::kDevice, Tier::kNvme, Tier::kNvme));
 }
 // The parameters on the host and on NVMe: the device modules resident, the others fetched.
 TEST(PartialOffloadDpTiers, ParametersOnTheHostBf16) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.params = Tier::kHost;
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kBF16, Tier::kHost, Tier::kHost));
 }
 TEST(PartialOffloadDpTiers, ParametersOnTheHostFp32) {
-  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
-  k.params = Tier::kHost;
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kF32, Tier::kHost, Tier::kHost));
 }
 TEST(PartialOffloadDpTiers, ParametersAndOptimizerOnNvmeBf16) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.params = Tier::kNvme;
-  k.optimizer = Tier::kNvme;
+  check(placed(ModelKind::kGpt2, DType::kBF16, Tier::kNvme, Tier::kNvme));
+}
+// ---- other models and dtypes off the device (PartialOffloadDpModels) ----
+// LLaMA (untied head, grouped-query attention) with the parameters on the host, and on NVMe with
+// the NVMe optimizer and gradients.
+TEST(PartialOffloadDpModels, LlamaParametersOnTheHostBf16) {
+  check(placed(ModelKind::kLlama, DType::kBF16, Tier::kHost, Tier::kHost, Tier::kHost, {2}));
+}
+TEST(PartialOffloadDpModels, LlamaEverythingOnNvmeFp32) {
+  check(placed(ModelKind::kLlama, DType::kF32, Tier::kNvme, Tier::kNvme, Tier::kNvme, {1}));
+}
+// fp16 with a forced overflow (the first step's scale far too large): the skip and the lowered
+// scale alike with the split, the parameters on the host, and on NVMe with the NVMe optimizer.
+TEST(PartialOffloadDpModels, Fp16OverflowParametersOnTheHost) {
+  Case k = placed(ModelKind::kGpt2, DType::kF16, Tier::kHost, Tier::kHost, Tier::kHost, {2});
+  k.overflow_scale_power = kOverflowScalePower;
+  check(k);
+}
+TEST(PartialOffloadDpModels, Fp16OverflowEverythingOnNvme) {
+  Case k = placed(ModelKind::kGpt2, DType::kF16, Tier::kNvme, Tier::kNvme, Tier::kNvme, {1});
+  k.overflow_scale_power = kOverflowScalePower;
   check(k);
 }
 
@@ -243,22 +279,15 @@ void expect_device_modules_resident(const Case& k) {
 }
 
 TEST(PartialOffloadDpStage3, ParametersOnTheDeviceFp32) {
-  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
-  k.stages = {3};
-  check(k);
+  check(placed(ModelKind::kGpt2, DType::kF32, Tier::kDevice, Tier::kHost, Tier::kHost, {3}));
 }
 TEST(PartialOffloadDpStage3, ParametersOnTheHostBf16) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.params = Tier::kHost;
-  k.stages = {3};
+  const Case k = placed(ModelKind::kGpt2, DType::kBF16, Tier::kHost, Tier::kHost, Tier::kHost, {3});
   expect_device_modules_resident(k);
   check(k);
 }
 TEST(PartialOffloadDpStage3, ParametersAndOptimizerOnNvmeFp32) {
-  Case k{ModelKind::kGpt2, DType::kF32, 0.5};
-  k.params = Tier::kNvme;
-  k.optimizer = Tier::kNvme;
-  k.stages = {3};
+  const Case k = placed(ModelKind::kGpt2, DType::kF32, Tier::kNvme, Tier::kNvme, Tier::kHost, {3});
   expect_device_modules_resident(k);
   check(k);
 }
@@ -393,28 +422,17 @@ TEST(PartialOffloadDataParallel, CheckpointsMoveBetweenTheSplitAndRatioOne) {
 // Stage 3 with the parameters on the host and the NVMe optimizer: the host modules' slices read
 // from their homes and the ring, the device modules' from the device.
 TEST(PartialOffloadDpStage3, CheckpointsWithTheParametersOnTheHostAndTheNvmeOptimizer) {
-  Case k{ModelKind::kGpt2, DType::kBF16, 0.5};
-  k.params = Tier::kHost;
-  k.optimizer = Tier::kNvme;
-  check_checkpoint(k, 3);
+  check_checkpoint(placed(ModelKind::kGpt2, DType::kBF16, Tier::kHost, Tier::kNvme), 3);
 }
 
-// What is not built stays refused, naming the key and what to use instead.
+// What is not built stays refused, naming the key (the delayed update; the cuda backend is refused
+// at engine creation), and what is built validates.
 TEST(PartialOffloadDataParallel, RefusedWhereNotBuilt) {
-  auto refused = [](OffloadSettings s, const std::string& want) {
-    s.dp_size = world().size();
-    Status e = s.validate();
-    EXPECT_FALSE(e.ok()) << want;
-    EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos)
-        << e.message();
-    EXPECT_NE(e.message().find("data-parallel ranks"), std::string::npos) << e.message();
-    EXPECT_NE(e.message().find(want), std::string::npos) << e.message();
-  };
-  // A pipeline with data-parallel ranks per stage at stage 3 (the host units' parameter slices
-  // with the split: untested).
+  // Built: a pipeline with data-parallel ranks per stage at stage 3 (test_dist_partial_compose).
   OffloadSettings piped = host_sharded(3, 0.5);
   piped.pipeline_bounds = {0, 2, 5};
-  refused(piped, "zero_optimization.stage 3");
+  piped.dp_size = world().size();
+  EXPECT_TRUE(piped.validate().ok()) << piped.validate().to_string();
   OffloadSettings dpu = host_sharded(2, 0.5);
   dpu.delayed_update = true;
   Status e = [&] {
@@ -423,6 +441,7 @@ TEST(PartialOffloadDataParallel, RefusedWhereNotBuilt) {
   }();
   EXPECT_FALSE(e.ok());
   EXPECT_NE(e.message().find("strata.delayed_update"), std::string::npos) << e.message();
+  EXPECT_NE(e.message().find("zero_optimization.offload_optimizer.ratio"), std::string::npos) << e.message();
   for (int stage : {0, 1, 2, 3}) {
     OffloadSettings ok = host_sharded(stage, 0.5);
     ok.dp_size = world().size();

@@ -17,6 +17,7 @@
 // on every rank that the case says, the plan's device state regions).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -36,12 +37,12 @@ using testing::capture_stage;
 using testing::Snapshot;
 using testing::world;
 
-// Steps [0, steps) of `global`'s batches, this data-parallel rank's share (global micro-batches
+// Steps [from, steps) of `global`'s batches, this data-parallel rank's share (global micro-batches
 // dp, dp + DP, ...); losses, norms, loss scales and skips recorded.
 bool run_steps_of_share(OffloadEngine& engine, const TrainerConfig& global, int dp, int DP, int steps,
-                        Snapshot& out) {
+                        Snapshot& out, int from = 0) {
   std::vector<std::int32_t> in, tg;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = from; step < steps; ++step) {
     testing::share_of(global, step, dp, DP, in, tg);
     auto m = engine.step(in, tg);
     EXPECT_TRUE(m.ok()) << m.status().to_string();
@@ -76,8 +77,16 @@ Trained train(const TrainerConfig& global, const OffloadSettings& s, const Group
   Trained out;
   TrainerConfig local = global;
   local.grad_accum = global.grad_accum / g.dp_size;
+  // A swap store of its own per engine (each rank its own): a store is sized by its placement,
+  // which the split changes.
+  testing::TempDir swap("strata-partial-swap");
+  OffloadSettings run = s;
+  if (s.params == Tier::kNvme || s.optimizer == Tier::kNvme) {
+    run.nvme_path = {swap.path().string()};
+    run.io.nvme_path = run.nvme_path;
+  }
   auto device = testing::make_device();
-  auto engine = OffloadEngine::create(local, s, *device, nullptr, g.dp, g.tp, g.pp);
+  auto engine = OffloadEngine::create(local, run, *device, nullptr, g.dp, g.tp, g.pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
   out.arena_bytes = device->memory().stats().live_bytes;
@@ -86,11 +95,11 @@ Trained train(const TrainerConfig& global, const OffloadSettings& s, const Group
   std::vector<int> held;
   EXPECT_TRUE(capture_stage(**engine, out.snap, held));
   // The engine's own split, as its plan names it: the settings it runs with (dp, tp, stage).
-  const OffloadSettings& run = (*engine)->settings();
-  auto layout = describe_model(local.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
+  const OffloadSettings& used = (*engine)->settings();
+  auto layout = describe_model(local.model, TensorParallel{used.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
   EXPECT_TRUE(layout.ok());
   if (layout.ok()) {
-    const offload_detail::Units units = offload_detail::describe_units(*layout, run, g.dp_rank);
+    const offload_detail::Units units = offload_detail::describe_units(*layout, used, g.dp_rank);
     for (std::size_t m = 0; m < units.device_opt.size(); ++m)
       if (units.device_opt[m]) out.device_modules.push_back(static_cast<int>(m));
     EXPECT_EQ(out.device_modules.size(), units.device_opt_units);
@@ -132,9 +141,14 @@ std::vector<int> check(const std::string& what, const TrainerConfig& global, Off
     EXPECT_EQ(got.exp_avg_device_bytes + got.exp_avg_host_bytes, ref.exp_avg_host_bytes) << what;
   }
   if (s.optimizer == Tier::kNvme) {
-    // [master | m | v] of the host units on NVMe, three device regions' worth on the device.
+    // [master | m | v] of the host units on NVMe, three device regions' worth on the device
+    // (with data-parallel ranks this rank's slices on NVMe, rank 0's on the device: fewer).
     EXPECT_GT(ref.nvme_state_bytes, 0u) << what;
-    EXPECT_EQ(got.nvme_state_bytes + 3 * got.exp_avg_device_bytes, ref.nvme_state_bytes) << what;
+    if (g.dp_size == 1) {
+      EXPECT_EQ(got.nvme_state_bytes + 3 * got.exp_avg_device_bytes, ref.nvme_state_bytes) << what;
+    } else if (!got.device_modules.empty()) {
+      EXPECT_LT(got.nvme_state_bytes, ref.nvme_state_bytes) << what << ": the host modules' slices only";
+    }
   }
   // The engine carves what its plan says: the split's extra device bytes are the plan's (each
   // carved block rounds up to 256 bytes; the split carves at most 6 more regions). With
@@ -216,11 +230,8 @@ std::vector<int> check_pp(const PipeCase& k) {
   s.optimizer = k.optimizer;
   s.pipeline_schedule = k.schedule;
   s.pipeline_virtual_stages = k.virtual_stages;
-  testing::TempDir swap("strata-partial-pp");  // each rank its own
-  if (k.params == Tier::kNvme || k.optimizer == Tier::kNvme) {
-    s.nvme_path = {swap.path().string()};
-    s.sub_group_size = 4097;
-  }
+  // The NVMe optimizer's sub-groups cut units (its swap store: train()).
+  if (k.optimizer == Tier::kNvme) s.sub_group_size = 4097;
   Groups g;
   g.pp = &world();
   const std::string what =
@@ -304,18 +315,19 @@ TEST(PartialNp2, PipelineInterleaved) {
 // and at ratio 1: the files hold the placement's whole state, each rank its shard or stage), run
 // 2 more: bit for bit the 4 uninterrupted steps (the same arithmetic resumes from the same bits).
 
-// Steps [from, to) of `c`'s batches (one data-parallel rank).
-bool run_range(OffloadEngine& engine, const TrainerConfig& c, int from, int to, Snapshot& out) {
-  return testing::run_steps(engine, c, from, to, out);
-}
-
+// `c` is the global batch: with data-parallel ranks each trains its share (run_steps_of_share).
 void check_checkpoint(const std::string& what, const TrainerConfig& c, OffloadSettings s, double ratio,
                       const Groups& g) {
+  TrainerConfig local = c;
+  local.grad_accum = c.grad_accum / g.dp_size;
+  auto run_range = [&](OffloadEngine& engine, const TrainerConfig& global, int from, int to, Snapshot& out) {
+    return run_steps_of_share(engine, global, g.dp_rank, g.dp_size, to, out, from);
+  };
   auto create = [&](std::unique_ptr<Device>& device, double r) {
     device = testing::make_device();
     OffloadSettings run = s;
     run.optimizer_ratio = r;
-    return OffloadEngine::create(c, run, *device, nullptr, g.dp, g.tp, g.pp);
+    return OffloadEngine::create(local, run, *device, nullptr, g.dp, g.tp, g.pp);
   };
   Snapshot straight;
   std::vector<int> held;
@@ -331,7 +343,8 @@ void check_checkpoint(const std::string& what, const TrainerConfig& c, OffloadSe
     ASSERT_TRUE(run_range(**engine, c, 2, 4, straight)) << what;
     ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
     const OffloadSettings& run = (*engine)->settings();
-    auto layout = describe_model(c.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
+    auto layout =
+        describe_model(local.model, TensorParallel{run.tp_size, g.tp != nullptr ? g.tp->rank() : 0});
     ASSERT_TRUE(layout.ok());
     device_modules = offload_detail::describe_units(*layout, run, g.dp_rank).device_opt_units;
   }
@@ -381,33 +394,85 @@ TEST(PartialNp2, CheckpointResumesUnderPipeline) {
                    host_optimizer(), 0.5, g);
 }
 
-// What is not built with a pipeline (data-parallel ranks per stage at stage 3,
-// interleaved at stage 2) is refused by
-// validate(), naming the key: test_offload_partial.cpp.
-
 // ---- 4 ranks -------------------------------------------------------------------------------------
+
+// The 4-rank grid of `tp` x `pp` x (4 / (tp x pp)) data-parallel ranks.
+Groups grid_groups(int tp, int pp, std::unique_ptr<ProcessGroups>& keep) {
+  Groups g;
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, tp, pp);
+  EXPECT_TRUE(groups.ok()) << groups.status().to_string();
+  if (!groups.ok()) return g;
+  keep = std::make_unique<ProcessGroups>(std::move(groups).value());
+  g.dp = keep->dp.get();
+  g.tp = tp > 1 ? keep->tp.get() : nullptr;
+  g.pp = pp > 1 ? keep->pp.get() : nullptr;
+  g.dp_rank = keep->dp->rank();
+  g.dp_size = keep->dp->size();
+  return g;
+}
+
+// One case on a grid with data-parallel ranks: the global batch of accumulation 2 per rank.
+struct GridCase {
+  ModelKind kind;
+  DType dtype;
+  double ratio;
+  int stage;
+  Tier params = Tier::kDevice;
+  Tier optimizer = Tier::kHost;
+  int virtual_stages = 1;  // > 1: interleaved 1F1B
+  int n_layer = 0;         // > 0: the tiny model with this many blocks
+};
+
+TrainerConfig global_of(const GridCase& k, const Groups& g) {
+  TrainerConfig c = testing::tiny(k.kind, k.dtype, 2 * g.dp_size, 0.5);
+  if (k.n_layer > 0) c.model.n_layer = k.n_layer;
+  return c;
+}
+
+std::vector<int> check_grid(const GridCase& k, const Groups& g, const std::string& grid) {
+  const TrainerConfig global = global_of(k, g);
+  OffloadSettings s = host_optimizer();
+  s.zero_stage = k.stage;
+  s.params = k.params;
+  s.optimizer = k.optimizer;
+  s.pipeline_virtual_stages = k.virtual_stages;
+  // The NVMe optimizer's sub-groups cut units (its swap store: train()).
+  if (k.optimizer == Tier::kNvme) s.sub_group_size = 4097;
+  const std::string what =
+      std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", " + grid +
+      (k.virtual_stages > 1 ? " interleaved (v = " + std::to_string(k.virtual_stages) + ")" : "") +
+      ", stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio) + ", params " +
+      std::string(to_string(k.params)) + ", optimizer " + std::string(to_string(k.optimizer));
+  return check(what, global, s, k.ratio, g);
+}
 
 // tp 2 x dp 2: the data-parallel split of the device units (their slices reduced, scanned with
 // scan_norm and gathered on the compute stream) on each tp rank's shard, stages 1-3.
 TEST(PartialNp4, TensorTimesDataParallel) {
   ASSERT_EQ(world().size(), 4);
-  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 1);
-  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
-  Groups g;
-  g.dp = groups->dp.get();
-  g.tp = groups->tp.get();
-  g.dp_rank = groups->dp->rank();
-  g.dp_size = groups->dp->size();
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(2, 1, keep);
+  ASSERT_NE(g.dp, nullptr);
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     for (int stage : {1, 2, 3}) {
-      const TrainerConfig global = testing::tiny(ModelKind::kGpt2, dtype, 2 * g.dp_size, 0.5);
-      OffloadSettings s = host_optimizer();
-      s.zero_stage = stage;
-      const std::string what = "gpt2 " + std::string(to_string(dtype)) + ", tp 2 x dp 2, stage " +
-                               std::to_string(stage) + ", ratio 0.5";
-      const std::vector<int> dev = check(what, global, s, 0.5, g);
-      EXPECT_FALSE(dev.empty()) << what;
+      const std::vector<int> dev = check_grid({ModelKind::kGpt2, dtype, 0.5, stage}, g, "tp 2 x dp 2");
+      EXPECT_FALSE(dev.empty());
     }
+  }
+}
+
+// tp 2 x dp 2 at stage 3 with the parameters off the device: the device modules resident and
+// whole on every rank, the host modules' slices of this tp rank's shard at their home, gathered
+// by the fetch.
+TEST(PartialNp4, TensorTimesDataParallelStage3ParametersOffTheDevice) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(2, 1, keep);
+  ASSERT_NE(g.dp, nullptr);
+  for (const GridCase& k : {GridCase{ModelKind::kGpt2, DType::kBF16, 0.5, 3, Tier::kHost, Tier::kHost},
+                            GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 3, Tier::kNvme, Tier::kNvme}}) {
+    const std::vector<int> dev = check_grid(k, g, "tp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
   }
 }
 
@@ -418,40 +483,105 @@ TEST(PartialNp4, TensorTimesDataParallel) {
 // micro-batch's forward may run before it), the slices added as ratio 1's host shard adds them.
 TEST(PartialNp4, PipelineTimesDataParallel) {
   ASSERT_EQ(world().size(), 4);
-  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
-  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
-  Groups g;
-  g.dp = groups->dp.get();
-  g.pp = groups->pp.get();
-  g.dp_rank = groups->dp->rank();
-  g.dp_size = groups->dp->size();
-  struct K {
-    ModelKind kind;
-    DType dtype;
-    double ratio;
-    int stage;
-  };
-  for (const K& k : {K{ModelKind::kGpt2, DType::kF32, 0.5, 1}, K{ModelKind::kGpt2, DType::kF32, 0.88, 1},
-                     K{ModelKind::kLlama, DType::kBF16, 0.05, 0}, K{ModelKind::kGpt2, DType::kF32, 0.5, 2},
-                     K{ModelKind::kGpt2, DType::kBF16, 0.88, 2}}) {
-    const TrainerConfig global = testing::tiny(k.kind, k.dtype, 2 * g.dp_size, 0.5);
-    OffloadSettings s = host_optimizer();
-    s.zero_stage = k.stage;
-    const std::string what = std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) +
-                             ", pp 2 x dp 2, stage " + std::to_string(k.stage) + ", ratio " +
-                             std::to_string(k.ratio);
-    check(what, global, s, k.ratio, g);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  for (const GridCase& k :
+       {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 1}, GridCase{ModelKind::kGpt2, DType::kF32, 0.88, 1},
+        GridCase{ModelKind::kLlama, DType::kBF16, 0.05, 0}, GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 2},
+        GridCase{ModelKind::kGpt2, DType::kBF16, 0.88, 2}}) {
+    check_grid(k, g, "pp 2 x dp 2");
   }
+}
+
+// pp 2 x dp 2 at stage 2 with the host part off host memory: the NVMe optimizer (sub-groups of
+// 4097 over this rank's slices of the stage's host units), the parameters on the host, and
+// the parameters and optimizer on NVMe.
+TEST(PartialNp4, PipelineTimesDataParallelTiers) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  for (const GridCase& k : {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 2, Tier::kDevice, Tier::kNvme},
+                            GridCase{ModelKind::kGpt2, DType::kBF16, 0.5, 2, Tier::kHost, Tier::kHost},
+                            GridCase{ModelKind::kLlama, DType::kBF16, 0.05, 2, Tier::kNvme, Tier::kNvme}}) {
+    const std::vector<int> dev = check_grid(k, g, "pp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
+  }
+}
+
+// pp 2 x dp 2 at stage 3: the device units' parameters whole and resident, their gradients
+// reduced after each backward op as at stage 2; the host units' parameters sliced at their home
+// and gathered by the fetch (ratio 1's stage 3 on a pipeline).
+TEST(PartialNp4, PipelineTimesDataParallelStage3) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  for (const GridCase& k : {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 3},
+                            GridCase{ModelKind::kGpt2, DType::kBF16, 0.5, 3, Tier::kHost, Tier::kHost}}) {
+    const std::vector<int> dev = check_grid(k, g, "pp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
+  }
+}
+
+// Interleaved 1F1B (v = 2) x dp 2 at stages 2 and 3: after each backward op of (micro-batch a,
+// chunk c) the device units chunk c reads are reduced (GPT-2's last stage: the tied unit with the
+// head's chunk) and zeroed for the chunk's next op. LLaMA with 5 blocks (7 modules in 4 chunks):
+// the first stage's device units lie in both of its chunks, so their reductions interleave with
+// the other chunk's backward ops.
+TEST(PartialNp4, InterleavedTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  GridCase gpt2{ModelKind::kGpt2, DType::kF32, 0.5, 2};
+  gpt2.virtual_stages = 2;
+  GridCase llama{ModelKind::kLlama, DType::kF32, 0.05, 3};
+  llama.virtual_stages = 2;
+  llama.n_layer = 5;
+  for (const GridCase& k : {gpt2, llama}) {
+    const std::vector<int> dev = check_grid(k, g, "pp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
+    // The chunks of this stage whose modules hold device units.
+    const TrainerConfig global = global_of(k, g);
+    auto bounds = pipeline_stages(global.model, 2 * k.virtual_stages, global.seq_len);
+    ASSERT_TRUE(bounds.ok()) << bounds.status().to_string();
+    std::size_t chunks_with_device_units = 0;
+    for (const auto& [b, e] : offload_detail::stage_ranges(*bounds, k.virtual_stages, g.pp->rank())) {
+      if (std::any_of(dev.begin(), dev.end(), [b = b, e = e](int m) { return m >= b && m < e; }))
+        ++chunks_with_device_units;
+    }
+    const std::vector<int> counts = counts_of_every_rank(chunks_with_device_units);
+    if (k.kind == ModelKind::kLlama) {
+      EXPECT_EQ(*std::max_element(counts.begin(), counts.end()), 2)
+          << "a stage with device units in both of its chunks";
+    }
+  }
+}
+
+// A checkpoint with the split under pp 2 x dp 2 (stage 2, GPT-2 fp32, the tied unit on the device
+// at both ends): resumed with the split and at ratio 1, bit for bit the uninterrupted run.
+TEST(PartialNp4, CheckpointResumesUnderPipelineTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  OffloadSettings s = host_optimizer();
+  s.zero_stage = 2;
+  check_checkpoint("gpt2 fp32, pp 2 x dp 2, stage 2, ratio 0.5",
+                   testing::tiny(ModelKind::kGpt2, DType::kF32, 2 * g.dp_size, 0.5), s, 0.5, g);
 }
 
 // tp 2 x pp 2: each stage's tp ranks split the stage's units alike; GPT-2's tied unit on both ends.
 TEST(PartialNp4, TensorTimesPipeline) {
   ASSERT_EQ(world().size(), 4);
-  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
-  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
-  Groups g;
-  g.tp = groups->tp.get();
-  g.pp = groups->pp.get();
+  std::unique_ptr<ProcessGroups> keep;
+  Groups g = grid_groups(2, 2, keep);
+  ASSERT_NE(g.tp, nullptr);
+  g.dp = nullptr;  // one rank per group: no data parallelism
+  g.dp_rank = 0;
+  g.dp_size = 1;
   // LLaMA's last stage is mostly its last block: a small ratio so that its share holds it.
   for (const auto& [kind, ratio] : {std::pair{ModelKind::kGpt2, 0.5}, std::pair{ModelKind::kLlama, 0.05}}) {
     const TrainerConfig c = testing::tiny(kind, DType::kF32, 2, 0.5);

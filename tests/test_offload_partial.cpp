@@ -337,29 +337,24 @@ TEST(PartialOffloadSettings, RefusedWhereNotBuilt) {
                                          << ", NVMe optimizer and gradients, 2 data-parallel ranks";
     }
   }
-  // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp, interleaved
-  // stages too, and data-parallel ranks per stage at stages 0-2); not interleaved at stage 2,
-  // not at stage 3.
+  // A pipeline: each stage splits its own units (test_dist_partial_compose.cpp), interleaved
+  // stages too, and with data-parallel ranks per stage at stages 0-3, interleaved or not.
   OffloadSettings piped = partial(0.5);
   piped.pipeline_bounds = {0, 2, 5};
   EXPECT_TRUE(piped.validate().ok()) << "one pipeline of 2 stages takes the split";
-  OffloadSettings piped_dp = piped;
-  piped_dp.dp_size = 2;
-  for (int stage : {0, 1, 2}) {
-    piped_dp.zero_stage = stage;
-    EXPECT_TRUE(piped_dp.validate().ok()) << "pipeline stages with 2 data-parallel ranks, stage " << stage;
-  }
-  piped_dp.zero_stage = 3;
-  refused(piped_dp, "pipeline stages and 2 data-parallel ranks at zero_optimization.stage 3");
-  OffloadSettings piped_dp_v2 = piped_dp;
-  piped_dp_v2.zero_stage = 2;
-  piped_dp_v2.pipeline_virtual_stages = 2;
-  piped_dp_v2.pipeline_bounds = {0, 1, 2, 3, 5};
-  refused(piped_dp_v2, "strata.pipeline_virtual_stages = 2");
   OffloadSettings interleaved = piped;
   interleaved.pipeline_virtual_stages = 2;
   interleaved.pipeline_bounds = {0, 1, 2, 3, 5};
   EXPECT_TRUE(interleaved.validate().ok()) << "interleaved stages take the split";
+  for (const OffloadSettings& pipe : {piped, interleaved}) {
+    for (int stage : {0, 1, 2, 3}) {
+      OffloadSettings piped_dp = pipe;
+      piped_dp.dp_size = 2;
+      piped_dp.zero_stage = stage;
+      EXPECT_TRUE(piped_dp.validate().ok()) << "pipeline stages (v = " << pipe.pipeline_virtual_stages
+                                            << ") with 2 data-parallel ranks, stage " << stage;
+    }
+  }
   OffloadSettings dpu = partial(0.5);
   dpu.delayed_update = true;
   refused(dpu, "strata.delayed_update");

@@ -174,7 +174,7 @@ constexpr ConfigKey kKeys[] = {
      "buffers of the NVMe optimizer pipeline (clamped to [2, 64])"},
     {"zero_optimization.offload_optimizer.fast_init", I,
      "optimizer state is created zeroed in place; no slow path to skip"},
-    {"zero_optimization.offload_optimizer.ratio", H, "the fraction of the optimizer state on the host (partial offload): below 1 the first modules keep theirs on the device with the device's update (docs/offload.md); needs offload_optimizer.device cpu or nvme (with several data-parallel ranks: both sides sharded over the ranks at stages 0-3, the device modules' parameters resident and whole; with a pipeline too at stages 0-2); with offload_param.device cpu or nvme the device's modules keep their parameters resident"},
+    {"zero_optimization.offload_optimizer.ratio", H, "the fraction of the optimizer state on the host (partial offload): below 1 the first modules keep theirs on the device with the device's update (docs/offload.md); needs offload_optimizer.device cpu or nvme (with several data-parallel ranks: both sides sharded over the ranks at stages 0-3, the device modules' parameters resident and whole; with a pipeline too at stages 0-3, interleaved or not); with offload_param.device cpu or nvme the device's modules keep their parameters resident"},
     {"zero_optimization.cpu_offload", H,
      "DeepSpeed's older ZeRO-2 spelling: true = offload_optimizer.device cpu (give only one of them)"},
     {"zero_optimization.cpu_offload_params", H, "older spelling: true = offload_param.device cpu"},

@@ -215,6 +215,11 @@ struct OffloadEngine::Impl {
   // offsets, grad_begin, the prefix [0, hshift)) and are updated by the device after the norm is
   // known; the host arrays hold [hshift, grad_bytes) (host_at).
   std::vector<int> dev_units;
+  // Per chunk of this stage (chunk_ranges), the device units its modules read, in unit order:
+  // every unit is read by the modules of one chunk of a stage, so the lists partition dev_units
+  // (one list, dev_units itself, without interleaving). Pipeline x data parallel at stages 2-3
+  // reduces a chunk's list after each of its backward ops (run_pipeline).
+  std::vector<std::vector<int>> dev_units_of_chunk;
   bool partial = false;
   std::uint64_t hshift = 0;
   std::vector<GradStats> dev_stats;  // per unit (device units only): its gradient scan (compute stream)
@@ -956,7 +961,10 @@ struct OffloadEngine::Impl {
   // Partial offload with data parallelism (part_dp), on the compute stream: the device units'
   // reduce-scatter into this rank's slices (`accumulate`: stage 2's later micro-batches add to
   // offload.grad_slices), and the update of the slices with the all-gather of their parameters.
-  Status reduce_device_units(bool accumulate);
+  // `chunk` >= 0: only the device units chunk `chunk` of this stage reads (dev_units_of_chunk).
+  Status reduce_device_units(bool accumulate, int chunk = -1);
+  // Zeroes the device units' gradients of chunk `chunk` (all of them for -1) on the compute stream.
+  Status zero_device_grads(int chunk = -1);
   Status update_device_units_sharded(double lr, std::int64_t step, float scale);
   // The reduced gradients of this rank's slice of device unit u (part_dp).
   float* dev_slice_grads(int u) const {
@@ -1107,6 +1115,24 @@ Status OffloadEngine::Impl::setup() {
           forward_slot[static_cast<std::size_t>(c)] = k;
       }
     }
+  }
+  dev_units_of_chunk.assign(chunk_ranges.size(), {});
+  for (int u : dev_units) {
+    int reader = -1;
+    for (std::size_t c = 0; c < chunk_ranges.size(); ++c) {
+      for (int m = chunk_ranges[c].first; m < chunk_ranges[c].second; ++m) {
+        const std::vector<int>& st = units.storage[static_cast<std::size_t>(m)];
+        if (std::find(st.begin(), st.end(), u) == st.end()) continue;
+        if (reader >= 0 && reader != static_cast<int>(c)) {
+          return internal_error("offload: device module " + std::to_string(u) + " is read by chunks " +
+                                std::to_string(reader) + " and " + std::to_string(c) + " of this stage");
+        }
+        reader = static_cast<int>(c);
+      }
+    }
+    if (reader < 0)
+      return internal_error("offload: device module " + std::to_string(u) + " is read by no chunk");
+    dev_units_of_chunk[static_cast<std::size_t>(reader)].push_back(u);
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
@@ -2370,8 +2396,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   auto chunk_name = [&](const ChunkOp& op) {
     return v == 1 ? std::string() : " (chunk " + std::to_string(op.chunk) + ")";
   };
-  // Partial offload with data parallelism at stage 2 (one chunk per stage; validate() refuses
-  // interleaving there): the device units reduced after each micro-batch's backward op.
+  // Partial offload with data parallelism at stages 2-3: the device units reduced after each
+  // micro-batch's backward op (interleaved: the units of the op's chunk).
   const bool reduce_each = part_dp && settings.zero_stage >= 2 && step > 0;
   auto schedule = [&]() -> Status {
     STRATA_RETURN_IF_ERROR(post(0));
@@ -2419,14 +2445,16 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
           STRATA_RETURN_IF_ERROR(send(grad_send, a * v + c, model->activation_grad(), prev, grad_comm));
         }
         if (reduce_each) {
-          // Partial offload, pipeline x data parallel at stage 2: this micro-batch's device-unit
-          // gradients are complete (one chunk: the op ran every module of the stage), so they are
-          // reduce-scattered now, as run_micro_batches does after each micro-batch, and added
-          // into offload.grad_slices; then zeroed for the next micro-batch's backward (the
-          // staging holds the copy the collective reads). Behind the send in stream order: the
+          // Partial offload, pipeline x data parallel at stages 2-3: this micro-batch's gradients
+          // of the device units chunk c reads are complete (the op ran every module of the chunk,
+          // and no other chunk of this stage reads them), so they are reduce-scattered now, as
+          // run_micro_batches does after each micro-batch, and added into offload.grad_slices;
+          // then zeroed for the chunk's next backward op (the staging holds the copy the
+          // collective reads). Per unit the micro-batches add in order (a chunk's backwards run
+          // in micro-batch order): ratio 1's fp32 order. Behind the send in stream order: the
           // previous stage's backward does not wait for the collective.
-          STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/a > 0));
-          if (a + 1 < micro) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
+          STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/a > 0, c));
+          if (a + 1 < micro) STRATA_RETURN_IF_ERROR(zero_device_grads(c));
         }
       }
     }
@@ -4775,18 +4803,31 @@ OptimizerBuffers OffloadEngine::Impl::device_buffers(const OwnedParam& o) const 
   return b;
 }
 
-Status OffloadEngine::Impl::reduce_device_units(bool accumulate) {
+Status OffloadEngine::Impl::zero_device_grads(int chunk) {
+  if (chunk < 0 || chunks == 1) return compute->memset_async(dgrads, 0, units.device_opt_bytes);
+  for (int u : dev_units_of_chunk[static_cast<std::size_t>(chunk)]) {
+    STRATA_RETURN_IF_ERROR(compute->memset_async(reinterpret_cast<char*>(dgrads) + grad_begin(u), 0,
+                                                 units.gbytes[static_cast<std::size_t>(u)]));
+  }
+  return ok_status();
+}
+
+Status OffloadEngine::Impl::reduce_device_units(bool accumulate, int chunk) {
   if (!launch->is_cpu()) {
     return failed_precondition(
         "partial optimizer offload with data parallelism reduces the device modules' gradients on the cpu "
         "backend only");
   }
+  const std::vector<int>* which =
+      chunk < 0 ? &dev_units : &dev_units_of_chunk[static_cast<std::size_t>(chunk)];
+  if (which->empty()) return ok_status();  // the same on every rank of the group: the same collectives
   return launch->run(
-      "data-parallel reduce-scatter (device modules)", [this, accumulate](const kernels::KernelContext&) -> Status {
+      "data-parallel reduce-scatter (device modules)",
+      [this, accumulate, which](const kernels::KernelContext&) -> Status {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
         float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
         float* rs_out = rs_in + P * slices.dev_max_chunk;      // chunk
-        for (int u : dev_units) {
+        for (int u : *which) {
           const std::size_t uu = static_cast<std::size_t>(u);
           const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
           if (n == 0) continue;  // the same on every rank
@@ -5047,10 +5088,9 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
   // collectives in compute-stream order, the same chunk order on every tp rank of the stage, and
   // each tp rank exchanges the (replicated) boundary tensors with the same tp rank of its
   // neighbours, as without interleaving (docs/parallel.md "Tensor × pipeline × data parallel").
-  if (s.gradients == Tier::kNvme) {
-    return invalid_argument(key + " with gradients on NVMe (--offload-gradients nvme) is not built yet (its tied "
-                                  "embedding sum is tested with one chunk per stage): set pipeline_virtual_stages to 1");
-  }
+  // Gradients on NVMe need nothing of their own: every landing and restore goes through the one
+  // grad_staging in gradient-stream order, whichever chunk's backward issues it, and the tied
+  // unit's final gradient is summed after the schedule (sum_tied_landed), as with one chunk.
   // Data parallelism needs nothing of its own: the ranks of one dp group are the same stage and
   // run the same op list, so their per-unit reductions (issued as each unit's last micro-batch
   // backward releases it) come in the same order on every rank (docs/parallel.md "Interleaved

@@ -84,7 +84,9 @@ Status OffloadSettings::validate() const {
     // With data-parallel ranks every stage is built (docs/offload.md "Partial optimizer offload",
     // "Data parallel"): stages 0-3, the host or NVMe optimizer, the gradients of the host units in
     // host memory or on NVMe, the parameters anywhere (the device units' stay resident and whole,
-    // also at stage 3). The cuda backend is refused at engine creation (check_data_parallel).
+    // also at stage 3). With a pipeline too, interleaved or not, at stages 0-3 ("Tensor and
+    // pipeline parallel": at stages 2-3 each chunk's device units are reduced after each of its
+    // backward ops). The cuda backend is refused at engine creation (check_data_parallel).
     if (delayed_update) {
       return invalid_argument(key + " with strata.delayed_update is not built yet: use one or the other");
     }
@@ -103,30 +105,6 @@ Status OffloadSettings::validate() const {
     return invalid_argument("strata.pipeline_virtual_stages = " + std::to_string(pipeline_virtual_stages) +
                             " runs interleaved 1F1B; strata.pipeline_schedule = " +
                             std::string(to_string(pipeline_schedule)) + " with it is not built: use 1f1b");
-  }
-  if (pipeline_bounds.size() > 2) {
-    const std::string stages =
-        " with " + std::to_string(offload_detail::pipeline_stage_count(*this)) + " pipeline stages";
-    if (optimizer_ratio < 1.0 && optimizer != Tier::kDevice) {
-      // Built: each stage splits its own units, interleaved stages the units of all their
-      // chunks (docs/offload.md "Partial optimizer offload", "Tensor and pipeline parallel");
-      // with data-parallel ranks per stage at stages 0-1 (the device units reduced once after
-      // the schedule) and at stage 2 with one chunk per stage (reduced after each micro-batch's
-      // backward op, inside the schedule). Not interleaved at stage 2: a chunk's backward op
-      // completes only its own units, so the reduce would have to be cut per chunk. Not stage 3
-      // (the host units' parameter slices with a pipeline and the split: untested).
-      const std::string key = "zero_optimization.offload_optimizer.ratio = " + std::to_string(optimizer_ratio) + stages;
-      const std::string ranks = " and " + std::to_string(dp_size) + " data-parallel ranks at zero_optimization.stage " +
-                                std::to_string(zero_stage);
-      if (dp_size > 1 && zero_stage >= 3) {
-        return invalid_argument(key + ranks + " is not built yet: use stage 1 or 2, or ratio 1");
-      }
-      if (dp_size > 1 && zero_stage == 2 && pipeline_virtual_stages > 1) {
-        return invalid_argument(key + ranks + " and strata.pipeline_virtual_stages = " +
-                                std::to_string(pipeline_virtual_stages) +
-                                " is not built yet: use strata.pipeline_virtual_stages 1, stage 1, or ratio 1");
-      }
-    }
   }
   if (delayed_update_warmup < 0) {
     return invalid_argument("strata.delayed_update_warmup = " + std::to_string(delayed_update_warmup) +
