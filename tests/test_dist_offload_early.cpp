@@ -6,10 +6,13 @@
 // the timing only. At stage 3 it all-gathers the ranks' slices, after the ranks agreed (one flag
 // all-reduce per early fetch) that every rank's gate saw the agreed mark: every rank keeps the
 // copy or refetches it alike. On a pipeline each stage fetches the first units of its own
-// schedule's trace. What is checked, on every rank:
+// schedule's trace (interleaved too: one trace over all its chunks). What is checked, on every
+// rank:
 // - the hit rate after warm-up (steps 2 on) is at least the one-process figure of the same
 //   global batch (which is 1: every access, the pass's first included, fetched ahead), so the
-//   early fetch is in effect with data (and tensor) parallelism;
+//   early fetch is in effect with data (and tensor) parallelism; and every step from the second
+//   on used copies fetched early (OffloadStats::early_fetch_hits grows each step; 0 with
+//   prefetching off);
 // - the run is bit for bit the run of the same ranks with prefetching off (prefetch_modules 0:
 //   fetches on demand, no early fetch; its hit rate is below 1): losses, norms, every
 //   parameter, master and moment (a pipeline stage: those it holds);
@@ -45,8 +48,9 @@ struct Run {
 // kData: each rank its data-parallel share of the global batch (dp = the world); otherwise
 // every rank the whole batch (tp = the world, pp = the world: each rank a stage, or one process).
 // kDataPipeline: the 4-rank grid of 2 stages x 2 data-parallel ranks (rank = dp * 2 + stage), each
-// data-parallel rank its share of the global batch.
-enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline };
+// data-parallel rank its share of the global batch. kTensorPipeline: the 4-rank grid of 2 stages
+// x 2 tensor-parallel ranks (rank = stage * 2 + tensor rank), every rank the whole batch.
+enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline, kTensorPipeline };
 
 Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int steps) {
   Run out;
@@ -67,9 +71,15 @@ Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int 
     dp_rank = grid->coord.dp;
     DP = grid->grid.dp();
     c.grad_accum = global.grad_accum / DP;
+  } else if (mode == Mode::kTensorPipeline) {
+    grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+    EXPECT_TRUE(grid.ok()) << grid.status().to_string();
+    if (!grid.ok()) return out;
+    tp = grid->tp.get();
+    pp = grid->pp.get();
   }
   const bool share = mode == Mode::kData || mode == Mode::kDataPipeline;
-  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline;
+  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline || mode == Mode::kTensorPipeline;
   auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
@@ -126,6 +136,7 @@ struct Case {
   std::int64_t sub_group_size = 1'000'000'000;
   Tier params = Tier::kNvme;  // the working parameters' home (never the device: fetched every pass)
   ModelKind kind = ModelKind::kGpt2;
+  int virtual_stages = 1;  // > 1: interleaved 1F1B (strata.pipeline_virtual_stages)
 };
 
 void check(const Case& k) {
@@ -145,6 +156,7 @@ void check(const Case& k) {
     s.sub_group_size = k.sub_group_size;
     s.persistence_threshold = 0;  // every module at its home (NVMe or host), fetched each pass
     s.nvme_path = {dir.path().string()};
+    s.pipeline_virtual_stages = k.virtual_stages;
     return s;
   };
   const OffloadSettings early = settings_in(dir_a);
@@ -152,6 +164,7 @@ void check(const Case& k) {
   on_demand.prefetch_modules = 0;  // every fetch on demand: no prefetch, no early fetch
   OffloadSettings single = settings_in(dir_c);
   single.zero_stage = 0;
+  single.pipeline_virtual_stages = 1;  // one process has no chunks
 
   const Run got = train(global, early, k.mode, kSteps);
   const Run ref = train(global, on_demand, k.mode, kSteps);
@@ -170,6 +183,17 @@ void check(const Case& k) {
   // compared bit for bit below fetch on different schedules.
   EXPECT_LT(hit_rate(ref, 1, kSteps), rate_one) << "prefetching off: fetches on demand";
   EXPECT_EQ(got.stats.back().trace_mismatches, got.stats.front().trace_mismatches);
+  // The early fetch itself: from step 2 on, every step's pass starts on copies fetched when the
+  // previous step returned (at least its first access; end_pass released every slot), and none
+  // with prefetching off.
+  for (int i = 1; i < kSteps; ++i) {
+    const auto at = static_cast<std::size_t>(i);
+    EXPECT_GT(got.stats[at].early_fetch_hits, got.stats[at - 1].early_fetch_hits)
+        << "rank " << world().rank() << ": step " << i + 1 << " used no early copy";
+    EXPECT_LE(got.stats[at].early_fetch_hits, got.stats[at].prefetch_hits);
+  }
+  EXPECT_EQ(got.stats.front().early_fetch_hits, 0u) << "step 1 has no previous step to fetch early from";
+  EXPECT_EQ(ref.stats.back().early_fetch_hits, 0u) << "prefetching off";
 
   // The early fetch changes the timing only.
   expect_bitwise(ref.state, got.state, std::string(k.name) + ", early fetch vs every fetch on demand");
@@ -238,6 +262,27 @@ TEST(DistOffloadEarly, PipelineHitsAsOneProcessAndChangesNoBits) {
          Tier::kHost, ModelKind::kLlama});
 }
 
+// Interleaved 1F1B (pipeline_virtual_stages 2: stage 0 runs chunks 0 and 2, stage 1 chunks 1 and
+// 3 of the tiny model's 5 modules): a stage's pass is still its whole schedule, one trace over
+// both chunks' ops in the schedule's order, so the early fetch reads the first units of that
+// trace (chunk 0's on stage 0, chunk 1's on stage 1) as with one chunk. GPT-2 with its tied
+// embedding (in chunk 0 and chunk 3) and the parameters on NVMe, LLaMA with them on the host.
+TEST(DistOffloadEarly, InterleavedPipelineHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_EQ(world().size(), 2) << "run under mpirun -np 2 (2 stages x 2 chunks of the tiny model)";
+  Case nvme{"interleaved pipeline, host optimizer, parameters on NVMe", Mode::kPipeline, 0, Tier::kHost};
+  nvme.virtual_stages = 2;
+  check(nvme);
+  Case host{"interleaved pipeline, host optimizer, parameters on the host",
+            Mode::kPipeline,
+            0,
+            Tier::kHost,
+            1'000'000'000,
+            Tier::kHost,
+            ModelKind::kLlama};
+  host.virtual_stages = 2;
+  check(host);
+}
+
 // 2 stages x 2 data-parallel ranks (4 ranks; tests/CMakeLists.txt runs it in the 4-rank job
 // only), each rank two micro-batches of the global batch of four: stage 3 with the parameters on
 // NVMe (each stage's early fetches agreed and gathered over its data-parallel group), and stage 2.
@@ -246,6 +291,20 @@ TEST(DistOffloadEarlyGrid, DataTimesPipelineHitsAsOneProcessAndChangesNoBits) {
   check({"data 2 x pipeline 2, stage 3, host optimizer, parameters on NVMe", Mode::kDataPipeline, 3, Tier::kHost});
   check({"data 2 x pipeline 2, stage 2, host optimizer, parameters on the host", Mode::kDataPipeline, 2,
          Tier::kHost, 1'000'000'000, Tier::kHost});
+}
+
+// 2 stages x 2 tensor-parallel ranks (4 ranks, every rank the whole batch of two micro-batches):
+// each rank fetches its shard of its stage's units early, on the plain and the interleaved
+// schedule; nothing in the early fetch talks (no data parallelism), so the tensor ranks'
+// all-reduces and the stages' sends are those of the run with prefetching off.
+TEST(DistOffloadEarlyGrid, TensorTimesPipelineHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
+  check({"tensor 2 x pipeline 2, host optimizer, parameters on the host", Mode::kTensorPipeline, 0,
+         Tier::kHost, 1'000'000'000, Tier::kHost});
+  Case interleaved{"tensor 2 x pipeline 2, interleaved, host optimizer, parameters on NVMe",
+                   Mode::kTensorPipeline, 0, Tier::kHost};
+  interleaved.virtual_stages = 2;
+  check(interleaved);
 }
 
 }  // namespace

@@ -9,9 +9,9 @@
 // the update in place on every rank. The run then continues bit for bit as the same ranks
 // without the fault: the reduction order is the same, so the comparison is bitwise (losses,
 // norms, and every parameter, master and moment this rank holds). Also on the 2 x 2 grids of 4
-// ranks, with the delayed update, with update_during_backward (agreed, sticky), and a failure
-// that stops one rank's pass before a collective (not agreed: the job ends with an error on
-// every rank, DistOffloadPassFault).
+// ranks and the 2 x 2 x 2 grid of 8, with the delayed update, with update_during_backward
+// (agreed, sticky), and a failure that stops one rank's pass before a collective (not agreed:
+// the job ends with an error on every rank, DistOffloadPassFault).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -33,12 +33,22 @@ using testing::Snapshot;
 using testing::world;
 
 // kDataTensor, kDataPipeline, kTensorPipeline: the 2 x 2 grids of 4 ranks (data 2 x tensor 2,
-// data 2 x pipeline 2, tensor 2 x pipeline 2; make_process_groups); the others use the whole
-// world as their one group.
-enum class Group { kData, kTensor, kPipeline, kDataTensor, kDataPipeline, kTensorPipeline };
+// data 2 x pipeline 2, tensor 2 x pipeline 2; make_process_groups); kDataTensorPipeline the
+// whole grid of 8 (tensor 2 x pipeline 2 x data 2); the others use the whole world as their one
+// group.
+enum class Group {
+  kData,
+  kTensor,
+  kPipeline,
+  kDataTensor,
+  kDataPipeline,
+  kTensorPipeline,
+  kDataTensorPipeline
+};
 
 bool is_grid(Group g) {
-  return g == Group::kDataTensor || g == Group::kDataPipeline || g == Group::kTensorPipeline;
+  return g == Group::kDataTensor || g == Group::kDataPipeline || g == Group::kTensorPipeline ||
+         g == Group::kDataTensorPipeline;
 }
 
 // One case: how the world is used, the ZeRO stage, the dtype, where the working parameters and
@@ -79,8 +89,8 @@ const char* name_of(Group g) {
     case Group::kPipeline: return "pipeline";
     case Group::kDataTensor: return "data 2 x tensor 2";
     case Group::kDataPipeline: return "data 2 x pipeline 2";
-    case Group::kTensorPipeline:
-      return "tensor 2 x pipeline 2";
+    case Group::kTensorPipeline: return "tensor 2 x pipeline 2";
+    case Group::kDataTensorPipeline: return "tensor 2 x pipeline 2 x data 2";
   }
   return "?";
 }
@@ -126,6 +136,17 @@ struct Groups {
         tp = grid->tp.get();
         pp = grid->pp.get();
         break;
+      case Group::kDataTensorPipeline:
+        // rank = (dp * 2 + stage) * 2 + tensor rank: world rank 1 is tensor-parallel rank 1 of
+        // data-parallel rank 0 of stage 0; stage 0 is world ranks 0, 1, 4, 5.
+        grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
+        if (!grid.ok()) break;
+        dp = grid->dp.get();
+        tp = grid->tp.get();
+        pp = grid->pp.get();
+        dp_rank = grid->coord.dp;
+        dp_size = grid->grid.dp();
+        break;
     }
   }
   bool data() const { return dp != nullptr; }
@@ -167,6 +188,55 @@ void expect_bitwise(const Snapshot& ref, const Snapshot& got) {
   }
 }
 
+// This rank's state: every parameter, or on a pipeline the stage's own.
+bool capture_rank_state(OffloadEngine& e, const Groups& g, Snapshot& out) {
+  if (!g.pipeline()) return testing::capture_state(e, out);
+  std::vector<int> held;
+  return testing::capture_stage(e, out, held) && !held.empty();
+}
+
+// How a peer of world rank 1 names it when rank 1's host update failed: the ranks that update
+// the same units learn it in the per-unit agreement (over the data-parallel, then the tensor
+// group), the other stage in the stages' agreement.
+std::string update_failure_named(Group g, const Groups& groups) {
+  const int stage = groups.grid.ok() ? groups.grid->coord.pp : 0;
+  switch (g) {
+    case Group::kData: return "failed on data-parallel rank 1";
+    case Group::kTensor: return "failed on tensor-parallel rank 1";
+    case Group::kPipeline: return "failed on pipeline stage 1";
+    // World rank 1 is data-parallel rank 0 of tensor-parallel rank 1.
+    case Group::kDataTensor: return "failed on data-parallel rank 0 of tensor-parallel rank 1";
+    // World rank 1 is data-parallel rank 0 of stage 1.
+    case Group::kDataPipeline:
+      return stage == 1 ? "failed on data-parallel rank 0" : "failed on pipeline stage 1";
+    // World rank 1 is tensor-parallel rank 1 of stage 0.
+    case Group::kTensorPipeline:
+      return stage == 0 ? "failed on tensor-parallel rank 1" : "failed on pipeline stage 0";
+    // World rank 1 is data-parallel rank 0, tensor-parallel rank 1 of stage 0: stage 0's other
+    // three ranks learn it over their data-parallel and tensor groups, stage 1's four over their
+    // pipelines.
+    case Group::kDataTensorPipeline:
+      return stage == 0 ? "failed on data-parallel rank 0 of tensor-parallel rank 1"
+                        : "failed on pipeline stage 0";
+  }
+  return "?";
+}
+
+// Where world rank 1 sits in the grid, as a failure before the update names it to every other
+// rank (the axes of size 1 left out).
+std::string place_of_rank1(Group g) {
+  switch (g) {
+    case Group::kData: return "data-parallel rank 1";
+    case Group::kTensor: return "tensor-parallel rank 1";
+    case Group::kPipeline: return "pipeline stage 1";
+    case Group::kDataTensor: return "data-parallel rank 0, tensor-parallel rank 1";
+    case Group::kDataPipeline: return "data-parallel rank 0, pipeline stage 1";
+    case Group::kTensorPipeline: return "tensor-parallel rank 1, pipeline stage 0";
+    case Group::kDataTensorPipeline: return "data-parallel rank 0, tensor-parallel rank 1, pipeline stage 0";
+  }
+  return "?";
+}
+
 void retry_case(const Case& which) {
   const int stage = which.stage;
   const DType dtype = which.dtype;
@@ -190,12 +260,7 @@ void retry_case(const Case& which) {
     return data ? testing::run_share(e, global, groups.dp_rank, DP, to, out, from)
                 : testing::run_steps(e, c, from, to, out);
   };
-  // This rank's state: a pipeline stage holds its own modules only.
-  auto capture = [&](OffloadEngine& e, Snapshot& out) {
-    if (!groups.pipeline()) return testing::capture_state(e, out);
-    std::vector<int> held;
-    return testing::capture_stage(e, out, held) && !held.empty();
-  };
+  auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
   constexpr int kSteps = 5, k = 2;  // batch index k's update fails (step k + 1)
   testing::TempDir ref_dir("strata-dist-retry-ref"), dir("strata-dist-retry");  // each rank its own
 
@@ -233,28 +298,10 @@ void retry_case(const Case& which) {
   if (R == failing) {
     EXPECT_EQ(first.code(), StatusCode::kIoError) << first.to_string();
     EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
-  } else if (which.group == Group::kDataPipeline) {
-    // World rank 1 is data-parallel rank 0 of stage 1: its data-parallel peer (stage 1) learns it
-    // in the per-module agreement, stage 0 in the stages' agreement.
-    const std::string named = groups.grid->coord.pp == 1 ? "failed on data-parallel rank 0"
-                                                         : "failed on pipeline stage 1";
-    EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-    EXPECT_NE(first.message().find(named), std::string::npos) << first.to_string();
-  } else if (which.group == Group::kTensorPipeline) {
-    // World rank 1 is tensor-parallel rank 1 of stage 0: its tensor peer (stage 0) learns it in
-    // the per-module agreement, stage 1's two ranks in the stages' agreement.
-    const std::string named =
-        groups.grid->coord.pp == 0 ? "failed on tensor-parallel rank 1" : "failed on pipeline stage 0";
-    EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-    EXPECT_NE(first.message().find(named), std::string::npos) << first.to_string();
   } else {
-    // The grid: world rank 1 is data-parallel rank 0 of tensor-parallel rank 1.
-    const std::string named = which.group == Group::kData         ? "failed on data-parallel rank "
-                              : which.group == Group::kTensor     ? "failed on tensor-parallel rank "
-                              : which.group == Group::kDataTensor ? "failed on data-parallel rank 0 of tensor-parallel rank "
-                                                                  : "failed on pipeline stage ";
     EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-    EXPECT_NE(first.message().find(named + std::to_string(failing)), std::string::npos) << first.to_string();
+    EXPECT_NE(first.message().find(update_failure_named(which.group, groups)), std::string::npos)
+        << first.to_string();
   }
   EXPECT_EQ(e.steps_done(), k + 1);
   // Still failing: every rank's retry fails again, together.
@@ -331,11 +378,7 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
     return data ? testing::run_share(e, global, groups.dp_rank, DP, to, out, from)
                 : testing::run_steps(e, c, from, to, out);
   };
-  auto capture = [&](OffloadEngine& e, Snapshot& out) {
-    if (!groups.pipeline()) return testing::capture_state(e, out);
-    std::vector<int> held;
-    return testing::capture_stage(e, out, held) && !held.empty();
-  };
+  auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
   auto make_settings = [&](const testing::TempDir& dir) {
     OffloadSettings s;
     s.params = params;
@@ -412,13 +455,7 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
       EXPECT_EQ(s.code(), StatusCode::kIoError) << s.to_string();
       EXPECT_NE(s.message().find(dir.path().string()), std::string::npos) << s.to_string();
     } else {
-      const std::string named = group == Group::kData           ? "data-parallel rank 1"
-                                : group == Group::kTensor       ? "tensor-parallel rank 1"
-                                : group == Group::kPipeline     ? "pipeline stage 1"
-                                : group == Group::kDataPipeline ? "data-parallel rank 0, pipeline stage 1"
-                                : group == Group::kTensorPipeline
-                                    ? "tensor-parallel rank 1, pipeline stage 0"
-                                    : "data-parallel rank 0, tensor-parallel rank 1";
+      const std::string named = place_of_rank1(group);
       EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
       EXPECT_NE(s.message().find(step_name + ": the step failed before its update on " + named), std::string::npos)
           << s.to_string();
@@ -573,29 +610,34 @@ TEST(DistOffloadRetryGridTensorPipeline, TensorTimesPipelineFailureOnOneRankIsAg
   before_update_case(Group::kTensorPipeline, Before::kGradientWrite, 0, Tier::kDevice, ModelKind::kGpt2);
 }
 
-// The delayed update with data parallelism (dp 2, stage 2, bf16, host optimizer, parameters on
-// NVMe: the update writes each unit's next version; warm-up 1, so step 2 on is delayed).
+// The delayed update (bf16, host optimizer, parameters on NVMe: the update writes each unit's
+// next version; warm-up 1, so step 2 on is delayed) with data parallelism (dp 2, stage 2), and
+// for kBeforeNorm also with tensor parallelism (tp 2), a pipeline (pp 2, GPT-2's tied embedding
+// on both stages) and the whole grid (tp 2 x pp 2 x dp 2, stage 2).
 //   kBeforeNorm: rank 1's call of step k + 1 fails once its pass ran through (a stream error its
 //     call sees then; EngineFaults::fail_next_pass), with step k's update in flight and not yet
-//     published: rank 0's pass went through and published P[k], rank 1's call skipped the
-//     publish. Every rank's step() fails with nothing updated (rank 1 its own error, rank 0
-//     naming rank 1), again while the cause is there, and then the same batch runs on every rank
+//     published: the other ranks' passes went through and published P[k], rank 1's call skipped
+//     the publish. Every rank's step() fails with nothing updated (rank 1 its own error, the
+//     others naming rank 1's place in the grid: the flag travels with the norm's statistics over
+//     every group), again while the cause is there, and then the same batch runs on every rank
 //     at P[k] (rank 1 publishes first): bit for bit the same ranks without the fault that flush
-//     after step k (synchronize(): the next step computes at P[k]).
+//     after step k (synchronize(): the next step computes at P[k]). Bitwise because the rerun is
+//     the same computation in the same reduction order as the reference's step k + 1.
 //   kHostUpdate: rank 1's next-version writes fail half-way through step k + 1's update; the
 //     ranks agree per module, every rank's synchronize() reports, a retry while the disk fails
 //     fails on every rank, then it finishes in place: bit for bit the same ranks without the
 //     fault making the same calls.
 enum class DelayedFault { kBeforeNorm, kHostUpdate };
 
-void delayed_case(DelayedFault fault) {
+void delayed_case(DelayedFault fault, Group group = Group::kData) {
   const bool before = fault == DelayedFault::kBeforeNorm;
-  SCOPED_TRACE(std::string("delayed update, data parallel, ") +
+  SCOPED_TRACE(std::string("delayed update, ") + name_of(group) + ", " +
                (before ? "a failure before the norm" : "a failed host update"));
   const int R = world().rank();
   const int failing = 1;
-  const Groups groups(Group::kData);
-  const int DP = groups.dp_size;
+  const Groups groups(group);
+  ASSERT_TRUE(!is_grid(group) || groups.grid.ok()) << groups.grid.status().to_string();
+  const int DP = groups.dp_size;  // 1 without data parallelism: every rank the whole batch
   const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, DP, 1.0);
   TrainerConfig c = global;
   c.grad_accum = global.grad_accum / DP;
@@ -606,7 +648,7 @@ void delayed_case(DelayedFault fault) {
     OffloadSettings s;
     s.params = Tier::kNvme;
     s.optimizer = Tier::kHost;
-    s.zero_stage = 2;
+    s.zero_stage = groups.data() ? 2 : 0;
     s.persistence_threshold = 0;
     s.delayed_update = true;
     s.delayed_update_warmup = 1;
@@ -637,7 +679,7 @@ void delayed_case(DelayedFault fault) {
       ASSERT_TRUE(e.synchronize().ok());
       ASSERT_TRUE(run(e, k + 1, kSteps, ref));
     }
-    ASSERT_TRUE(testing::capture_state(e, ref));
+    ASSERT_TRUE(capture_rank_state(e, groups, ref));
   }
 
   nvme_detail::IoFaults faults;
@@ -658,8 +700,9 @@ void delayed_case(DelayedFault fault) {
         EXPECT_NE(s.message().find(cause), std::string::npos) << s.to_string();
       } else {
         EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
-        EXPECT_NE(s.message().find(step_name + ": the step failed before its update on data-parallel rank 1"),
-                  std::string::npos)
+        const std::string named =
+            step_name + ": the step failed before its update on " + place_of_rank1(group);
+        EXPECT_NE(s.message().find(named), std::string::npos)
             << s.to_string();
       }
       EXPECT_EQ(e.steps_done(), k) << "rank " << R << " " << when;
@@ -686,7 +729,7 @@ void delayed_case(DelayedFault fault) {
       EXPECT_NE(first.message().find(dir.path().string()), std::string::npos) << first.to_string();
     } else {
       EXPECT_EQ(first.code(), StatusCode::kUnavailable) << first.to_string();
-      EXPECT_NE(first.message().find("failed on data-parallel rank 1"), std::string::npos)
+      EXPECT_NE(first.message().find(update_failure_named(group, groups)), std::string::npos)
           << first.to_string();
     }
     Status again = e.synchronize();
@@ -702,7 +745,7 @@ void delayed_case(DelayedFault fault) {
     EXPECT_LT(retry_bytes, per_step) << "rank " << R << ": the retry rewrote what had already gone through";
     ASSERT_TRUE(run(e, k + 1, kSteps, got));
   }
-  ASSERT_TRUE(testing::capture_state(e, got));
+  ASSERT_TRUE(capture_rank_state(e, groups, got));
   expect_bitwise(ref, got);
 }
 
@@ -710,6 +753,42 @@ TEST(DistOffloadRetry, DelayedUpdateFailureOnOneRankIsAgreedAndRetriedOnEveryRan
   ASSERT_GE(world().size(), 2) << "run under mpirun -np 2 or more";
   delayed_case(DelayedFault::kBeforeNorm);
   delayed_case(DelayedFault::kHostUpdate);
+  // The agreed rerun with tensor parallelism (the flag over the tensor ranks' norm gather) and a
+  // pipeline (over the stages' gather; rank 1 is the last stage).
+  delayed_case(DelayedFault::kBeforeNorm, Group::kTensor);
+  delayed_case(DelayedFault::kBeforeNorm, Group::kPipeline);
+}
+
+// The whole grid of 8 ranks, tensor 2 x pipeline 2 x data 2 (dist.offload_retry_grid.np8;
+// rank = (dp * 2 + stage) * 2 + tensor rank): world rank 1 is tensor-parallel rank 1 and
+// data-parallel rank 0 of stage 0. GPT-2 (its tied embedding on both stages), stage 2, two
+// micro-batches per rank. Its update fails half-way (host optimizer, bf16, parameters on NVMe):
+// the per-unit agreement runs over each stage's data-parallel group, then its tensor group, so
+// stage 0's three other ranks name "data-parallel rank 0 of tensor-parallel rank 1"; then the
+// stages agree over each pipeline, so stage 1's four ranks name "pipeline stage 0"; the next call
+// is synchronize() and, in the second case, step(). Then, before the norm (fp32, NVMe optimizer
+// and gradients): rank 1's gradient writes fail half-way through a step's backward, and its flag
+// reaches every rank through the data-parallel, the stages' and the tensor ranks' statistics
+// gathers ("data-parallel rank 0, tensor-parallel rank 1, pipeline stage 0"). Each case
+// continues bit for bit against the same grid without the fault: the same reductions in the
+// same order.
+TEST(DistOffloadRetryGridFull, TensorTimesPipelineTimesDataFailureOnOneRankIsAgreedOnEveryRank) {
+  ASSERT_EQ(world().size(), 8) << "run under mpirun -np 8";
+  retry_case({Group::kDataTensorPipeline, 2, DType::kBF16});
+  Case step_next{Group::kDataTensorPipeline, 2, DType::kBF16};
+  step_next.next_is_step = true;
+  retry_case(step_next);
+  before_update_case(Group::kDataTensorPipeline, Before::kGradientWrite, 2, Tier::kDevice, ModelKind::kGpt2);
+}
+
+// The delayed update's agreed rerun on the whole grid (stage 2, bf16, host optimizer, parameters
+// on NVMe, one micro-batch per rank): rank 1's call of step 4 fails once its pass ran through
+// while step 3's update is in flight; the seven others published it in their calls. Every rank's
+// step() fails, again while the cause is there, and the same batch then runs at P[3] on every
+// rank, bit for bit against the same grid without the fault flushing after step 3.
+TEST(DistOffloadRetryGridFull, DelayedUpdateFailureBeforeTheNormIsAgreedAndRunAgainOnEveryRank) {
+  ASSERT_EQ(world().size(), 8) << "run under mpirun -np 8";
+  delayed_case(DelayedFault::kBeforeNorm, Group::kDataTensorPipeline);
 }
 
 // update_during_backward with tensor parallelism (tp 2, fp32, clipping off, host optimizer,

@@ -412,6 +412,9 @@ struct OffloadStats {
   // issued ahead (by the prefetcher) when the module was reached.
   std::uint64_t param_accesses = 0;
   std::uint64_t prefetch_hits = 0;
+  // Of those, the hits on a copy fetched early across steps (issued when the previous step
+  // returned, gated on its update; docs/offload.md "Early fetch across steps").
+  std::uint64_t early_fetch_hits = 0;
   std::uint64_t trace_mismatches = 0;  // passes whose module order differed from the recorded trace
   // NVMe optimizer: reads of [master | m | v] sub-groups issued during backward (at a step's first
   // landed unit, ahead of its update), counted when issued, so a step() that returned has counted

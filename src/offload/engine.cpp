@@ -559,6 +559,7 @@ struct OffloadEngine::Impl {
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
+  std::uint64_t early_hits = 0;  // hits on a copy fetched early across steps (prefetch_next_step)
   std::int64_t steps = 0;
   double grad_norm = 0.0;
   std::uint64_t alloc_baseline = 0;
@@ -3985,6 +3986,8 @@ Status OffloadEngine::Impl::access_params(int m) {
       if (!early.early_ok->load()) {
         STRATA_RETURN_IF_ERROR(release_slot(s));
         s = -1;
+      } else {
+        ++early_hits;
       }
     }
     if (s >= 0) {
@@ -6103,6 +6106,7 @@ OffloadStats OffloadEngine::stats() const {
   }
   s.param_accesses = t.accesses;
   s.prefetch_hits = t.hits;
+  s.early_fetch_hits = t.early_hits;
   s.trace_mismatches = t.mismatches;
   s.early_optimizer_reads = t.early_reads_issued.load(std::memory_order_relaxed);
   s.early_optimizer_reads_dropped = t.early_reads_dropped.load(std::memory_order_relaxed);
