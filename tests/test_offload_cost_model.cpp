@@ -9,7 +9,11 @@
 // block input out and back and stalls compute only where the ring makes it wait; data parallel
 // adds each stage's collectives where the engine runs them (stage 0's all-reduce and the device-
 // sharded stages after backward, stages 1-3 per module beside compute, stage 3 per fetch), with
-// the bytes of docs/performance.md's per-stage table; bad rates name the rate.
+// the bytes of docs/performance.md's per-stage table; tensor parallelism scales compute to the
+// shard and charges each module's collectives (all-reduces, or sequence parallel's all-gathers and
+// reduce-scatters); pipelines take the schedule's span over equal stages, (m + p - 1)(f + b) for
+// 1F1B and GPipe and interleaving's smaller bubble, sends worked out op by op; bad rates name the
+// rate.
 #include <gtest/gtest.h>
 
 #include <numeric>

@@ -8,6 +8,9 @@
 // records: slot.fetched, slot.free, bucket done, landed, updated_step), so overlap and
 // serialisation come from the schedule, not from a formula. Several steps are replayed; the
 // period of the last is the prediction (a step's update overlaps the next step's forward).
+// Tensor parallelism shrinks each module's compute to the rank's shard and adds the model's
+// blocking collectives to its passes (module_costs); a pipeline replays every stage so, then the
+// schedule's op order over all stages with the boundary sends (replay_pipeline).
 //
 // What is left out, and why it is small for the placements strata plan writes: the prefetch
 // budget (strata plan sets stage3_prefetch_bucket_size to hold the look-ahead), memsets of
