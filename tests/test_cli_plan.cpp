@@ -341,6 +341,14 @@ TEST(CliPlan, TensorAndPipelineParallelConfigsArePlannedPerRank) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("sequence_parallel"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("tensor_parallel_size"), std::string::npos) << r.output;
+  // The engine runs neither on cuda yet: refused before anything is measured.
+  for (const char* key : {"tensor_parallel_size", "pipeline_parallel_size"}) {
+    r = run_cli("plan --device cuda " + std::string(kShape) + " " + kQuick + " --config " +
+                config(key, std::string("\"") + key + "\": 2"));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(std::string("strata.") + key + " = 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--device cpu"), std::string::npos) << r.output;
+  }
 }
 
 TEST(CliPlan, BadFlagsNameTheFlag) {

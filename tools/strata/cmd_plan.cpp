@@ -54,8 +54,7 @@ constexpr FlagSpec kPlanFlags[] = {
     {"link-bandwidth", "GB/s",
      "with --ranks N, tensor or pipeline parallelism: the ranks' link as bus bandwidth (strata bench comm's "
      "busbw; default 12.5, a 100 Gb/s port), for the data- and tensor-parallel collectives and the "
-     "pipeline's "
-     "boundary sends alike"},
+     "pipeline's boundary sends alike"},
     {"link-latency-us", "US",
      "fixed cost of one collective or pipeline message on that link in microseconds (default 20)"},
     {"help", "", "show this help"},
@@ -346,13 +345,16 @@ int run_plan(std::span<const std::string> argv) {
     return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
   }
   const bool cuda = dc.kind == DeviceKind::kCuda;
-  if (cuda && tp > 1) {
-    // The engine refuses it (check_tensor_parallel_placement), so no placement could train.
+  if (cuda && (tp > 1 || pp > 1)) {
+    // The engine refuses both there (check_tensor_parallel_placement, check_pipeline), so no
+    // placement could train.
     Options o = rs.options;
     (void)o.load_env();
-    return fail(invalid_argument(o.source(Option::kTensorParallelSize) + " = " + std::to_string(tp) +
-                                 ": tensor parallel on the cuda backend is not built yet; plan on the cpu "
-                                 "backend (--device cpu)"));
+    const Option key = tp > 1 ? Option::kTensorParallelSize : Option::kPipelineParallelSize;
+    return fail(
+        invalid_argument(o.source(key) + " = " + std::to_string(tp > 1 ? tp : pp) + ": " +
+                         (tp > 1 ? "tensor parallel" : "pipeline parallel") +
+                         " on the cuda backend is not built yet; plan on the cpu backend (--device cpu)"));
   }
   EstimateBudgets budgets;
   budgets.device = args.has("device-memory") ? *device_mem : options.get_bytes(Option::kDeviceMemory);
@@ -671,13 +673,14 @@ int run_plan(std::span<const std::string> argv) {
   }
   const bool grid = tp > 1 || pp > 1;
   if (grid) {
-    std::printf(
-        "  grid      each row is one rank: its 1/%d tensor-parallel shard%s%s\n", tp,
-        pp > 1 ? " of its pipeline stage (the stage column: the one with the most device memory)" : "",
-        pp > 1 ? (", " + std::string(to_string(rs.offload.pipeline_schedule)) + " over " +
-                  std::to_string(pp) + " stages, the step the whole pipeline's")
-                     .c_str()
-               : "");
+    const std::string shard = tp > 1 ? "its 1/" + std::to_string(tp) + " tensor-parallel shard" : "";
+    const std::string stage = pp > 1
+                                  ? std::string(tp > 1 ? " of " : "") +
+                                        "its pipeline stage (pp st: the one with the most device memory), " +
+                                        std::string(to_string(rs.offload.pipeline_schedule)) + " over " +
+                                        std::to_string(pp) + " stages, the step the whole pipeline's"
+                                  : "";
+    std::printf("  grid      each row is one rank: %s%s\n", shard.c_str(), stage.c_str());
   }
   std::printf("budgets  device %s, host %s, nvme %s\n\n", format_bytes(budgets.device).c_str(),
               format_bytes(budgets.host).c_str(),
