@@ -9,7 +9,11 @@
 // block input out and back and stalls compute only where the ring makes it wait; data parallel
 // adds each stage's collectives where the engine runs them (stage 0's all-reduce and the device-
 // sharded stages after backward, stages 1-3 per module beside compute, stage 3 per fetch), with
-// the bytes of docs/performance.md's per-stage table; bad rates name the rate.
+// the bytes of docs/performance.md's per-stage table; tensor parallelism scales compute to the
+// shard and charges each module's collectives (all-reduces, or sequence parallel's all-gathers and
+// reduce-scatters); pipelines take the schedule's span over equal stages, (m + p - 1)(f + b) for
+// 1F1B and GPipe and interleaving's smaller bubble, sends worked out op by op; bad rates name the
+// rate.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -19,6 +23,7 @@
 #include "strata/engine.hpp"
 #include "strata/model.hpp"
 #include "strata/offload.hpp"
+#include "strata/pipeline_schedule.hpp"
 
 namespace strata::testing {
 namespace {
@@ -782,6 +787,203 @@ TEST(CostModel, BadRatesNameTheRate) {
   p = predict_step(c, OffloadSettings{}, r);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.status().message().find("dp_collective_seconds"), std::string::npos) << p.status().message();
+  r = rates();
+  s = OffloadSettings{};
+  s.tp_size = 2;
+  p = predict_step(c, s, r);  // no tensor-parallel link given
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("tp_bus_bytes_per_s = 0 must be > 0 with tensor_parallel_size = 2"),
+            std::string::npos)
+      << p.status().message();
+  s = OffloadSettings{};
+  s.pipeline_bounds = {0, 2, 4};
+  p = predict_step(c, s, r);  // no pipeline link given
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("pp_link_bytes_per_s = 0 must be > 0 with a pipeline"),
+            std::string::npos)
+      << p.status().message();
+  r.pp_message_seconds = -1;
+  p = predict_step(c, OffloadSettings{}, r);
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("pp_message_seconds"), std::string::npos) << p.status().message();
+}
+
+// ---- tensor parallel ----------------------------------------------------------------------------
+// tiny() on tp 2, everything on the device, one micro-batch: N = 2 * 16 = 32 tokens, C = 64, fp32,
+// so one residual-stream tensor is 32 * 64 * 4 = 8192 bytes. Compute: a block's matrices and heads
+// are split in two (exactly half its FLOPs), the head's vocabulary rows too (256 -> 128: half), the
+// embedding's gather is every token's on every rank (unchanged): forward 1 + 3 * 0.5, backward 2 +
+// 3 * 1. The device update: this rank's share of the elements.
+double tp_update_share(const TrainerConfig& c) {
+  auto whole = describe_model(c.model);
+  auto shard = describe_model(c.model, TensorParallel{2, 0});
+  EXPECT_TRUE(whole.ok() && shard.ok());
+  auto elements = [](const ModelLayout& l) {
+    double n = 0;
+    for (const ModuleDesc& m : l.modules) n += static_cast<double>((m.grad_end - m.grad_begin) / 4);
+    return n;
+  };
+  return elements(*shard) / elements(*whole);
+}
+
+MachineRates tp_rates() {
+  MachineRates r = rates();
+  r.tp_bus_bytes_per_s = 1e6;
+  r.tp_collective_seconds = 0.01;
+  return r;
+}
+
+TEST(CostModel, TensorParallelScalesComputeToTheShardAndChargesEachModulesAllReduces) {
+  TrainerConfig c = tiny();
+  OffloadSettings s;
+  s.tp_size = 2;
+  auto p = predict_step(c, s, tp_rates());
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  constexpr std::uint64_t kRows = 8192;
+  // Embedding forward 1 all-reduce; each block 2 forward (attention and MLP projections) and 2
+  // backward (c_fc and qkv input gradients); the head's forward the row maxima (N fp32) and exp
+  // sums (2N fp32), its backward the final norm's input gradient.
+  const std::uint64_t bytes = kRows * (1 + 2 * 4 + 1) + 32 * 4 + 2 * 32 * 4;
+  EXPECT_EQ(p->tp_bytes, bytes);
+  EXPECT_EQ(p->tp_collectives, 12u);
+  // An all-reduce moves 2(t-1)/t = 1 times its buffer over the bus.
+  const double tp = 12 * 0.01 + static_cast<double>(bytes) / 1e6;
+  EXPECT_NEAR(p->tp, tp, 1e-12);
+  EXPECT_NEAR(p->compute, 2.5 + 5.0 + 0.5 * tp_update_share(c), 1e-12);
+  EXPECT_NEAR(p->step_seconds, 2.5 + 5.0 + tp + 0.5 * tp_update_share(c), 1e-12);
+
+  // Activation checkpointing: h.0 is recomputed before its backward (its attention all-reduce
+  // again); h.1, the last block, is still in the shared set from the forward.
+  c.model.activation_checkpointing = true;
+  auto ck = predict_step(c, s, tp_rates());
+  ASSERT_TRUE(ck.ok()) << ck.status().to_string();
+  EXPECT_EQ(ck->tp_bytes, bytes + kRows);
+  EXPECT_EQ(ck->tp_collectives, 13u);
+  EXPECT_NEAR(ck->step_seconds - p->step_seconds, 0.01 + kRows / 1e6, 1e-12);
+
+  // Two micro-batches: twice the collectives.
+  c.model.activation_checkpointing = false;
+  c.grad_accum = 2;
+  auto two = predict_step(c, s, tp_rates());
+  ASSERT_TRUE(two.ok()) << two.status().to_string();
+  EXPECT_EQ(two->tp_bytes, 2 * bytes);
+  EXPECT_NEAR(two->step_seconds, 2 * (7.5 + tp) + 0.5 * tp_update_share(c), 1e-12);
+}
+
+TEST(CostModel, SequenceParallelGathersAndScattersInsteadOfAllReducing) {
+  TrainerConfig c = tiny();
+  OffloadSettings s;
+  s.tp_size = 2;
+  s.sequence_parallel = true;
+  auto p = predict_step(c, s, tp_rates());
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  constexpr std::uint64_t kRows = 8192;  // an all-gather's output, a reduce-scatter's input
+  // Residual-stream tensors: embedding 2 (reduce-scatter forward, all-gather backward), each block
+  // 4 forward and 6 backward, the head 1 forward and 2 backward: 25. All-reduces: each block's norm
+  // gradients (4C fp32), the head's row maxima and exp sums (N, 2N fp32) and its final norm's
+  // gradients (2C fp32, GPT-2).
+  const std::uint64_t gathered = 25 * kRows;
+  const std::uint64_t reduced = 2 * 4 * 64 * 4 + 32 * 4 + 2 * 32 * 4 + 2 * 64 * 4;
+  EXPECT_EQ(p->tp_bytes, gathered + reduced);
+  EXPECT_EQ(p->tp_collectives, 2u + 2 * 11 + 3 + 3);
+  // A reduce-scatter's input and an all-gather's output cross the bus (t-1)/t = 1/2 times.
+  const double tp = 30 * 0.01 + (0.5 * static_cast<double>(gathered) + static_cast<double>(reduced)) / 1e6;
+  EXPECT_NEAR(p->tp, tp, 1e-12);
+  EXPECT_NEAR(p->step_seconds, 7.5 + tp + 0.5 * tp_update_share(c), 1e-12);
+}
+
+// ---- pipelines ----------------------------------------------------------------------------------
+// tiny() cut into two equal stages (embedding + h.0, h.1 + head): each stage's forward of a
+// micro-batch takes f = 1 and its backward b = 2, everything on the device, no update.
+MachineRates pp_rates(double message) {
+  MachineRates r = rates();
+  r.forward_seconds = {0.5, 0.5, 0.5, 0.5};
+  r.backward_seconds = {1, 1, 1, 1};
+  r.device_update_seconds = 0;
+  r.pp_link_bytes_per_s = 1e18;
+  r.pp_message_seconds = message;
+  return r;
+}
+
+OffloadSettings two_stages(PipelineSchedule schedule, int stage) {
+  OffloadSettings s;
+  s.pipeline_bounds = {0, 2, 4};
+  s.pipeline_schedule = schedule;
+  s.pp_stage = stage;
+  return s;
+}
+
+TEST(CostModel, PipelineOfEqualStagesTakesTheScheduleWithItsBubble) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 4;  // m = 4 micro-batches over p = 2 stages
+  for (PipelineSchedule schedule : {PipelineSchedule::kOneFOneB, PipelineSchedule::kGpipe}) {
+    const std::string what(to_string(schedule));
+    for (int stage : {0, 1}) {
+      auto p = predict_step(c, two_stages(schedule, stage), pp_rates(0));
+      ASSERT_TRUE(p.ok()) << what << ": " << p.status().to_string();
+      // Free sends: (m + p - 1) (f + b) = 5 * 3, each stage idle (p - 1)(f + b) of it, the bubble
+      // fraction (p - 1) / (m + p - 1) = 1/5.
+      EXPECT_NEAR(p->step_seconds, 15, 1e-12) << what;
+      EXPECT_NEAR(p->pp_schedule, 15, 1e-12) << what;
+      EXPECT_NEAR(p->pp_bubble / p->pp_schedule, 1.0 / 5, 1e-12) << what;
+      EXPECT_NEAR(p->compute, 4 * 3, 1e-12) << what << ": the stage's own compute";
+      // Stage 0 sends each micro-batch's activations, stage 1 its activation gradients: 2 * 16 *
+      // 64 fp32 each.
+      EXPECT_EQ(p->pp_bytes, 4u * 8192) << what;
+      EXPECT_EQ(p->pp_stage, stage);
+    }
+  }
+  // Sends of 0.5 s each, 1F1B, worked out by hand (stage: [start, end] of each op; a send arrives
+  // 0.5 after its op ends, or after the stage's previous send in that direction):
+  //   stage 0  F0 [0,1] F1 [1,2] B0 [5,7] F2 [7,8] B1 [8,10] F3 [10,11] B2 [12,14] B3 [15,17]
+  //   stage 1  F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5] F2 [8.5,9.5] B2 [9.5,11.5]
+  //            F3 [11.5,12.5] B3 [12.5,14.5]
+  for (int stage : {0, 1}) {
+    auto p = predict_step(c, two_stages(PipelineSchedule::kOneFOneB, stage), pp_rates(0.5));
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_NEAR(p->step_seconds, 17, 1e-12);
+    EXPECT_NEAR(p->pp_bubble, 17 - 12, 1e-12);
+    EXPECT_NEAR(p->pp, 4 * 0.5, 1e-12);
+  }
+  // The device update after the schedule: the stage's share of it (its units' elements), the
+  // larger stage's counting.
+  MachineRates r = pp_rates(0);
+  r.device_update_seconds = 1;
+  auto p = predict_step(c, two_stages(PipelineSchedule::kOneFOneB, 0), r);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  auto layout = describe_model(c.model);
+  ASSERT_TRUE(layout.ok());
+  double largest = 0;
+  for (int stage : {0, 1}) {
+    const offload_detail::Units u =
+        offload_detail::describe_units(*layout, two_stages(PipelineSchedule::kOneFOneB, stage));
+    double n = 0, all = 0;
+    for (std::uint64_t g : u.gbytes) n += static_cast<double>(g / 4);
+    for (const ModuleDesc& m : layout->modules) all += static_cast<double>((m.grad_end - m.grad_begin) / 4);
+    largest = std::max(largest, n / all);
+  }
+  EXPECT_NEAR(p->step_seconds, 15 + largest, 1e-12);
+}
+
+TEST(CostModel, InterleavedPipelineShrinksTheBubbleByTheChunks) {
+  TrainerConfig c = tiny();
+  c.grad_accum = 4;
+  OffloadSettings s;
+  s.pipeline_bounds = {0, 1, 2, 3, 4};  // v = 2 chunks of one module on each of p = 2 stages
+  s.pipeline_virtual_stages = 2;
+  MachineRates r = pp_rates(0);
+  for (int stage : {0, 1}) {
+    s.pp_stage = stage;
+    auto p = predict_step(c, s, r);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    // Each stage computes m * v * (0.5 + 1) = 12; interleaved_bubble_theory's (p - 1) / (v m + p - 1)
+    // = 1/9 of the step is idle with equal chunks and free sends.
+    EXPECT_NEAR(p->pp_schedule, 12 / (1 - interleaved_bubble_theory(2, 2, 4)), 1e-12);
+    EXPECT_NEAR(p->pp_bubble / p->pp_schedule, interleaved_bubble_theory(2, 2, 4), 1e-12);
+    // Every chunk boundary but the model's ends is a send: stage 0 sends its two chunks' forwards
+    // and its second chunk's backwards, stage 1 the mirror.
+    EXPECT_EQ(p->pp_bytes, 3u * 4 * 8192);
+  }
 }
 
 }  // namespace

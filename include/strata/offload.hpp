@@ -312,6 +312,18 @@ struct MachineRates {
   // for an all-reduce. Unused (may be 0) with one rank.
   double dp_bus_bytes_per_s = 0;
   double dp_collective_seconds = 0;
+  // Tensor parallel (settings.tp_size = t > 1): the tensor-parallel group's link, the same
+  // convention as the data-parallel one (an all-reduce of B buffer bytes takes
+  // tp_collective_seconds + B * 2(t-1)/t / tp_bus_bytes_per_s; a reduce-scatter of B input bytes
+  // or an all-gather of B output bytes (t-1)/t of that). Unused (may be 0) without tensor
+  // parallelism.
+  double tp_bus_bytes_per_s = 0;
+  double tp_collective_seconds = 0;
+  // Pipeline parallel (settings.pipeline_bounds): one boundary tensor of B bytes sent to a
+  // neighbour stage arrives pp_message_seconds + B / pp_link_bytes_per_s after it leaves; one
+  // stage's sends in one direction share its link (one after another). Unused without a pipeline.
+  double pp_link_bytes_per_s = 0;
+  double pp_message_seconds = 0;
   Status validate(std::size_t modules) const;  // errors name the rate
 };
 
@@ -376,6 +388,22 @@ struct StepPrediction {
   std::uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   std::uint64_t host_copy_bytes = 0;
   std::uint64_t dp_bytes = 0;     // their buffer bytes (as OffloadStats::bytes_dp counts them)
+  // Tensor parallel: the model's blocking collectives of every module's forward, backward and
+  // recompute (the compute stream waits for each; counted in the step, not in `compute`), their
+  // buffer bytes (an all-reduce its buffer, a reduce-scatter its input, an all-gather its output,
+  // in the dtype the model moves) and how many.
+  double tp = 0;
+  std::uint64_t tp_bytes = 0;
+  std::uint64_t tp_collectives = 0;
+  // Pipeline parallel (the stage `pp_stage` of settings.pipeline_bounds): the boundary tensors
+  // this stage sends in a step (OffloadStats::bytes_pp counts the same) and their link seconds;
+  // pp_schedule the span of the whole pipeline's schedule (every stage's forwards, backwards and
+  // sends), pp_bubble the part of it this stage is idle (waiting for a neighbour, or done early).
+  int pp_stage = 0;
+  double pp = 0;
+  std::uint64_t pp_bytes = 0;
+  double pp_schedule = 0;
+  double pp_bubble = 0;
   std::string to_string() const;  // one line per part
 };
 
@@ -398,6 +426,16 @@ struct StepPrediction {
 // with the optimizer on the device, stages 2-3's bucket reduce-scatters beside backward (the
 // buckets of the engine's grad_buckets) and stage 3's gathers of its sliced modules in the
 // fetches ahead of use.
+// Tensor parallel (tp_size = t > 1): the rank's units are its shard (tp rank 0's, the largest);
+// each module's measured compute (the whole model's, forward_seconds / backward_seconds) is
+// scaled by its shard's share of the module's matrix and attention FLOPs, and the model's
+// blocking collectives of each forward, backward and recompute (all-reduces; with
+// sequence_parallel all-gathers and reduce-scatters) are charged on the compute clock at the
+// tensor-parallel link. Pipeline (pipeline_bounds): every stage is replayed as above with its
+// own units and modules, then the schedule (pipeline_schedule, pipeline_virtual_stages: the
+// engine's op orders) is replayed over all stages with each op's compute and the boundary
+// sends; the step is the schedule's span plus the largest stage's time outside its passes
+// (its update, stalls). The parts are stage pp_stage's.
 // A pure function of its arguments.
 Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates);

@@ -8,6 +8,9 @@
 // records: slot.fetched, slot.free, bucket done, landed, updated_step), so overlap and
 // serialisation come from the schedule, not from a formula. Several steps are replayed; the
 // period of the last is the prediction (a step's update overlaps the next step's forward).
+// Tensor parallelism shrinks each module's compute to the rank's shard and adds the model's
+// blocking collectives to its passes (module_costs); a pipeline replays every stage so, then the
+// schedule's op order over all stages with the boundary sends (replay_pipeline).
 //
 // What is left out, and why it is small for the placements strata plan writes: the prefetch
 // budget (strata plan sets stage3_prefetch_bucket_size to hold the look-ahead), memsets of
@@ -22,6 +25,7 @@
 #include "offload/internal.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
+#include "strata/pipeline_schedule.hpp"
 
 namespace strata {
 namespace {
@@ -121,6 +125,14 @@ Status MachineRates::validate(std::size_t modules) const {
   if (!finite_nonneg(dp_collective_seconds)) {
     return invalid_argument("machine rates: dp_collective_seconds = " + number(dp_collective_seconds) +
                             " must be >= 0");
+  }
+  const std::pair<const char*, double> links[] = {{"tp_bus_bytes_per_s", tp_bus_bytes_per_s},
+                                                  {"tp_collective_seconds", tp_collective_seconds},
+                                                  {"pp_link_bytes_per_s", pp_link_bytes_per_s},
+                                                  {"pp_message_seconds", pp_message_seconds}};
+  for (const auto& [name, v] : links) {
+    if (!finite_nonneg(v))
+      return invalid_argument("machine rates: " + std::string(name) + " = " + number(v) + " must be >= 0");
   }
   return ok_status();
 }
@@ -244,15 +256,177 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
   return t;
 }
 
-Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
-                                    const MachineRates& rates) {
-  STRATA_RETURN_IF_ERROR(config.validate());
-  STRATA_RETURN_IF_ERROR(settings.validate());
-  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
+namespace {
+
+// What one micro-batch's pass through module m costs on the compute clock: its compute (the
+// rank's shard of it) and, with tensor parallelism, the model's blocking collectives inside it.
+struct ModuleCosts {
+  std::vector<double> fwd, bwd;        // compute seconds
+  std::vector<double> tp_fwd, tp_bwd;  // tensor-parallel collectives' seconds
+  std::vector<std::uint64_t> tp_fwd_bytes, tp_bwd_bytes, tp_fwd_n, tp_bwd_n;
+
+  double seconds(int m, bool backward) const {
+    const std::size_t mm = static_cast<std::size_t>(m);
+    return backward ? bwd[mm] + tp_bwd[mm] : fwd[mm] + tp_fwd[mm];
+  }
+  // Counts the pass's parts in `p` (compute, the collectives apart).
+  void charge(int m, bool backward, StepPrediction& p) const {
+    const std::size_t mm = static_cast<std::size_t>(m);
+    p.compute += backward ? bwd[mm] : fwd[mm];
+    p.tp += backward ? tp_bwd[mm] : tp_fwd[mm];
+    p.tp_bytes += backward ? tp_bwd_bytes[mm] : tp_fwd_bytes[mm];
+    p.tp_collectives += backward ? tp_bwd_n[mm] : tp_fwd_n[mm];
+  }
+  // Only the modules in `keep` (a pipeline stage's) run on this rank.
+  void keep_only(const std::vector<char>& keep) {
+    for (std::size_t m = 0; m < fwd.size(); ++m) {
+      if (keep[m]) continue;
+      fwd[m] = bwd[m] = tp_fwd[m] = tp_bwd[m] = 0;
+      tp_fwd_bytes[m] = tp_bwd_bytes[m] = tp_fwd_n[m] = tp_bwd_n[m] = 0;
+    }
+  }
+};
+
+// Elements of the matrices module m of `layout` multiplies by (tied ones included), as
+// tools/strata/measure.cpp's module_forward_flops weighs the measured compute.
+double matrix_elements(const ModelLayout& layout, std::size_t m) {
+  double w = 0;
+  for (int i : layout.modules[m].params) {
+    const ParamDesc& p = layout.params[static_cast<std::size_t>(i)];
+    if (p.shape.size() == 2) w += static_cast<double>(p.numel());
+  }
+  return w;
+}
+
+// The module costs of `shard` (tensor-parallel rank 0's layout, the largest shard) from the
+// measured whole-model rates. Compute: a block's and the head's measured seconds times the
+// shard's share of the module's FLOPs (2 per multiply-add of its matrices, which shrink to the
+// shard's columns or rows, plus causal attention over its 1/t of the heads), the embedding's
+// unchanged (every rank gathers every token's row of its vocabulary shard). Collectives: those
+// src/model/model.cpp issues per micro-batch (forward_module / block_forward, backward_module /
+// block_backward, sp_add_norm_grads), with N = micro_batch * seq_len tokens, C = n_embd and w the
+// working dtype's size:
+//   embedding  forward  all-reduce N*C*w (SP: reduce-scatter)        backward  SP: all-gather N*C*w
+//   block      forward  2 all-reduces of N*C*w (attention and MLP projections; SP: all-gather,
+//                       reduce-scatter, all-gather, reduce-scatter)
+//              backward 2 all-reduces of N*C*w (c_fc / gate_up and qkv input gradients; SP: 4
+//                       all-gathers, 2 reduce-scatters and the norms' gradients, an all-reduce of
+//                       4*C fp32), plus the recompute with activation checkpointing (the forward
+//                       up to the MLP: 1 all-reduce; SP: all-gather, reduce-scatter, all-gather);
+//                       the last block of each module range is not recomputed (the shared set
+//                       still holds it from the forward, engine order: each range's backward
+//                       starts with it)
+//   head       forward  all-reduces of N and 2N fp32 (row maxima, exp sums; SP: first an
+//                       all-gather of N*C*w)
+//              backward all-reduce N*C*w (SP: all-gather and reduce-scatter of N*C*w, the final
+//                       norm's gradients: all-reduce of 2*C fp32 for GPT-2, C for LLaMA)
+// With sequence parallelism each all-gather's output and reduce-scatter's input is N*C*w too.
+Result<ModuleCosts> module_costs(const TrainerConfig& config, const OffloadSettings& settings,
+                                 const ModelLayout& shard, const MachineRates& rates) {
+  const std::size_t MM = shard.modules.size();
+  ModuleCosts c;
+  c.fwd = rates.forward_seconds;
+  c.bwd = rates.backward_seconds;
+  c.tp_fwd.assign(MM, 0.0);
+  c.tp_bwd.assign(MM, 0.0);
+  c.tp_fwd_bytes.assign(MM, 0);
+  c.tp_bwd_bytes.assign(MM, 0);
+  c.tp_fwd_n.assign(MM, 0);
+  c.tp_bwd_n.assign(MM, 0);
+  const int t = std::max(1, settings.tp_size);
+  if (t == 1) return c;
+  STRATA_ASSIGN_OR_RETURN(ModelLayout whole, describe_model(config.model));
+  const double tokens = static_cast<double>(config.micro_batch * config.seq_len);
+  const double attention =
+      4 * tokens * static_cast<double>(config.seq_len) * static_cast<double>(config.model.n_embd);
+  for (std::size_t m = 0; m < MM; ++m) {
+    const ModuleKind kind = shard.modules[m].kind;
+    if (kind == ModuleKind::kEmbedding) continue;
+    const double heads = kind == ModuleKind::kBlock ? 1.0 : 0.0;
+    const double full = 2 * tokens * matrix_elements(whole, m) + heads * attention;
+    const double mine = 2 * tokens * matrix_elements(shard, m) + heads * attention / t;
+    const double share = full > 0 ? mine / full : 1.0;
+    c.fwd[m] *= share;
+    c.bwd[m] *= share;
+  }
+
+  const bool seq = settings.sequence_parallel;
+  const std::uint64_t N = static_cast<std::uint64_t>(config.micro_batch * config.seq_len);
+  const std::uint64_t C = static_cast<std::uint64_t>(config.model.n_embd);
+  const std::uint64_t rows = N * C * dtype_size(config.model.dtype);  // one residual-stream tensor
+  const double ring = static_cast<double>(t - 1) / t;
+  enum class Op { kAllReduce, kReduceScatter, kAllGather };
+  auto add = [&](std::size_t m, bool backward, Op op, std::uint64_t bytes) {
+    const double f = op == Op::kAllReduce ? 2 * ring : ring;
+    (backward ? c.tp_bwd : c.tp_fwd)[m] +=
+        rates.tp_collective_seconds + static_cast<double>(bytes) * f / rates.tp_bus_bytes_per_s;
+    (backward ? c.tp_bwd_bytes : c.tp_fwd_bytes)[m] += bytes;
+    (backward ? c.tp_bwd_n : c.tp_fwd_n)[m] += 1;
+  };
+  // With checkpointing the last block of each module range is not recomputed.
+  std::vector<int> bounds = settings.pipeline_bounds.size() > 2 ? settings.pipeline_bounds
+                                                                : std::vector<int>{0, static_cast<int>(MM)};
+  std::vector<char> recomputed(MM, 0);
+  const bool checkpointing = config.model.activation_checkpointing && config.model.n_layer > 1;
+  for (std::size_t r = 0; checkpointing && r + 1 < bounds.size(); ++r) {
+    int last = -1;
+    for (int m = bounds[r]; m < bounds[r + 1]; ++m) {
+      if (shard.modules[static_cast<std::size_t>(m)].kind != ModuleKind::kBlock) continue;
+      recomputed[static_cast<std::size_t>(m)] = 1;
+      last = m;
+    }
+    if (last >= 0) recomputed[static_cast<std::size_t>(last)] = 0;
+  }
+  const bool gpt2 = config.model.kind == ModelKind::kGpt2;
+  for (std::size_t m = 0; m < MM; ++m) {
+    switch (shard.modules[m].kind) {
+      case ModuleKind::kEmbedding:
+        add(m, false, seq ? Op::kReduceScatter : Op::kAllReduce, rows);
+        if (seq) add(m, true, Op::kAllGather, rows);
+        break;
+      case ModuleKind::kBlock:
+        if (seq) {
+          for (Op op : {Op::kAllGather, Op::kReduceScatter, Op::kAllGather, Op::kReduceScatter})
+            add(m, false, op, rows);
+          if (recomputed[m])
+            for (Op op : {Op::kAllGather, Op::kReduceScatter, Op::kAllGather}) add(m, true, op, rows);
+          for (Op op : {Op::kAllGather, Op::kAllGather, Op::kReduceScatter, Op::kAllGather, Op::kAllGather,
+                        Op::kReduceScatter})
+            add(m, true, op, rows);
+          add(m, true, Op::kAllReduce, 4 * C * 4);
+        } else {
+          add(m, false, Op::kAllReduce, rows);
+          add(m, false, Op::kAllReduce, rows);
+          if (recomputed[m]) add(m, true, Op::kAllReduce, rows);
+          add(m, true, Op::kAllReduce, rows);
+          add(m, true, Op::kAllReduce, rows);
+        }
+        break;
+      case ModuleKind::kHead:
+        if (seq) add(m, false, Op::kAllGather, rows);
+        add(m, false, Op::kAllReduce, N * 4);
+        add(m, false, Op::kAllReduce, 2 * N * 4);
+        if (seq) {
+          add(m, true, Op::kAllGather, rows);
+          add(m, true, Op::kReduceScatter, rows);
+          add(m, true, Op::kAllReduce, (gpt2 ? 2 : 1) * C * 4);
+        } else {
+          add(m, true, Op::kAllReduce, rows);
+        }
+        break;
+    }
+  }
+  return c;
+}
+
+// One rank's step with its units and its modules' costs (modules it does not run cost 0): the
+// replay of docs/offload.md "Predicting the step".
+Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSettings& settings,
+                                    const MachineRates& rates, const ModelLayout& layout,
+                                    const ModuleCosts& mc) {
   const Units units = offload_detail::describe_units(layout, settings);
   const int M = static_cast<int>(layout.modules.size());
   const std::size_t MM = static_cast<std::size_t>(M);
-  STRATA_RETURN_IF_ERROR(rates.validate(MM));
   const std::int64_t A = config.grad_accum;
   // Data parallel (docs/offload.md "Predicting the step", the data-parallel term): each
   // collective is charged on the engine thread that runs it, where the engine runs it.
@@ -281,10 +455,13 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   // for x_i's copy in, which is issued behind the last read of x_{i+R} (the buffer's previous
   // index). Needs the modules to be embedding, blocks 0..L-1, head (block l is module l + 1).
   const int L = static_cast<int>(config.model.n_layer);
-  const bool act = settings.offload_activations && config.model.activation_checkpointing && M == L + 2;
+  // With a pipeline each stage's ring covers its own module range (not modelled yet: left out).
+  const bool act = settings.offload_activations && config.model.activation_checkpointing && M == L + 2 &&
+                   settings.pipeline_bounds.size() <= 2;
   const int R_act = std::min(3, L + 1);
   const std::uint64_t act_bytes =
-      static_cast<std::uint64_t>(config.micro_batch) * static_cast<std::uint64_t>(config.seq_len) *
+      static_cast<std::uint64_t>(config.micro_batch) * static_cast<std::uint64_t>(config.seq_len) /
+      static_cast<std::uint64_t>(settings.sequence_parallel ? std::max(1, settings.tp_size) : 1) *
       static_cast<std::uint64_t>(config.model.n_embd) * dtype_size(config.model.dtype);
   auto evicted = [&](int l) { return l >= 0 && l + R_act <= L; };
   struct ActClock {
@@ -455,9 +632,9 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       }
       const double start = std::max(compute, ready);
       p.fetch_stall += start - compute;
-      const double dur = backward ? rates.backward_seconds[mm] : rates.forward_seconds[mm];
+      const double dur = mc.seconds(m, backward);
       compute = start + dur;
-      p.compute += dur;
+      mc.charge(m, backward, p);
       act_after(m, backward, compute, p);
       if (backward && bucketed) {
         // close_buckets: each bucket whose last module this was launches one reduce-scatter per
@@ -694,7 +871,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
           ready = std::max(ready, grads);
         }
       }
-      const double dur = backward ? rates.backward_seconds[mm] : rates.forward_seconds[mm];
+      const double dur = mc.seconds(m, backward);
       if (j % per_pass == 0) {  // a new micro-batch: the activation ring starts over
         std::fill(ac.out_done.begin(), ac.out_done.end(), 0.0);
         std::fill(ac.in_done.begin(), ac.in_done.end(), 0.0);
@@ -704,7 +881,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
       cur.fetch_stall += std::max(0.0, start - std::max(compute, step_start));
       compute = start + dur;
       compute_end[j] = compute;
-      cur.compute += dur;
+      mc.charge(m, backward, cur);
       act_after(m, backward, compute, cur);
       // release_grads: at a unit's last backward touch its bucket goes out (grads stream); on the
       // last micro-batch the unit lands and the optimizer thread scans it (and may update it).
@@ -964,6 +1141,179 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   return p;
 }
 
+// The pipeline's schedule over every stage (docs/offload.md "Predicting the step", pipelines):
+// each stage runs its ops in the engine's order (pipeline_ops, or interleaved_pipeline_ops with
+// v > 1 chunks), an op starting when the stage is free and its input has arrived (a forward of
+// virtual stage j > 0 the activations of j - 1, a backward of j < v*p - 1 the gradients of
+// j + 1); each output goes out on the stage's link in its direction (one message after another)
+// and arrives `message` seconds after it leaves.
+struct PipelineReplay {
+  std::vector<double> end, busy, link;
+  std::vector<std::uint64_t> sends;
+  double span = 0;
+};
+
+Result<PipelineReplay> replay_pipeline(PipelineSchedule schedule, int P, int V, int A,
+                                       const std::vector<std::vector<double>>& f,
+                                       const std::vector<std::vector<double>>& b, double message) {
+  std::vector<std::vector<ChunkOp>> ops(static_cast<std::size_t>(P));
+  std::size_t left = 0;
+  for (int s = 0; s < P; ++s) {
+    auto& o = ops[static_cast<std::size_t>(s)];
+    if (V == 1) {
+      for (const PipelineOp& op : pipeline_ops(schedule, P, s, A))
+        o.push_back(ChunkOp{op.forward, op.micro, 0});
+    } else {
+      STRATA_ASSIGN_OR_RETURN(o, interleaved_pipeline_ops(P, s, V, A));
+    }
+    left += o.size();
+  }
+  const int VP = V * P;
+  auto at = [&](int a, int j) {
+    return static_cast<std::size_t>(a) * static_cast<std::size_t>(VP) + static_cast<std::size_t>(j);
+  };
+  std::vector<double> act(static_cast<std::size_t>(A) * static_cast<std::size_t>(VP), -1.0), grad = act;
+  std::vector<double> clock(static_cast<std::size_t>(P), 0.0), out_link = clock, back_link = clock;
+  PipelineReplay r;
+  r.busy.assign(static_cast<std::size_t>(P), 0.0);
+  r.link.assign(static_cast<std::size_t>(P), 0.0);
+  r.sends.assign(static_cast<std::size_t>(P), 0);
+  std::vector<std::size_t> next(static_cast<std::size_t>(P), 0);
+  while (left > 0) {
+    bool moved = false;
+    for (int s = 0; s < P; ++s) {
+      const std::size_t ss = static_cast<std::size_t>(s);
+      while (next[ss] < ops[ss].size()) {
+        const ChunkOp& op = ops[ss][next[ss]];
+        const int j = op.chunk * P + s;
+        double ready = 0;
+        if (op.forward && j > 0) ready = act[at(op.micro, j)];
+        if (!op.forward && j + 1 < VP) ready = grad[at(op.micro, j)];
+        if (ready < 0) break;  // its input has not been sent yet
+        const std::size_t c = static_cast<std::size_t>(op.chunk);
+        const double d = op.forward ? f[ss][c] : b[ss][c];
+        clock[ss] = std::max(clock[ss], ready) + d;
+        r.busy[ss] += d;
+        if (op.forward && j + 1 < VP) {
+          out_link[ss] = std::max(out_link[ss], clock[ss]) + message;
+          act[at(op.micro, j + 1)] = out_link[ss];
+        } else if (!op.forward && j > 0) {
+          back_link[ss] = std::max(back_link[ss], clock[ss]) + message;
+          grad[at(op.micro, j - 1)] = back_link[ss];
+        }
+        if ((op.forward && j + 1 < VP) || (!op.forward && j > 0)) {
+          ++r.sends[ss];
+          r.link[ss] += message;
+        }
+        ++next[ss];
+        --left;
+        moved = true;
+      }
+    }
+    if (!moved)
+      return internal_error(
+          "predict_step: the pipeline schedule does not progress (no stage's next op has its input)");
+  }
+  r.end = clock;
+  r.span = *std::max_element(clock.begin(), clock.end());
+  return r;
+}
+
+}  // namespace
+
+Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSettings& settings,
+                                    const MachineRates& rates) {
+  STRATA_RETURN_IF_ERROR(config.validate());
+  STRATA_RETURN_IF_ERROR(settings.validate());
+  const int t = std::max(1, settings.tp_size);
+  // Tensor parallel: the units are rank 0's shard (the largest; the same shapes on every rank).
+  STRATA_ASSIGN_OR_RETURN(ModelLayout layout, t > 1 ? describe_model(config.model, TensorParallel{t, 0})
+                                                    : describe_model(config.model));
+  const std::size_t MM = layout.modules.size();
+  STRATA_RETURN_IF_ERROR(rates.validate(MM));
+  const bool pipeline = settings.pipeline_bounds.size() > 2;
+  if (t > 1 && rates.tp_bus_bytes_per_s <= 0) {
+    return invalid_argument("machine rates: tp_bus_bytes_per_s = " + number(rates.tp_bus_bytes_per_s) +
+                            " must be > 0 with tensor_parallel_size = " + std::to_string(t) +
+                            " (strata plan --link-bandwidth)");
+  }
+  if (pipeline && rates.pp_link_bytes_per_s <= 0) {
+    return invalid_argument("machine rates: pp_link_bytes_per_s = " + number(rates.pp_link_bytes_per_s) +
+                            " must be > 0 with a pipeline (strata plan --link-bandwidth)");
+  }
+  STRATA_ASSIGN_OR_RETURN(ModuleCosts costs, module_costs(config, settings, layout, rates));
+  if (t == 1 && !pipeline) return replay_stage(config, settings, rates, layout, costs);
+
+  // The device optimizer's measured time is the whole model's: a rank updates its units' share.
+  STRATA_ASSIGN_OR_RETURN(ModelLayout whole, describe_model(config.model));
+  double all_elements = 0;
+  for (const ModuleDesc& md : whole.modules)
+    all_elements += static_cast<double>((md.grad_end - md.grad_begin) / 4);
+  auto rates_of = [&](const OffloadSettings& s) {
+    MachineRates r = rates;
+    const Units units = offload_detail::describe_units(layout, s);
+    std::uint64_t mine = 0;
+    for (std::uint64_t g : units.gbytes) mine += g / 4;
+    if (all_elements > 0) r.device_update_seconds *= static_cast<double>(mine) / all_elements;
+    return r;
+  };
+  if (!pipeline) return replay_stage(config, settings, rates_of(settings), layout, costs);
+
+  // Pipeline: each stage's replay, then the schedule over all of them.
+  const int P = offload_detail::pipeline_stage_count(settings);
+  const int V = std::max(1, settings.pipeline_virtual_stages);
+  const int A = static_cast<int>(config.grad_accum);
+  if (settings.pp_stage < 0 || settings.pp_stage >= P) {
+    return invalid_argument("predict_step: pp_stage = " + std::to_string(settings.pp_stage) +
+                            " outside the " + std::to_string(P) + " pipeline stages");
+  }
+  std::vector<std::vector<double>> f(static_cast<std::size_t>(P),
+                                     std::vector<double>(static_cast<std::size_t>(V), 0.0));
+  std::vector<std::vector<double>> b = f;
+  std::vector<double> outside(static_cast<std::size_t>(P), 0.0);
+  StepPrediction shown;
+  for (int s = 0; s < P; ++s) {
+    OffloadSettings ss = settings;
+    ss.pp_stage = s;
+    const auto ranges = offload_detail::stage_ranges(settings.pipeline_bounds, V, s);
+    std::vector<char> keep(MM, 0);
+    for (const auto& [lo, hi] : ranges)
+      for (int m = lo; m < hi; ++m) keep[static_cast<std::size_t>(m)] = 1;
+    ModuleCosts cs = costs;
+    cs.keep_only(keep);
+    STRATA_ASSIGN_OR_RETURN(StepPrediction r, replay_stage(config, ss, rates_of(ss), layout, cs));
+    double passes = 0;
+    for (std::size_t c = 0; c < ranges.size(); ++c) {
+      for (int m = ranges[c].first; m < ranges[c].second; ++m) {
+        f[static_cast<std::size_t>(s)][c] += cs.seconds(m, false);
+        b[static_cast<std::size_t>(s)][c] += cs.seconds(m, true);
+      }
+      passes +=
+          static_cast<double>(A) * (f[static_cast<std::size_t>(s)][c] + b[static_cast<std::size_t>(s)][c]);
+    }
+    // What the stage spends outside its passes (the update, stalls, contention) when it runs its
+    // micro-batches back to back.
+    outside[static_cast<std::size_t>(s)] = std::max(0.0, r.step_seconds - passes);
+    if (s == settings.pp_stage) shown = r;
+  }
+  // The boundary tensor: this rank's rows of the residual stream (sequence parallel: 1/t of them),
+  // in the working dtype (the engine's boundary_bytes).
+  const std::uint64_t boundary =
+      static_cast<std::uint64_t>(config.micro_batch * config.seq_len / (settings.sequence_parallel ? t : 1)) *
+      static_cast<std::uint64_t>(config.model.n_embd) * dtype_size(config.model.dtype);
+  const double message = rates.pp_message_seconds + static_cast<double>(boundary) / rates.pp_link_bytes_per_s;
+  STRATA_ASSIGN_OR_RETURN(PipelineReplay pr,
+                          replay_pipeline(settings.pipeline_schedule, P, V, A, f, b, message));
+  const std::size_t ps = static_cast<std::size_t>(settings.pp_stage);
+  shown.pp_stage = settings.pp_stage;
+  shown.pp = pr.link[ps];
+  shown.pp_bytes = pr.sends[ps] * boundary;
+  shown.pp_schedule = pr.span;
+  shown.pp_bubble = pr.span - pr.busy[ps];
+  shown.step_seconds = pr.span + *std::max_element(outside.begin(), outside.end());
+  return shown;
+}
+
 std::string StepPrediction::to_string() const {
   std::ostringstream o;
   char buf[160];
@@ -992,6 +1342,15 @@ std::string StepPrediction::to_string() const {
   if (dp_bytes > 0) {
     line("data parallel", dp, dp_bytes, "collectives: gradient reductions, parameter gathers");
     if (dp_stall > 0) line("dp stall", dp_stall, 0, "compute waiting for data-parallel collectives");
+  }
+  if (tp_bytes > 0)
+    line("tensor par.", tp, tp_bytes, "the model's blocking collectives (on the compute stream)");
+  if (pp_schedule > 0) {
+    char what[64];
+    std::snprintf(what, sizeof what, "boundary tensors stage %d sends", pp_stage);
+    line("pipeline", pp, pp_bytes, what);
+    line("schedule", pp_schedule, 0, "every stage's forwards, backwards and sends");
+    line("bubble", pp_bubble, 0, "this stage idle inside the schedule");
   }
   return o.str();
 }

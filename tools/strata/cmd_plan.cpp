@@ -3,7 +3,10 @@
 // tuning that fits the budgets (offload_param x offload_optimizer x gradients tier, prefetch
 // depth, NVMe ring buffers, sub-group size) with the engine's step-time model (predict_step),
 // prints them ranked and writes the fastest as a DeepSpeed-style config that strata train
-// --config and strata config accept. Exit 0 planned, 1 nothing fits or a measurement failed,
+// --config and strata config accept. With strata.tensor_parallel_size / pipeline_parallel_size
+// in the config each candidate is one rank's: its tensor-parallel shard of its pipeline stage
+// (the stage with the most device memory, as strata estimate shows it), with the whole
+// pipeline's schedule in the step. Exit 0 planned, 1 nothing fits or a measurement failed,
 // 2 bad flags.
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -49,9 +52,11 @@ constexpr FlagSpec kPlanFlags[] = {
      "the ZeRO stage the config gets (3 with parameters offloaded, 2 with the optimizer; all on the device: "
      "each of stages 0-3 on the cpu backend, 0 on cuda)"},
     {"link-bandwidth", "GB/s",
-     "with --ranks N: the ranks' link as bus bandwidth (strata bench comm's busbw; default 12.5, a 100 Gb/s "
-     "port)"},
-    {"link-latency-us", "US", "with --ranks N: fixed cost of one collective in microseconds (default 20)"},
+     "with --ranks N, tensor or pipeline parallelism: the ranks' link as bus bandwidth (strata bench comm's "
+     "busbw; default 12.5, a 100 Gb/s port), for the data- and tensor-parallel collectives and the "
+     "pipeline's boundary sends alike"},
+    {"link-latency-us", "US",
+     "fixed cost of one collective or pipeline message on that link in microseconds (default 20)"},
     {"help", "", "show this help"},
 };
 
@@ -157,13 +162,19 @@ Json prediction_json(const StepPrediction& p) {
                 {"update_stall", p.update_stall},
                 {"contention", p.contention},
                 {"data_parallel", p.dp},
-                {"data_parallel_stall", p.dp_stall}}},
+                {"data_parallel_stall", p.dp_stall},
+                {"tensor_parallel", p.tp},
+                {"pipeline", p.pp},
+                {"pipeline_schedule", p.pp_schedule},
+                {"pipeline_bubble", p.pp_bubble}}},
               {"bytes_per_step",
                {{"h2d", p.h2d_bytes},
                 {"d2h", p.d2h_bytes},
                 {"nvme_read", p.nvme_read_bytes},
                 {"nvme_write", p.nvme_write_bytes},
-                {"data_parallel", p.dp_bytes}}}};
+                {"data_parallel", p.dp_bytes},
+                {"tensor_parallel", p.tp_bytes},
+                {"pipeline", p.pp_bytes}}}};
 }
 
 Json candidate_json(const Candidate& c) {
@@ -180,6 +191,7 @@ Json candidate_json(const Candidate& c) {
   j["prefetch_elements"] = s.prefetch_elements;
   j["buffer_count"] = s.nvme_buffer_count;
   j["sub_group_size"] = s.sub_group_size;
+  if (s.pipeline_bounds.size() > 2) j["pipeline_stage"] = s.pp_stage;
   j["predicted"] = prediction_json(c.prediction);
   j["bytes"] = {{"device", c.estimate.device_need},
                 {"host", c.estimate.plan.host_bytes},
@@ -288,23 +300,12 @@ int run_plan(std::span<const std::string> argv) {
   if (Status v = int_flag(args, "vocab-size", 1, 1 << 24, &rs.trainer.model.vocab_size); !v.ok())
     return usage(v);
   if (Status v = rs.trainer.validate(); !v.ok()) return usage(v);
-  {
-    // The step-time model replays one data-parallel rank's schedule; it has no tensor-parallel
-    // collectives and no pipeline schedule yet, so a config with either is refused, naming the
-    // key, rather than planned as the whole model in one process.
-    int pp = 1;
-    if (Status g = apply_model_parallel(&rs, &pp); !g.ok()) return fail(g);
-    if (rs.offload.tp_size > 1 || pp > 1) {
-      const Option key = rs.offload.tp_size > 1 ? Option::kTensorParallelSize : Option::kPipelineParallelSize;
-      Options o = rs.options;
-      (void)o.load_env();
-      return fail(invalid_argument(
-          o.source(key) + " = " + std::to_string(rs.offload.tp_size > 1 ? rs.offload.tp_size : pp) +
-          ": strata plan predicts the step of data-parallel ranks only (the step-time model has no tensor-parallel "
-          "collectives or pipeline schedule yet); `strata estimate` with this config gives each rank's bytes, "
-          "and strata train --plan under mpirun each rank's plan"));
-    }
-  }
+  // The config's tensor and pipeline parallel layout (as strata estimate reads it): each candidate
+  // is one rank's shard of one stage, and the step model adds the tensor-parallel collectives and
+  // the pipeline's schedule (docs/offload.md "Predicting the step").
+  int pp = 1;
+  if (Status g = apply_model_parallel(&rs, &pp); !g.ok()) return fail(g);
+  const int tp = rs.offload.tp_size;
   constexpr std::uint64_t kMax = ~0ull;
   auto device_mem = args.get_bytes("device-memory", 0, 1u << 20, kMax);
   auto host_mem = args.get_bytes("host-memory", 0, 1u << 20, kMax);
@@ -344,6 +345,17 @@ int run_plan(std::span<const std::string> argv) {
     return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
   }
   const bool cuda = dc.kind == DeviceKind::kCuda;
+  if (cuda && (tp > 1 || pp > 1)) {
+    // The engine refuses both there (check_tensor_parallel_placement, check_pipeline), so no
+    // placement could train.
+    Options o = rs.options;
+    (void)o.load_env();
+    const Option key = tp > 1 ? Option::kTensorParallelSize : Option::kPipelineParallelSize;
+    return fail(
+        invalid_argument(o.source(key) + " = " + std::to_string(tp > 1 ? tp : pp) + ": " +
+                         (tp > 1 ? "tensor parallel" : "pipeline parallel") +
+                         " on the cuda backend is not built yet; plan on the cpu backend (--device cpu)"));
+  }
   EstimateBudgets budgets;
   budgets.device = args.has("device-memory") ? *device_mem : options.get_bytes(Option::kDeviceMemory);
   budgets.host = args.has("host-memory") ? *host_mem : available_memory();
@@ -419,8 +431,25 @@ int run_plan(std::span<const std::string> argv) {
           // partial optimizer split are predicted and written where the engine takes them, and
           // left out elsewhere.
           s = placement_settings(s);
+          // A pipeline: every stage planned; the row is the stage with the most device memory
+          // (strata estimate's), and it fits only where every stage does.
           auto e = estimate_placement(rs.trainer, s, budgets, cuda);
-          if (!e.ok()) return e.status();
+          if (!e.ok()) return pp > 1 ? e.status().with_context("pipeline stage 0") : e.status();
+          for (int st = 1; st < pp; ++st) {
+            OffloadSettings other = s;
+            other.pp_stage = st;
+            auto e2 = estimate_placement(rs.trainer, other, budgets, cuda);
+            if (!e2.ok()) return e2.status().with_context("pipeline stage " + std::to_string(st));
+            const bool fits_device = e->fits_device && e2->fits_device,
+                       fits_host = e->fits_host && e2->fits_host, fits_nvme = e->fits_nvme && e2->fits_nvme;
+            if (e2->device_need > e->device_need) {
+              *e = std::move(*e2);
+              s.pp_stage = st;
+            }
+            e->fits_device = fits_device;
+            e->fits_host = fits_host;
+            e->fits_nvme = fits_nvme;
+          }
           // The cpu backend's device memory is this machine's memory too.
           const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;
           const bool fits_memory = cuda || args.has("host-memory") || all_memory <= budgets.host;
@@ -513,6 +542,10 @@ int run_plan(std::span<const std::string> argv) {
   if (!rates.ok()) return fail(rates.status());
   rates->dp_bus_bytes_per_s = *link * 1e9;
   rates->dp_collective_seconds = *latency * 1e-6;
+  // One link for every group (the cpu backend's ranks share this machine; across machines
+  // --link-bandwidth is the slowest hop the groups cross).
+  rates->tp_bus_bytes_per_s = rates->pp_link_bytes_per_s = *link * 1e9;
+  rates->tp_collective_seconds = rates->pp_message_seconds = *latency * 1e-6;
 
   // ---- predict and rank ----
   for (Candidate& c : candidates) {
@@ -560,6 +593,14 @@ int run_plan(std::span<const std::string> argv) {
     j["micro_batch"] = rs.trainer.micro_batch;
     j["grad_accum"] = rs.trainer.grad_accum;
     j["seq_len"] = rs.trainer.seq_len;
+    j["data_parallel_size"] = ranks;
+    j["tensor_parallel_size"] = tp;
+    j["pipeline_parallel_size"] = pp;
+    j["sequence_parallel"] = rs.offload.sequence_parallel;
+    if (pp > 1) {
+      j["pipeline_schedule"] = std::string(to_string(rs.offload.pipeline_schedule));
+      j["pipeline_virtual_stages"] = rs.offload.pipeline_virtual_stages;
+    }
     j["budgets"] = {{"device", budgets.device}, {"host", budgets.host}, {"nvme", budgets.nvme}};
     const MachineRates& r = *rates;
     j["machine"] = {{"cores", report.cores},
@@ -584,6 +625,10 @@ int run_plan(std::span<const std::string> argv) {
                     {"ranks", ranks},
                     {"dp_bus_bytes_per_s", r.dp_bus_bytes_per_s},
                     {"dp_collective_s", r.dp_collective_seconds},
+                    {"tp_bus_bytes_per_s", r.tp_bus_bytes_per_s},
+                    {"tp_collective_s", r.tp_collective_seconds},
+                    {"pp_link_bytes_per_s", r.pp_link_bytes_per_s},
+                    {"pp_message_s", r.pp_message_seconds},
                     {"measure_s", report.seconds}};
     Json rows = Json::array();
     for (const Candidate* c : best) rows.push_back(candidate_json(*c));
@@ -620,25 +665,40 @@ int run_plan(std::span<const std::string> argv) {
   }
   std::printf("  cpu adam  %.1f M elements/s on %d threads; gradient scan %.1f M elements/s\n",
               r.adam_elements_per_s / 1e6, report.host_threads, r.scan_elements_per_s / 1e6);
-  if (ranks > 1) {
+  if (ranks > 1 || tp > 1 || pp > 1) {
     std::printf(
-        "  link      %lld data-parallel ranks, bus bandwidth %.3g GB/s, %.3g us per collective (given)\n",
-        static_cast<long long>(ranks), r.dp_bus_bytes_per_s / 1e9, r.dp_collective_seconds * 1e6);
+        "  link      %lld data-parallel x %d tensor-parallel x %d pipeline ranks, bus bandwidth %.3g GB/s, "
+        "%.3g us per collective or message (given)\n",
+        static_cast<long long>(ranks), tp, pp, r.dp_bus_bytes_per_s / 1e9, r.dp_collective_seconds * 1e6);
+  }
+  const bool grid = tp > 1 || pp > 1;
+  if (grid) {
+    const std::string shard = tp > 1 ? "its 1/" + std::to_string(tp) + " tensor-parallel shard" : "";
+    const std::string stage = pp > 1
+                                  ? std::string(tp > 1 ? " of " : "") +
+                                        "its pipeline stage (pp st: the one with the most device memory), " +
+                                        std::string(to_string(rs.offload.pipeline_schedule)) + " over " +
+                                        std::to_string(pp) + " stages, the step the whole pipeline's"
+                                  : "";
+    std::printf("  grid      each row is one rank: %s%s\n", shard.c_str(), stage.c_str());
   }
   std::printf("budgets  device %s, host %s, nvme %s\n\n", format_bytes(budgets.device).c_str(),
               format_bytes(budgets.host).c_str(),
               nvme_dir.empty() ? "(no --nvme-path)" : format_bytes(budgets.nvme).c_str());
-  std::printf("%-4s %-6s %-9s %-9s %5s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s %8s | %10s %10s %10s\n",
+  std::printf("%-4s %-6s %-9s %-9s %5s %8s %7s %10s | %9s %8s %8s %8s %8s %8s %8s %8s | %10s %10s %10s",
               "rank", "params", "optimizer", "gradients", "stage", "prefetch", "buffers", "sub-group",
               "step s", "compute", "h2d", "d2h", "nvme", "adam", "dp", "stalls", "device", "host+pin",
               "nvme");
+  // The grid's columns: the tensor-parallel collectives, the pipeline stage shown and its bubble.
+  if (grid) std::printf(" | %8s %5s %8s", "tp", "pp st", "bubble");
+  std::printf("\n");
   int rank = 0;
   for (const Candidate* c : best) {
     const OffloadSettings& s = c->settings;
     const StepPrediction& p = c->prediction;
     std::printf(
         "%-4d %-6s %-9s %-9s %5d %8d %7s %10s | %9.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f %8.4f | %10s %10s "
-        "%10s\n",
+        "%10s",
         ++rank, tier_name(s.params).c_str(), tier_name(s.optimizer).c_str(),
         s.optimizer == Tier::kDevice ? "device" : tier_name(s.gradients).c_str(), s.zero_stage,
         s.prefetch_modules, s.optimizer == Tier::kNvme ? std::to_string(s.nvme_buffer_count).c_str() : "-",
@@ -647,6 +707,8 @@ int run_plan(std::span<const std::string> argv) {
         p.fetch_stall + p.update_stall + p.dp_stall, format_bytes(c->estimate.device_need).c_str(),
         format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
         format_bytes(c->estimate.plan.nvme_bytes).c_str());
+    if (grid) std::printf(" | %8.4f %5d %8.4f", p.tp, s.pp_stage, p.pp_bubble);
+    std::printf("\n");
   }
   for (const Refused& x : refused)
     std::printf("  does not fit: %s (%s)\n", x.placement.c_str(), x.why.c_str());
