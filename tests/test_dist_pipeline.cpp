@@ -22,6 +22,7 @@
 //   written by one process, in a pipeline.
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -37,6 +38,7 @@
 #include "offload_fixture.hpp"
 #include "strata/checkpoint.hpp"
 #include "strata/parallel.hpp"
+#include "strata/safetensors.hpp"
 
 namespace strata {
 namespace {
@@ -266,6 +268,8 @@ void check_state_files(const Case& c) {
   const std::string pp_root = root + "/pp", one_root = root + "/one";
   const std::string pp_weights = root + "/pp.safetensors", one_weights = root + "/one.safetensors",
                     reload_weights = root + "/reload.safetensors";
+  const std::string pp_native = root + "/pp-native.safetensors",
+                    reload_native = root + "/reload-native.safetensors";
   const std::string client = R"({"run":"pp"})";
   auto create_pp = [&](std::unique_ptr<Device>& device) {
     device = testing::make_device();
@@ -285,6 +289,8 @@ void check_state_files(const Case& c) {
     dir = *saved;
     check_written_by_stage(**engine, dir, (*engine)->stats().bytes_checkpoint_written - written_before, what);
     Status w = (*engine)->save_weights(pp_weights);
+    ASSERT_TRUE(w.ok()) << what << ": " << w.to_string();
+    w = (*engine)->save_weights(pp_native, WeightFormat::kNative);
     ASSERT_TRUE(w.ok()) << what << ": " << w.to_string();
     ASSERT_TRUE(testing::run_steps(**engine, config, 2, 4, straight)) << what;
     ASSERT_TRUE(capture_stage(**engine, straight, held)) << what;
@@ -342,6 +348,10 @@ void check_state_files(const Case& c) {
       EXPECT_FALSE(a.empty()) << what << ": " << pp_weights;
       EXPECT_TRUE(a == file_bytes(reload_weights))
           << what << ": the pipeline's weights file differs from one process's at the checkpoint's state";
+      ASSERT_TRUE((*engine)->save_weights(reload_native, WeightFormat::kNative).ok()) << what;
+      EXPECT_FALSE(file_bytes(pp_native).empty()) << what << ": " << pp_native;
+      EXPECT_TRUE(file_bytes(pp_native) == file_bytes(reload_native))
+          << what << ": the pipeline's native weights file differs from one process's";
       Snapshot single;
       ASSERT_TRUE(testing::run_steps(**engine, config, 2, 4, single)) << what;
       for (std::size_t i = 0; i < 2; ++i) {
@@ -517,6 +527,88 @@ TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
     }
     ASSERT_TRUE(world().barrier().wait().ok());
     if (world().rank() == 0) std::filesystem::remove_all(root);
+  }
+}
+
+// A stage that cannot write its tensors into the weights file (every stage writes its own part
+// of the one file: an injected EIO on the write of a tensor only that stage holds), and a path
+// whose directory is missing (the writer cannot create the temporary file): the save fails on
+// every rank with an error naming the stage and the tensor (or the temporary file), no
+// temporary file is left, the file already at the path keeps its bytes and another path stays
+// absent. Once the fault is gone the same engines save again: the file saved before, byte for
+// byte (no step in between). Run with the last stage failing and the first (the writer's own).
+// That the save fails at all shows the stage wrote that tensor itself: its fault is on its rank
+// only.
+TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotWrite) {
+  const TrainerConfig config = testing::tiny(ModelKind::kLlama, DType::kF32, 2, 1.0);
+  OffloadSettings s;
+  s.persistence_threshold = 0;
+  const std::string root = testing::shared_temp_dir("pp-wwrite");
+  const std::string weights = root + "/weights.safetensors", other = root + "/other.safetensors";
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = offload_detail::EngineFaults::create(config, s, *device, &faults, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot got;
+  ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, got));
+  Status first = (*engine)->save_weights(weights);
+  ASSERT_TRUE(first.ok()) << first.to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  const std::string before = file_bytes(weights);
+  ASSERT_FALSE(before.empty());
+  auto file = SafetensorsFile::open(weights);
+  ASSERT_TRUE(file.ok()) << file.status().to_string();
+  auto no_temporary_files = [&](const std::string& what) {
+    for (const auto& e : std::filesystem::directory_iterator(root))
+      EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << what << ": " << e.path();
+  };
+  const int last = world().size() - 1;
+  for (const int failing : {last, 0}) {
+    // The last stage holds the output projection, the first the token embedding (not tied in LLaMA).
+    const std::string tensor = failing == last ? "lm_head.weight" : "model.embed_tokens.weight";
+    const std::string what = "stage " + std::to_string(failing) + " failing to write '" + tensor + "'";
+    const SafetensorsEntry* e = file->find(tensor);
+    ASSERT_NE(e, nullptr) << what;
+    if (world().rank() == failing)
+      faults.add_error({IoOp::kWrite, ".safetensors.tmp", file->data_offset() + e->data_begin + 4, EIO});
+    const std::string named = "pipeline stage " + std::to_string(failing) + " could not write its tensors";
+    for (const std::string& path : {weights, other}) {
+      Status failed = (*engine)->save_weights(path);
+      ASSERT_FALSE(failed.ok()) << what << ", rank " << world().rank();
+      EXPECT_EQ(failed.code(), StatusCode::kIoError) << what << ": " << failed.to_string();
+      for (const std::string& part : {named, "'" + tensor + "'", path})
+        EXPECT_NE(failed.message().find(part), std::string::npos)
+            << what << ", rank " << world().rank() << ": " << failed.to_string();
+    }
+    faults.clear_errors();
+    ASSERT_TRUE(world().barrier().wait().ok());  // rank 0 removed the temporary file before returning
+    if (world().rank() == 0) {
+      EXPECT_TRUE(file_bytes(weights) == before) << what << ": a failed save changed the previous file";
+      EXPECT_FALSE(std::filesystem::exists(other)) << what << ": a failed save left a file";
+      no_temporary_files(what);
+    }
+    ASSERT_TRUE(world().barrier().wait().ok());
+    Status again = (*engine)->save_weights(other);
+    ASSERT_TRUE(again.ok()) << what << ": " << again.to_string();
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) {
+      EXPECT_TRUE(file_bytes(other) == before) << what << ": the save after the fault";
+      std::filesystem::remove(other);
+    }
+    ASSERT_TRUE(world().barrier().wait().ok());
+  }
+  // The writer cannot create the temporary file: every rank reports it.
+  const std::string missing = root + "/missing/weights.safetensors";
+  Status failed = (*engine)->save_weights(missing);
+  ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
+  EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.to_string();
+  EXPECT_NE(failed.message().find("cannot create '" + missing + ".tmp'"), std::string::npos)
+      << "rank " << world().rank() << ": " << failed.to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_FALSE(std::filesystem::exists(root + "/missing"));
+    no_temporary_files("a missing directory");
+    std::filesystem::remove_all(root);
   }
 }
 

@@ -1,4 +1,5 @@
 // Tokenizers, the built-in corpus, batching and safetensors files.
+#include <cerrno>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -177,6 +178,107 @@ TEST(Safetensors, WriteReadRoundTripWithMetadata) {
   EXPECT_EQ(hb, h);
   STRATA_EXPECT_ERROR(f->read("nope", hb.data(), 4), kNotFound, "'nope'");
   STRATA_EXPECT_ERROR(f->read("wte.weight", hb.data(), 2), kInvalidArgument, "wte.weight");
+}
+
+// The exact bytes one writer writes: the 8-byte length, the JSON with sorted keys padded with
+// spaces to a multiple of 8, the data in add order. A regression check on the format itself
+// (the file a pipeline's stages fill together must stay this file).
+TEST(Safetensors, OneWriterWritesTheseExactBytes) {
+  TempDir dir;
+  const std::vector<float> a = {1.5f, -2.f};
+  const std::vector<std::uint16_t> b = {0x3f80};
+  SafetensorsWriter writer;
+  STRATA_ASSERT_OK(writer.add("b", "F32", {2}, a.data(), 8));
+  STRATA_ASSERT_OK(writer.add("a", "BF16", {1, 1}, b.data(), 2));
+  writer.set_metadata("format", "pt");
+  const std::string path = (dir / "w.safetensors").string();
+  STRATA_ASSERT_OK(writer.write(path));
+  std::string json =
+      R"({"__metadata__":{"format":"pt"},"a":{"data_offsets":[8,10],"dtype":"BF16","shape":[1,1]},)"
+      R"("b":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}})";
+  while (json.size() % 8 != 0) json += ' ';
+  std::string want(8, '\0');
+  for (int i = 0; i < 8; ++i) want[static_cast<std::size_t>(i)] = static_cast<char>(json.size() >> (8 * i));
+  want += json;
+  want.append(reinterpret_cast<const char*>(a.data()), 8);
+  want.append(reinterpret_cast<const char*>(b.data()), 2);
+  EXPECT_EQ(read_file(path), want);
+}
+
+// Several writers fill one file, each its own tensors in any order: the one writer's file byte
+// for byte. The final name appears only at publish; a failed write (the fault hook, as a disk
+// error) ends with discard: no temporary file, and the file already at the path keeps its bytes.
+TEST(Safetensors, PartWritersFillTheOneWritersFile) {
+  TempDir dir;
+  // Awkward sizes: 1025 floats, 7 halves, an empty tensor.
+  std::vector<float> x(1025), z(3);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) * 0.25f - 7.f;
+  z = {9.f, 8.f, 7.f};
+  std::vector<std::uint16_t> y = {1, 2, 3, 4, 5, 6, 7};
+  SafetensorsWriter one;
+  SafetensorsHeader header;
+  auto add = [&](const std::string& name, const std::string& dtype, std::vector<std::int64_t> shape,
+                 const void* data, std::uint64_t n) {
+    STRATA_ASSERT_OK(one.add(name, dtype, shape, data, n));
+    STRATA_ASSERT_OK(header.add(name, dtype, shape, n));
+  };
+  add("layers.1.x", "F32", {5, 205}, x.data(), x.size() * 4);
+  add("layers.0.y", "BF16", {7}, y.data(), 14);
+  add("empty", "F32", {0, 4}, z.data(), 0);
+  add("norm", "F32", {3}, z.data(), 12);
+  one.set_metadata("producer", "strata");
+  header.set_metadata("producer", "strata");
+  const std::string reference = (dir / "one.safetensors").string(),
+                    path = (dir / "parts.safetensors").string();
+  STRATA_ASSERT_OK(one.write(reference));
+  EXPECT_EQ(header.data_bytes(), x.size() * 4 + 14 + 12);
+
+  // Opening before create() fails (the writers must be ordered after it), naming the file.
+  STRATA_EXPECT_ERROR(SafetensorsPartWriter::open(path, header).status(), kIoError, "parts.safetensors.tmp");
+  STRATA_ASSERT_OK(SafetensorsPartWriter::create(path, header));
+  auto first = SafetensorsPartWriter::open(path, header);
+  auto second = SafetensorsPartWriter::open(path, header);
+  ASSERT_TRUE(first.ok() && second.ok()) << first.status().to_string() << second.status().to_string();
+  STRATA_EXPECT_ERROR(first->write("nope", x.data(), 4), kInvalidArgument, "'nope'");
+  STRATA_EXPECT_ERROR(first->write("norm", z.data(), 8), kInvalidArgument, "12 bytes");
+  STRATA_ASSERT_OK(second->write("norm", z.data(), 12));
+  STRATA_ASSERT_OK(first->write("layers.0.y", y.data(), 14));
+  STRATA_ASSERT_OK(second->write("empty", z.data(), 0));
+  STRATA_ASSERT_OK(first->write("layers.1.x", x.data(), x.size() * 4));
+  STRATA_ASSERT_OK(second->close());
+  STRATA_ASSERT_OK(first->close());
+  EXPECT_FALSE(std::filesystem::exists(path)) << "the final name before publish";
+  STRATA_ASSERT_OK(SafetensorsPartWriter::publish(path));
+  EXPECT_FALSE(std::filesystem::exists(SafetensorsPartWriter::temp_path(path)));
+  const std::string want = read_file(reference);
+  ASSERT_FALSE(want.empty());
+  EXPECT_TRUE(read_file(path) == want) << "the parts' file differs from the one writer's";
+
+  // A failed write into a new temporary file: discard, the published file unchanged.
+  STRATA_ASSERT_OK(SafetensorsPartWriter::create(path, header));
+  std::uint64_t faulted_at = 0;
+  auto failing = SafetensorsPartWriter::open(
+      path, header, [&](const std::string& file, std::uint64_t offset, std::uint64_t nbytes) {
+        EXPECT_EQ(file, SafetensorsPartWriter::temp_path(path));
+        faulted_at = offset;
+        return nbytes == 14 ? EIO : 0;
+      });
+  ASSERT_TRUE(failing.ok()) << failing.status().to_string();
+  STRATA_ASSERT_OK(failing->write("layers.1.x", x.data(), x.size() * 4));
+  auto f = SafetensorsFile::open(reference);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  Status bad = failing->write("layers.0.y", y.data(), 14);
+  STRATA_EXPECT_ERROR(bad, kIoError, "layers.0.y");
+  EXPECT_EQ(faulted_at, f->data_offset() + f->find("layers.0.y")->data_begin);
+  EXPECT_NE(bad.message().find("offset " + std::to_string(faulted_at)), std::string::npos) << bad.to_string();
+  STRATA_ASSERT_OK(failing->close());
+  SafetensorsPartWriter::discard(path);
+  EXPECT_FALSE(std::filesystem::exists(SafetensorsPartWriter::temp_path(path)));
+  EXPECT_TRUE(read_file(path) == want) << "a discarded write changed the published file";
+
+  // Creating in a missing directory names the temporary file.
+  STRATA_EXPECT_ERROR(SafetensorsPartWriter::create((dir / "missing" / "w.safetensors").string(), header),
+                      kIoError, "missing/w.safetensors.tmp");
 }
 
 TEST(Safetensors, CorruptFilesAreRejectedNamingTheProblem) {

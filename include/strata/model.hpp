@@ -32,6 +32,7 @@
 
 #include "strata/alloc.hpp"
 #include "strata/dtype.hpp"
+#include "strata/safetensors.hpp"
 #include "strata/status.hpp"
 
 namespace strata {
@@ -469,9 +470,22 @@ using ParamSource = std::function<Status(int index, std::vector<float>& values)>
 // Receives parameter `index`'s values (fp32, storage layout) when reading.
 using ParamSink = std::function<Status(int index, std::span<const float> values)>;
 
-// Writes every owning parameter of `layout` to `path` in `format`, stored as `dtype`.
+// Writes every owning parameter of `layout` to `path` in `format`, stored as `dtype`, one
+// parameter at a time (the source's values are not held beyond their parameter).
 Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
                      const ParamSource& source);
+// write_weights in pieces, for writers that each hold part of the parameters (a pipeline's
+// stages fill one file, safetensors.hpp SafetensorsPartWriter). The header is a function of the
+// layout, the format and the dtype alone, so every writer computes the same one; a parameter's
+// tensors are encoded as write_weights encodes them. Together: write_weights' file, byte for byte.
+Result<SafetensorsHeader> weights_header(const ModelLayout& layout, WeightFormat format, DType dtype);
+struct EncodedTensor {
+  std::string name;
+  std::vector<char> bytes;  // the file's bytes of the tensor (dtype, layout, transposition)
+};
+// Owning parameter `index`'s values (fp32, storage layout) as the file's tensors, in file order.
+Status encode_weights(const ModelLayout& layout, int index, WeightFormat format, DType dtype,
+                      std::span<const float> values, std::vector<EncodedTensor>& out);
 // The model's working weights (synchronizes its stream), in the model's dtype.
 Status save_weights(Model& model, const std::string& path, WeightFormat format);
 // The model config a weights file of either format carries. Errors name the path.

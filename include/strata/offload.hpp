@@ -558,10 +558,12 @@ class OffloadEngine {
   // holds its shard of its stage's modules, and the state getters answer for the stage's
   // parameters, gathered over the stage's tensor-parallel group. With a pipeline, loss() and
   // evaluate() run the forwards through the stages and return the last stage's value on every
-  // rank; save_weights() and save_checkpoint() are collective over every group and write, from
-  // the first rank of the first stage, the files one process writes (each stage sends it the
-  // full state of the parameters it holds); loading reads the files on every rank and keeps the
-  // stage's parameters, so files move between pipeline shapes and one process.
+  // rank; save_weights() and save_checkpoint() are collective over every group and write the
+  // files one process writes: each stage's first rank writes the state of the parameters its
+  // stage holds (its tensors of the one weights file at their offsets, its checkpoint module
+  // files), the first rank of the first stage creates and publishes the weights file and the
+  // checkpoint directory once every stage agreed; loading reads the files on every rank and
+  // keeps the stage's parameters, so files move between pipeline shapes and one process.
   static Result<std::unique_ptr<OffloadEngine>> create(const TrainerConfig& config,
                                                        const OffloadSettings& settings, Device& device,
                                                        Stream* compute = nullptr, Comm* data_parallel = nullptr,

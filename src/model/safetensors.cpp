@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 namespace strata {
 namespace {
@@ -54,12 +55,10 @@ std::uint64_t safetensors_dtype_size(const std::string& dtype) {
   return 0;
 }
 
-Status SafetensorsWriter::add(const std::string& name, const std::string& dtype, std::vector<std::int64_t> shape,
-                              const void* data, std::uint64_t nbytes) {
+Status SafetensorsHeader::add(const std::string& name, const std::string& dtype,
+                              std::vector<std::int64_t> shape, std::uint64_t nbytes) {
   if (name.empty() || name == "__metadata__") return invalid_argument("safetensors: bad tensor name '" + name + "'");
-  for (const auto& t : tensors_) {
-    if (t.entry.name == name) return invalid_argument("safetensors: tensor '" + name + "' added twice");
-  }
+  if (find(name) != nullptr) return invalid_argument("safetensors: tensor '" + name + "' added twice");
   std::uint64_t es = safetensors_dtype_size(dtype);
   if (es == 0) return invalid_argument("safetensors: tensor '" + name + "' has unknown dtype '" + dtype + "'");
   std::uint64_t numel = 1;
@@ -71,44 +70,152 @@ Status SafetensorsWriter::add(const std::string& name, const std::string& dtype,
     return invalid_argument("safetensors: tensor '" + name + "' has " + std::to_string(nbytes) + " bytes but its shape needs " +
                             std::to_string(numel * es));
   }
-  Pending p;
-  p.entry.name = name;
-  p.entry.dtype = dtype;
-  p.entry.shape = std::move(shape);
-  p.entry.data_begin = tensors_.empty() ? 0 : tensors_.back().entry.data_end;
-  p.entry.data_end = p.entry.data_begin + nbytes;
-  p.data = data;
-  tensors_.push_back(std::move(p));
+  SafetensorsEntry e;
+  e.name = name;
+  e.dtype = dtype;
+  e.shape = std::move(shape);
+  e.data_begin = data_bytes();
+  e.data_end = e.data_begin + nbytes;
+  entries_.push_back(std::move(e));
+  return ok_status();
+}
+
+const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
+  for (const auto& e : entries_) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+std::string SafetensorsHeader::encode() const {
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  for (const auto& e : entries_) {
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {e.data_begin, e.data_end}}};
+  }
+  std::string text = header.dump();
+  while (text.size() % 8 != 0) text += ' ';  // keeps the data section 8-byte aligned
+  const std::uint64_t n = text.size();
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(n >> (8 * i));
+  return out + text;
+}
+
+Status SafetensorsWriter::add(const std::string& name, const std::string& dtype,
+                              std::vector<std::int64_t> shape, const void* data, std::uint64_t nbytes) {
+  STRATA_RETURN_IF_ERROR(header_.add(name, dtype, std::move(shape), nbytes));
+  data_.push_back(data);
   return ok_status();
 }
 
 Status SafetensorsWriter::write(const std::string& path) const {
-  nlohmann::json header = nlohmann::json::object();
-  if (!metadata_.empty()) header["__metadata__"] = metadata_;
-  for (const auto& t : tensors_) {
-    header[t.entry.name] = {{"dtype", t.entry.dtype}, {"shape", t.entry.shape},
-                            {"data_offsets", {t.entry.data_begin, t.entry.data_end}}};
+  Status s = SafetensorsPartWriter::create(path, header_);
+  if (!s.ok()) return s;
+  auto part = SafetensorsPartWriter::open(path, header_);
+  s = part.status();
+  for (std::size_t i = 0; s.ok() && i < data_.size(); ++i) {
+    const SafetensorsEntry& e = header_.entries()[i];
+    s = part->write(e.name, data_[i], e.nbytes());
   }
-  std::string text = header.dump();
-  while (text.size() % 8 != 0) text += ' ';  // keeps the data section 8-byte aligned
-  std::string tmp = path + ".tmp";
+  if (part.ok()) {
+    Status closed = part->close();
+    if (s.ok()) s = closed;
+  }
+  if (s.ok()) s = SafetensorsPartWriter::publish(path);
+  if (!s.ok()) SafetensorsPartWriter::discard(path);
+  return s;
+}
+
+Status SafetensorsPartWriter::create(const std::string& path, const SafetensorsHeader& header) {
+  const std::string tmp = temp_path(path);
+  const std::string head = header.encode();
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return io_error("cannot create '" + tmp + "': " + std::strerror(errno));
-  std::uint64_t n = text.size();
-  unsigned char len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  Status s = write_all(fd, len, 8, tmp);
-  if (s.ok()) s = write_all(fd, text.data(), text.size(), tmp);
-  for (const auto& t : tensors_) {
-    if (!s.ok()) break;
-    s = write_all(fd, t.data, t.entry.nbytes(), tmp);
+  Status s = write_all(fd, head.data(), head.size(), tmp);
+  // The final length now: every writer's range lies inside the file, and a reader of a published
+  // file never sees it shorter than its header says.
+  if (s.ok() && ::ftruncate(fd, static_cast<off_t>(head.size() + header.data_bytes())) != 0) {
+    s = io_error("sizing '" + tmp + "' to " + std::to_string(head.size() + header.data_bytes()) +
+                 " bytes: " + std::strerror(errno));
   }
   if (s.ok() && ::fsync(fd) != 0) s = io_error("fsync of '" + tmp + "': " + std::strerror(errno));
   if (::close(fd) != 0 && s.ok()) s = io_error("closing '" + tmp + "': " + std::strerror(errno));
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = io_error("renaming '" + tmp + "' to '" + path + "': " + std::strerror(errno));
-  }
   if (!s.ok()) ::unlink(tmp.c_str());
+  return s;
+}
+
+Result<SafetensorsPartWriter> SafetensorsPartWriter::open(const std::string& path,
+                                                          const SafetensorsHeader& header, WriteFault fault) {
+  std::string tmp = temp_path(path);
+  // No O_CREAT: the file is create()'s; a writer that finds none was not ordered after it.
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return io_error("cannot open '" + tmp + "' for writing: " + std::strerror(errno));
+  return SafetensorsPartWriter(&header, std::move(tmp), fd, header.encode().size(), std::move(fault));
+}
+
+Status SafetensorsPartWriter::publish(const std::string& path) {
+  const std::string tmp = temp_path(path);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    return io_error("renaming '" + tmp + "' to '" + path + "': " + std::strerror(errno));
+  }
+  return ok_status();
+}
+
+void SafetensorsPartWriter::discard(const std::string& path) { ::unlink(temp_path(path).c_str()); }
+
+SafetensorsPartWriter::SafetensorsPartWriter(const SafetensorsHeader* header, std::string tmp, int fd,
+                                             std::uint64_t data_offset, WriteFault fault)
+    : header_(header), tmp_(std::move(tmp)), fd_(fd), data_offset_(data_offset), fault_(std::move(fault)) {}
+
+SafetensorsPartWriter::SafetensorsPartWriter(SafetensorsPartWriter&& other) noexcept
+    : header_(other.header_),
+      tmp_(std::move(other.tmp_)),
+      fd_(std::exchange(other.fd_, -1)),
+      data_offset_(other.data_offset_),
+      fault_(std::move(other.fault_)) {}
+
+SafetensorsPartWriter::~SafetensorsPartWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status SafetensorsPartWriter::write(const std::string& name, const void* data, std::uint64_t nbytes) {
+  if (fd_ < 0) return internal_error("safetensors: writing '" + name + "' to '" + tmp_ + "' after close");
+  const SafetensorsEntry* e = header_->find(name);
+  if (e == nullptr)
+    return invalid_argument("safetensors: '" + tmp_ + "' has no tensor '" + name + "' in its header");
+  if (e->nbytes() != nbytes) {
+    return invalid_argument("safetensors: tensor '" + name + "' of '" + tmp_ + "' has " +
+                            std::to_string(e->nbytes()) + " bytes in the header, " + std::to_string(nbytes) +
+                            " given");
+  }
+  std::uint64_t offset = data_offset_ + e->data_begin;
+  if (fault_) {
+    if (const int err = fault_(tmp_, offset, nbytes); err != 0) {
+      return io_error("writing '" + name + "' to '" + tmp_ + "' at offset " + std::to_string(offset) + ": " +
+                      std::strerror(err));
+    }
+  }
+  auto* p = static_cast<const char*>(data);
+  while (nbytes > 0) {
+    ssize_t w = ::pwrite(fd_, p, std::min<std::uint64_t>(nbytes, 1ull << 30), static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return io_error("writing '" + name + "' to '" + tmp_ + "' at offset " + std::to_string(offset) + ": " +
+                      std::strerror(errno));
+    }
+    p += w;
+    nbytes -= static_cast<std::uint64_t>(w);
+    offset += static_cast<std::uint64_t>(w);
+  }
+  return ok_status();
+}
+
+Status SafetensorsPartWriter::close() {
+  if (fd_ < 0) return ok_status();
+  const int fd = std::exchange(fd_, -1);
+  Status s;
+  if (::fsync(fd) != 0) s = io_error("fsync of '" + tmp_ + "': " + std::strerror(errno));
+  if (::close(fd) != 0 && s.ok()) s = io_error("closing '" + tmp_ + "': " + std::strerror(errno));
   return s;
 }
 

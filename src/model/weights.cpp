@@ -69,70 +69,125 @@ const SafetensorsEntry* find_hf(const SafetensorsFile& file, const ModelLayout& 
 
 }  // namespace
 
-Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
-                     const ParamSource& source) {
+Result<SafetensorsHeader> weights_header(const ModelLayout& layout, WeightFormat format, DType dtype) {
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
-    return invalid_argument("write_weights '" + path + "': dtype " + std::string(to_string(dtype)) +
-                            " cannot be written (f32, bf16 or f16)");
+    return invalid_argument("dtype " + std::string(to_string(dtype)) +
+                            " cannot be written to a weights file (f32, bf16 or f16)");
   }
-  const bool half = dtype != DType::kF32;
-  const std::uint64_t esize = half ? 2 : 4;
+  const std::uint64_t esize = dtype == DType::kF32 ? 4 : 2;
   const char* st_dtype = dtype == DType::kBF16 ? "BF16" : (dtype == DType::kF16 ? "F16" : "F32");
-  SafetensorsWriter writer;
-  // The writer copies nothing: every tensor's bytes stay here until write().
-  std::vector<std::vector<char>> storage;
-  std::vector<float> values;
-  auto store = [&](std::vector<char>& out, std::size_t at, float v) {
-    if (half) {
-      const std::uint16_t h =
-          dtype == DType::kF16 ? kernels::f32_to_f16_bits_rne(v) : kernels::f32_to_bf16_bits_rne(v);
-      std::memcpy(out.data() + at * 2, &h, 2);
-    } else {
-      std::memcpy(out.data() + at * 4, &v, 4);
-    }
-  };
-  for (std::size_t i = 0; i < layout.params.size(); ++i) {
-    const ParamDesc& p = layout.params[i];
+  SafetensorsHeader header;
+  // Tensors in table order, a parameter's export slices in their order: the order of the data.
+  for (const ParamDesc& p : layout.params) {
     if (!p.owns_storage()) continue;
-    values.assign(static_cast<std::size_t>(p.numel()), 0.0f);
-    STRATA_RETURN_IF_ERROR(source(static_cast<int>(i), values));
-    if (values.size() != static_cast<std::size_t>(p.numel())) {
-      return internal_error("write_weights: parameter '" + p.name + "' came back with the wrong size");
-    }
     if (format == WeightFormat::kNative) {
-      std::vector<char>& out = storage.emplace_back(values.size() * esize);
-      for (std::size_t k = 0; k < values.size(); ++k) store(out, k, values[k]);
-      STRATA_RETURN_IF_ERROR(writer.add(p.name, st_dtype, p.shape, out.data(), out.size()));
+      STRATA_RETURN_IF_ERROR(
+          header.add(p.name, st_dtype, p.shape, static_cast<std::uint64_t>(p.numel()) * esize));
       continue;
     }
     const std::int64_t cols = p.numel() / p.shape[0];
     for (const ExportSlice& e : p.exports) {
-      std::vector<char>& out = storage.emplace_back(static_cast<std::size_t>(e.rows * cols) * esize);
-      const float* src = values.data() + e.row_begin * cols;
-      for (std::int64_t r = 0; r < e.rows; ++r) {
-        for (std::int64_t c = 0; c < cols; ++c) {
-          // (rows, cols) as stored, or transposed to (cols, rows).
-          const std::int64_t at = e.transpose ? c * e.rows + r : r * cols + c;
-          store(out, static_cast<std::size_t>(at), src[r * cols + c]);
-        }
-      }
       STRATA_RETURN_IF_ERROR(
-          writer.add(e.name, st_dtype, slice_shape(p, e), out.data(), out.size()));
+          header.add(e.name, st_dtype, slice_shape(p, e), static_cast<std::uint64_t>(e.rows * cols) * esize));
     }
   }
   ModelConfig stored = layout.config;
   stored.dtype = dtype;
   if (format == WeightFormat::kNative) {
-    writer.set_metadata("format", kNativeFormat);
-    writer.set_metadata("strata_model", model_config_to_json(stored));
+    header.set_metadata("format", kNativeFormat);
+    header.set_metadata("strata_model", model_config_to_json(stored));
   } else {
-    writer.set_metadata("format", "pt");  // transformers refuses files without it
+    header.set_metadata("format", "pt");  // transformers refuses files without it
   }
-  writer.set_metadata("config", hf_config_json(stored));
-  writer.set_metadata("producer", "strata");
-  Status s = writer.write(path);
-  if (!s.ok()) return s.with_context("saving weights to '" + path + "'");
+  header.set_metadata("config", hf_config_json(stored));
+  header.set_metadata("producer", "strata");
+  return header;
+}
+
+Status encode_weights(const ModelLayout& layout, int index, WeightFormat format, DType dtype,
+                      std::span<const float> values, std::vector<EncodedTensor>& out) {
+  out.clear();
+  if (index < 0 || static_cast<std::size_t>(index) >= layout.params.size() ||
+      !layout.params[static_cast<std::size_t>(index)].owns_storage()) {
+    return invalid_argument("encode_weights: no owning parameter with index " + std::to_string(index));
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return invalid_argument("encode_weights: dtype " + std::string(to_string(dtype)) +
+                            " cannot be written (f32, bf16 or f16)");
+  }
+  const ParamDesc& p = layout.params[static_cast<std::size_t>(index)];
+  if (values.size() != static_cast<std::size_t>(p.numel())) {
+    return internal_error("write_weights: parameter '" + p.name + "' came back with the wrong size");
+  }
+  const bool half = dtype != DType::kF32;
+  const std::uint64_t esize = half ? 2 : 4;
+  auto store = [&](std::vector<char>& bytes, std::size_t at, float v) {
+    if (half) {
+      const std::uint16_t h =
+          dtype == DType::kF16 ? kernels::f32_to_f16_bits_rne(v) : kernels::f32_to_bf16_bits_rne(v);
+      std::memcpy(bytes.data() + at * 2, &h, 2);
+    } else {
+      std::memcpy(bytes.data() + at * 4, &v, 4);
+    }
+  };
+  if (format == WeightFormat::kNative) {
+    EncodedTensor& t = out.emplace_back();
+    t.name = p.name;
+    t.bytes.resize(values.size() * esize);
+    for (std::size_t k = 0; k < values.size(); ++k) store(t.bytes, k, values[k]);
+    return ok_status();
+  }
+  const std::int64_t cols = p.numel() / p.shape[0];
+  for (const ExportSlice& e : p.exports) {
+    EncodedTensor& t = out.emplace_back();
+    t.name = e.name;
+    t.bytes.resize(static_cast<std::size_t>(e.rows * cols) * esize);
+    const float* src = values.data() + e.row_begin * cols;
+    for (std::int64_t r = 0; r < e.rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        // (rows, cols) as stored, or transposed to (cols, rows).
+        const std::int64_t at = e.transpose ? c * e.rows + r : r * cols + c;
+        store(t.bytes, static_cast<std::size_t>(at), src[r * cols + c]);
+      }
+    }
+  }
   return ok_status();
+}
+
+Status write_weights(const ModelLayout& layout, const std::string& path, WeightFormat format, DType dtype,
+                     const ParamSource& source) {
+  auto header = weights_header(layout, format, dtype);
+  if (!header.ok()) return header.status().with_context("write_weights '" + path + "'");
+  // One parameter's values and bytes at a time, written at their offsets: the same file as the
+  // writers of a pipeline's stages fill together.
+  Status s = SafetensorsPartWriter::create(path, *header);
+  if (!s.ok()) return s.with_context("saving weights to '" + path + "'");
+  auto part = SafetensorsPartWriter::open(path, *header);
+  s = part.status();
+  std::vector<float> values;
+  std::vector<EncodedTensor> tensors;
+  for (std::size_t i = 0; s.ok() && i < layout.params.size(); ++i) {
+    const ParamDesc& p = layout.params[i];
+    if (!p.owns_storage()) continue;
+    values.assign(static_cast<std::size_t>(p.numel()), 0.0f);
+    s = source(static_cast<int>(i), values);
+    if (!s.ok()) break;  // the source's own error, as it said it
+    s = encode_weights(layout, static_cast<int>(i), format, dtype, values, tensors);
+    for (std::size_t k = 0; s.ok() && k < tensors.size(); ++k) {
+      s = part->write(tensors[k].name, tensors[k].bytes.data(), tensors[k].bytes.size());
+      if (!s.ok()) s = s.with_context("saving weights to '" + path + "'");
+    }
+  }
+  if (part.ok()) {
+    Status closed = part->close();
+    if (s.ok() && !closed.ok()) s = closed.with_context("saving weights to '" + path + "'");
+  }
+  if (s.ok()) {
+    s = SafetensorsPartWriter::publish(path);
+    if (!s.ok()) s = s.with_context("saving weights to '" + path + "'");
+  }
+  if (!s.ok()) SafetensorsPartWriter::discard(path);
+  return s;
 }
 
 Status save_weights(Model& model, const std::string& path, WeightFormat format) {

@@ -67,8 +67,9 @@
 // device optimizer: its reduced slice, inside device_update_sharded).
 // loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
 // the last stage's result. Weights and checkpoints are the single process's files: each stage
-// reads the full state of the units it holds (the tied unit: the first stage's copy). The weights
-// go to the first stage's first rank, which writes the file (save_weights_pp); a checkpoint's
+// reads the full state of the units it holds (the tied unit: the first stage's copy). Each
+// stage's first rank writes its parameters into the one weights file at their offsets, the
+// first stage's first rank its header and the rename (save_weights_pp); a checkpoint's
 // module files are written by each stage's first rank into the shared temporary directory, and
 // the first stage's first rank publishes the manifest once every stage agreed its files are
 // durable (save_checkpoint_pp); loading reads the files on every rank and keeps the stage's units.
@@ -2177,108 +2178,137 @@ Status OffloadEngine::Impl::forward_stage() {
   return ok_status();
 }
 
-// Weights of a pipeline: every stage's ranks read the full parameters their stage holds (the
-// tied embedding from the first stage only), in table order; each stage's first rank sends them
-// to the first stage's, which writes the file one process writes (write_weights on the full
-// layout, the same values: the same bytes).
-//
-// A stage's first rank sends a 16-bit flag before its parameters: 1 when the stage read them
-// all, 0 when a read failed (an NVMe read error) and nothing follows, so the writer never waits
-// for bytes that will not come. The writer receives every stage's flag (and the parameters of
-// those that read theirs), writes only when every stage read its part (write_weights renames a
-// complete temporary file into place: a failed save leaves the previous file), then broadcasts
-// the outcome and the first failed stage over its tp group, the first stage's dp groups and
-// every pp group, as save_checkpoint_pp does: every rank returns the same success or an error
-// naming the stage.
+// Weights of a pipeline, written by every stage into the one file (docs/parallel.md "Saving and
+// loading a pipeline"). The header is a function of the full layout (weights_header), so each
+// stage writer (tp 0, dp 0 of its stage) knows where its tensors go without hearing from anyone:
+//   1. the writer (stage 0's) creates "<path>.tmp" with the header at its final size and
+//      broadcasts whether it could over the stage writers (the writer's pp group);
+//   2. every rank reads the full parameters its stage holds in table order (the tied embedding
+//      from the first stage only), gathered over the stage's tp (and, stage 3, dp) group, and
+//      the stage writer encodes each one and pwrites it at its offsets right away: no rank holds
+//      more than one parameter of the model, and nothing but flags crosses the pp links;
+//   3. each stage writer fsyncs and reports its outcome in an all-gather over the stage writers
+//      (agree_on_read: the lowest failing stage's error on all of them); the writer renames the
+//      file into place only when every stage wrote its part, else removes it, so the final name
+//      never holds a partial file and a previous file there keeps its bytes;
+//   4. the outcome (success, or the writer's error: the code and the first bytes of its message,
+//      naming the stage) goes over the writer's tp group, the first stage's dp groups, then
+//      every pp group: every rank returns the same success or the same error.
+// A rank stops reading at its first failed read (a later read would pair its collectives with
+// another parameter's on its peers; read_full makes the stage's ranks fail the same parameter).
+// A stage writer whose write failed, or that has no file to write into, still reads (its stage's
+// peers are in those collectives) but writes nothing more.
 Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
+  // The same on every rank (a function of the config): a failure here returns before any
+  // collective, on every rank alike.
+  auto header = weights_header(full, format, config.model.dtype);
+  if (!header.ok()) return header.status().with_context("weights '" + path + "'");
   const bool stage_writer = tp_rank == 0 && dp_rank == 0;
   const bool writer = stage_writer && pp_rank == 0;
   const std::string stage_name = "pipeline stage " + std::to_string(pp_rank);
   auto held_by = [&](std::size_t i) {
     return full.params[i].owns_storage() ? holder(full.params[i].module) : -1;
   };
-  std::vector<std::vector<float>> values(full.params.size());
-  // Collective over the stage's tensor-parallel group (and, stage 3, its data-parallel group).
-  // The first failure stops this rank's reads: a later read would pair its collectives with
-  // another parameter's on the ranks that did not fail.
-  Status local;
+  // 1. The temporary file, then whether it exists (stage writers).
+  Status created;
+  if (writer) created = SafetensorsPartWriter::create(path, *header);
+  float have_file = created.ok() ? 1.0f : 0.0f;
+  Status shared;
+  if (stage_writer) {
+    shared = pp_caller->broadcast(&have_file, 1, DType::kF32, 0)
+                 .wait()
+                 .with_context("weights '" + path + "': sharing whether the temporary file exists");
+  }
+  // 2. Read this stage's parameters; the stage writer writes each one.
+  std::optional<SafetensorsPartWriter> part;
+  Status wrote;  // the stage writer's first failure to write
+  if (stage_writer && shared.ok() && have_file == 1.0f) {
+    SafetensorsPartWriter::WriteFault fault;
+    if (io_faults != nullptr) {
+      fault = [f = io_faults](const std::string& file, std::uint64_t offset, std::uint64_t nbytes) {
+        return f->error_for(IoOp::kWrite, file, offset, nbytes);
+      };
+    }
+    auto opened = SafetensorsPartWriter::open(path, *header, std::move(fault));
+    if (opened.ok()) {
+      part.emplace(std::move(*opened));
+    } else {
+      wrote = opened.status();
+    }
+  }
+  Status local;  // the first failed read
+  std::vector<EncodedTensor> encoded;
   for (std::size_t i = 0; i < full.params.size() && local.ok(); ++i) {
     if (held_by(i) != pp_rank) continue;
     auto v = read_full(static_cast<int>(i), 0);
     if (!v.ok()) {
-      local = v.status().with_context("weights '" + path + "': " + stage_name + " could not read '" +
-                                      full.params[i].name + "'");
+      local = Status(v.status().code(),
+                     stage_name + " could not read '" + full.params[i].name + "': " + v.status().message());
       break;
     }
-    values[i] = std::move(*v);
+    if (!part || !wrote.ok()) continue;
+    wrote = encode_weights(full, static_cast<int>(i), format, config.model.dtype, *v, encoded);
+    for (std::size_t k = 0; wrote.ok() && k < encoded.size(); ++k)
+      wrote = part->write(encoded[k].name, encoded[k].bytes.data(), encoded[k].bytes.size());
   }
-  int failed_stage = local.ok() ? -1 : pp_rank;  // the writer: the first stage that could not read
-  if (stage_writer && pp_rank > 0) {
-    const std::uint16_t flag = local.ok() ? 1 : 0;
-    Status sent = pp_send_bytes(&flag, sizeof flag, 0, "the weights' read flag");
-    for (std::size_t i = 0; sent.ok() && flag == 1 && i < full.params.size(); ++i) {
-      if (held_by(i) != pp_rank) continue;
-      sent = pp_send_bytes(values[i].data(), values[i].size() * 4, 0, "'" + full.params[i].name + "'");
-    }
-    if (local.ok()) local = sent.with_context("weights '" + path + "'");
+  if (part) {
+    Status closed = part->close();
+    if (wrote.ok()) wrote = closed;
   }
+  // 3. The stage writers agree; the writer publishes or removes the file.
   Status written;  // the writer's outcome
-  if (writer) {
-    for (int st = 1; st < pp_size && written.ok(); ++st) {
-      std::uint16_t flag = 0;
-      written = pp_recv_bytes(&flag, sizeof flag, st, "the weights' read flag");
-      if (!written.ok() || flag == 1) {
-        for (std::size_t i = 0; written.ok() && i < full.params.size(); ++i) {
-          if (held_by(i) != st) continue;
-          values[i].resize(static_cast<std::size_t>(full.params[i].numel()));
-          written =
-              pp_recv_bytes(values[i].data(), values[i].size() * 4, st, "'" + full.params[i].name + "'");
-        }
-      } else if (failed_stage < 0) {
-        failed_stage = st;
+  if (stage_writer) {
+    Status mine = local;
+    if (mine.ok() && !wrote.ok())
+      mine = Status(wrote.code(), stage_name + " could not write its tensors: " + wrote.message());
+    if (mine.ok()) mine = shared;
+    Status all = agree_on_read(*pp_caller, mine, "its part of the weights", "pipeline stage", "save");
+    if (writer) {
+      if (!created.ok()) {
+        written = created.with_context("weights '" + path + "' not written");
+      } else if (!all.ok()) {
+        written = Status(all.code(),
+                         "weights '" + path +
+                             "' not written (a previous file at that path is unchanged): " + all.message());
+      } else {
+        written = SafetensorsPartWriter::publish(path).with_context("weights '" + path + "'");
       }
-    }
-    written = written.with_context("weights '" + path + "'");
-    if (written.ok() && failed_stage >= 0) {
-      written = local.ok() ? io_error("weights '" + path + "' not written: pipeline stage " +
-                                      std::to_string(failed_stage) +
-                                      " could not read its parameters (its log says why); a previous file at "
-                                      "that path is unchanged")
-                           : local;
-    }
-    if (written.ok()) {
-      written =
-          write_weights(full, path, format, config.model.dtype, [&](int index, std::vector<float>& out) {
-            out = std::move(values[static_cast<std::size_t>(index)]);
-            return ok_status();
-          });
+      if (!written.ok()) SafetensorsPartWriter::discard(path);
+    } else if (local.ok()) {
+      local = mine;  // the outcome below says more (every stage's), unless it cannot arrive
     }
   }
-  // The outcome: [1 written / 0 not, the first stage that could not read + 1, or 0].
-  std::array<float, 2> word{};
-  if (writer) {
-    word[0] = written.ok() ? 1.0f : 0.0f;
-    word[1] = static_cast<float>(failed_stage + 1);
+  // 4. The outcome, as 4-byte words: 1, or 0, the status code and the first bytes of the
+  // writer's error.
+  constexpr std::size_t kWords = 1 + 256;
+  std::array<std::uint32_t, kWords> word{};
+  if (writer && written.ok()) {
+    word[0] = 1;
+  } else if (writer) {
+    const std::string& m = written.message();
+    word[1] = static_cast<std::uint32_t>(written.code());
+    std::memcpy(word.data() + 2, m.data(), std::min<std::size_t>(m.size(), 4 * (kWords - 2) - 1));
   }
   Status b;
-  if (tp_size > 1) b = tp_step->broadcast(word.data(), word.size(), DType::kF32, 0).wait();
+  if (tp_size > 1) b = tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait();
   if (b.ok() && dp_size > 1) {
-    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), word.size(), DType::kF32, 0),
-                "weights outcome", -1, sizeof word);
+    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "weights outcome",
+                -1, 4 * kWords);
   }
-  if (b.ok()) b = pp_caller->broadcast(word.data(), word.size(), DType::kF32, 0).wait();
+  if (b.ok()) b = pp_caller->broadcast(word.data(), kWords, DType::kF32, 0).wait();
   if (writer) return written;
-  STRATA_RETURN_IF_ERROR(b.with_context("weights '" + path + "': broadcast of the outcome"));
-  STRATA_RETURN_IF_ERROR(local);
-  if (word[0] != 1.0f) {
-    const int stage = static_cast<int>(word[1]) - 1;
-    return io_error(
-        "weights '" + path + "' not written: " +
-        (stage >= 0
-             ? "pipeline stage " + std::to_string(stage) + " could not read its parameters (its log says why)"
-             : std::string("the first rank of the first pipeline stage, which writes them, "
-                           "failed (its log says why)")));
+  if (!b.ok()) {
+    STRATA_RETURN_IF_ERROR(local);
+    return b.with_context("weights '" + path + "': broadcast of the outcome");
+  }
+  if (word[0] != 1) {
+    const char* text = reinterpret_cast<const char*>(word.data() + 2);
+    const std::string why(text, strnlen(text, 4 * (kWords - 2)));
+    const auto code = word[1] == 0 || word[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
+                          ? StatusCode::kIoError
+                          : static_cast<StatusCode>(word[1]);
+    return Status(code, why);
   }
   return ok_status();
 }
