@@ -89,6 +89,16 @@ TEST(CliMetrics, EachStepCarriesTimePerEngineBytesPerTierAndTrafficPerLink) {
     EXPECT_GT(t["nvme_read"].get<double>(), 0.0);
     // The compute stream's busy time is part of the step's wall time.
     EXPECT_LT(t["compute"].get<double>(), m["step_s"].get<double>());
+    // The early fetch across steps: nothing before the first step returns (it records the
+    // trace); from the second step its first accesses find copies fetched when the previous
+    // step returned, a subset of the prefetch hits.
+    const auto early = m["early_fetch_hits"].get<std::uint64_t>();
+    if (i == 0) {
+      EXPECT_EQ(early, 0u);
+    } else {
+      EXPECT_GT(early, 0u);
+      EXPECT_LE(early, m["prefetch_hits"].get<std::uint64_t>());
+    }
   }
   // Steps after the first repeat the same schedule: the same bytes on the links the step drives.
   // (The host optimizer's writes land in whichever step they finish in: they overlap the next.)

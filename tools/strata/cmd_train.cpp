@@ -208,6 +208,7 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
            {"activations", (after.bytes_activations_to_host - before.bytes_activations_to_host) +
                                (after.bytes_activations_to_device - before.bytes_activations_to_device)}};
   j["prefetch_hits"] = after.prefetch_hits - before.prefetch_hits;
+  j["early_fetch_hits"] = after.early_fetch_hits - before.early_fetch_hits;
   j["param_accesses"] = after.param_accesses - before.param_accesses;
   j["early_optimizer_reads"] = after.early_optimizer_reads - before.early_optimizer_reads;
   return j;
