@@ -376,6 +376,21 @@ TEST(Comm, AllGatherEqualsTheMpiLibrarysAllgatherBitForBit) {
   MPI_Comm_free(&ref);
 }
 
+// Element i of `rank`'s buffer in the reduction-order tests: signs and exponents spread over
+// 2^-20..2^20, so the fp32 sum over ranks depends on the order it is taken in.
+float order_sensitive_value(int rank, std::size_t i) {
+  const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
+  const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
+  return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
+}
+
+// The left-to-right sum of element i over ranks 0, 1, ..., p - 1 (the order the layer folds in).
+float rank_order_fold(int p, std::size_t i) {
+  float acc = order_sensitive_value(0, i);
+  for (int r = 1; r < p; ++r) acc += order_sensitive_value(r, i);
+  return acc;
+}
+
 // all_reduce and reduce_scatter are point-to-point messages with each element folded in rank
 // order by one rank (mpi_comm.cpp reduce_direct); these sizes fit in one chunk. With values whose fp32 sum
 // depends on the order (signs and exponents spread over 2^-20..2^20), every rank's result must
@@ -385,16 +400,8 @@ TEST(Comm, SmallReductionsFoldInRankOrderBitForBit) {
   Comm& c = world();
   const int p = c.size();
   const int me = c.rank();
-  auto value = [](int rank, std::size_t i) {
-    const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
-    const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
-    return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
-  };
-  auto fold = [&](std::size_t i) {
-    float acc = value(0, i);
-    for (int r = 1; r < p; ++r) acc += value(r, i);
-    return acc;
-  };
+  auto value = order_sensitive_value;
+  auto fold = [p](std::size_t i) { return rank_order_fold(p, i); };
   for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{4097}, std::size_t{65536}}) {
     std::vector<float> x(n);
     std::vector<float> got(n, -1.0f);
@@ -441,16 +448,8 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
   ASSERT_GT(chunk, 1000u);
   MPI_Comm ref = MPI_COMM_NULL;
   ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
-  auto value = [](int rank, std::size_t i) {
-    const auto h = static_cast<std::uint32_t>(i * 2654435761u) ^ static_cast<std::uint32_t>(rank * 40503 + 1);
-    const float mantissa = 0.5f + static_cast<float>(h % 1000003u) / 1000003.0f;
-    return std::ldexp((h & 1u) ? -mantissa : mantissa, static_cast<int>(h % 41u) - 20);
-  };
-  auto fold = [&](std::size_t i) {
-    float acc = value(0, i);
-    for (int r = 1; r < p; ++r) acc += value(r, i);
-    return acc;
-  };
+  auto value = order_sensitive_value;
+  auto fold = [p](std::size_t i) { return rank_order_fold(p, i); };
   auto check_buffer = [&](const std::string& what) {
     const std::size_t held = detail::mpi_reduce_buffer_bytes(c);
     EXPECT_GT(held, 0u) << what;

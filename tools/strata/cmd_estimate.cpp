@@ -152,17 +152,7 @@ int run_estimate(std::span<const std::string> argv) {
   std::vector<int> worst_stage(rows.size(), 0);
   for (std::size_t i = 0; i < rows.size(); ++i) {
     for (int st = 1; st < pp; ++st) {
-      const PlacementEstimate& e = stage_rows[static_cast<std::size_t>(st)][i];
-      PlacementEstimate& c = rows[i];
-      const bool fits_device = c.fits_device && e.fits_device, fits_host = c.fits_host && e.fits_host,
-                 fits_nvme = c.fits_nvme && e.fits_nvme;
-      if (e.device_need > c.device_need) {
-        c = e;
-        worst_stage[i] = st;
-      }
-      c.fits_device = fits_device;
-      c.fits_host = fits_host;
-      c.fits_nvme = fits_nvme;
+      if (fold_stage_estimate(rows[i], stage_rows[static_cast<std::size_t>(st)][i])) worst_stage[i] = st;
     }
   }
   const TrainerConfig& tc = rs.trainer;

@@ -440,15 +440,7 @@ int run_plan(std::span<const std::string> argv) {
             other.pp_stage = st;
             auto e2 = estimate_placement(rs.trainer, other, budgets, cuda);
             if (!e2.ok()) return e2.status().with_context("pipeline stage " + std::to_string(st));
-            const bool fits_device = e->fits_device && e2->fits_device,
-                       fits_host = e->fits_host && e2->fits_host, fits_nvme = e->fits_nvme && e2->fits_nvme;
-            if (e2->device_need > e->device_need) {
-              *e = std::move(*e2);
-              s.pp_stage = st;
-            }
-            e->fits_device = fits_device;
-            e->fits_host = fits_host;
-            e->fits_nvme = fits_nvme;
+            if (fold_stage_estimate(*e, std::move(*e2))) s.pp_stage = st;
           }
           // The cpu backend's device memory is this machine's memory too.
           const std::uint64_t all_memory = e->device_need + e->plan.host_bytes + e->plan.pinned_bytes;

@@ -172,6 +172,17 @@ Status apply_model_parallel(RunSettings* rs, int* stages) {
   return ok_status();
 }
 
+bool fold_stage_estimate(PlacementEstimate& row, PlacementEstimate stage) {
+  const bool fits_device = row.fits_device && stage.fits_device, fits_host = row.fits_host && stage.fits_host,
+             fits_nvme = row.fits_nvme && stage.fits_nvme;
+  const bool shown = stage.device_need > row.device_need;
+  if (shown) row = std::move(stage);
+  row.fits_device = fits_device;
+  row.fits_host = fits_host;
+  row.fits_nvme = fits_nvme;
+  return shown;
+}
+
 namespace {
 
 std::string number(double v) {

@@ -102,6 +102,11 @@ Status apply_settings_flags(const Args& args, RunSettings* settings);
 // pp_stage is left at 0. Sets *pipeline_stages. Errors name the key and what was expected.
 Status apply_model_parallel(RunSettings* settings, int* pipeline_stages);
 
+// A pipeline's row of strata estimate / strata plan, one more stage folded in: the row shows the
+// stage that needs the most device memory, and fits a tier only where every stage does. Returns
+// true when `stage` became the row shown.
+bool fold_stage_estimate(PlacementEstimate& row, PlacementEstimate stage);
+
 // How each "auto" key of the config was resolved.
 struct AutoValue {
   std::string path;
