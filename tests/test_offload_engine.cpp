@@ -9,6 +9,7 @@
 #include <random>
 
 #include "harness/harness.hpp"
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
 #include "strata/device.hpp"
 #include "strata/engine.hpp"
@@ -365,6 +366,58 @@ TEST(OffloadEngine, NvmeParametersHitEveryAccessAfterTheFirstStep) {
     EXPECT_EQ(hits(2, 3) + 1, accesses(2, 3));
     EXPECT_EQ(st.back().trace_mismatches, st.front().trace_mismatches);
     EXPECT_EQ(st.back().allocations_after_warmup, 0u);
+  }
+}
+
+// Steps 0..3 with the optimizer thread's update of module `held`'s unit held, from step 1 on,
+// until a forward of module `forward` runs (EngineFaults::hold_update_until_forward): every step
+// must succeed (a pass that waited for the held unit before running `forward` would wait for
+// itself and fail the step after 30 s), with the bits of the all-device run, and every access
+// after the first step a hit.
+void expect_pass_runs_past_a_held_update(Placement p, int held, int forward) {
+  const std::string what = std::string("parameters on ") + std::string(to_string(p.params)) + ", optimizer on " +
+                           std::string(to_string(p.optimizer));
+  SCOPED_TRACE(what);
+  const TrainerConfig c = tiny(ModelKind::kGpt2, DType::kF32, 1, 1.0);
+  ASSERT_EQ(c.model.n_layer, 3);  // modules: 0 embedding, 1-3 blocks h.0-h.2, 4 head
+  TempDir dir("strata-offload");
+  const OffloadSettings s = settings_for(p, dir);
+  Snapshot ref = train(c, OffloadSettings{}, 4);
+  Snapshot got;
+  auto device = make_device();
+  auto engine = OffloadEngine::create(c, s, *device);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  ASSERT_TRUE(run_steps(**engine, c, 0, 1, got));
+  const OffloadStats first = (*engine)->stats();
+  offload_detail::EngineFaults::hold_update_until_forward(**engine, held, forward);
+  ASSERT_TRUE(run_steps(**engine, c, 1, 4, got));
+  ASSERT_TRUE((*engine)->synchronize().ok());
+  ASSERT_TRUE(capture_state(**engine, got));
+  expect_same(ref, got, what);
+  const OffloadStats last = (*engine)->stats();
+  EXPECT_GT(last.param_accesses, first.param_accesses);
+  EXPECT_EQ(last.prefetch_hits - first.prefetch_hits, last.param_accesses - first.param_accesses);
+}
+
+// A pass's prefetch of a unit whose update is still running is gated on the h2d stream instead
+// of waited for by the caller (docs/offload.md "One step"): the module the pass reached (h.0) runs
+// while the update of the next one (h.1) is held until it did. Parameters on NVMe and on the
+// host, the optimizer on the host and on NVMe. (With the caller waiting, mutation-checked, every
+// case fails its second step after 30 s.)
+TEST(OffloadEngine, APassRunsTheModuleItReachedWhileALaterUnitIsStillUpdating) {
+  for (const Placement& p : {Placement{Tier::kNvme, Tier::kHost}, Placement{Tier::kNvme, Tier::kNvme},
+                             Placement{Tier::kHost, Tier::kHost}}) {
+    expect_pass_runs_past_a_held_update(p, /*held=*/2, /*forward=*/1);
+  }
+}
+
+// The NVMe optimizer marks the first units of the next forward updated as soon as their writes
+// retire, not when a later unit reuses their staging buffer (docs/offload.md "One step"): h.0
+// runs while the update of h.2, whose start would have retired h.0's parameter write, is held
+// until it did. (With the lazy retiring, mutation-checked, both cases fail after 30 s.)
+TEST(OffloadEngine, TheNvmeOptimizerMarksTheFirstUnitsOnceTheirWritesRetire) {
+  for (const Tier params : {Tier::kNvme, Tier::kHost}) {
+    expect_pass_runs_past_a_held_update({params, Tier::kNvme}, /*held=*/3, /*forward=*/1);
   }
 }
 

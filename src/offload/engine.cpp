@@ -158,6 +158,9 @@ struct ParamSlot {
   std::unique_ptr<std::atomic<bool>> early_ok;
   std::int64_t gate_step = -1;     // early: the step whose update the gate waits for
   std::uint64_t gate_failures = 0;  // early: update_failures when it was issued
+  // early: issued by prefetch_next_step (counted in early_fetch_hits), not by a pass's own
+  // prefetch of a unit whose update was still running (prefetch_ahead).
+  bool next_step = false;
 };
 
 struct GradSlot {
@@ -414,6 +417,14 @@ struct OffloadEngine::Impl {
   // enqueues injected_compute_error on the compute stream. Caller thread only.
   int injected_compute_module = -1;
   Status injected_compute_error;
+  // Tests only (EngineFaults::hold_update_until_forward): the optimizer thread's next update of
+  // unit `held_unit` waits until the compute stream ran the forward of module `hold_forward` in
+  // a pass that reads that update (`forward_ran_at`: the largest `steps` of a pass whose forward
+  // of it ran, set by a host function after it). Guarded by mu; held_unit is also read without.
+  std::atomic<int> held_unit{-1};
+  int hold_forward = -1;
+  std::int64_t forward_ran_at = -1;
+  Status hold_update(int u, std::int64_t done_step);
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -781,10 +792,19 @@ struct OffloadEngine::Impl {
   Status access_params(int m);
   Status release_after(int m);
   // The units of the accesses [from, from + prefetch_modules) of the trace fetched into free
-  // slots, within prefetch_elements. `gate_step` < 0: the caller waits for each unit's update
-  // first (the pass in progress). Otherwise (prefetch_next_step) nothing waits on the caller:
-  // each fetch is gated on the h2d stream by its unit's update of `gate_step` (fetch).
+  // slots, within prefetch_elements. `gate_step` < 0: the pass in progress; a unit whose update
+  // is still running is fetched gated by it (gated_in_pass) or waited for by the caller first.
+  // Otherwise (prefetch_next_step) nothing waits on the caller: each fetch is gated on the h2d
+  // stream by its unit's update of `gate_step` (fetch).
   Status prefetch_ahead(std::size_t from, std::int64_t gate_step = -1);
+  // Whether a pass's prefetch of unit u, whose update is still running, is gated on the h2d
+  // stream rather than waited for by the caller: not with the delayed update (the pass reads the
+  // published version) and not for a unit all-gathered across ranks (stage 3: every rank must
+  // issue the same fetches, and whether an update is done differs between ranks).
+  bool gated_in_pass(int u) const {
+    return !delayed && (psharded.empty() || !psharded[static_cast<std::size_t>(u)]);
+  }
+  bool next_step_fetches = false;  // prefetch_next_step is issuing (ParamSlot::next_step)
   // Caller, once a step returned (its norm known, its update released to the optimizer thread):
   // the first accesses of the next pass fetched early, each as soon as its unit's update is
   // published, so a pass no longer begins with nothing in flight (docs/offload.md "One step").
@@ -2831,9 +2851,21 @@ Status OffloadEngine::Impl::working_from_master(int u, const float* master, std:
   return ok_status();
 }
 
+Status OffloadEngine::Impl::hold_update(int u, std::int64_t done_step) {
+  if (held_unit.load() != u) return ok_status();
+  std::unique_lock<std::mutex> lock(mu);
+  held_unit = -1;
+  // The pass that reads this update waits for updated_step >= its `steps` (wait_updated).
+  if (cv.wait_for(lock, std::chrono::seconds(30), [&] { return forward_ran_at >= done_step; })) return ok_status();
+  return internal_error("offload: the test hold of unit " + std::to_string(u) +
+                                 "'s update: no forward of module " + std::to_string(hold_forward) +
+                                 " ran within 30 s");
+}
+
 Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr, float scale,
                                              std::int64_t done_step) {
   const std::size_t uu = static_cast<std::size_t>(u);
+  STRATA_RETURN_IF_ERROR(hold_update(u, done_step));
   if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
   const bool nvme_home = units.home[uu] == Tier::kNvme;
   char* out_unit = nvme_home                                 ? param_out_staging.bytes()
@@ -3137,6 +3169,28 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     unit_done(u, done_step);
     return ok_status();
   };
+  // The next forward reaches the first units of this order first, and its fetch of each waits
+  // for the unit's mark, which the lazy retiring above would give only when a ring buffer or the
+  // staging buffer is next reused (after a later unit's read and Adam). For the first `urgent`
+  // units the writes are retired, and the unit marked, as soon as they are issued; later units
+  // keep the overlap of one unit's writes with the next one's Adam. (Agreeing ranks retire every
+  // unit's writes at its end already.)
+  const int urgent = std::max(1, settings.prefetch_modules) + 1;
+  // Their writes also go out with no later unit's read beside them: the reads ahead stop at the
+  // last urgent unit's items until the current item is past it (the first R − 1 items' reads
+  // were issued during backward anyway). `rank_of[i]`: the position of item i's unit in `order`.
+  std::vector<int> rank_of(items.size(), 0);
+  for (std::size_t i = 1; i < items.size(); ++i) {
+    rank_of[i] = rank_of[i - 1] + (items[i].unit != items[i - 1].unit ? 1 : 0);
+  }
+  auto may_read_ahead = [&](std::size_t next, std::size_t current) {
+    return agree || next <= current || rank_of[next] < urgent || rank_of[current] >= urgent;
+  };
+  auto end_unit = [&](int u) -> Status {
+    STRATA_RETURN_IF_ERROR(finish_unit(u));
+    if (agree || units_started > static_cast<std::size_t>(urgent)) return ok_status();
+    return retire_through(seq);
+  };
   // A sub-group whose new version is on disk already (a retry): only the working parameters are
   // taken from its master (read back), into out_unit or, sharded, this rank's slice in ag_send.
   auto rebuild_from_master = [&](int u, const float* master, std::uint64_t b0, std::uint64_t len) -> Status {
@@ -3157,7 +3211,11 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     return ok_status();
   };
   for (std::size_t i = 0; i < items.size() && first_error.ok(); ++i) {
-    while (issued < items.size() && issued < i + R - 1) {
+    if (i == 0 || items[i].unit != items[i - 1].unit) {
+      first_error = hold_update(items[i].unit, done_step);
+      if (!first_error.ok()) break;
+    }
+    while (issued < items.size() && issued < i + R - 1 && may_read_ahead(issued, i)) {
       Status s = issue(issued++);
       if (agree) {
         note(std::move(s));
@@ -3178,7 +3236,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
         note(std::move(first_error));
         first_error = ok_status();
       }
-      if (first_error.ok()) first_error = finish_unit(u);
+      if (first_error.ok()) first_error = end_unit(u);
       continue;
     }
     const auto [b0, b1] = bounds(items[i]);
@@ -3230,7 +3288,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
         break;
       }
       note(std::move(rebuilt));
-      if (last_group) first_error = finish_unit(u);
+      if (last_group) first_error = end_unit(u);
       continue;
     }
     std::optional<detail::HostSpan> span(std::in_place, tracer, track.optimizer, TraceCounter::kOptimizer, "adam", u);
@@ -3273,7 +3331,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
                    -1, track.nvme_ring + static_cast<int>(r), u, 12 * len, tracer.now_ns(),
                    static_cast<std::int64_t>(items[i].group));
     if (!last_group) continue;
-    first_error = finish_unit(u);
+    first_error = end_unit(u);
   }
   Status s = retire_through(UINT64_MAX);
   if (first_error.ok()) first_error = s;
@@ -3971,6 +4029,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
   slot.unit = u;
   slot.used = false;
   slot.early = early;
+  slot.next_step = early && next_step_fetches;
   slot.gate_step = gate_step;
   slot.gate_failures = failures_at_issue;
   slot_of[uu] = s;
@@ -4016,7 +4075,7 @@ Status OffloadEngine::Impl::access_params(int m) {
       if (!early.early_ok->load()) {
         STRATA_RETURN_IF_ERROR(release_slot(s));
         s = -1;
-      } else {
+      } else if (early.next_step) {
         ++early_hits;
       }
     }
@@ -4065,11 +4124,23 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
     for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
       const std::size_t uu = static_cast<std::size_t>(u);
       if (resident_unit(u) || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
-      // A unit whose update is still running is waited for: the forward reaches it a few modules
-      // later anyway, and waiting here keeps the prefetch schedule (and the hit rate) independent
-      // of how fast the optimizer thread runs. Not with the delayed update: the update in flight
-      // writes the next version, and this step reads the published one.
-      if (!delayed && gate_step < 0) STRATA_RETURN_IF_ERROR(wait_updated(u));
+      // A unit whose update is still running is fetched behind a gate on the h2d stream, as an
+      // early fetch is: the caller goes on to enqueue the module it is about to run instead of
+      // waiting here for a unit the forward reaches a few modules later (it waited for that one
+      // before the next module could start: the first units of a step after an NVMe update). The
+      // fetch is issued either way, so the prefetch schedule (and the hit rate) does not depend
+      // on how fast the optimizer thread runs. Where it cannot be gated (gated_in_pass) the caller
+      // waits. Not with the delayed update: the update in flight writes the next version, and
+      // this step reads the published one.
+      std::int64_t gate = gate_step;
+      if (!delayed && gate_step < 0) {
+        if (!gated_in_pass(u)) {
+          STRATA_RETURN_IF_ERROR(wait_updated(u));
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          if (updated_step[uu] < steps) gate = steps;
+        }
+      }
       // The budget bounds what is fetched beyond the first unit: a module larger than the whole
       // budget is still fetched one ahead, or it would never be prefetched at all.
       budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
@@ -4079,7 +4150,7 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
       bool free_slot = false;
       for (const ParamSlot& sl : pslots) free_slot = free_slot || sl.unit < 0;
       if (!free_slot) return ok_status();
-      STRATA_RETURN_IF_ERROR(fetch(u, -1, gate_step).status());
+      STRATA_RETURN_IF_ERROR(fetch(u, -1, gate).status());
     }
   }
   return ok_status();
@@ -4110,7 +4181,10 @@ Status OffloadEngine::Impl::prefetch_next_step() {
   // The next pass starts the recorded trace at its first access (begin_pass); end_pass released
   // every slot, since the update changes every unit.
   trace_ok = true;
-  return prefetch_ahead(0, steps);
+  next_step_fetches = true;
+  Status issued = prefetch_ahead(0, steps);
+  next_step_fetches = false;
+  return issued;
 }
 
 Status OffloadEngine::Impl::end_pass() {
@@ -4271,6 +4345,16 @@ Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
     STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute,
                                              for_backward ? "forward" : "forward (no grad)", m));
+    if (hold_forward == m) {
+      STRATA_RETURN_IF_ERROR(compute->host_fn("offload: test hold's forward", [this, at = steps]() {
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          forward_ran_at = std::max(forward_ran_at, at);
+        }
+        cv.notify_all();
+        return ok_status();
+      }));
+    }
     STRATA_RETURN_IF_ERROR(release_after(m));
   }
   return ok_status();
@@ -4999,6 +5083,14 @@ void offload_detail::EngineFaults::fail_state_downloads(OffloadEngine& engine, S
 
 void offload_detail::EngineFaults::fail_next_pass(OffloadEngine& engine, Status fault) {
   engine.impl_->injected_pass_error = std::move(fault);
+}
+
+void offload_detail::EngineFaults::hold_update_until_forward(OffloadEngine& engine, int held_module,
+                                                             int forward_module) {
+  OffloadEngine::Impl& t = *engine.impl_;
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.hold_forward = forward_module;
+  t.held_unit = t.units.storage[static_cast<std::size_t>(held_module)].front();
 }
 
 void offload_detail::EngineFaults::fail_compute_at(OffloadEngine& engine, int module, Status fault) {

@@ -742,6 +742,12 @@ struct EngineFaults {
   // next forward's), so the rest of the pass's compute work, collectives included, is skipped:
   // a failure that stops this rank's pass before its peers' next collective. Once.
   static void fail_compute_at(OffloadEngine& engine, int module, Status fault);
+  // Tests only: the optimizer thread's next update of module `held_module`'s (first) unit waits,
+  // before it starts, until the compute stream has run the forward of module `forward_module` in
+  // the pass that reads that update; after 30 s the update fails with an error naming both.
+  // Once. Caller thread, between calls. Says whether a pass enqueues a module's work while a
+  // later unit's update is still running (docs/offload.md "One step").
+  static void hold_update_until_forward(OffloadEngine& engine, int held_module, int forward_module);
 };
 
 }  // namespace strata::offload_detail
