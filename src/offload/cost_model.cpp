@@ -809,12 +809,16 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
     auto issue_fetch = [&](std::size_t t) {
       for (int u : fetch_at[t]) {
         const std::size_t uu = static_cast<std::size_t>(u);
-        // prefetch_ahead waits for a pending update; not for the delayed one (it writes the next
-        // version, which publish_delayed makes current after the step).
-        if (!delayed) host = std::max(host, updated[uu]);
+        // A pending update gates the fetch on the h2d stream (prefetch_ahead), or, for a unit
+        // all-gathered at its fetch (stage 3), the caller waits for it; neither for the delayed
+        // update (it writes the next version, which publish_delayed makes current after the step).
+        const bool gathered = dps.gathers_at_fetch(units, u);
+        double gate = 0;
+        if (!delayed && gathered) host = std::max(host, updated[uu]);
+        if (!delayed && !gathered) gate = updated[uu];
         const double slot_free =
             t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
-        const double start = std::max({h2d_stream, host, slot_free});
+        const double start = std::max({h2d_stream, host, slot_free, gate});
         double d = h2d(units.pbytes[uu]);
         cur.h2d += d;
         cur.h2d_bytes += units.pbytes[uu];
@@ -824,7 +828,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
           cur.nvme_read_bytes += param_io(u);
           d += r;
         }
-        if (dps.gathers_at_fetch(units, u)) {
+        if (gathered) {
           // Stage 3: the fetch (a host function on the h2d stream) all-gathers the slices.
           const double g = collective(dps.ag_bytes[uu], ring);
           cur.dp += g;
@@ -1067,9 +1071,19 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
           disk = std::max(disk, t) + d;
           return disk;
         };
+        // The next forward's first `urgent` units: their writes retire (and the unit is marked)
+        // as soon as they are issued, with no later unit's read issued beside them; ranks that
+        // agree on each unit retire every unit's writes at its end.
+        const bool agree = dps.ranks > 1 || settings.tp_size > 1;
+        const std::size_t urgent = static_cast<std::size_t>(std::max(1, settings.prefetch_modules)) + 1;
+        std::vector<std::size_t> rank_of(items.size(), 0);
+        for (std::size_t i = 1; i < items.size(); ++i) rank_of[i] = rank_of[i - 1] + (items[i].first ? 1 : 0);
+        auto may_read_ahead = [&](std::size_t next, std::size_t current) {
+          return agree || next <= current || rank_of[next] < urgent || rank_of[current] >= urgent;
+        };
         std::size_t issued = 0, units_started = 0;
         for (std::size_t i = 0; i < items.size(); ++i) {
-          while (issued < items.size() && issued < i + R - 1) {
+          while (issued < items.size() && issued < i + R - 1 && may_read_ahead(issued, i)) {
             retire_through(ring_seq[issued % R]);
             const std::uint64_t len = items[issued].len;
             const bool early = issued < early_n;  // its state was read during backward
@@ -1116,6 +1130,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
             publish(it.unit, t);
             writes.push_back({++seq, t, it.unit});
           }
+          if (agree || units_started <= urgent) retire_through(seq);
         }
         retire_through(std::numeric_limits<std::uint64_t>::max());
         disk_free = disk;
