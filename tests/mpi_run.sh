@@ -47,7 +47,12 @@ if [ -n "$keep" ]; then launcher+=(-x "STRATA_TEST_KEEP=$keep"); fi
 launcher+=("${mcas[@]}")
 
 log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+# Every rank's temporary files (TempDir, swap directories, OpenMPI's session directory) go under
+# one directory of this job, removed when it ends: a rank that is killed or aborts (the failure
+# tests do that on purpose) runs no destructor and would leave its files in /tmp.
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/strata-dist-XXXXXX")"
+trap 'rm -f "$log"; rm -rf "$scratch"' EXIT
+launcher+=(-x "TMPDIR=$scratch")
 echo "+ ${launcher[*]} $*"
 start=$SECONDS
 timeout --kill-after=10 "$limit" "${launcher[@]}" "$@" >"$log" 2>&1
