@@ -265,6 +265,9 @@ int bench_offload(std::span<const std::string> argv) {
     os.gradients = p.gradients;
     os.nvme_path = {swap_dir};
     os.io.nvme_path = os.nvme_path;
+    // Its own directory (no --nvme-path): a scratch store, whose data files go with the process
+    // however it ends (docs/nvme.md "Scratch stores").
+    os.nvme_scratch = !temp_dir.empty();
     os.persistence_threshold = 0;
     os.delayed_update = p.delayed;
     os.delayed_update_warmup = 0;
