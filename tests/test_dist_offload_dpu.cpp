@@ -260,38 +260,46 @@ TEST(DelayedUpdateDataParallel, PlanHoldsTheNextVersion) {
 // ---- Tensor and pipeline parallelism ------------------------------------------------------
 
 // How a delayed run uses the world: one process (the reference), one tensor-parallel group, one
-// pipeline, or (4 ranks) the grid tensor 2 x pipeline 2 (make_process_groups).
-enum class Split { kNone, kTensor, kPipeline, kTensorPipeline };
+// pipeline, (4 ranks) the grid tensor 2 x pipeline 2, or (8 ranks) the whole grid tensor 2 x
+// pipeline 2 x data 2 (make_process_groups), each data-parallel rank its share of the batch.
+enum class Split { kNone, kTensor, kPipeline, kTensorPipeline, kGrid };
 
-// `steps` steps of the deterministic batches (every rank the whole batch), with a flush
-// (synchronize) after `flush_after` steps when > 0; the state this rank holds afterwards (a
-// pipeline stage: its own parameters, listed in `held`; one process: the parameters of `held`
-// when given, else all).
+// `steps` steps of the deterministic batches of `c` (every rank the whole batch; on the whole
+// grid each data-parallel rank its share), with a flush (synchronize) after `flush_after` steps
+// when > 0; the state this rank holds afterwards (a pipeline stage: its own parameters, listed
+// in `held`; one process: the parameters of `held` when given, else all).
 Snapshot train_split(const TrainerConfig& c, const OffloadSettings& s, Split split, int steps, int flush_after,
                      std::vector<int>& held) {
   Snapshot out;
   auto device = testing::make_device();
+  Comm* dp = nullptr;
   Comm* tp = split == Split::kTensor ? &world() : nullptr;
   Comm* pp = split == Split::kPipeline ? &world() : nullptr;
   Result<ProcessGroups> grid = failed_precondition("no grid");  // outlives the engine
-  if (split == Split::kTensorPipeline) {
+  if (split == Split::kTensorPipeline || split == Split::kGrid) {
     grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
     EXPECT_TRUE(grid.ok()) << grid.status().to_string();
     if (!grid.ok()) return out;
     tp = grid->tp.get();
     pp = grid->pp.get();
+    if (split == Split::kGrid) dp = grid->dp.get();
   }
-  auto engine = OffloadEngine::create(c, s, *device, nullptr, nullptr, tp, pp);
+  const int dp_rank = dp != nullptr ? dp->rank() : 0, DP = dp != nullptr ? dp->size() : 1;
+  TrainerConfig local = c;
+  local.grad_accum = c.grad_accum / DP;
+  auto engine = OffloadEngine::create(local, s, *device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
   for (int step = 0; step < steps; ++step) {
-    if (!testing::run_steps(**engine, c, step, step + 1, out)) return out;
+    const bool ran = dp != nullptr ? testing::run_share(**engine, c, dp_rank, DP, step + 1, out, step)
+                                   : testing::run_steps(**engine, c, step, step + 1, out);
+    if (!ran) return out;
     if (step + 1 == flush_after) {
       Status flushed = (*engine)->synchronize();
       EXPECT_TRUE(flushed.ok()) << flushed.to_string();
     }
   }
-  if (split == Split::kPipeline || split == Split::kTensorPipeline) {
+  if (split == Split::kPipeline || split == Split::kTensorPipeline || split == Split::kGrid) {
     EXPECT_TRUE(testing::capture_stage(**engine, out, held));
   } else if (split == Split::kNone && !held.empty()) {
     EXPECT_TRUE(testing::capture_held(**engine, held, out));
@@ -305,11 +313,12 @@ struct SplitCase {
   const char* name;
   ModelKind kind;
   DType dtype;
-  std::int64_t accum;  // micro-batches per step (every rank the whole batch)
+  std::int64_t accum;  // micro-batches per step (every rank the whole batch; the grid: the global batch)
   double clip;
   Tier params, optimizer;
   int warmup;
   int flush_after = 0;
+  int stage = 0;  // ZeRO stage (over the data-parallel ranks of the grid)
 };
 
 // Every rank holds the same losses, norms and (tensor parallel: the full, gathered) state.
@@ -333,6 +342,7 @@ void check_split(Split split, const SplitCase& c) {
   const int P = world().size();
   const std::string what = std::string(c.name) + (split == Split::kTensor     ? ", tp " + std::to_string(P)
                                                    : split == Split::kPipeline ? ", pp " + std::to_string(P)
+                                                   : split == Split::kGrid     ? std::string(", tp 2 x pp 2 x dp 2")
                                                                                : std::string(", tp 2 x pp 2"));
   TrainerConfig config = testing::tiny(c.kind, c.dtype, c.accum, c.clip);
   OffloadSettings s;
@@ -342,6 +352,7 @@ void check_split(Split split, const SplitCase& c) {
   s.sub_group_size = 4097;      // several sub-groups per module on NVMe
   s.delayed_update = true;
   s.delayed_update_warmup = c.warmup;
+  s.zero_stage = c.stage;
   testing::TempDir swap_split("strata-dpu-swap"), swap_one("strata-dpu-swap");  // each rank its own
   const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
   if (nvme) s.nvme_path = {swap_split.path().string()};
@@ -357,9 +368,13 @@ void check_split(Split split, const SplitCase& c) {
   if (split == Split::kTensor) {
     expect_ranks_identical(got, what);
     testing::expect_close(ref, got, tol, what);
-  } else if (split == Split::kTensorPipeline) {
+  } else if (split == Split::kTensorPipeline || split == Split::kGrid) {
     // Each stage's full (gathered) state within the tensor-parallel bounds; the pipeline adds no
-    // rounding of its own (one micro-batch).
+    // rounding of its own (one micro-batch per rank). The grid's data-parallel ranks sum their
+    // micro-batches' gradients in another order than one process (each rank's, then across the
+    // ranks): the fp32 data-parallel rounding, orders of magnitude below these bounds
+    // (test_dist_data_parallel.cpp, PipelineEngine.ComposedWithDataParallel: 2.4e-5 of each
+    // quantity's scale at most).
     testing::expect_close(ref, got, tol, what);
   } else {
     testing::expect_same(ref, got, what);
@@ -445,6 +460,22 @@ TEST(DelayedUpdateGrid, TensorTimesPipelineGpt2ParamsOnHostWarmup1) {
   ASSERT_EQ(world().size(), 4) << "run under mpirun -np 4";
   check_split(Split::kTensorPipeline, {"gpt2 fp32, params and optimizer on host, clip 1, warm-up 1", ModelKind::kGpt2,
                                        DType::kF32, 1, 1.0, Tier::kHost, Tier::kHost, 1});
+}
+
+// The whole grid tensor 2 x pipeline 2 x data 2 on 8 ranks (dist.offload_dpu_grid.np8): each
+// stage's tensor ranks delay their shard's update, each data-parallel pair its slices of it
+// (ZeRO 2: the gradients reduce-scattered, the next version all-gathered before it is
+// published). Against one process running the same global batch of 2 micro-batches with the
+// delayed update, within the tensor-parallel bounds (the data-parallel sums add fp32 rounding far
+// below them; see check_split). GPT-2 (its tied embedding on both stages), the parameters on
+// NVMe (the next version written to each rank's swap file), warm-up 1, a flush after step 3.
+TEST(DelayedUpdateGridFull, TensorTimesPipelineTimesDataGpt2ParamsOnNvmeStage2) {
+  ASSERT_EQ(world().size(), 8) << "run under mpirun -np 8";
+  SplitCase k{"gpt2 fp32, params on NVMe, optimizer on host, ZeRO 2, 2 micro-batches, clip 1, warm-up 1, "
+              "a flush after step 3",
+              ModelKind::kGpt2, DType::kF32, 2, 1.0, Tier::kNvme, Tier::kHost, 1, 3};
+  k.stage = 2;
+  check_split(Split::kGrid, k);
 }
 
 }  // namespace

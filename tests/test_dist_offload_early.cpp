@@ -49,8 +49,10 @@ struct Run {
 // every rank the whole batch (tp = the world, pp = the world: each rank a stage, or one process).
 // kDataPipeline: the 4-rank grid of 2 stages x 2 data-parallel ranks (rank = dp * 2 + stage), each
 // data-parallel rank its share of the global batch. kTensorPipeline: the 4-rank grid of 2 stages
-// x 2 tensor-parallel ranks (rank = stage * 2 + tensor rank), every rank the whole batch.
-enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline, kTensorPipeline };
+// x 2 tensor-parallel ranks (rank = stage * 2 + tensor rank), every rank the whole batch. kGrid:
+// the 8-rank grid tensor 2 x pipeline 2 x data 2 (rank = (dp * 2 + stage) * 2 + tensor rank),
+// each data-parallel rank its share of the global batch.
+enum class Mode { kOneProcess, kData, kTensor, kPipeline, kDataPipeline, kTensorPipeline, kGrid };
 
 Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int steps) {
   Run out;
@@ -71,15 +73,22 @@ Run train(const TrainerConfig& global, const OffloadSettings& s, Mode mode, int 
     dp_rank = grid->coord.dp;
     DP = grid->grid.dp();
     c.grad_accum = global.grad_accum / DP;
-  } else if (mode == Mode::kTensorPipeline) {
+  } else if (mode == Mode::kTensorPipeline || mode == Mode::kGrid) {
     grid = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 2, 2);
     EXPECT_TRUE(grid.ok()) << grid.status().to_string();
     if (!grid.ok()) return out;
     tp = grid->tp.get();
     pp = grid->pp.get();
+    if (mode == Mode::kGrid) {
+      dp = grid->dp.get();
+      dp_rank = grid->coord.dp;
+      DP = grid->grid.dp();
+      c.grad_accum = global.grad_accum / DP;
+    }
   }
-  const bool share = mode == Mode::kData || mode == Mode::kDataPipeline;
-  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline || mode == Mode::kTensorPipeline;
+  const bool share = mode == Mode::kData || mode == Mode::kDataPipeline || mode == Mode::kGrid;
+  const bool stages = mode == Mode::kPipeline || mode == Mode::kDataPipeline || mode == Mode::kTensorPipeline ||
+                      mode == Mode::kGrid;
   auto engine = OffloadEngine::create(c, s, *device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   if (!engine.ok()) return out;
@@ -146,7 +155,11 @@ void check(const Case& k) {
   // fp32, clipping 1: the norm decides the update (it runs after step() returned, overlapped with
   // the next step's early fetches). Data parallel: one micro-batch per rank.
   const TrainerConfig global =
-      testing::tiny(k.kind, DType::kF32, k.mode == Mode::kData ? P : k.mode == Mode::kDataPipeline ? 4 : 2, 1.0);
+      testing::tiny(k.kind, DType::kF32,
+                    k.mode == Mode::kData                                   ? P
+                    : k.mode == Mode::kDataPipeline || k.mode == Mode::kGrid ? 4
+                                                                             : 2,
+                    1.0);
   testing::TempDir dir_a("strata-dist-early"), dir_b("strata-dist-early"), dir_c("strata-dist-early");
   auto settings_in = [&](const testing::TempDir& dir) {
     OffloadSettings s;
@@ -305,6 +318,19 @@ TEST(DistOffloadEarlyGrid, TensorTimesPipelineHitsAsOneProcessAndChangesNoBits) 
                    Mode::kTensorPipeline, 0, Tier::kHost};
   interleaved.virtual_stages = 2;
   check(interleaved);
+}
+
+// The whole grid tensor 2 x pipeline 2 x data 2 (8 ranks, dist.offload_early.np8), each
+// data-parallel rank two micro-batches of the global batch of four: stage 3 with the parameters
+// on NVMe (each stage's early fetches of its tensor shard agreed and gathered over its
+// data-parallel pair), and stage 2 with them on the host. Hit rate 1 after step 1, early copies
+// used every step after the first, bit for bit against prefetching off.
+TEST(DistOffloadEarlyGridFull, TensorTimesPipelineTimesDataHitsAsOneProcessAndChangesNoBits) {
+  ASSERT_EQ(world().size(), 8) << "run under mpirun -np 8";
+  check({"tensor 2 x pipeline 2 x data 2, stage 3, host optimizer, parameters on NVMe", Mode::kGrid, 3,
+         Tier::kHost});
+  check({"tensor 2 x pipeline 2 x data 2, stage 2, host optimizer, parameters on the host", Mode::kGrid, 2,
+         Tier::kHost, 1'000'000'000, Tier::kHost});
 }
 
 }  // namespace

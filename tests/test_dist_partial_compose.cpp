@@ -396,7 +396,7 @@ TEST(PartialNp2, CheckpointResumesUnderPipeline) {
 
 // ---- 4 ranks -------------------------------------------------------------------------------------
 
-// The 4-rank grid of `tp` x `pp` x (4 / (tp x pp)) data-parallel ranks.
+// The world's grid of `tp` x `pp` x (world size / (tp x pp)) data-parallel ranks.
 Groups grid_groups(int tp, int pp, std::unique_ptr<ProcessGroups>& keep) {
   Groups g;
   auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, tp, pp);
@@ -421,6 +421,7 @@ struct GridCase {
   Tier optimizer = Tier::kHost;
   int virtual_stages = 1;  // > 1: interleaved 1F1B
   int n_layer = 0;         // > 0: the tiny model with this many blocks
+  Tier gradients = Tier::kHost;  // kNvme goes with the NVMe optimizer
 };
 
 TrainerConfig global_of(const GridCase& k, const Groups& g) {
@@ -436,13 +437,15 @@ std::vector<int> check_grid(const GridCase& k, const Groups& g, const std::strin
   s.params = k.params;
   s.optimizer = k.optimizer;
   s.pipeline_virtual_stages = k.virtual_stages;
+  s.gradients = k.gradients;
   // The NVMe optimizer's sub-groups cut units (its swap store: train()).
   if (k.optimizer == Tier::kNvme) s.sub_group_size = 4097;
   const std::string what =
       std::string(to_string(k.kind)) + " " + std::string(to_string(k.dtype)) + ", " + grid +
       (k.virtual_stages > 1 ? " interleaved (v = " + std::to_string(k.virtual_stages) + ")" : "") +
       ", stage " + std::to_string(k.stage) + ", ratio " + std::to_string(k.ratio) + ", params " +
-      std::string(to_string(k.params)) + ", optimizer " + std::string(to_string(k.optimizer));
+      std::string(to_string(k.params)) + ", optimizer " + std::string(to_string(k.optimizer)) +
+      (k.gradients != Tier::kHost ? ", gradients " + std::string(to_string(k.gradients)) : std::string());
   return check(what, global, s, k.ratio, g);
 }
 
@@ -560,6 +563,24 @@ TEST(PartialNp4, InterleavedTimesDataParallel) {
   }
 }
 
+// Interleaved 1F1B (v = 2) x dp 2 with the gradients on NVMe (the NVMe optimizer, sub-groups of
+// 4097): the host units' gradients land on NVMe through the staging buffer whichever chunk's
+// backward issues them, the device units' are reduced after each backward op; GPT-2's tied unit
+// summed between the ends (stage 2; stage 1: reduced once after the schedule).
+TEST(PartialNp4, InterleavedNvmeGradientsTimesDataParallel) {
+  ASSERT_EQ(world().size(), 4);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(1, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  for (int stage : {1, 2}) {
+    GridCase k{ModelKind::kGpt2, DType::kF32, 0.5, stage, Tier::kDevice, Tier::kNvme};
+    k.virtual_stages = 2;
+    k.gradients = Tier::kNvme;
+    const std::vector<int> dev = check_grid(k, g, "pp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
+  }
+}
+
 // A checkpoint with the split under pp 2 x dp 2 (stage 2, GPT-2 fp32, the tied unit on the device
 // at both ends): resumed with the split and at ratio 1, bit for bit the uninterrupted run.
 TEST(PartialNp4, CheckpointResumesUnderPipelineTimesDataParallel) {
@@ -589,6 +610,31 @@ TEST(PartialNp4, TensorTimesPipeline) {
         std::string(to_string(kind)) + " fp32, tp 2 x pp 2, ratio " + std::to_string(ratio);
     const std::vector<int> dev = check(what, c, host_optimizer(), ratio, g);
     EXPECT_FALSE(dev.empty()) << what;
+  }
+}
+
+// ---- 8 ranks -------------------------------------------------------------------------------------
+
+// The whole grid tp 2 x pp 2 x dp 2 (dist.partial_compose.np8; rank = (dp * 2 + stage) * 2 + tp
+// rank): each stage's tensor ranks split their shard of the stage's units alike, and each
+// data-parallel pair reduces the device units' slices (stage 1: once after the schedule; 2 and 3:
+// after each backward op inside it; 3: the host units' parameters sliced at home and gathered,
+// the device units' resident and whole), GPT-2's tied unit summed between the ends. Stages 1-3 on
+// 1F1B, and stage 2 interleaved (v = 2), bit for bit against ratio 1 on the same grid.
+TEST(PartialNp8, TensorTimesPipelineTimesData) {
+  ASSERT_EQ(world().size(), 8);
+  std::unique_ptr<ProcessGroups> keep;
+  const Groups g = grid_groups(2, 2, keep);
+  ASSERT_NE(g.dp, nullptr);
+  ASSERT_NE(g.tp, nullptr);
+  ASSERT_NE(g.pp, nullptr);
+  ASSERT_EQ(g.dp_size, 2);
+  GridCase interleaved{ModelKind::kGpt2, DType::kF32, 0.5, 2};
+  interleaved.virtual_stages = 2;
+  for (const GridCase& k : {GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 1}, GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 2},
+                            GridCase{ModelKind::kGpt2, DType::kF32, 0.5, 3, Tier::kHost, Tier::kHost}, interleaved}) {
+    const std::vector<int> dev = check_grid(k, g, "tp 2 x pp 2 x dp 2");
+    EXPECT_FALSE(dev.empty());
   }
 }
 

@@ -996,74 +996,106 @@ std::vector<std::uint64_t> held_state_hashes(const ModelLayout& L, const Snapsho
 // m = 2 per pipeline is one group of p micro-batches (every forward first), m = 4 two (warm-up,
 // steady state, cool-down). ZeRO 0 with the optimizer on the device, 1 and 2 with the host
 // optimizer, 3 with the parameters partitioned on the host (every fetch all-gathers over dp).
+// One case of interleaved 1F1B x data parallel (2 stages x 2 pipelines): the ZeRO stage, where
+// the parameters, optimizer state and gradients live, and the micro-batches per pipeline.
+struct InterleavedDp {
+  ModelKind kind;
+  Tier optimizer;
+  int zero_stage;
+  Tier params;
+  std::int64_t micro;  // per pipeline
+  Tier gradients = Tier::kHost;  // kNvme: with the NVMe optimizer
+};
+
+void check_interleaved_dp(const ProcessGroups& groups, const InterleavedDp& c) {
+  const int DP = groups.grid.dp(), d = groups.coord.dp;
+  const std::string what = std::string(to_string(c.kind)) + " params=" + std::string(to_string(c.params)) +
+                           " optimizer=" + std::string(to_string(c.optimizer)) + " ZeRO " +
+                           std::to_string(c.zero_stage) + " m=" + std::to_string(c.micro) +
+                           (c.gradients == Tier::kNvme ? " gradients=nvme" : "") +
+                           ", interleaved v=2 on 2 stages x 2 data-parallel ranks";
+  const TrainerConfig global = testing::tiny(c.kind, DType::kF32, c.micro * DP, 1.0);
+  TrainerConfig local = global;
+  local.grad_accum = c.micro;
+  constexpr int kSteps = 3;
+  const ModelLayout layout = *describe_model(global.model);
+  const bool nvme = c.params == Tier::kNvme || c.optimizer == Tier::kNvme;
+  auto settings = [&](const testing::TempDir& swap) {
+    OffloadSettings s;
+    s.optimizer = c.optimizer;
+    s.params = c.params;
+    s.gradients = c.gradients;
+    s.persistence_threshold = 0;
+    if (nvme) s.nvme_path = {swap.path().string()};
+    return s;
+  };
+  testing::TempDir swap_inter("strata-pp-swap"), swap_plain("strata-pp-swap"), swap_one("strata-pp-swap");
+  auto train = [&](int v, const testing::TempDir& swap, Snapshot& out, std::vector<int>& held) {
+    OffloadSettings s = settings(swap);
+    s.zero_stage = c.zero_stage;
+    s.pipeline_virtual_stages = v;
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local, s, *device, nullptr, groups.dp.get(), nullptr, groups.pp.get());
+    ASSERT_TRUE(engine.ok()) << what << " v=" << v << ": " << engine.status().to_string();
+    ASSERT_TRUE(testing::run_share(**engine, global, d, DP, kSteps, out)) << what << " v=" << v;
+    ASSERT_TRUE(capture_stage(**engine, out, held)) << what << " v=" << v;
+  };
+  Snapshot inter, plain, ref;
+  std::vector<int> held_inter, held_plain;
+  train(2, swap_inter, inter, held_inter);
+  train(1, swap_plain, plain, held_plain);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure()) << what;
+  EXPECT_NE(held_inter, held_plain) << what << ": the two schedules' stages hold the same units";
+  EXPECT_EQ(inter.losses, plain.losses) << what << ": losses, interleaved against 1F1B";
+  EXPECT_EQ(inter.norms, plain.norms) << what << ": norms, interleaved against 1F1B";
+  const auto hi = held_state_hashes(layout, inter, held_inter, what + " (interleaved)");
+  const auto hp = held_state_hashes(layout, plain, held_plain, what + " (1F1B)");
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    if (!layout.params[i].owns_storage()) continue;
+    EXPECT_NE(hi[i], 0u) << what << ": no rank holds " << layout.params[i].name;
+    EXPECT_EQ(hi[i], hp[i]) << what << ": " << layout.params[i].name << ", interleaved against 1F1B";
+  }
+  {
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(global, settings(swap_one), *device);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, global, 0, kSteps, ref)) << what;
+    ASSERT_TRUE(testing::capture_held(**engine, held_inter, ref)) << what;
+  }
+  expect_within_rounding(ref, inter, what + ": against one process");
+}
+
 TEST(PipelineEngine, InterleavedWithDataParallel) {
   ASSERT_EQ(world().size(), 4)
       << "runs on 4 ranks (2 stages x 2 data-parallel ranks; tests/CMakeLists.txt filters it elsewhere)";
   auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
   ASSERT_TRUE(groups.ok()) << groups.status().to_string();
-  const int DP = groups->grid.dp(), d = groups->coord.dp;
-  ASSERT_EQ(DP, 2);
-  struct Composed {
-    ModelKind kind;
-    Tier optimizer;
-    int zero_stage;
-    Tier params;
-    std::int64_t micro;  // per pipeline
-  };
-  for (const Composed& c : {Composed{ModelKind::kGpt2, Tier::kDevice, 0, Tier::kDevice, 4},
-                            Composed{ModelKind::kGpt2, Tier::kHost, 1, Tier::kDevice, 2},
-                            Composed{ModelKind::kLlama, Tier::kHost, 2, Tier::kDevice, 4},
-                            Composed{ModelKind::kGpt2, Tier::kHost, 3, Tier::kHost, 2}}) {
-    const std::string what = std::string(to_string(c.kind)) + " params=" + std::string(to_string(c.params)) +
-                             " optimizer=" + std::string(to_string(c.optimizer)) + " ZeRO " +
-                             std::to_string(c.zero_stage) + " m=" + std::to_string(c.micro) +
-                             ", interleaved v=2 on 2 stages x 2 data-parallel ranks";
-    const TrainerConfig global = testing::tiny(c.kind, DType::kF32, c.micro * DP, 1.0);
-    TrainerConfig local = global;
-    local.grad_accum = c.micro;
-    constexpr int kSteps = 3;
-    const ModelLayout layout = *describe_model(global.model);
-    auto train = [&](int v, Snapshot& out, std::vector<int>& held) {
-      OffloadSettings s;
-      s.optimizer = c.optimizer;
-      s.params = c.params;
-      s.zero_stage = c.zero_stage;
-      s.persistence_threshold = 0;
-      s.pipeline_virtual_stages = v;
-      auto device = testing::make_device();
-      auto engine =
-          OffloadEngine::create(local, s, *device, nullptr, groups->dp.get(), nullptr, groups->pp.get());
-      ASSERT_TRUE(engine.ok()) << what << " v=" << v << ": " << engine.status().to_string();
-      ASSERT_TRUE(testing::run_share(**engine, global, d, DP, kSteps, out)) << what << " v=" << v;
-      ASSERT_TRUE(capture_stage(**engine, out, held)) << what << " v=" << v;
-    };
-    Snapshot inter, plain, ref;
-    std::vector<int> held_inter, held_plain;
-    train(2, inter, held_inter);
-    train(1, plain, held_plain);
-    ASSERT_FALSE(HasFatalFailure()) << what;
-    EXPECT_NE(held_inter, held_plain) << what << ": the two schedules' stages hold the same units";
-    EXPECT_EQ(inter.losses, plain.losses) << what << ": losses, interleaved against 1F1B";
-    EXPECT_EQ(inter.norms, plain.norms) << what << ": norms, interleaved against 1F1B";
-    const auto hi = held_state_hashes(layout, inter, held_inter, what + " (interleaved)");
-    const auto hp = held_state_hashes(layout, plain, held_plain, what + " (1F1B)");
-    for (std::size_t i = 0; i < layout.params.size(); ++i) {
-      if (!layout.params[i].owns_storage()) continue;
-      EXPECT_NE(hi[i], 0u) << what << ": no rank holds " << layout.params[i].name;
-      EXPECT_EQ(hi[i], hp[i]) << what << ": " << layout.params[i].name << ", interleaved against 1F1B";
-    }
-    {
-      auto device = testing::make_device();
-      OffloadSettings rs;
-      rs.optimizer = c.optimizer;
-      rs.params = c.params;
-      rs.persistence_threshold = 0;
-      auto engine = OffloadEngine::create(global, rs, *device);
-      ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-      ASSERT_TRUE(testing::run_steps(**engine, global, 0, kSteps, ref)) << what;
-      ASSERT_TRUE(testing::capture_held(**engine, held_inter, ref)) << what;
-    }
-    expect_within_rounding(ref, inter, what + ": against one process");
+  ASSERT_EQ(groups->grid.dp(), 2);
+  for (const InterleavedDp& c : {InterleavedDp{ModelKind::kGpt2, Tier::kDevice, 0, Tier::kDevice, 4},
+                                 InterleavedDp{ModelKind::kGpt2, Tier::kHost, 1, Tier::kDevice, 2},
+                                 InterleavedDp{ModelKind::kLlama, Tier::kHost, 2, Tier::kDevice, 4},
+                                 InterleavedDp{ModelKind::kGpt2, Tier::kHost, 3, Tier::kHost, 2}}) {
+    check_interleaved_dp(*groups, c);
+  }
+}
+
+// The same with the gradients on NVMe (the NVMe optimizer; InterleavedNvmeGradients on 2 stages
+// without data parallelism): each stage's units land their gradients on NVMe through the staging
+// buffer whichever chunk's backward issues them, ZeRO 1 reduces each unit once its last
+// micro-batch's backward released it, ZeRO 2 reduce-scatters after each micro-batch; GPT-2's tied
+// unit is read back and summed between the ends. m = 4 per pipeline (two groups: units restored
+// between micro-batches while other chunks land theirs). Bit for bit against 1F1B on the same
+// grid, within the data-parallel rounding against one process with its gradients on NVMe too.
+TEST(PipelineEngine, InterleavedNvmeGradientsWithDataParallel) {
+  ASSERT_EQ(world().size(), 4)
+      << "runs on 4 ranks (2 stages x 2 data-parallel ranks; tests/CMakeLists.txt filters it elsewhere)";
+  auto groups = make_process_groups(*testing::g_comm_env->context, CommBackend::kMpi, 1, 2);
+  ASSERT_TRUE(groups.ok()) << groups.status().to_string();
+  ASSERT_EQ(groups->grid.dp(), 2);
+  for (const InterleavedDp& c :
+       {InterleavedDp{ModelKind::kGpt2, Tier::kNvme, 1, Tier::kDevice, 4, Tier::kNvme},
+        InterleavedDp{ModelKind::kLlama, Tier::kNvme, 2, Tier::kDevice, 4, Tier::kNvme}}) {
+    check_interleaved_dp(*groups, c);
   }
 }
 
