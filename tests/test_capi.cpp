@@ -409,6 +409,13 @@ TEST(CApi, TrainsLikeTheCppEngineWithParamsOnNvme) {
   EXPECT_EQ(st.param_accesses, cs.param_accesses);
   EXPECT_EQ(st.prefetch_hits, cs.prefetch_hits);
   EXPECT_EQ(st.prefetch_hit_rate, cs.hit_rate());
+  // C API version 4: the early fetch's hits (every step after the first, which records the
+  // trace, starts on early copies) and the tensor-parallel bytes (none: one process).
+  EXPECT_EQ(st.early_fetch_hits, cs.early_fetch_hits);
+  EXPECT_GT(st.early_fetch_hits, 0u);
+  EXPECT_LE(st.early_fetch_hits, st.prefetch_hits);
+  EXPECT_EQ(st.bytes_tp, cs.bytes_tp);
+  EXPECT_EQ(st.bytes_tp, 0u);
   EXPECT_EQ(st.plan_nvme_bytes, (*engine)->plan().nvme_bytes);
   // The two blocks live on NVMe and are fetched in every forward and backward.
   EXPECT_GE(st.param_accesses, 4u * kSteps);

@@ -7,6 +7,7 @@
 #include "strata/strata.h"
 /* clang-format on */
 
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -28,6 +29,16 @@ int main(void) {
   check(major == STRATA_VERSION_MAJOR && minor == STRATA_VERSION_MINOR && patch == STRATA_VERSION_PATCH,
         "strata_version() returns the build's version numbers");
   check(strata_c_api_version() == STRATA_C_API_VERSION, "the library's C API version is the header's");
+  check(STRATA_C_API_VERSION == 4, "the header is C API version 4");
+  /* Version 4 appended early_fetch_hits and bytes_tp after version 3's last field: the fields
+   * a version 3 caller knows keep their offsets. */
+  check(offsetof(strata_stats, early_fetch_hits) ==
+            offsetof(strata_stats, early_optimizer_reads_dropped) + sizeof(uint64_t),
+        "strata_stats.early_fetch_hits follows version 3's last field");
+  check(offsetof(strata_stats, bytes_tp) == offsetof(strata_stats, early_fetch_hits) + sizeof(uint64_t),
+        "strata_stats.bytes_tp follows early_fetch_hits");
+  check(sizeof(strata_stats) == offsetof(strata_stats, bytes_tp) + sizeof(uint64_t),
+        "strata_stats ends with bytes_tp");
   check(strcmp(strata_status_name(STRATA_NOT_FOUND), "NOT_FOUND") == 0, "status name of STRATA_NOT_FOUND");
   check(strcmp(strata_status_name(99), "UNKNOWN") == 0,
         "status name of a value outside the enum");
@@ -60,6 +71,38 @@ int main(void) {
   check(strstr(strata_last_error(), "params_tier") != NULL && strstr(strata_last_error(), "ssd") != NULL,
         "the message names params_tier and 'ssd'");
 
+  /* Parameters and Adam on the host: from the second step on, the step starts on parameters
+   * fetched early, when the previous step returned; strata_engine_get_stats reports those hits. */
+  es.params_tier = "host";
+  es.optimizer_tier = "host";
+  es.vocab_size = 16;
+  es.micro_batch = 1;
+  /* Threshold 0: no module is persistent, every one is fetched. */
+  check(strata_engine_create(device, &es,
+                             "{\"zero_optimization\": {\"stage3_param_persistence_threshold\": 0}}",
+                             &engine) == STRATA_OK &&
+            engine != NULL,
+        "engine_create with params and optimizer on the host succeeds");
+  if (engine != NULL) {
+    int32_t inputs[8], targets[8];
+    for (int i = 0; i < 8; ++i) {
+      inputs[i] = i % 5;
+      targets[i] = (i + 1) % 5;
+    }
+    for (int step = 0; step < 3; ++step) {
+      strata_step_result r;
+      check(strata_engine_step(engine, inputs, targets, 8, &r) == STRATA_OK, "engine_step succeeds");
+    }
+    check(strata_engine_synchronize(engine) == STRATA_OK, "engine_synchronize succeeds");
+    strata_stats st;
+    memset(&st, 0xff, sizeof st);
+    check(strata_engine_get_stats(engine, &st) == STRATA_OK, "engine_get_stats succeeds");
+    check(st.steps == 3, "stats.steps is 3");
+    check(st.early_fetch_hits > 0 && st.early_fetch_hits <= st.prefetch_hits,
+          "stats.early_fetch_hits counts some of prefetch_hits");
+    check(st.bytes_tp == 0, "stats.bytes_tp is 0 in one process");
+    strata_engine_destroy(engine);
+  }
   check(strata_device_destroy(device) == STRATA_OK, "device_destroy succeeds");
   check(strata_device_destroy(NULL) == STRATA_OK, "device_destroy(NULL) is a no-op");
   if (failures == 0) printf("strata.h as C99: all checks passed (Strata %s)\n", version);

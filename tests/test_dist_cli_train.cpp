@@ -600,6 +600,21 @@ TEST(DistCliTrain, TensorParallelFromTheConfigTrainsLikeOneProcess) {
   EXPECT_NE(tp.output.find("2 tensor-parallel ranks"), std::string::npos) << tp.output;
   expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "tp" / "metrics.jsonl"), "tp 2");
   EXPECT_TRUE(std::filesystem::exists(dir / "tp" / "weights.safetensors"));
+  // traffic.tensor_parallel: the model's collectives, the same every step (validation is outside
+  // the step's counters but in the run's total); none in one process.
+  const auto tp_lines = read_jsonl(dir / "tp" / "metrics.jsonl");
+  ASSERT_EQ(tp_lines.size(), 6u);
+  std::uint64_t tp_sum = 0;
+  for (const auto& m : tp_lines) {
+    EXPECT_GT(m["traffic"]["tensor_parallel"].get<std::uint64_t>(), 0u) << m.dump();
+    EXPECT_EQ(m["traffic"]["tensor_parallel"], tp_lines[0]["traffic"]["tensor_parallel"]) << m.dump();
+    tp_sum += m["traffic"]["tensor_parallel"].get<std::uint64_t>();
+  }
+  for (const auto& m : read_jsonl(dir / "one.jsonl"))
+    EXPECT_EQ(m["traffic"]["tensor_parallel"], 0u) << m.dump();
+  const nlohmann::json run = nlohmann::json::parse(read_file(dir / "tp" / "run.json"));
+  EXPECT_GT(run["summary"]["bytes_tensor_parallel"].get<std::uint64_t>(), tp_sum)
+      << "validation's forwards too";
 
   auto one4 = run_cli("train " + flags + "--grad-accum 4 --metrics " + (dir / "one4.jsonl").string());
   ASSERT_EQ(one4.exit_code, 0) << one4.output;

@@ -15,10 +15,12 @@
 //
 // On 2 processes (dist.cost_grid.np2) the tensor-parallel and pipeline terms of predict_step:
 // tensor 2 (with and without sequence parallelism, with activation checkpointing) and pipeline 2
-// (1F1B and GPipe). The engine has no tensor-parallel byte counter, so the tensor-parallel group
-// handed to it is wrapped in CountingComm, which forwards every call to the real MPI group and
-// adds up the buffer bytes of each sub-group the engine splits off (the model's collectives run on
-// "tp.model"); the pipeline's boundary sends are OffloadStats::bytes_pp. Both exact.
+// (1F1B and GPipe). The tensor-parallel bytes are checked twice: against the engine's counter
+// (OffloadStats::bytes_tp, the model's collectives) and, independently of it, through
+// CountingComm, a wrapper of the tensor-parallel group handed to the engine that forwards every
+// call to the real MPI group and adds up the buffer bytes of each sub-group the engine splits off
+// (the model's collectives run on "tp.model", with the device update's gradient statistics);
+// the pipeline's boundary sends are OffloadStats::bytes_pp. All exact.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -217,6 +219,8 @@ TEST(CostModelTwo, TensorParallelBytesAreTheModels) {
         Case{"GPT-2, host optimizer, checkpointing, accumulation 2", ModelKind::kGpt2, Tier::kHost, false,
              true, 2},
         Case{"GPT-2, sequence parallel, checkpointing", ModelKind::kGpt2, Tier::kDevice, true, true, 1},
+        Case{"LLaMA (grouped-query heads), device optimizer", ModelKind::kLlama, Tier::kDevice, false, false,
+             1},
         Case{"LLaMA, sequence parallel, host optimizer, accumulation 2", ModelKind::kLlama, Tier::kHost, true,
              false, 2}}) {
     TrainerConfig config = testing::tiny(k.kind, DType::kBF16, k.accum, 1.0);
@@ -234,15 +238,19 @@ TEST(CostModelTwo, TensorParallelBytesAreTheModels) {
     ASSERT_TRUE(run_share(**engine, config, 0, 1, 2, out)) << k.what;
     ASSERT_TRUE((*engine)->synchronize().ok()) << k.what;
     const CountsByName before = *counts;
+    const OffloadStats stats_before = (*engine)->stats();
     ASSERT_TRUE(run_share(**engine, config, 0, 1, 3, out, 2)) << k.what;
     ASSERT_TRUE((*engine)->synchronize().ok()) << k.what;
     const std::uint64_t measured = (*counts)["tp.model"].collective - before.at("tp.model").collective;
+    const std::uint64_t counted = (*engine)->stats().bytes_tp - stats_before.bytes_tp;
 
     OffloadSettings planned = s;
     planned.tp_size = 2;
     auto p = predict_step(config, planned, any_rates((*engine)->model().layout().modules.size()));
     ASSERT_TRUE(p.ok()) << k.what << ": " << p.status().to_string();
     EXPECT_GT(p->tp_bytes, 0u) << k.what;
+    EXPECT_EQ(counted, p->tp_bytes) << k.what << ": OffloadStats::bytes_tp per step on tp rank "
+                                    << g.coord.tp;
     // The device optimizer's update merges the gradient statistics over the model's group too:
     // one all-gather of two GradStats records per rank.
     const std::uint64_t stats = k.optimizer == Tier::kDevice ? 2 * 2 * sizeof(GradStats) : 0;

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 STRATA_OK = 0
-C_API_VERSION = 3  # the STRATA_C_API_VERSION these structs mirror
+C_API_VERSION = 4  # the STRATA_C_API_VERSION these structs mirror
 
 
 class DeviceSettings(ctypes.Structure):
@@ -91,6 +91,8 @@ class Stats(ctypes.Structure):
         ("plan_nvme_bytes", ctypes.c_uint64),
         ("early_optimizer_reads", ctypes.c_uint64),
         ("early_optimizer_reads_dropped", ctypes.c_uint64),
+        ("early_fetch_hits", ctypes.c_uint64),
+        ("bytes_tp", ctypes.c_uint64),
     ]
 
 

@@ -440,6 +440,11 @@ class Model {
   };
   std::uint64_t activation_host_bytes() const;
   ActivationTraffic activation_traffic() const;
+  // Tensor parallel: buffer bytes of the collectives the model enqueued on its group since
+  // create() (an all-reduce its buffer, a reduce-scatter its input, an all-gather its output, in
+  // the dtype they move; forward, backward and recompute alike); 0 without a group. The cost
+  // model's StepPrediction::tp_bytes predicts a step's worth.
+  std::uint64_t tensor_parallel_bytes() const;
 
  private:
   struct Impl;

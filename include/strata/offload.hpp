@@ -391,7 +391,7 @@ struct StepPrediction {
   // Tensor parallel: the model's blocking collectives of every module's forward, backward and
   // recompute (the compute stream waits for each; counted in the step, not in `compute`), their
   // buffer bytes (an all-reduce its buffer, a reduce-scatter its input, an all-gather its output,
-  // in the dtype the model moves) and how many.
+  // in the dtype the model moves; OffloadStats::bytes_tp counts the same) and how many.
   double tp = 0;
   std::uint64_t tp_bytes = 0;
   std::uint64_t tp_collectives = 0;
@@ -496,6 +496,13 @@ struct OffloadStats {
   double pipeline_seconds = 0.0;
   double pipeline_wait_seconds = 0.0;
   std::uint64_t bytes_pp = 0;
+  // Tensor parallel: buffer bytes of the model's collectives on the tensor-parallel group (the
+  // activation all-reduces; with sequence parallelism the all-gathers and reduce-scatters; an
+  // all-reduce counts its buffer, a reduce-scatter its input, an all-gather its output), in
+  // forward, backward and recompute: what StepPrediction::tp_bytes predicts per step
+  // (Model::tensor_parallel_bytes). The engine's own small agreements on the group (the gradient
+  // statistics of the device update, two GradStats records per rank per step) are left out.
+  std::uint64_t bytes_tp = 0;
   // Checkpoints: bytes of the checkpoint files this rank wrote (data and tensor parallel: the
   // first rank writes every file; a pipeline: each stage's first rank writes its stage's module
   // files, the first stage's first rank also the manifest's companions; the manifest itself is not

@@ -49,7 +49,7 @@ extern "C" {
 #define STRATA_C_EXPORT
 #endif
 
-#define STRATA_C_API_VERSION 3
+#define STRATA_C_API_VERSION 4
 
 /* The same codes, in the same order, as strata::StatusCode (status.hpp). */
 typedef enum strata_status {
@@ -226,6 +226,13 @@ typedef struct strata_stats {
    * version 3, which appended them (an out-struct that grows is an incompatible change). */
   uint64_t early_optimizer_reads;
   uint64_t early_optimizer_reads_dropped;
+  /* Added in C API version 4, appended (the struct has no size field: growing it is an
+   * incompatible change, hence the new version). Of prefetch_hits, those that found a copy
+   * fetched early, when the previous step returned (docs/offload.md "Early fetch across steps").
+   * bytes_tp: buffer bytes of the model's tensor-parallel collectives (docs/observability.md
+   * `traffic.tensor_parallel`); 0 here, where the engine runs in one process. */
+  uint64_t early_fetch_hits;
+  uint64_t bytes_tp;
 } strata_stats;
 STRATA_C_EXPORT strata_status strata_engine_get_stats(const strata_engine* engine, strata_stats* out);
 

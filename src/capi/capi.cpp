@@ -543,6 +543,8 @@ strata_status strata_engine_get_stats(const strata_engine* engine, strata_stats*
     r.plan_nvme_bytes = plan.nvme_bytes;
     r.early_optimizer_reads = s.early_optimizer_reads;
     r.early_optimizer_reads_dropped = s.early_optimizer_reads_dropped;
+    r.early_fetch_hits = s.early_fetch_hits;
+    r.bytes_tp = s.bytes_tp;
     *out = r;
     return strata::ok_status();
   });

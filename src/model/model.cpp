@@ -49,6 +49,7 @@
 #include "strata/model.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -181,6 +182,8 @@ struct Model::Impl : ActState {
   std::int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0, Q = 0, V = 0, Vp = 0, vocab_begin = 0;
   bool gpt2 = true;
   Comm* tp = nullptr;  // the tensor-parallel group; null for the whole model
+  // Buffer bytes of the collectives enqueued on `tp` (tensor_parallel_bytes()).
+  std::atomic<std::uint64_t> tp_bytes{0};
   int tp_rank = 0;
   // Sequence parallel: t (the token rows of the residual stream, norms and residual adds are
   // split t ways), else 1. sp_full (Bmax·Tmax, C) is the one full-rows buffer the split regions'
@@ -286,6 +289,11 @@ struct Model::Impl : ActState {
   // `local` (n) gathered into `full` in rank order.
   Status tp_reduce_scatter(const char* label, Tensor full, Tensor local, std::int64_t n);
   Status tp_all_gather(const char* label, Tensor local, Tensor full, std::int64_t n);
+  // Adds a collective's buffer (`elements` of `dtype`: an all-reduce its buffer, a
+  // reduce-scatter its input, an all-gather its output) to tp_bytes.
+  void count_tp(std::size_t elements, DType dtype) {
+    tp_bytes.fetch_add(elements * dtype_size(dtype), std::memory_order_relaxed);
+  }
   // Runs `op` (a collective on the group) in the stream's order and waits for it.
   template <class Op>
   Status tp_collective(const char* label, Op op);
@@ -317,12 +325,14 @@ Status Model::Impl::tp_all_reduce(const char* label, Tensor buf, std::int64_t n,
   if (tp == nullptr) return ok_status();
   Comm* comm = tp;
   const auto count = static_cast<std::size_t>(n);
+  count_tp(count, buf.dtype);
   return tp_collective(label, [=] { return comm->all_reduce(buf.data, buf.data, count, buf.dtype, op); });
 }
 
 Status Model::Impl::tp_reduce_scatter(const char* label, Tensor full, Tensor local, std::int64_t n) {
   Comm* comm = tp;
   const auto count = static_cast<std::size_t>(n);
+  count_tp(count * static_cast<std::size_t>(comm->size()), full.dtype);
   return tp_collective(
       label, [=] { return comm->reduce_scatter(full.data, local.data, count, full.dtype, ReduceOp::kSum); });
 }
@@ -330,6 +340,7 @@ Status Model::Impl::tp_reduce_scatter(const char* label, Tensor full, Tensor loc
 Status Model::Impl::tp_all_gather(const char* label, Tensor local, Tensor full, std::int64_t n) {
   Comm* comm = tp;
   const auto count = static_cast<std::size_t>(n);
+  count_tp(count * static_cast<std::size_t>(comm->size()), local.dtype);
   return tp_collective(label, [=] { return comm->all_gather(local.data, full.data, count, local.dtype); });
 }
 
@@ -819,6 +830,8 @@ std::uint64_t Model::activation_host_bytes() const {
 }
 
 Model::ActivationTraffic Model::activation_traffic() const { return impl_->traffic; }
+
+std::uint64_t Model::tensor_parallel_bytes() const { return impl_->tp_bytes.load(std::memory_order_relaxed); }
 
 Status Model::select_slot(int slot) {
   if (slot < 0 || slot >= static_cast<int>(impl_->parked.size())) {

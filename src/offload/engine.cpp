@@ -6252,6 +6252,7 @@ OffloadStats OffloadEngine::stats() const {
     const Model::ActivationTraffic a = t.model->activation_traffic();
     s.bytes_activations_to_host = a.to_host;
     s.bytes_activations_to_device = a.to_device;
+    s.bytes_tp = t.model->tensor_parallel_bytes();
   }
   return s;
 }

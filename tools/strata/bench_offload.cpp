@@ -359,6 +359,9 @@ int bench_offload(std::span<const std::string> argv) {
              {"d2h", d2h},
              {"nvme_read", nr},
              {"nvme_write", nw},
+             // The model's tensor-parallel collectives: 0 here (one process, no group), kept so
+             // the row has every link strata train --metrics shows.
+             {"tensor_parallel", per(before.bytes_tp, after.bytes_tp)},
              {"activations", per(before.bytes_activations_to_host + before.bytes_activations_to_device,
                                  after.bytes_activations_to_host + after.bytes_activations_to_device)}};
     row["allocations_after_warmup"] = after.allocations_after_warmup;

@@ -202,6 +202,8 @@ Json step_record(const StepMetrics& m, const OffloadStats& before, const Offload
            {"nvme_read", after.bytes_nvme_read - before.bytes_nvme_read},
            {"nvme_write", after.bytes_nvme_written - before.bytes_nvme_written},
            {"data_parallel", after.bytes_dp - before.bytes_dp},
+           // The model's collectives on the tensor-parallel group (StepPrediction::tp_bytes).
+           {"tensor_parallel", after.bytes_tp - before.bytes_tp},
            // This rank's boundary tensors sent to its pipeline neighbours (with sequence
            // parallelism its rows of them: 1/tp of the bytes without it).
            {"pipeline", after.bytes_pp - before.bytes_pp},
@@ -928,6 +930,7 @@ int run_train(std::span<const std::string> argv) {
     summary["offload_param"] = std::string(to_string(offload.params));
     summary["offload_optimizer"] = std::string(to_string(offload.optimizer));
     summary["bytes_data_parallel"] = os.bytes_dp;
+    summary["bytes_tensor_parallel"] = os.bytes_tp;
     summary["bytes_pipeline"] = os.bytes_pp;
     summary["bytes_h2d"] = os.bytes_h2d;
     summary["bytes_d2h"] = os.bytes_d2h;
