@@ -131,6 +131,7 @@ class MpiComm final : public Comm {
                              std::to_string(root) + " (world rank " + std::to_string(world_ranks_[root]) +
                              ")";
     return queue_.submit([=, this]() -> Status {
+      if (size_ <= kMaxDirectGatherRanks) return broadcast_direct(buf, count, dtype, root, what);
       MPI_Request req;
       STRATA_RETURN_IF_ERROR(
           start(MPI_Ibcast(buf, static_cast<int>(count), wire_type(dtype), root, comm_, &req), what));
@@ -201,6 +202,11 @@ class MpiComm final : public Comm {
   static constexpr int kMaxDirectGatherRanks = 16;
   // reduce_direct's peer ranges use this tag (all_reduce's folded chunks, kGatherTag).
   static constexpr int kReduceTag = 9;
+  // broadcast_direct's messages.
+  static constexpr int kBcastTag = 10;
+  // broadcast_direct: up to this many bytes the root sends to every peer itself; above, a
+  // binomial tree spreads the sends over the ranks that already hold the data.
+  static constexpr std::size_t kFlatBcastBytes = std::size_t{64} << 10;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -275,6 +281,46 @@ class MpiComm final : public Comm {
     unsigned char* mine = out + static_cast<std::size_t>(rank_) * block;
     if (send != mine) std::memcpy(mine, send, block);
     return finish(requests_.data(), k, what);
+  }
+
+  // broadcast as point-to-point messages (docs/parallel.md "Broadcast from point-to-point
+  // messages"): every rank but the root receives the whole buffer from its parent, then sends it
+  // to its children. Small buffers: the root is every other rank's parent (one message each, no
+  // relay). Larger: a binomial tree over the ranks numbered from the root (v = rank - root mod
+  // n): v's parent is v with its lowest set bit cleared, its children v + 2^k for every 2^k below
+  // that bit, so the root's sends halve at each level and a tree of n ranks is ceil(log2 n)
+  // levels deep. Bytes are moved as they are (no arithmetic), so every rank gets the root's bits;
+  // two broadcasts in a row cannot mix (one sender's messages of one tag stay in order, and each
+  // completes before the queue starts the next).
+  Status broadcast_direct(void* buf, std::size_t count, DType dtype, int root, const std::string& what) {
+    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    const int n = static_cast<int>(count);
+    const int v = (rank_ - root + size_) % size_;
+    const bool flat = count * dtype_size(dtype) <= kFlatBcastBytes;
+    // The lowest set bit of v (the root: above every rank).
+    int low = 1;
+    while (low < size_ && (v & low) == 0) low <<= 1;
+    if (v != 0) {
+      const int parent = flat ? root : (v - low + root) % size_;
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(buf, n, wire_type(dtype), parent, kBcastTag, comm_, &req), what));
+      STRATA_RETURN_IF_ERROR(finish(&req, 1, what, deadline));
+      if (flat) return ok_status();
+    }
+    requests_.clear();
+    const auto send_to = [&](int w) {
+      return start(MPI_Isend(buf, n, wire_type(dtype), (w + root) % size_, kBcastTag, comm_,
+                             &requests_.emplace_back()),
+                   what);
+    };
+    if (flat) {
+      for (int w = 1; w < size_; ++w) STRATA_RETURN_IF_ERROR(send_to(w));
+    } else {
+      for (int k = low >> 1; k > 0; k >>= 1) {
+        if (v + k < size_) STRATA_RETURN_IF_ERROR(send_to(v + k));
+      }
+    }
+    return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
   }
 
   // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.
