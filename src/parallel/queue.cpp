@@ -99,8 +99,9 @@ std::chrono::nanoseconds PollPacer::next_at(std::chrono::steady_clock::time_poin
   return std::min<std::chrono::nanoseconds>(waited / 8, kMaxSleep);
 }
 
-void PollPacer::pause() {
-  const auto now = std::chrono::steady_clock::now();
+void PollPacer::pause() { pause_at(std::chrono::steady_clock::now()); }
+
+void PollPacer::pause_at(std::chrono::steady_clock::time_point now) {
   const std::chrono::nanoseconds d = next_at(now);
   if (hot_at(now)) return;
   if (d.count() == 0) {
