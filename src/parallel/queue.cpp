@@ -265,8 +265,9 @@ void CommQueue::run() {
         while (!ready()) {
           const auto now = std::chrono::steady_clock::now();
           if (now >= doze_until_) {
-            cv_.wait(lock, ready);
-            break;
+            // Until woken; then doze again if that was a submit the caller ran itself.
+            cv_.wait(lock);
+            continue;
           }
           dozing_ = true;
           cv_.wait_until(lock, std::min(now + kDoze, doze_until_));
