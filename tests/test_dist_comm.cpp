@@ -396,15 +396,17 @@ TEST(Comm, BroadcastEqualsTheMpiLibrarysBcastBitForBit) {
     return v;
   };
   for (DType d : kDtypes) {
-    for (std::size_t n : {std::size_t{1}, std::size_t{1025}, std::size_t{16384}, std::size_t{16385},
-                          std::size_t{65537}}) {
+    for (std::size_t n :
+         {std::size_t{1}, std::size_t{1025}, std::size_t{16384}, std::size_t{16385}, std::size_t{65537}}) {
       const std::size_t bytes = n * dtype_size(d);
       for (int root = 0; root < p; ++root) {
-        const std::string what = std::string(to_string(d)) + " n=" + std::to_string(n) + " root " +
-                                 std::to_string(root);
-        std::vector<unsigned char> want = me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xCD);
+        const std::string what =
+            std::string(to_string(d)) + " n=" + std::to_string(n) + " root " + std::to_string(root);
+        std::vector<unsigned char> want =
+            me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xCD);
         ASSERT_EQ(MPI_Bcast(want.data(), static_cast<int>(bytes), MPI_BYTE, root, ref), MPI_SUCCESS);
-        std::vector<unsigned char> got = me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xAB);
+        std::vector<unsigned char> got =
+            me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xAB);
         // The second broadcast, from the next root, is enqueued before the first is waited for.
         const int root2 = (root + 1) % p;
         std::vector<unsigned char> want2 = pattern(root2, bytes, 5);

@@ -295,8 +295,7 @@ class MpiComm final : public Comm {
   // each rank sends to rank+1, rank+2, ... so the ranks do not all send to rank 0 first. Two
   // all_gathers in a row cannot mix: MPI keeps the messages of one sender and tag in order, and
   // each rank posts its receives in the order of its operations on the queue.
-  Status gather_direct(const void* send, void* recv, std::size_t count, DType dtype,
-                       const OpName& what) {
+  Status gather_direct(const void* send, void* recv, std::size_t count, DType dtype, const OpName& what) {
     const std::size_t block = count * dtype_size(dtype);
     const int n = static_cast<int>(count);
     auto* out = static_cast<unsigned char*>(recv);
@@ -338,7 +337,8 @@ class MpiComm final : public Comm {
     if (v != 0) {
       const int parent = flat ? root : (v - low + root) % size_;
       MPI_Request req;
-      STRATA_RETURN_IF_ERROR(start(MPI_Irecv(buf, n, wire_type(dtype), parent, kBcastTag, comm_, &req), what));
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(buf, n, wire_type(dtype), parent, kBcastTag, comm_, &req), what));
       STRATA_RETURN_IF_ERROR(finish(&req, 1, what, deadline));
       if (flat) return ok_status();
     }
@@ -385,8 +385,7 @@ class MpiComm final : public Comm {
   // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages in
   // groups of up to kMaxDirectGatherRanks, else OpenMPI's non-blocking call. src == dst allowed
   // for all_reduce.
-  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op,
-                        const OpName& what) {
+  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
     if (reduces_direct() && count * sizeof(float) <= kWholeReduceBytes) {
       return reduce_whole(src, dst, count, op, what);
     }
@@ -522,13 +521,13 @@ class MpiComm final : public Comm {
     requests_.clear();
     for (int step = 1; step < size_; ++step) {
       const int from = (rank_ + size_ - step) % size_;
-      STRATA_RETURN_IF_ERROR(
-          start(MPI_Irecv(slot(from), n, MPI_FLOAT, from, kReduceTag, comm_, &requests_.emplace_back()), what));
+      STRATA_RETURN_IF_ERROR(start(
+          MPI_Irecv(slot(from), n, MPI_FLOAT, from, kReduceTag, comm_, &requests_.emplace_back()), what));
     }
     for (int step = 1; step < size_; ++step) {
-      STRATA_RETURN_IF_ERROR(start(MPI_Isend(src, n, MPI_FLOAT, (rank_ + step) % size_, kReduceTag, comm_,
-                                             &requests_.emplace_back()),
-                                   what));
+      STRATA_RETURN_IF_ERROR(start(
+          MPI_Isend(src, n, MPI_FLOAT, (rank_ + step) % size_, kReduceTag, comm_, &requests_.emplace_back()),
+          what));
     }
     STRATA_RETURN_IF_ERROR(finish(requests_.data(), static_cast<int>(requests_.size()), what));
     fold(src, slot, dst, count, op);
