@@ -376,6 +376,105 @@ TEST(Comm, AllGatherEqualsTheMpiLibrarysAllgatherBitForBit) {
   MPI_Comm_free(&ref);
 }
 
+// broadcast moves its buffer as point-to-point messages of its own (mpi_comm.cpp
+// broadcast_direct: the root sends to every rank up to 64 KiB, a binomial tree above), so its
+// result must equal MPI_Bcast's bit for bit: every root, both dtypes, arbitrary bit patterns,
+// sizes on both sides of the 64 KiB switch (16384 f32 is exactly 64 KiB), with a send and a recv
+// of the same Comm enqueued around it (a message of one must never match the other's receive),
+// and two broadcasts from different roots enqueued before either is waited for.
+TEST(Comm, BroadcastEqualsTheMpiLibrarysBcastBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  const auto pattern = [](int root, std::size_t bytes, int salt) {
+    std::vector<unsigned char> v(bytes);
+    for (std::size_t i = 0; i < bytes; ++i) {
+      v[i] = static_cast<unsigned char>((i * 151 + static_cast<std::size_t>(root) * 89 + salt) ^ (i >> 9));
+    }
+    return v;
+  };
+  for (DType d : kDtypes) {
+    for (std::size_t n :
+         {std::size_t{1}, std::size_t{1025}, std::size_t{16384}, std::size_t{16385}, std::size_t{65537}}) {
+      const std::size_t bytes = n * dtype_size(d);
+      for (int root = 0; root < p; ++root) {
+        const std::string what =
+            std::string(to_string(d)) + " n=" + std::to_string(n) + " root " + std::to_string(root);
+        std::vector<unsigned char> want =
+            me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xCD);
+        ASSERT_EQ(MPI_Bcast(want.data(), static_cast<int>(bytes), MPI_BYTE, root, ref), MPI_SUCCESS);
+        std::vector<unsigned char> got =
+            me == root ? pattern(root, bytes, 3) : std::vector<unsigned char>(bytes, 0xAB);
+        // The second broadcast, from the next root, is enqueued before the first is waited for.
+        const int root2 = (root + 1) % p;
+        std::vector<unsigned char> want2 = pattern(root2, bytes, 5);
+        std::vector<unsigned char> got2 = me == root2 ? want2 : std::vector<unsigned char>(bytes, 0x11);
+        float token = static_cast<float>(me + 1);
+        float token_in = -1.0f;
+        CommWork s = c.send(&token, 1, DType::kF32, (me + 1) % p);
+        CommWork b = c.broadcast(got.data(), n, d, root);
+        CommWork b2 = c.broadcast(got2.data(), n, d, root2);
+        CommWork r = c.recv(&token_in, 1, DType::kF32, (me + p - 1) % p);
+        Status bs = b2.wait();
+        ASSERT_TRUE(bs.ok()) << what << ": " << bs.to_string();
+        ASSERT_TRUE(b.wait().ok()) << what;
+        ASSERT_TRUE(s.wait().ok()) << what;
+        ASSERT_TRUE(r.wait().ok()) << what;
+        EXPECT_TRUE(got == want) << what << ": differs from MPI_Bcast";
+        EXPECT_TRUE(got2 == want2) << what << ": the second broadcast (root " << root2 << ") differs";
+        EXPECT_EQ(token_in, static_cast<float>((me + p - 1) % p + 1)) << what;
+      }
+    }
+  }
+  MPI_Comm_free(&ref);
+}
+
+// A submit right after other operations does not wake the queue thread, which dozes then
+// (CommQueue::kDoze): an operation that nobody waits for must still start, within the doze.
+// Rank 0 submits a send to rank 1 right after a collective and does not wait for it; it waits
+// (outside the Comm, on MPI directly) for rank 1's acknowledgment that the message arrived. Only
+// the queue thread can start that send; if the doze missed it, no acknowledgment would come
+// (checked against a generous deadline, a liveness bound, not a timing).
+TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
+  Comm& c = world();
+  const int me = c.rank();
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  for (int round = 0; round < 20; ++round) {
+    const std::string at = "round " + std::to_string(round);
+    float x = 1.0f;
+    ASSERT_TRUE(c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
+    float out = static_cast<float>(round);
+    if (me == 0) {
+      CommWork s = c.send(&out, 1, DType::kF32, 1);
+      int ack = -1;
+      MPI_Request req;
+      ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
+      int flag = 0;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!flag && std::chrono::steady_clock::now() < give_up) {
+        MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (!flag) {
+        ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      EXPECT_EQ(ack, round) << at;
+      ASSERT_TRUE(s.wait().ok()) << at;
+    } else if (me == 1) {
+      float in = -1.0f;
+      ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
+      int ack = static_cast<int>(in);
+      ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+    }
+  }
+  ASSERT_TRUE(c.barrier().wait().ok());
+  MPI_Comm_free(&ref);
+}
+
 // Element i of `rank`'s buffer in the reduction-order tests: signs and exponents spread over
 // 2^-20..2^20, so the fp32 sum over ranks depends on the order it is taken in.
 float order_sensitive_value(int rank, std::size_t i) {

@@ -27,6 +27,41 @@ namespace {
 
 MPI_Datatype wire_type(DType dtype) { return dtype == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
 
+// What an operation is, for its error messages: "all_reduce(sum) of 4097 x f32", "send of 1 x
+// bf16 to group rank 1 (world rank 3)". Kept as its parts and formatted only when an error is
+// reported: building the string for every call cost several allocations, a noticeable part of a
+// small message's time.
+struct OpName {
+  enum class Tail { kNone, kPerRank, kFrom, kTo };
+  const char* verb = "";
+  std::string_view op;  // the reduction's name, for a reduction
+  bool has_count = false;
+  std::size_t count = 0;
+  DType dtype = DType::kF32;
+  Tail tail = Tail::kNone;
+  int peer = -1;  // kFrom, kTo: the peer's group rank and world rank
+  int peer_world = -1;
+
+  std::string str() const {
+    std::string out = verb;
+    if (!op.empty()) out += "(" + std::string(op) + ")";
+    if (has_count) out += " of " + describe_count(count, dtype);
+    switch (tail) {
+      case Tail::kNone:
+        break;
+      case Tail::kPerRank:
+        out += " per rank";
+        break;
+      case Tail::kFrom:
+      case Tail::kTo:
+        out += std::string(tail == Tail::kFrom ? " from" : " to") + " group rank " + std::to_string(peer) +
+               " (world rank " + std::to_string(peer_world) + ")";
+        break;
+    }
+    return out;
+  }
+};
+
 class MpiComm final : public Comm {
  public:
   MpiComm(CommContext::Impl& context, MPI_Comm comm, std::string name)
@@ -58,8 +93,7 @@ class MpiComm final : public Comm {
   CommWork all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op) override {
     if (Status s = check_count(count, dtype, "all_reduce"); !s.ok())
       return finished_work(s.with_context(label_));
-    const std::string what =
-        "all_reduce(" + std::string(to_string(op)) + ") of " + describe_count(count, dtype);
+    const OpName what{"all_reduce", to_string(op), true, count, dtype};
     return queue_.submit([=, this]() -> Status {
       if (dtype == DType::kF32) {
         STRATA_RETURN_IF_ERROR(
@@ -81,8 +115,7 @@ class MpiComm final : public Comm {
         !s.ok()) {
       return finished_work(s.with_context(label_));
     }
-    const std::string what = "reduce_scatter(" + std::string(to_string(op)) + ") of " +
-                             describe_count(recv_count, dtype) + " per rank";
+    const OpName what{"reduce_scatter", to_string(op), true, recv_count, dtype, OpName::Tail::kPerRank};
     return queue_.submit([=, this]() -> Status {
       const std::size_t total = recv_count * static_cast<std::size_t>(size_);
       if (dtype == DType::kF32) {
@@ -104,7 +137,7 @@ class MpiComm final : public Comm {
     if (Status s = check_count(send_count * static_cast<std::size_t>(size_), dtype, "all_gather"); !s.ok()) {
       return finished_work(s.with_context(label_));
     }
-    const std::string what = "all_gather of " + describe_count(send_count, dtype) + " per rank";
+    const OpName what{"all_gather", {}, true, send_count, dtype, OpName::Tail::kPerRank};
     return queue_.submit([=, this]() -> Status {
       const int n = static_cast<int>(send_count);
       if (size_ > kMaxDirectGatherRanks) {
@@ -127,10 +160,9 @@ class MpiComm final : public Comm {
     if (Status s = check_count(count, dtype, "broadcast"); !s.ok())
       return finished_work(s.with_context(label_));
     if (root < 0 || root >= size_) return finished_work(bad_rank("broadcast", "root", root));
-    const std::string what = "broadcast of " + describe_count(count, dtype) + " from group rank " +
-                             std::to_string(root) + " (world rank " + std::to_string(world_ranks_[root]) +
-                             ")";
+    const OpName what{"broadcast", {}, true, count, dtype, OpName::Tail::kFrom, root, world_ranks_[root]};
     return queue_.submit([=, this]() -> Status {
+      if (size_ <= kMaxDirectGatherRanks) return broadcast_direct(buf, count, dtype, root, what);
       MPI_Request req;
       STRATA_RETURN_IF_ERROR(
           start(MPI_Ibcast(buf, static_cast<int>(count), wire_type(dtype), root, comm_, &req), what));
@@ -141,9 +173,7 @@ class MpiComm final : public Comm {
   CommWork send(const void* buf, std::size_t count, DType dtype, int peer) override {
     if (Status s = check_count(count, dtype, "send"); !s.ok()) return finished_work(s.with_context(label_));
     if (peer < 0 || peer >= size_ || peer == rank_) return finished_work(bad_rank("send", "peer", peer));
-    const std::string what = "send of " + describe_count(count, dtype) + " to group rank " +
-                             std::to_string(peer) + " (world rank " + std::to_string(world_ranks_[peer]) +
-                             ")";
+    const OpName what{"send", {}, true, count, dtype, OpName::Tail::kTo, peer, world_ranks_[peer]};
     return queue_.submit_async([=, this]() -> Result<CommQueue::Poll> {
       MPI_Request req;
       STRATA_RETURN_IF_ERROR(
@@ -155,9 +185,7 @@ class MpiComm final : public Comm {
   CommWork recv(void* buf, std::size_t count, DType dtype, int peer) override {
     if (Status s = check_count(count, dtype, "recv"); !s.ok()) return finished_work(s.with_context(label_));
     if (peer < 0 || peer >= size_ || peer == rank_) return finished_work(bad_rank("recv", "peer", peer));
-    const std::string what = "recv of " + describe_count(count, dtype) + " from group rank " +
-                             std::to_string(peer) + " (world rank " + std::to_string(world_ranks_[peer]) +
-                             ")";
+    const OpName what{"recv", {}, true, count, dtype, OpName::Tail::kFrom, peer, world_ranks_[peer]};
     return queue_.submit_async([=, this]() -> Result<CommQueue::Poll> {
       MPI_Request req;
       STRATA_RETURN_IF_ERROR(
@@ -169,8 +197,10 @@ class MpiComm final : public Comm {
   CommWork barrier() override {
     return queue_.submit([this]() -> Status {
       MPI_Request req;
-      STRATA_RETURN_IF_ERROR(start(MPI_Ibarrier(comm_, &req), "barrier"));
-      return finish(req, "barrier");
+      OpName what;
+      what.verb = "barrier";
+      STRATA_RETURN_IF_ERROR(start(MPI_Ibarrier(comm_, &req), what));
+      return finish(req, what);
     });
   }
 
@@ -201,6 +231,16 @@ class MpiComm final : public Comm {
   static constexpr int kMaxDirectGatherRanks = 16;
   // reduce_direct's peer ranges use this tag (all_reduce's folded chunks, kGatherTag).
   static constexpr int kReduceTag = 9;
+  // all_reduce up to this many bytes (fp32) is one exchange of whole buffers (reduce_whole)
+  // rather than reduce_direct's two rounds; its receive buffer, (n - 1) of these per group of at
+  // most kMaxDirectGatherRanks, stays far below kMpiReduceBufferBytes.
+  static constexpr std::size_t kWholeReduceBytes = std::size_t{16} << 10;
+  static_assert((kMaxDirectGatherRanks - 1) * kWholeReduceBytes <= kMpiReduceBufferBytes);
+  // broadcast_direct's messages.
+  static constexpr int kBcastTag = 10;
+  // broadcast_direct: up to this many bytes the root sends to every peer itself; above, a
+  // binomial tree spreads the sends over the ranks that already hold the data.
+  static constexpr std::size_t kFlatBcastBytes = std::size_t{64} << 10;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -209,13 +249,13 @@ class MpiComm final : public Comm {
                             " is not another rank of this group of " + std::to_string(size_));
   }
 
-  Status start(int rc, const std::string& what) const {
-    return rc == MPI_SUCCESS ? ok_status() : mpi_status(rc, what + " on " + label_);
+  Status start(int rc, const OpName& what) const {
+    return rc == MPI_SUCCESS ? ok_status() : mpi_status(rc, what.str() + " on " + label_);
   }
 
-  Status timeout_error(const std::string& what) const {
+  Status timeout_error(const OpName& what) const {
     const double secs = std::chrono::duration<double>(context_.config.timeout).count();
-    return unavailable("comm timeout: " + what + " on " + label_ + ", this is group rank " +
+    return unavailable("comm timeout: " + what.str() + " on " + label_ + ", this is group rank " +
                        std::to_string(rank_) + " (world rank " + std::to_string(context_.rank) +
                        "), did not complete within " + std::to_string(secs) +
                        " s (comm_timeout / STRATA_COMM_TIMEOUT): a peer died, hangs, or called a "
@@ -227,24 +267,25 @@ class MpiComm final : public Comm {
   // short sleeps, so a rank waiting for a slow peer does not burn a core. Runs on the queue
   // thread or, through run_inline, on the waiting caller's.
   // `count` requests, done when all are.
-  Status finish(MPI_Request* reqs, int count, const std::string& what) const {
+  Status finish(MPI_Request* reqs, int count, const OpName& what) const {
     return finish(reqs, count, what, std::chrono::steady_clock::now() + context_.config.timeout);
   }
   // The same against an operation's deadline set when it started (a chunked reduction waits
   // several times).
-  Status finish(MPI_Request* reqs, int count, const std::string& what,
+  Status finish(MPI_Request* reqs, int count, const OpName& what,
                 std::chrono::steady_clock::time_point deadline) const {
     PollPacer pacer;
     for (;;) {
       int flag = 0;
       const int rc = MPI_Testall(count, reqs, &flag, MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
+      if (rc != MPI_SUCCESS) return mpi_status(rc, what.str() + " on " + label_);
       if (flag) return ok_status();
-      if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
-      pacer.pause();
+      const auto now = std::chrono::steady_clock::now();
+      if (now > deadline) return timeout_error(what);
+      pacer.pause_at(now);
     }
   }
-  Status finish(MPI_Request& req, const std::string& what) const { return finish(&req, 1, what); }
+  Status finish(MPI_Request& req, const OpName& what) const { return finish(&req, 1, what); }
 
   // all_gather as one message from every rank to every other (docs/parallel.md "all_gather from
   // point-to-point messages"): OpenMPI serves MPI_Iallgather with libnbc, whose schedule took
@@ -254,8 +295,7 @@ class MpiComm final : public Comm {
   // each rank sends to rank+1, rank+2, ... so the ranks do not all send to rank 0 first. Two
   // all_gathers in a row cannot mix: MPI keeps the messages of one sender and tag in order, and
   // each rank posts its receives in the order of its operations on the queue.
-  Status gather_direct(const void* send, void* recv, std::size_t count, DType dtype,
-                       const std::string& what) {
+  Status gather_direct(const void* send, void* recv, std::size_t count, DType dtype, const OpName& what) {
     const std::size_t block = count * dtype_size(dtype);
     const int n = static_cast<int>(count);
     auto* out = static_cast<unsigned char*>(recv);
@@ -277,14 +317,55 @@ class MpiComm final : public Comm {
     return finish(requests_.data(), k, what);
   }
 
-  // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.
-  CommQueue::Poll poll_of(MPI_Request req, std::string what, long long expect, DType dtype) const {
+  // broadcast as point-to-point messages (docs/parallel.md "Broadcast from point-to-point
+  // messages"): every rank but the root receives the whole buffer from its parent, then sends it
+  // to its children. Small buffers: the root is every other rank's parent (one message each, no
+  // relay). Larger: a binomial tree over the ranks numbered from the root (v = rank - root mod
+  // n): v's parent is v with its lowest set bit cleared, its children v + 2^k for every 2^k below
+  // that bit, so the root's sends halve at each level and a tree of n ranks is ceil(log2 n)
+  // levels deep. Bytes are moved as they are (no arithmetic), so every rank gets the root's bits;
+  // two broadcasts in a row cannot mix (one sender's messages of one tag stay in order, and each
+  // completes before the queue starts the next).
+  Status broadcast_direct(void* buf, std::size_t count, DType dtype, int root, const OpName& what) {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
-    return [this, req, what = std::move(what), expect, dtype, deadline]() mutable -> Result<bool> {
+    const int n = static_cast<int>(count);
+    const int v = (rank_ - root + size_) % size_;
+    const bool flat = count * dtype_size(dtype) <= kFlatBcastBytes;
+    // The lowest set bit of v (the root: above every rank).
+    int low = 1;
+    while (low < size_ && (v & low) == 0) low <<= 1;
+    if (v != 0) {
+      const int parent = flat ? root : (v - low + root) % size_;
+      MPI_Request req;
+      STRATA_RETURN_IF_ERROR(
+          start(MPI_Irecv(buf, n, wire_type(dtype), parent, kBcastTag, comm_, &req), what));
+      STRATA_RETURN_IF_ERROR(finish(&req, 1, what, deadline));
+      if (flat) return ok_status();
+    }
+    requests_.clear();
+    const auto send_to = [&](int w) {
+      return start(MPI_Isend(buf, n, wire_type(dtype), (w + root) % size_, kBcastTag, comm_,
+                             &requests_.emplace_back()),
+                   what);
+    };
+    if (flat) {
+      for (int w = 1; w < size_; ++w) STRATA_RETURN_IF_ERROR(send_to(w));
+    } else {
+      for (int k = low >> 1; k > 0; k >>= 1) {
+        if (v + k < size_) STRATA_RETURN_IF_ERROR(send_to(v + k));
+      }
+    }
+    return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
+  }
+
+  // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.
+  CommQueue::Poll poll_of(MPI_Request req, OpName what, long long expect, DType dtype) const {
+    const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
+    return [this, req, what, expect, dtype, deadline]() mutable -> Result<bool> {
       int flag = 0;
       MPI_Status st;
       const int rc = MPI_Test(&req, &flag, &st);
-      if (rc != MPI_SUCCESS) return mpi_status(rc, what + " on " + label_);
+      if (rc != MPI_SUCCESS) return mpi_status(rc, what.str() + " on " + label_);
       if (!flag) {
         if (std::chrono::steady_clock::now() > deadline) return timeout_error(what);
         return false;
@@ -293,7 +374,7 @@ class MpiComm final : public Comm {
         int got = 0;
         MPI_Get_count(&st, wire_type(dtype), &got);
         if (got != expect) {
-          return invalid_argument(what + " on " + label_ + ": the peer sent " + std::to_string(got) +
+          return invalid_argument(what.str() + " on " + label_ + ": the peer sent " + std::to_string(got) +
                                   " elements, expected " + std::to_string(expect));
         }
       }
@@ -304,8 +385,10 @@ class MpiComm final : public Comm {
   // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages in
   // groups of up to kMaxDirectGatherRanks, else OpenMPI's non-blocking call. src == dst allowed
   // for all_reduce.
-  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op,
-                        const std::string& what) {
+  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
+    if (reduces_direct() && count * sizeof(float) <= kWholeReduceBytes) {
+      return reduce_whole(src, dst, count, op, what);
+    }
     if (reduces_direct()) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
     MPI_Request req;
     const void* in = src == dst ? MPI_IN_PLACE : src;
@@ -314,7 +397,7 @@ class MpiComm final : public Comm {
     return finish(req, what);
   }
   Status reduce_scatter_f32(const float* src, float* dst, std::size_t recv_count, ReduceOp op,
-                            const std::string& what) {
+                            const OpName& what) {
     const std::size_t total = recv_count * static_cast<std::size_t>(size_);
     if (reduces_direct()) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
     MPI_Request req;
@@ -344,7 +427,7 @@ class MpiComm final : public Comm {
   // at 4 MiB, docs/parallel.md). Bytes per rank as a ring: (n - 1) / n of the buffer out and in
   // per half, in one step per chunk instead of n - 1.
   Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
-                       const std::string& what) {
+                       const OpName& what) {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
     const auto n = static_cast<std::size_t>(size_);
     const auto begin = [&](int q) { return total * static_cast<std::size_t>(q) / n; };
@@ -419,6 +502,36 @@ class MpiComm final : public Comm {
                                    what));
     }
     return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
+  }
+
+  // A small all_reduce in one round of messages (docs/parallel.md "Small messages without
+  // hand-offs"): every rank sends its whole buffer to every peer (tag kReduceTag) and folds all n
+  // buffers itself, element by element in rank order 0, 1, ..., n - 1, as reduce_direct's owner
+  // of each element does: the same bits on every rank and the same as reduce_direct's, with one
+  // message latency instead of two (reduce, then gather) for (n - 1) times the bytes, which
+  // below kWholeReduceBytes cost less than a message's fixed latency. src == dst allowed: the
+  // fold runs after every send has completed.
+  Status reduce_whole(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
+    const std::size_t need = static_cast<std::size_t>(size_ - 1) * count;
+    if (peer_blocks_.size() < need) peer_blocks_ = std::vector<float>(need);
+    const auto slot = [&](int q) {
+      return peer_blocks_.data() + static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * count;
+    };
+    const int n = static_cast<int>(count);
+    requests_.clear();
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      STRATA_RETURN_IF_ERROR(start(
+          MPI_Irecv(slot(from), n, MPI_FLOAT, from, kReduceTag, comm_, &requests_.emplace_back()), what));
+    }
+    for (int step = 1; step < size_; ++step) {
+      STRATA_RETURN_IF_ERROR(start(
+          MPI_Isend(src, n, MPI_FLOAT, (rank_ + step) % size_, kReduceTag, comm_, &requests_.emplace_back()),
+          what));
+    }
+    STRATA_RETURN_IF_ERROR(finish(requests_.data(), static_cast<int>(requests_.size()), what));
+    fold(src, slot, dst, count, op);
+    return ok_status();
   }
 
   // out[i] = the fold over ranks 0, 1, ..., size - 1 of element i (mine for this rank, peer(q)[i]

@@ -45,6 +45,8 @@ class PollPacer {
   std::chrono::nanoseconds next_at(std::chrono::steady_clock::time_point now);
   // Waits next(): returns at once inside the hot window, else yields or sleeps.
   void pause();
+  // pause() with the clock already read (a poll loop that checks its deadline reads it once).
+  void pause_at(std::chrono::steady_clock::time_point now);
 
  private:
   bool waiting_ = false;
