@@ -742,6 +742,9 @@ struct EngineFaults {
   // next forward's), so the rest of the pass's compute work, collectives included, is skipped:
   // a failure that stops this rank's pass before its peers' next collective. Once.
   static void fail_compute_at(OffloadEngine& engine, int module, Status fault);
+  // Tests only: the caller's next access of module `module` (the next forward's) returns `fault`,
+  // as a caller-side error inside the pass (a pipeline's schedule). Once.
+  static void fail_caller_at(OffloadEngine& engine, int module, Status fault);
 };
 
 }  // namespace strata::offload_detail
