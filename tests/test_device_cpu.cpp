@@ -2,6 +2,10 @@
 // promises (compute thread budget, copy validation, no GPU needed).
 #include <omp.h>
 
+#include <string>
+#include <vector>
+
+#include "device/backends.hpp"
 #include "device_conformance.hpp"
 #include "strata/options.hpp"
 
@@ -77,6 +81,36 @@ TEST(CpuDevice, CopiesCheckWhichSideIsDeviceMemory) {
   STRATA_EXPECT_ERROR(s->copy_async(nullptr, host.data(), 1, CopyKind::kHostToDevice), kInvalidArgument, "null");
   STRATA_EXPECT_ERROR(s->memset_async(host.data(), 0, 16), kInvalidArgument, "outside device memory");
   STRATA_EXPECT_OK(s->synchronize());
+}
+
+// A pass's collectives run even after the stream failed (detail::host_fn_after_failure): the
+// host functions after the failure are skipped, those marked run, in order, and the stream keeps
+// its first error; a marked function's own error fails a healthy stream as host_fn's would.
+TEST(CpuDevice, MarkedHostFunctionsRunAfterAFailure) {
+  auto dev = cpu_device(1);
+  auto* s = *dev->create_stream("s");
+  std::vector<std::string> ran;
+  auto note = [&](std::string what) {
+    return [&ran, what]() -> Status {
+      ran.push_back(what);
+      return ok_status();
+    };
+  };
+  STRATA_ASSERT_OK(s->host_fn("kernel 1", note("kernel 1")));
+  STRATA_ASSERT_OK(s->host_fn("fault", []() { return internal_error("the first failure"); }));
+  STRATA_ASSERT_OK(s->host_fn("kernel 2", note("kernel 2")));
+  STRATA_ASSERT_OK(detail::host_fn_after_failure(*s, "collective", note("collective")));
+  STRATA_ASSERT_OK(detail::host_fn_after_failure(*s, "failing collective",
+                                                 []() { return unavailable("a later failure"); }));
+  STRATA_ASSERT_OK(s->host_fn("kernel 3", note("kernel 3")));
+  STRATA_EXPECT_ERROR(s->synchronize(), kInternal, "the first failure");
+  EXPECT_EQ(ran, (std::vector<std::string>{"kernel 1", "collective"}));
+  // Healthy again: a marked function's error fails the stream.
+  STRATA_ASSERT_OK(detail::host_fn_after_failure(*s, "failing collective",
+                                                 []() { return unavailable("its own failure"); }));
+  STRATA_ASSERT_OK(s->host_fn("kernel 4", note("kernel 4")));
+  STRATA_EXPECT_ERROR(s->synchronize(), kUnavailable, "failing collective: its own failure");
+  EXPECT_EQ(ran.size(), 2u);
 }
 
 TEST(CpuDevice, StreamNamesAreUnique) {

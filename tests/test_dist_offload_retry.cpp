@@ -10,10 +10,13 @@
 // without the fault: the reduction order is the same, so the comparison is bitwise (losses,
 // norms, and every parameter, master and moment this rank holds). Also on the 2 x 2 grids of 4
 // ranks and the 2 x 2 x 2 grid of 8, with the delayed update, with update_during_backward
-// (agreed, sticky), and a failure that stops one rank's pass before a collective (not agreed:
-// the job ends with an error on every rank, DistOffloadPassFault).
+// (agreed, sticky), a failure that stops one rank's compute stream before a collective of the
+// pass (agreed: the rank keeps its place, DistOffloadPassRetry), and a killed rank (not agreed:
+// the job ends with an error, DistOffloadKilledRank).
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -881,16 +884,118 @@ TEST(DistOffloadRetry, UpdateDuringBackwardFailureOnOneRankIsStickyOnEveryRank) 
 }
 
 // A failure that stops one rank's pass before a collective of the pass (docs/offload.md
-// "Faults"; dist.offload_pass_fault.np2, run with STRATA_COMM_TIMEOUT=3 and expected to end the
-// job): tensor parallel (tp 2), rank 1's compute stream fails at module 1's forward
-// (EngineFaults::fail_compute_at), so its tensor all-reduces of that forward and everything after
-// are never issued. Not agreed and not retryable: rank 0 is inside an all-reduce rank 1 skipped.
-// What the test holds: no hang — every rank's step() returns an error (rank 1 its own cause;
-// rank 0 the comm timeout naming the operation and the group) within the collective timeout, and
-// the watchdog then ends the job (non-zero), as for any failed collective (docs/parallel.md
-// "Timeouts and failure"). DISABLED_ because it ends the job: the ordinary runs of this program
-// skip it and only dist.offload_pass_fault.np2 runs it (--gtest_also_run_disabled_tests).
-TEST(DistOffloadPassFault, DISABLED_ComputeFailureBeforeATensorAllReduceEndsWithAnErrorOnEveryRank) {
+// "Faults", "A rank whose pass failed keeps its place"; dist.offload_pass_retry.np2, run with
+// STRATA_COMM_TIMEOUT=60 and a hang limit well under it, so waiting for a timeout fails the job).
+// kCompute: rank 1's compute stream fails at the forward of a module
+// (EngineFaults::fail_compute_at), so its later kernels are skipped; kCaller: rank 1's caller
+// fails there (EngineFaults::fail_caller_at), inside the pass. Either way rank 1 keeps its place:
+// its tensor all-reduces, or its pipeline sends and receives, still run (on whatever the buffers
+// hold, never read), both ranks reach the norm's statistics gathers, and the failure is agreed
+// there like any failure before the norm. Every rank's step() fails (rank 1 its own cause, rank 0
+// kUnavailable naming rank 1's place), nothing is updated, and step() again with the same batch
+// on both ranks continues bit for bit as the same ranks without the fault.
+enum class PassFault { kCompute, kCaller };
+
+struct PassCase {
+  Group group;
+  PassFault fault;
+  bool at_last_module;  // the fault at rank 1's last module (the head) instead of its module 1
+  int virtual_stages = 1;
+};
+
+void pass_fault_case(const PassCase& k) {
+  const bool caller = k.fault == PassFault::kCaller;
+  SCOPED_TRACE(std::string(name_of(k.group)) +
+               (caller ? ", the caller fails" : ", the compute stream fails") +
+               (k.at_last_module ? " at the last module's forward" : " at module 1's forward") +
+               (k.virtual_stages > 1 ? ", interleaved" : ""));
+  ASSERT_EQ(world().size(), 2) << "run under mpirun -np 2";
+  const int R = world().rank();
+  const int failing = 1;
+  const Groups groups(k.group);
+  // A pipeline: two micro-batches, so the fault is followed by exchanges of both directions.
+  const TrainerConfig c = testing::tiny(ModelKind::kGpt2, DType::kF32, groups.pipeline() ? 2 : 1, 1.0);
+  OffloadSettings s;
+  s.params = groups.pipeline() ? Tier::kHost : Tier::kDevice;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;
+  s.pipeline_virtual_stages = k.virtual_stages;
+  constexpr int kSteps = 3, step = 1;  // batch `step` (step 2) fails
+  auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
+  Snapshot ref;
+  {
+    auto device = testing::make_device();
+    auto engine = make_engine(c, s, *device, groups, nullptr);
+    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+    ASSERT_TRUE(testing::run_steps(**engine, c, 0, kSteps, ref));
+    ASSERT_TRUE(capture(**engine, ref));
+  }
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = make_engine(c, s, *device, groups, &faults);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  OffloadEngine& e = **engine;
+  Snapshot got;
+  ASSERT_TRUE(testing::run_steps(e, c, 0, step, got));
+  Snapshot before;  // the state the failed step must leave as it is
+  ASSERT_TRUE(capture(e, before));
+  const int module = k.at_last_module ? e.model().num_modules() - 1 : 1;
+  const std::string cause = std::string("injected: the ") + (caller ? "caller" : "compute stream") +
+                            " of rank 1 failed in module " + std::to_string(module);
+  if (R == failing) {
+    if (caller) {
+      offload_detail::EngineFaults::fail_caller_at(e, module, internal_error(cause));
+    } else {
+      offload_detail::EngineFaults::fail_compute_at(e, module, internal_error(cause));
+    }
+  }
+  const std::string step_name = "step " + std::to_string(step + 1);
+  std::vector<std::int32_t> in, tg;
+  testing::batch(c, step, in, tg);
+  const Status st = e.step(in, tg).status();
+  ASSERT_FALSE(st.ok()) << "rank " << R << ": " << step_name << " did not fail";
+  if (R == failing) {
+    EXPECT_EQ(st.code(), StatusCode::kInternal) << st.to_string();
+    EXPECT_NE(st.message().find(cause), std::string::npos) << st.to_string();
+    EXPECT_EQ(st.message().find("could not be agreed"), std::string::npos) << st.to_string();
+  } else {
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+    EXPECT_NE(
+        st.message().find(step_name + ": the step failed before its update on " + place_of_rank1(k.group)),
+        std::string::npos)
+        << st.to_string();
+  }
+  EXPECT_EQ(st.message().find("comm timeout"), std::string::npos) << st.to_string();
+  EXPECT_EQ(e.steps_done(), step) << "rank " << R;
+  // Nothing of the failed step was applied on either rank.
+  Snapshot after;
+  ASSERT_TRUE(capture(e, after));
+  expect_bitwise(before, after);
+  // The fault was once: the same batch again on both ranks, and the run goes on as without it.
+  ASSERT_TRUE(testing::run_steps(e, c, step, kSteps, got));
+  ASSERT_TRUE(capture(e, got));
+  expect_bitwise(ref, got);
+}
+
+TEST(DistOffloadPassRetry, ComputeFailureBeforeATensorAllReduceIsAgreedAndRunAgainOnEveryRank) {
+  pass_fault_case({Group::kTensor, PassFault::kCompute, /*at_last_module=*/false});
+  pass_fault_case({Group::kTensor, PassFault::kCompute, /*at_last_module=*/true});
+}
+
+TEST(DistOffloadPassRetry, FailureInsideThePipelineScheduleIsAgreedAndRunAgainOnEveryStage) {
+  // A compute-stream fault on a pipeline is agreed too, but its rerun fails again with the same
+  // fault (not understood yet; docs/offload.md "Not built yet"), so it is not run here.
+  for (int v : {1, 2}) pass_fault_case({Group::kPipeline, PassFault::kCaller, /*at_last_module=*/true, v});
+}
+
+// A rank that is really gone (dist.offload_killed_rank.np2, STRATA_COMM_TIMEOUT=3, mpirun told
+// not to end the job when a rank dies): tensor parallel (tp 2), rank 1 SIGKILLs itself before
+// step 2, so rank 0 waits in the step's first tensor all-reduce for a peer that will never come.
+// No agreement can reach it: its step() returns the comm timeout naming the operation and the
+// group within comm_timeout, and the watchdog then ends the job (non-zero), as for any failed
+// collective (docs/parallel.md "Timeouts and failure"). DISABLED_ because it ends the job: the
+// ordinary runs of this program skip it and only that job runs it (--gtest_also_run_disabled_tests).
+TEST(DistOffloadKilledRank, DISABLED_KilledTensorRankEndsTheJobThroughTheWatchdog) {
   ASSERT_EQ(world().size(), 2) << "run under mpirun -np 2";
   const int R = world().rank();
   const Groups groups(Group::kTensor);
@@ -899,26 +1004,19 @@ TEST(DistOffloadPassFault, DISABLED_ComputeFailureBeforeATensorAllReduceEndsWith
   s.params = Tier::kDevice;
   s.optimizer = Tier::kHost;
   s.persistence_threshold = 0;
-  nvme_detail::IoFaults faults;
   auto device = testing::make_device();
-  auto engine = make_engine(c, s, *device, groups, &faults);
+  auto engine = make_engine(c, s, *device, groups, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
   OffloadEngine& e = **engine;
   Snapshot got;
   ASSERT_TRUE(testing::run_steps(e, c, 0, 1, got));
-  const std::string cause = "injected: the compute stream of rank 1 failed in module 1";
-  if (R == 1) offload_detail::EngineFaults::fail_compute_at(e, 1, internal_error(cause));
+  ASSERT_TRUE(e.synchronize().ok());
+  if (R == 1) std::raise(SIGKILL);
   std::vector<std::int32_t> in, tg;
   testing::batch(c, 1, in, tg);
   const Status st = e.step(in, tg).status();
   ASSERT_FALSE(st.ok()) << "rank " << R;
-  if (R == 1) {
-    // Its own cause. Whether the norm's gather, which rank 0 joins only once its all-reduce timed
-    // out, met rank 1's own deadline is a race: the message may add that it could not be agreed.
-    EXPECT_NE(st.message().find(cause), std::string::npos) << st.to_string();
-  } else {
-    EXPECT_NE(st.message().find("comm timeout"), std::string::npos) << st.to_string();
-  }
+  EXPECT_NE(st.message().find("comm timeout"), std::string::npos) << st.to_string();
   EXPECT_EQ(e.steps_done(), 1) << "rank " << R;
   std::printf("rank %d: step 2 failed: %s\n", R, st.to_string().c_str());
   std::fflush(stdout);

@@ -1,6 +1,7 @@
 // Private: the backend factories behind Device::create.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,6 +18,14 @@ Result<std::unique_ptr<Device>> make_cuda_device(const DeviceConfig& config);
 int cuda_device_count_impl();
 // elapsed_ms for two cuda events (kInvalidArgument for events of mixed backends).
 Result<double> cuda_elapsed_ms(Event& start, Event& end);
+
+// As Stream::host_fn, but on the cpu backend `fn` runs even after an earlier operation of the
+// stream failed (the stream keeps its first error; a failure of `fn` is kept only if there was
+// none). For a collective of the pass, which every rank must issue whatever its stream
+// computed: a failing rank keeps its place in the pass, its collectives run on garbage whose
+// results are discarded, and every rank reaches the pass-end agreement on the failure
+// (docs/offload.md "Faults"). On cuda it is host_fn: a device fault is not retried.
+Status host_fn_after_failure(Stream& stream, std::string label, std::function<Status()> fn);
 
 }  // namespace strata::detail
 

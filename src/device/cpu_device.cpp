@@ -191,7 +191,13 @@ class CpuStream final : public Stream {
   const std::string& name() const override { return name_; }
   Status copy_async(void* dst, const void* src, std::uint64_t bytes, CopyKind kind) override;
   Status memset_async(void* dst, int value, std::uint64_t bytes) override;
-  Status host_fn(std::string label, std::function<Status()> fn) override;
+  Status host_fn(std::string label, std::function<Status()> fn) override {
+    return enqueue_host_fn(std::move(label), std::move(fn), /*always_run=*/false);
+  }
+  // detail::host_fn_after_failure (backends.hpp).
+  Status host_fn_after_failure(std::string label, std::function<Status()> fn) {
+    return enqueue_host_fn(std::move(label), std::move(fn), /*always_run=*/true);
+  }
   Status record(Event& event) override {
     auto* ev = dynamic_cast<CpuEvent*>(&event);
     if (ev == nullptr) return invalid_argument("stream '" + name_ + "': event belongs to another backend");
@@ -233,9 +239,11 @@ class CpuStream final : public Stream {
   struct Op {
     std::string label;
     std::function<Status()> fn;
-    bool always_run;  // event records and waits run even after a failure
+    bool always_run;         // event records, waits and host_fn_after_failure run even after a failure
     bool uses_team = false;  // a host function: may have run OpenMP regions
   };
+
+  Status enqueue_host_fn(std::string label, std::function<Status()> fn, bool always_run);
 
   void enqueue(Op op) {
     {
@@ -478,14 +486,15 @@ Status CpuStream::copy_async(void* dst, const void* src, std::uint64_t bytes, Co
   return ok_status();
 }
 
-Status CpuStream::host_fn(std::string label, std::function<Status()> fn) {
+Status CpuStream::enqueue_host_fn(std::string label, std::function<Status()> fn, bool always_run) {
   if (!fn) return invalid_argument("stream '" + name_ + "': host_fn '" + label + "' is empty");
   CpuDevice* dev = device_;
-  enqueue(Op{std::move(label), [dev, fn = std::move(fn)]() -> Status {
+  enqueue(Op{std::move(label),
+             [dev, fn = std::move(fn)]() -> Status {
                dev->host_fns_.fetch_add(1, std::memory_order_relaxed);
                return fn();
              },
-             false, true});
+             always_run, true});
   return ok_status();
 }
 
@@ -504,6 +513,12 @@ Status CpuStream::memset_async(void* dst, int value, std::uint64_t bytes) {
 }
 
 }  // namespace
+
+Status host_fn_after_failure(Stream& stream, std::string label, std::function<Status()> fn) {
+  if (auto* cpu = dynamic_cast<CpuStream*>(&stream))
+    return cpu->host_fn_after_failure(std::move(label), std::move(fn));
+  return stream.host_fn(std::move(label), std::move(fn));
+}
 
 Result<std::unique_ptr<Device>> make_cpu_device(const DeviceConfig& config, const CpuBudget& budget) {
   return CpuDevice::create(config, budget);

@@ -53,6 +53,7 @@
 #include <cstring>
 #include <vector>
 
+#include "device/backends.hpp"
 #include "kernels/bf16.hpp"
 #include "model/launcher.hpp"
 #include "model/staging.hpp"
@@ -311,9 +312,12 @@ Status Model::Impl::tp_collective(const char* label, Op op) {
   if (launch->is_cpu()) {
     // The stream's worker runs the collective and waits for it: later kernels of the stream see
     // the result, and the ranks' streams meet here in the same order (they enqueue the same
-    // modules).
-    return launch->run(label,
-                       [=](const KernelContext&) -> Status { return op().wait().with_context(label); });
+    // modules). It runs even after an earlier operation of the stream failed (its data is then
+    // garbage, and the stream's error fails the pass): a failing rank keeps its place in the
+    // pass, so its peers are never left inside a collective it skipped, and every rank reaches
+    // the pass-end agreement on the failure (docs/offload.md "Faults").
+    return detail::host_fn_after_failure(*stream, label,
+                                         [=]() -> Status { return op().wait().with_context(label); });
   }
   // cuda: the Comm's own stream is not ordered with this one, so the host waits for the compute
   // stream, runs the collective and waits for it before enqueueing more work (no overlap yet).

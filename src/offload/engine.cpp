@@ -100,6 +100,7 @@
 #include <thread>
 #include <utility>
 
+#include "device/backends.hpp"
 #include "kernels/bf16.hpp"
 #include "model/launcher.hpp"
 #include "model/staging.hpp"
@@ -425,6 +426,10 @@ struct OffloadEngine::Impl {
   int hold_forward = -1;
   std::int64_t forward_ran_at = -1;
   Status hold_update(int u, std::int64_t done_step);
+  // Tests only (EngineFaults::fail_caller_at): the next access of module injected_caller_module
+  // returns injected_caller_error on the caller. Caller thread only.
+  int injected_caller_module = -1;
+  Status injected_caller_error;
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -2413,103 +2418,166 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     CommWork* work = op.forward ? &act_recv_work[i] : &grad_recv_work[i];
     const int peer = op.forward ? prev : next;
     Comm* c = op.forward ? comm : grad_comm;
-    return compute->host_fn("pipeline: post a receive from stage " + std::to_string(peer),
-                            [c, buf, work, count, wire, peer]() {
-                              *work = c->recv(buf, count, wire, peer);
-                              return ok_status();
-                            });
+    return detail::host_fn_after_failure(*compute,
+                                         "pipeline: post a receive from stage " + std::to_string(peer),
+                                         [c, buf, work, count, wire, peer]() {
+                                           *work = c->recv(buf, count, wire, peer);
+                                           return ok_status();
+                                         });
   };
-  // The stream waits for one receive (timed: the stage's idle time, its share of the bubble),
-  // then copies it to where the model reads it.
+  // The exchanges (posting a receive, waiting for it, issuing a send) run even after the stream
+  // failed: a stage whose pass failed keeps its place in the schedule, so its neighbours' passes
+  // go through and every stage reaches the step's agreement on the failure (docs/offload.md
+  // "Faults", "A rank whose pass failed keeps its place"). What such a stage sends is whatever
+  // its send buffer held; the step fails on every stage, so nothing reads it.
+  // The stream waits for one receive (timed: the stage's idle time, its share of the bubble).
+  auto wait_receive = [&](const std::vector<CommWork>& works, int buffer, std::string what) -> Status {
+    const auto i = static_cast<std::size_t>(buffer);
+    return detail::host_fn_after_failure(
+        *compute, "pipeline: " + what, [this, w = &works[i], what]() -> Status {
+          const auto t0 = std::chrono::steady_clock::now();
+          Status st = w->wait();
+          pp_stream_wait_seconds +=
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          return st.with_context("pipeline: " + what);
+        });
+  };
+  // ... then copies it to where the model reads it.
   auto receive = [&](const std::vector<CommWork>& works, std::vector<ArenaBuffer>& bufs, int buffer,
                      void* dst, std::string what) -> Status {
-    const auto i = static_cast<std::size_t>(buffer);
-    STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: " + what, [this, w = &works[i], what]() -> Status {
-      const auto t0 = std::chrono::steady_clock::now();
-      Status st = w->wait();
-      pp_stream_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      return st.with_context("pipeline: " + what);
-    }));
-    return compute->copy_async(dst, bufs[i].data(), bytes, CopyKind::kDeviceToDevice);
+    STRATA_RETURN_IF_ERROR(wait_receive(works, buffer, std::move(what)));
+    return compute->copy_async(dst, bufs[static_cast<std::size_t>(buffer)].data(), bytes,
+                               CopyKind::kDeviceToDevice);
   };
-  // Copies an output to its send buffer (index a·v + chunk) and issues the send behind it
-  // (stream order).
-  auto send = [&](std::vector<ArenaBuffer>& bufs, int index, const void* src, int peer, Comm* c) -> Status {
+  // Issues the send of send buffer `index` (a·v + chunk) in stream order.
+  auto issue_send = [&](std::vector<ArenaBuffer>& bufs, int index, int peer, Comm* c) -> Status {
     void* out = bufs[static_cast<std::size_t>(index)].data();
-    STRATA_RETURN_IF_ERROR(compute->copy_async(out, src, bytes, CopyKind::kDeviceToDevice));
     pp_bytes += bytes;
-    return compute->host_fn("pipeline: send to stage " + std::to_string(peer),
-                            [this, c, out, count, wire, peer]() {
-                              sends.push_back(c->send(out, count, wire, peer));
-                              return ok_status();
-                            });
+    return detail::host_fn_after_failure(*compute, "pipeline: send to stage " + std::to_string(peer),
+                                         [this, c, out, count, wire, peer]() {
+                                           sends.push_back(c->send(out, count, wire, peer));
+                                           return ok_status();
+                                         });
+  };
+  // Copies an output to its send buffer and issues the send behind it.
+  auto send = [&](std::vector<ArenaBuffer>& bufs, int index, const void* src, int peer, Comm* c) -> Status {
+    STRATA_RETURN_IF_ERROR(compute->copy_async(bufs[static_cast<std::size_t>(index)].data(), src, bytes,
+                                               CopyKind::kDeviceToDevice));
+    return issue_send(bufs, index, peer, c);
   };
   auto chunk_name = [&](const ChunkOp& op) {
     return v == 1 ? std::string() : " (chunk " + std::to_string(op.chunk) + ")";
   };
+  auto receive_name = [&](const ChunkOp& op) {
+    return "receive of micro-batch " + std::to_string(op.micro) +
+           (op.forward ? "'s activations" : "'s activation gradients") + chunk_name(op) + " from stage " +
+           std::to_string(op.forward ? prev : next);
+  };
   // Partial offload with data parallelism at stages 2-3: the device units reduced after each
   // micro-batch's backward op (interleaved: the units of the op's chunk).
   const bool reduce_each = part_dp && settings.zero_stage >= 2 && step > 0;
-  auto schedule = [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(post(0));
-    for (std::size_t j = 0; j < ops.size(); ++j) {
-      const ChunkOp& op = ops[j];
-      const int a = op.micro, c = op.chunk;
-      const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
-      STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
-      // Interleaved: each (micro-batch, chunk) has a slot of its own, which gets the batch
-      // (the tokens for the embedding's chunk, the targets for the head's) at its forward.
-      STRATA_RETURN_IF_ERROR(model->select_slot(v > 1 ? chunk_slots.slot(a, c, v) : a % k));
-      if (v > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
-      if (op.forward) {
-        if (c == 0 || v > 1) {
-          STRATA_RETURN_IF_ERROR(
-              model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
-        }
-        if (model->boundary_bytes() != bytes) {
-          return internal_error("pipeline: boundary tensor of " + std::to_string(model->boundary_bytes()) +
-                                " bytes, expected " + std::to_string(bytes));
-        }
-        if (receives(op)) {
-          STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, recv_buffer[j],
-                                         model->boundary_activation(first),
-                                         "receive of micro-batch " + std::to_string(a) + "'s activations" +
-                                             chunk_name(op) + " from stage " + std::to_string(prev)));
-        }
-        STRATA_RETURN_IF_ERROR(run_forward(true, c));
-        // The losses: the head's chunk (the last) computes them; a stage without the head copies zeros.
-        if (c + 1 == v) STRATA_RETURN_IF_ERROR(model->copy_losses(a));
-        if (sends_out(op)) {
-          STRATA_RETURN_IF_ERROR(send(act_send, a * v + c, model->boundary_activation(end), next, comm));
-        }
-      } else {
-        if (receives(op)) {
-          STRATA_RETURN_IF_ERROR(receive(grad_recv_work, grad_recv, recv_buffer[j], model->activation_grad(),
-                                         "receive of micro-batch " + std::to_string(a) +
-                                             "'s activation gradients" + chunk_name(op) + " from stage " +
-                                             std::to_string(next)));
-        }
-        // Every unit is read by one chunk of this stage, whose backwards run in micro-batch
-        // order: micro-batch 0 starts its gradient, micro-batch m − 1 completes it.
-        STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr, c));
-        if (sends_out(op)) {
-          STRATA_RETURN_IF_ERROR(send(grad_send, a * v + c, model->activation_grad(), prev, grad_comm));
-        }
-        if (reduce_each) {
-          // Partial offload, pipeline x data parallel at stages 2-3: this micro-batch's gradients
-          // of the device units chunk c reads are complete (the op ran every module of the chunk,
-          // and no other chunk of this stage reads them), so they are reduce-scattered now, as
-          // run_micro_batches does after each micro-batch, and added into offload.grad_slices;
-          // then zeroed for the chunk's next backward op (the staging holds the copy the
-          // collective reads). Per unit the micro-batches add in order (a chunk's backwards run
-          // in micro-batch order): ratio 1's fp32 order. Behind the send in stream order: the
-          // previous stage's backward does not wait for the collective.
-          STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/a > 0, c));
-          if (a + 1 < micro) STRATA_RETURN_IF_ERROR(zero_device_grads(c));
-        }
+  // What of op j's exchanges was enqueued: a caller error inside the op leaves the rest to
+  // finish_exchanges.
+  struct Exchanged {
+    bool posted = false, received = false, sent = false;
+  };
+  auto run_op = [&](std::size_t j, Exchanged& done) -> Status {
+    const ChunkOp& op = ops[j];
+    const int a = op.micro, c = op.chunk;
+    const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
+    STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
+    done.posted = true;
+    // Interleaved: each (micro-batch, chunk) has a slot of its own, which gets the batch
+    // (the tokens for the embedding's chunk, the targets for the head's) at its forward.
+    STRATA_RETURN_IF_ERROR(model->select_slot(v > 1 ? chunk_slots.slot(a, c, v) : a % k));
+    if (v > 1) STRATA_RETURN_IF_ERROR(model->select_range(c));
+    if (op.forward) {
+      if (c == 0 || v > 1) {
+        STRATA_RETURN_IF_ERROR(
+            model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
+      }
+      if (model->boundary_bytes() != bytes) {
+        return internal_error("pipeline: boundary tensor of " + std::to_string(model->boundary_bytes()) +
+                              " bytes, expected " + std::to_string(bytes));
+      }
+      if (receives(op)) {
+        done.received = true;
+        STRATA_RETURN_IF_ERROR(receive(act_recv_work, act_recv, recv_buffer[j],
+                                       model->boundary_activation(first), receive_name(op)));
+      }
+      STRATA_RETURN_IF_ERROR(run_forward(true, c));
+      // The losses: the head's chunk (the last) computes them; a stage without the head copies zeros.
+      if (c + 1 == v) STRATA_RETURN_IF_ERROR(model->copy_losses(a));
+      if (sends_out(op)) {
+        done.sent = true;
+        STRATA_RETURN_IF_ERROR(send(act_send, a * v + c, model->boundary_activation(end), next, comm));
+      }
+    } else {
+      if (receives(op)) {
+        done.received = true;
+        STRATA_RETURN_IF_ERROR(
+            receive(grad_recv_work, grad_recv, recv_buffer[j], model->activation_grad(), receive_name(op)));
+      }
+      // Every unit is read by one chunk of this stage, whose backwards run in micro-batch
+      // order: micro-batch 0 starts its gradient, micro-batch m − 1 completes it.
+      STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, step, lr, c));
+      if (sends_out(op)) {
+        done.sent = true;
+        STRATA_RETURN_IF_ERROR(send(grad_send, a * v + c, model->activation_grad(), prev, grad_comm));
+      }
+      if (reduce_each) {
+        // Partial offload, pipeline x data parallel at stages 2-3: this micro-batch's gradients
+        // of the device units chunk c reads are complete (the op ran every module of the chunk,
+        // and no other chunk of this stage reads them), so they are reduce-scattered now, as
+        // run_micro_batches does after each micro-batch, and added into offload.grad_slices;
+        // then zeroed for the chunk's next backward op (the staging holds the copy the
+        // collective reads). Per unit the micro-batches add in order (a chunk's backwards run
+        // in micro-batch order): ratio 1's fp32 order. Behind the send in stream order: the
+        // previous stage's backward does not wait for the collective.
+        STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/a > 0, c));
+        if (a + 1 < micro) STRATA_RETURN_IF_ERROR(zero_device_grads(c));
       }
     }
     return ok_status();
+  };
+  // After a caller error: op j's exchanges not yet enqueued, without its compute (the stream has
+  // failed, so the copies around them would be skipped anyway).
+  auto finish_exchanges = [&](std::size_t j, const Exchanged& done) -> Status {
+    const ChunkOp& op = ops[j];
+    if (!done.posted) STRATA_RETURN_IF_ERROR(post(j + 1));
+    if (receives(op) && !done.received) {
+      STRATA_RETURN_IF_ERROR(
+          wait_receive(op.forward ? act_recv_work : grad_recv_work, recv_buffer[j], receive_name(op)));
+    }
+    if (sends_out(op) && !done.sent) {
+      const int index = op.micro * v + op.chunk;
+      STRATA_RETURN_IF_ERROR(op.forward ? issue_send(act_send, index, next, comm)
+                                        : issue_send(grad_send, index, prev, grad_comm));
+    }
+    return ok_status();
+  };
+  // A caller error inside an op fails the compute stream (its later kernels are skipped) and the
+  // stage keeps its place: the rest of the schedule's exchanges are still enqueued, then the tied
+  // embedding's sum. Tensor or data parallelism inside the stage issue collectives of their own
+  // in the skipped ops, and the optimizer on the device (or partly there) sums the tied
+  // embedding after the pass, so there a caller error still stops the pass (docs/offload.md
+  // "Not built yet").
+  const bool keep_place = tp_size <= 1 && dp_size <= 1 && !opt_on_device && !partial;
+  auto schedule = [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(post(0));
+    Status failed;
+    for (std::size_t j = 0; j < ops.size(); ++j) {
+      Exchanged done;
+      if (failed.ok()) {
+        Status st = run_op(j, done);
+        if (st.ok()) continue;
+        if (!keep_place) return st;
+        failed = st;
+        STRATA_RETURN_IF_ERROR(compute->host_fn("pipeline: the stage's pass failed", [st]() { return st; }));
+      }
+      STRATA_RETURN_IF_ERROR(finish_exchanges(j, done));
+    }
+    return failed;
   };
   Status s = schedule();
   // Always drained before returning, also after an error: the stream's host functions use
@@ -2523,7 +2591,20 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   sends.clear();
   pp_wait_seconds += pp_stream_wait_seconds;
   pp_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  STRATA_RETURN_IF_ERROR(s);
+  if (!s.ok()) {
+    // The tied embedding's sum is the step's last exchange between the first and the last stage,
+    // and the other end's pass may have gone through: a stage that keeps its place joins it too,
+    // on whatever its buffer holds (the step fails on every stage, so nothing reads the sum).
+    tied_landed.reset();
+    if (keep_place && step > 0 && pp_tied) {
+      (void)gstream->synchronize();  // the gradient copies into the buffer have retired
+      const std::size_t uu = static_cast<std::size_t>(tied_unit);
+      auto [buf, n] = unit_grads(tied_unit);
+      if (grads_on_nvme) buf = grad_staging.bytes(), n = sharded ? slices.len[uu] : units.gbytes[uu] / 4;
+      (void)reduce_tied_grads(reinterpret_cast<float*>(buf), n);
+    }
+    return s;
+  }
   if (tied_landed) {  // the host optimizer's tied unit: summed, then handed to the optimizer thread
     const Command c = *tied_landed;
     tied_landed.reset();
@@ -4042,6 +4123,11 @@ bool OffloadEngine::Impl::gate_open(const ParamSlot& slot) const {
 }
 
 Status OffloadEngine::Impl::access_params(int m) {
+  if (injected_caller_module == m) {
+    // Tests only (EngineFaults::fail_caller_at): the caller fails here, inside the pass.
+    injected_caller_module = -1;
+    return std::exchange(injected_caller_error, ok_status());
+  }
   if (injected_compute_module == m) {
     // Tests only (EngineFaults::fail_compute_at): the compute stream fails here, so its later
     // work, the model's tensor all-reduces included, is skipped.
@@ -5096,6 +5182,11 @@ void offload_detail::EngineFaults::hold_update_until_forward(OffloadEngine& engi
 void offload_detail::EngineFaults::fail_compute_at(OffloadEngine& engine, int module, Status fault) {
   engine.impl_->injected_compute_module = module;
   engine.impl_->injected_compute_error = std::move(fault);
+}
+
+void offload_detail::EngineFaults::fail_caller_at(OffloadEngine& engine, int module, Status fault) {
+  engine.impl_->injected_caller_module = module;
+  engine.impl_->injected_caller_error = std::move(fault);
 }
 
 namespace {

@@ -748,6 +748,9 @@ struct EngineFaults {
   // Once. Caller thread, between calls. Says whether a pass enqueues a module's work while a
   // later unit's update is still running (docs/offload.md "One step").
   static void hold_update_until_forward(OffloadEngine& engine, int held_module, int forward_module);
+  // Tests only: the caller's next access of module `module` (the next forward's) returns `fault`,
+  // as a caller-side error inside the pass (a pipeline's schedule). Once.
+  static void fail_caller_at(OffloadEngine& engine, int module, Status fault);
 };
 
 }  // namespace strata::offload_detail
