@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -170,6 +171,64 @@ inline void expect_same_text_on_every_rank(const std::string& text, const std::s
   for (int r = 0; r < P; ++r)
     EXPECT_EQ(std::memcmp(all.data() + r * mine.size(), mine.data(), sizeof mine), 0)
         << what << ": rank " << r << " vs " << world().rank();
+}
+
+// Collective: `engine`'s weights saved twice into `dir` (every rank sees it), in both formats:
+// every rank writing the part it holds (the default), and the earlier path as the reference (the
+// first rank gathers everything and writes alone: STRATA_WEIGHTS_GATHER=1). The files are equal
+// byte for byte, and every rank issued writes of its own in the parallel save (where
+// `every_rank_writes`; without stage 3 a data-parallel replica's ranks other than the first hold
+// nothing to write).
+inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const std::string& dir,
+                                                 const std::string& what, bool every_rank_writes = true) {
+  for (const WeightFormat format : {WeightFormat::kHuggingFace, WeightFormat::kNative}) {
+    const std::string tag = format == WeightFormat::kNative ? "native" : "hf";
+    const std::string parallel = dir + "/parallel-" + tag + ".safetensors";
+    const std::string gathered = dir + "/gathered-" + tag + ".safetensors";
+    const std::uint64_t before = engine.stats().weights_file_writes;
+    Status s = engine.save_weights(parallel, format);
+    ASSERT_TRUE(s.ok()) << what << " (" << tag << "): " << s.to_string();
+    const std::uint64_t writes = engine.stats().weights_file_writes - before;
+    if (every_rank_writes) {
+      EXPECT_GT(writes, 0u) << what << " (" << tag << "): rank " << world().rank() << " wrote nothing";
+    }
+    ::setenv("STRATA_WEIGHTS_GATHER", "1", 1);
+    s = engine.save_weights(gathered, format);
+    ::unsetenv("STRATA_WEIGHTS_GATHER");
+    ASSERT_TRUE(s.ok()) << what << " (" << tag << ", gathered): " << s.to_string();
+    EXPECT_EQ(engine.stats().weights_file_writes - before, writes) << what << ": the gather path wrote in parts";
+    ASSERT_TRUE(world().barrier().wait().ok());
+    if (world().rank() == 0) {
+      const std::string want = file_bytes(gathered);
+      ASSERT_GT(want.size(), 1000u) << what << " (" << tag << ")";
+      EXPECT_TRUE(file_bytes(parallel) == want) << what << " (" << tag << "): the ranks' parts differ from the gathered file";
+      std::filesystem::remove(parallel);
+      std::filesystem::remove(gathered);
+    }
+    ASSERT_TRUE(world().barrier().wait().ok());
+  }
+}
+
+// Collective: the weights file `engine` saves (every rank its part) is the file `one` (a
+// one-process engine at the same parameters, on every rank) saves, byte for byte, in both formats.
+inline void expect_weights_of_one_process(OffloadEngine& engine, OffloadEngine& one, const std::string& dir,
+                                          const std::string& what) {
+  for (const WeightFormat format : {WeightFormat::kHuggingFace, WeightFormat::kNative}) {
+    const std::string tag = format == WeightFormat::kNative ? "native" : "hf";
+    const std::string path = dir + "/ranks-" + tag + ".safetensors";
+    const std::string single = dir + "/one-" + tag + "-" + std::to_string(world().rank()) + ".safetensors";
+    Status s = engine.save_weights(path, format);
+    ASSERT_TRUE(s.ok()) << what << " (" << tag << "): " << s.to_string();
+    s = one.save_weights(single, format);
+    ASSERT_TRUE(s.ok()) << what << " (" << tag << ", one process): " << s.to_string();
+    ASSERT_TRUE(world().barrier().wait().ok());
+    const std::string want = file_bytes(single);
+    ASSERT_GT(want.size(), 1000u) << what << " (" << tag << ")";
+    EXPECT_TRUE(file_bytes(path) == want) << what << " (" << tag << "): not one process's file";
+    ASSERT_TRUE(world().barrier().wait().ok());
+    std::filesystem::remove(single);
+    if (world().rank() == 0) std::filesystem::remove(path);
+  }
 }
 
 // Steps [from, steps) of the global batch: this data-parallel rank's share (global micro-batches

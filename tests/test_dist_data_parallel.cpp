@@ -898,6 +898,106 @@ TEST(DataParallel, SaveWeightsIsCollective) {
   if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
+// Stage 3: every data-parallel rank writes the part of the weights file its slices hold (a slice
+// cuts a unit's flat buffer, so it holds the end of one tensor and the start of the next; bf16
+// splits on element boundaries), with the working parameters on the host and on NVMe, GPT-2 and
+// LLaMA, fp32 and bf16, both formats. Untrained, the file is one process's byte for byte; after a
+// step it is the gather path's file (every slice gathered, rank 0 writes) byte for byte, and every
+// rank wrote its part.
+TEST(DataParallel, Stage3EveryRankWritesItsSlicesOfTheWeights) {
+  const int P = world().size();
+  struct Case {
+    ModelKind kind;
+    DType dtype;
+    Tier params;
+  };
+  for (const Case c : {Case{ModelKind::kGpt2, DType::kF32, Tier::kHost}, Case{ModelKind::kGpt2, DType::kBF16, Tier::kNvme},
+                       Case{ModelKind::kLlama, DType::kBF16, Tier::kHost}}) {
+    const TrainerConfig global = testing::tiny(c.kind, c.dtype, P, 1.0);
+    const std::string what = std::string(to_string(c.kind)) + " " + std::string(to_string(c.dtype)) + ", params on " +
+                             std::string(to_string(c.params)) + ", dp " + std::to_string(P);
+    testing::TempDir swap("strata-dp-parwrite");  // each rank its own
+    OffloadSettings s;
+    s.zero_stage = 3;
+    s.params = c.params;
+    s.optimizer = Tier::kHost;
+    s.persistence_threshold = 0;  // every module's working parameters sliced
+    if (c.params == Tier::kNvme) s.nvme_path = {swap.path().string()};
+    const std::string root = shared_temp_dir("s3-parwrite");
+    auto device = testing::make_device();
+    auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
+    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+    auto device1 = testing::make_device();
+    auto single = OffloadEngine::create(global, OffloadSettings{}, *device1);
+    ASSERT_TRUE(single.ok()) << what << ": " << single.status().to_string();
+    testing::expect_weights_of_one_process(**engine, **single, root, what + ", untrained");
+    Snapshot out;
+    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out)) << what;
+    testing::expect_parallel_weights_are_gathered(**engine, root, what + ", after a step");
+    if (world().rank() == 0) std::filesystem::remove_all(root);
+  }
+}
+
+// Stage 3, rank 1 unable to write its slice of the last tensor of the file (an injected EIO on its
+// last element, which only rank 1 holds: the last unit, GPT-2's ln_f, has 128 elements and slices
+// are 64-element chunks, so on 2 and 3 ranks rank 1 holds its second half): every rank returns the
+// same error naming that rank, the tensor and the path; no temporary file is left, a new path
+// stays empty and the previous file keeps its bytes; with the fault gone the same engine saves the
+// same bytes.
+TEST(DataParallel, Stage3WeightsFailCleanlyWhenARankCannotWriteItsSlice) {
+  const int P = world().size(), failing = 1;
+  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, P, 1.0);
+  OffloadSettings s;
+  s.zero_stage = 3;
+  s.params = Tier::kHost;
+  s.optimizer = Tier::kHost;
+  s.persistence_threshold = 0;
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = offload_detail::EngineFaults::create(local_of(global), s, *device, &faults, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot out;
+  ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out));
+  const std::string root = shared_temp_dir("s3-wfault");
+  const std::string weights = root + "/weights.safetensors", other = root + "/other.safetensors";
+  ASSERT_TRUE((*engine)->save_weights(weights).ok());
+  ASSERT_TRUE(world().barrier().wait().ok());
+  const std::string before = testing::file_bytes(weights);
+  auto file = SafetensorsFile::open(weights);
+  ASSERT_TRUE(file.ok()) << file.status().to_string();
+  const SafetensorsEntry* last = &file->entries().front();
+  for (const SafetensorsEntry& e : file->entries())
+    if (e.data_end > last->data_end) last = &e;
+  if (world().rank() == failing)
+    faults.add_error({IoOp::kWrite, ".safetensors.tmp", file->data_offset() + last->data_end - 2, EIO});
+  const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
+                            " could not write its tensors";
+  for (const std::string& path : {weights, other}) {
+    Status failed = (*engine)->save_weights(path);
+    ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
+    EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.to_string();
+    for (const std::string& part : {named, "'" + last->name + "'", path})
+      EXPECT_NE(failed.message().find(part), std::string::npos) << "rank " << world().rank() << ": " << failed.to_string();
+    testing::expect_same_text_on_every_rank(failed.message(), "save_weights");
+  }
+  faults.clear_errors();
+  ASSERT_TRUE(world().barrier().wait().ok());  // rank 0 removed the temporary file before returning
+  if (world().rank() == 0) {
+    EXPECT_TRUE(testing::file_bytes(weights) == before) << "a failed save changed the previous file";
+    EXPECT_FALSE(std::filesystem::exists(other)) << "a failed save left a file";
+    for (const auto& f : std::filesystem::directory_iterator(root))
+      EXPECT_EQ(f.path().filename().string().find(".tmp"), std::string::npos) << f.path();
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+  ASSERT_TRUE((*engine)->save_weights(other).ok());
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_TRUE(testing::file_bytes(other) == before) << "the save after the fault";
+    std::filesystem::remove_all(root);
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+}
+
 // Stage 3 with everything on NVMe; after a step the last rank's disk fails every read. Its
 // save_weights and save_checkpoint cannot read its slices, but it keeps its place in each unit's
 // exchange (agree_on_read), so every rank returns the same error naming that rank and the module

@@ -247,6 +247,92 @@ TEST(TensorParallel, SaveAndLoadWeightsAreTheFullModel) {
   }
 }
 
+// Every tensor-parallel rank writes its own shard into the weights file (docs/checkpoints.md
+// "Who writes the weights file"): GPT-2, whose Conv1D tensors are stored transposed (a
+// column-parallel shard is one write per stored column), and LLaMA, fp32 and bf16 (the file holds
+// the encoded bytes), both formats. Untrained, the file is one process's byte for byte; after a
+// step it is the gather path's file (the first rank gathers and writes alone) byte for byte, and
+// every rank wrote its part.
+TEST(TensorParallel, EveryRankWritesItsShardOfTheWeights) {
+  for (const ModelKind kind : {ModelKind::kGpt2, ModelKind::kLlama}) {
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      const TrainerConfig config = config_for(kind, dtype, 1, 1.0);
+      const std::string what = std::string(to_string(kind)) + " " + std::string(to_string(dtype)) + ", tp " +
+                               std::to_string(world().size());
+      OffloadSettings s;
+      s.optimizer = Tier::kHost;
+      const std::string root = testing::shared_temp_dir("tp-parwrite");
+      auto device = testing::make_device();
+      auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, &world());
+      ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
+      auto device1 = testing::make_device();
+      auto single = OffloadEngine::create(config, s, *device1);
+      ASSERT_TRUE(single.ok()) << what << ": " << single.status().to_string();
+      testing::expect_weights_of_one_process(**engine, **single, root, what + ", untrained");
+      Snapshot out;
+      ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, out)) << what;
+      testing::expect_parallel_weights_are_gathered(**engine, root, what + ", after a step");
+      if (world().rank() == 0) std::filesystem::remove_all(root);
+    }
+  }
+}
+
+// A tensor-parallel rank that cannot write its shard (an injected EIO on the last rank's rows of
+// LLaMA's MLP up projection, a row-split tensor: only that rank writes those bytes, so the save
+// failing at all shows it wrote them itself): every rank returns the same error naming that rank,
+// the tensor and the path; no temporary file is left, a new path stays empty and the previous
+// file keeps its bytes; with the fault gone the same engine saves the same bytes.
+TEST(TensorParallel, WeightsFailCleanlyWhenARankCannotWriteItsShard) {
+  const int P = world().size(), failing = P - 1;
+  const TrainerConfig config = config_for(ModelKind::kLlama, DType::kF32, 1, 1.0);
+  OffloadSettings s;
+  s.optimizer = Tier::kHost;
+  nvme_detail::IoFaults faults;
+  auto device = testing::make_device();
+  auto engine = offload_detail::EngineFaults::create(config, s, *device, &faults, nullptr, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot out;
+  ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, out));
+  const std::string root = testing::shared_temp_dir("tp-wfault");
+  const std::string weights = root + "/weights.safetensors", other = root + "/other.safetensors";
+  STRATA_ASSERT_OK((*engine)->save_weights(weights));
+  ASSERT_TRUE(world().barrier().wait().ok());
+  const std::string before = file_bytes(weights);
+  auto file = SafetensorsFile::open(weights);
+  ASSERT_TRUE(file.ok()) << file.status().to_string();
+  const std::string tensor = "model.layers.1.mlp.up_proj.weight";
+  const SafetensorsEntry* e = file->find(tensor);
+  ASSERT_NE(e, nullptr);
+  if (world().rank() == failing)
+    faults.add_error({IoOp::kWrite, ".safetensors.tmp", file->data_offset() + e->data_end - 4, EIO});
+  const std::string named = "tensor-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
+                            " could not write its tensors";
+  for (const std::string& path : {weights, other}) {
+    Status failed = (*engine)->save_weights(path);
+    ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
+    EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.to_string();
+    for (const std::string& part : {named, "'" + tensor + "'", path})
+      EXPECT_NE(failed.message().find(part), std::string::npos) << "rank " << world().rank() << ": " << failed.to_string();
+    testing::expect_same_text_on_every_rank(failed.message(), "save_weights");
+  }
+  faults.clear_errors();
+  ASSERT_TRUE(world().barrier().wait().ok());  // rank 0 removed the temporary file before returning
+  if (world().rank() == 0) {
+    EXPECT_TRUE(file_bytes(weights) == before) << "a failed save changed the previous file";
+    EXPECT_FALSE(std::filesystem::exists(other)) << "a failed save left a file";
+    for (const auto& f : std::filesystem::directory_iterator(root))
+      EXPECT_EQ(f.path().filename().string().find(".tmp"), std::string::npos) << f.path();
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+  STRATA_ASSERT_OK((*engine)->save_weights(other));
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_TRUE(file_bytes(other) == before) << "the save after the fault";
+    std::filesystem::remove_all(root);
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+}
+
 // TP x DP on 4 ranks (make_process_groups' 2 x 2 grid): each data-parallel rank trains its share
 // of the global batch (global micro-batches dp, dp + 2, ...) with its tensor-parallel group's
 // shards; ZeRO shards each tensor-parallel shard's optimizer state over its data-parallel group.
@@ -268,6 +354,8 @@ TEST(TensorParallel, ComposesWithDataParallel) {
     s.zero_stage = stage;
     s.persistence_threshold = 0;
     s.sequence_parallel = seq;
+    const std::string what =
+        "llama fp32, tp 2 x dp 2, stage " + std::to_string(stage) + (seq ? ", sequence parallel" : "");
     Snapshot got;
     {
       auto device = testing::make_device();
@@ -290,13 +378,16 @@ TEST(TensorParallel, ComposesWithDataParallel) {
         got.norms.push_back(m->grad_norm);
       }
       ASSERT_TRUE(testing::capture_state(**engine, got));
+      // Every rank writes its part of the weights file (stage 3: each (tp, dp) rank its slices of
+      // its shard; stage 1: the first dp replica's tp ranks their shards): the gathered file.
+      const std::string root = testing::shared_temp_dir("tpdp-parwrite");
+      testing::expect_parallel_weights_are_gathered(**engine, root, what, /*every_rank_writes=*/stage == 3);
+      if (world().rank() == 0) std::filesystem::remove_all(root);
     }
     OffloadSettings single = s;
     single.zero_stage = 0;
     single.sequence_parallel = false;
     const Snapshot ref = testing::train(global, single, 3);
-    const std::string what =
-        "llama fp32, tp 2 x dp 2, stage " + std::to_string(stage) + (seq ? ", sequence parallel" : "");
     expect_ranks_identical(got, what);
     expect_close(ref, got, Tolerance{}, what);
   }

@@ -1,10 +1,14 @@
 // The descriptor table of the built-in models: parameter counts, names, flags, ties, module
 // ranges, initialisation, configs and the FLOP formula. No device needed.
+#include <algorithm>
 #include <cmath>
+#include <span>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "harness/harness.hpp"
 #include "strata/model.hpp"
+#include "strata/safetensors.hpp"
 
 namespace strata::testing {
 namespace {
@@ -309,6 +313,118 @@ TEST(ModelLayout, TensorParallelShardsSplitByHeads) {
   EXPECT_EQ(s->params[static_cast<std::size_t>(s->find("model.norm.weight"))].shard.kind, ShardKind::kReplicated);
   const ParamDesc& head = s->params[static_cast<std::size_t>(s->find("lm_head.weight"))];
   EXPECT_EQ(head.shard.rows[0].full_begin, 64);  // vocabulary rows 64..127 of the padded 128
+}
+
+// Writers that each hold part of every parameter fill write_weights' file byte for byte: the
+// shards of tp ranks (shard_runs), each cut again at an odd element as a stage-3 slice cuts a
+// unit's flat buffer, encoded by encode_weights_part and written with write_range, for GPT-2 (its
+// Conv1D tensors transposed) and LLaMA, fp32 and bf16, both formats. And the write counts the
+// docs give: a row-split shard of a row-major tensor is one range per exported tensor, a row-split
+// shard of a transposed tensor one per stored column, a column-split one of a transposed tensor
+// one range.
+TEST(WeightsParts, ShardsAndSlicesFillTheOneWritersFile) {
+  TempDir dir;
+  const int tp = 2;
+  for (const ModelConfig& base : {gpt2(2, 64, 4, 97, 32), llama(2, 64, 4, 2, 97)}) {
+    auto full = describe_model(base);
+    ASSERT_TRUE(full.ok()) << full.status().to_string();
+    std::vector<std::vector<float>> values(full->params.size());
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      values[i].resize(static_cast<std::size_t>(full->params[i].numel()));
+      for (std::size_t k = 0; k < values[i].size(); ++k) values[i][k] = std::sin(0.37f * static_cast<float>(k + 11 * i));
+    }
+    std::vector<ModelLayout> shards;
+    for (int r = 0; r < tp; ++r) {
+      auto s = describe_model(base, TensorParallel{tp, r});
+      ASSERT_TRUE(s.ok()) << s.status().to_string();
+      shards.push_back(std::move(*s));
+    }
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      for (const WeightFormat format : {WeightFormat::kHuggingFace, WeightFormat::kNative}) {
+        const std::string what = std::string(to_string(base.kind)) + " " + std::string(to_string(dtype)) +
+                                 (format == WeightFormat::kNative ? " native" : " hf");
+        const std::string reference = (dir / "one.safetensors").string(), path = (dir / "parts.safetensors").string();
+        STRATA_ASSERT_OK(write_weights(*full, reference, format, dtype, [&](int i, std::vector<float>& out) {
+          out = values[static_cast<std::size_t>(i)];
+          return ok_status();
+        }));
+        auto header = weights_header(*full, format, dtype);
+        ASSERT_TRUE(header.ok()) << header.status().to_string();
+        STRATA_ASSERT_OK(SafetensorsPartWriter::create(path, *header));
+        std::vector<EncodedRange> ranges;
+        for (int r = 0; r < tp; ++r) {
+          auto part = SafetensorsPartWriter::open(path, *header);
+          ASSERT_TRUE(part.ok()) << part.status().to_string();
+          for (std::size_t i = 0; i < full->params.size(); ++i) {
+            const ParamDesc& p = shards[static_cast<std::size_t>(r)].params[i];
+            if (!p.owns_storage() || (p.shard.kind == ShardKind::kReplicated && r != 0)) continue;
+            std::vector<float> shard(static_cast<std::size_t>(p.numel()));
+            shard_from_full(p, values[i].data(), shard.data());
+            const std::int64_t n = p.numel(), cut = std::min<std::int64_t>(n, 37);
+            for (const auto& [a, b] : {std::pair{std::int64_t{0}, cut}, std::pair{cut, n}}) {
+              const std::vector<ElementRun> runs = shard_runs(p, a, b);
+              STRATA_ASSERT_OK(encode_weights_part(*full, *header, static_cast<int>(i), format, dtype, runs,
+                                                   std::span<const float>(shard).subspan(
+                                                       static_cast<std::size_t>(a), static_cast<std::size_t>(b - a)),
+                                                   ranges));
+              for (const EncodedRange& e : ranges)
+                STRATA_ASSERT_OK(part->write_range(e.tensor, e.offset, e.bytes.data(), e.bytes.size()));
+            }
+          }
+          STRATA_ASSERT_OK(part->close());
+        }
+        STRATA_ASSERT_OK(SafetensorsPartWriter::publish(path));
+        const std::string want = read_file(reference);
+        ASSERT_GT(want.size(), 1000u) << what;
+        EXPECT_TRUE(read_file(path) == want) << what << ": the parts' file differs from the one writer's";
+      }
+    }
+    // Write counts of whole shards (rank 1, HF, fp32).
+    auto header = weights_header(*full, WeightFormat::kHuggingFace, DType::kF32);
+    ASSERT_TRUE(header.ok()) << header.status().to_string();
+    auto ranges_of = [&](const std::string& name) {
+      const int i = full->find(name);
+      EXPECT_GE(i, 0) << name;
+      const ParamDesc& p = shards[1].params[static_cast<std::size_t>(i)];
+      std::vector<float> shard(static_cast<std::size_t>(p.numel()));
+      shard_from_full(p, values[static_cast<std::size_t>(i)].data(), shard.data());
+      std::vector<EncodedRange> ranges;
+      EXPECT_TRUE(encode_weights_part(*full, *header, i, WeightFormat::kHuggingFace, DType::kF32,
+                                      shard_runs(p, 0, p.numel()), shard, ranges)
+                      .ok());
+      return ranges.size();
+    };
+    const std::size_t C = 64;
+    if (base.kind == ModelKind::kGpt2) {
+      EXPECT_EQ(ranges_of("h.0.mlp.c_fc.weight"), C);        // rows of (4C, C), stored (C, 4C): a run per column
+      EXPECT_EQ(ranges_of("h.0.attn.c_attn.weight"), 3 * C);  // q, k and v rows: three runs per column
+      EXPECT_EQ(ranges_of("h.0.mlp.c_proj.weight"), 1u);     // columns of (C, 4C), stored (4C, C): one run
+      EXPECT_EQ(ranges_of("wte.weight"), 1u);                 // vocabulary rows 64..96 (the rest is padding)
+    } else {
+      EXPECT_EQ(ranges_of("model.layers.0.mlp.gate_up_proj.weight"), 2u);  // its gate rows, its up rows
+      EXPECT_EQ(ranges_of("model.layers.0.self_attn.o_proj.weight"), C);   // columns of a row-major tensor
+    }
+  }
+  // Bad input names the parameter.
+  auto full = describe_model(llama(1, 64, 4, 2, 97));
+  ASSERT_TRUE(full.ok());
+  auto header = weights_header(*full, WeightFormat::kHuggingFace, DType::kF32);
+  ASSERT_TRUE(header.ok());
+  const int norm = full->find("model.norm.weight");
+  std::vector<float> v(64, 1.0f);
+  std::vector<EncodedRange> ranges;
+  const std::vector<ElementRun> outside = {{60, 8}};
+  STRATA_EXPECT_ERROR(encode_weights_part(*full, *header, norm, WeightFormat::kHuggingFace, DType::kF32, outside,
+                                          std::span<const float>(v).first(8), ranges),
+                      kInvalidArgument, "outside parameter 'model.norm.weight'");
+  const std::vector<ElementRun> some = {{0, 8}};
+  STRATA_EXPECT_ERROR(encode_weights_part(*full, *header, norm, WeightFormat::kHuggingFace, DType::kF32, some, v, ranges),
+                      kInvalidArgument, "64 values for runs of 8 elements");
+  // The fused projection has no tensor of its own in a Hugging Face header.
+  const int fused = full->find("model.layers.0.mlp.gate_up_proj.weight");
+  STRATA_EXPECT_ERROR(encode_weights_part(*full, *header, fused, WeightFormat::kNative, DType::kF32, some,
+                                          std::span<const float>(v).first(8), ranges),
+                      kInvalidArgument, "the header does not hold parameter 'model.layers.0.mlp.gate_up_proj.weight'");
 }
 
 TEST(ModelLayout, TensorParallelSizesThatDoNotSplitAreNamed) {

@@ -491,6 +491,33 @@ struct EncodedTensor {
 // Owning parameter `index`'s values (fp32, storage layout) as the file's tensors, in file order.
 Status encode_weights(const ModelLayout& layout, int index, WeightFormat format, DType dtype,
                       std::span<const float> values, std::vector<EncodedTensor>& out);
+// A rank's part of a parameter, for writers that each hold part of it (tensor-parallel shards,
+// stage-3 slices): `count` consecutive elements of the full parameter (storage layout, row-major)
+// from element `full_begin`.
+struct ElementRun {
+  std::int64_t full_begin = 0;
+  std::int64_t count = 0;
+};
+// A shard's elements [begin, end) (its own storage order) as runs of the full parameter: one run
+// per stored row piece, adjacent rows merged (a kRows block's rows, a replicated parameter).
+std::vector<ElementRun> shard_runs(const ParamDesc& p, std::int64_t begin, std::int64_t end);
+// Bytes of a weights file's data section: `bytes` at `offset` (from the data section's start),
+// all inside tensor `tensor`.
+struct EncodedRange {
+  std::string tensor;
+  std::uint64_t offset = 0;
+  std::vector<char> bytes;
+};
+// The elements `runs` of owning parameter `index` (their values concatenated in `values`, fp32)
+// encoded as encode_weights encodes them (dtype per element, export slices, transposition) and
+// placed at their file ranges under `header` (weights_header's for the same layout, format and
+// dtype): one range per run of adjacent file bytes within one tensor, in file order. A shard split
+// on the stored rows is one range per tensor; a transposed tensor (GPT-2's Conv1D) cut by rows is
+// one range per stored column. Elements no tensor stores (vocabulary padding) are skipped. Writers
+// whose runs together cover the parameter write encode_weights' bytes.
+Status encode_weights_part(const ModelLayout& layout, const SafetensorsHeader& header, int index,
+                           WeightFormat format, DType dtype, std::span<const ElementRun> runs,
+                           std::span<const float> values, std::vector<EncodedRange>& out);
 // The model's working weights (synchronizes its stream), in the model's dtype.
 Status save_weights(Model& model, const std::string& path, WeightFormat format);
 // The model config a weights file of either format carries. Errors name the path.

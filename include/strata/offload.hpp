@@ -508,6 +508,9 @@ struct OffloadStats {
   // files, the first stage's first rank also the manifest's companions; the manifest itself is not
   // counted).
   std::uint64_t bytes_checkpoint_written = 0;
+  // Weights files: the writes (pwrites) this rank issued into them (save_weights with more than
+  // one rank: every rank writes the elements it holds, one write per run of adjacent file bytes).
+  std::uint64_t weights_file_writes = 0;
   // Activation offload: checkpointed block inputs copied to the host and back (also in
   // bytes_d2h / bytes_h2d, which count every copy of the device).
   std::uint64_t bytes_activations_to_host = 0;

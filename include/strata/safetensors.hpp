@@ -107,17 +107,25 @@ class SafetensorsPartWriter {
 
   // Writes tensor `name`'s bytes (exactly its header size) at its offset.
   Status write(const std::string& name, const void* data, std::uint64_t nbytes);
+  // Writes `nbytes` at `offset` from the data section's start, a range inside tensor `name` (a
+  // writer holding part of a tensor: a tensor-parallel shard, a stage-3 slice).
+  Status write_range(const std::string& name, std::uint64_t offset, const void* data, std::uint64_t nbytes);
+  // The writes (write, write_range) issued so far.
+  std::uint64_t writes() const { return writes_; }
   // fsync and close: the writer's tensors are durable when it returns ok.
   Status close();
 
  private:
   SafetensorsPartWriter(const SafetensorsHeader* header, std::string tmp, int fd, std::uint64_t data_offset,
                         WriteFault fault);
+  // `nbytes` at `offset` of the file (the data section's offset included), for tensor `name`.
+  Status pwrite_at(const std::string& name, std::uint64_t offset, const char* data, std::uint64_t nbytes);
   const SafetensorsHeader* header_;  // the caller's; outlives the writer
   std::string tmp_;
   int fd_ = -1;
   std::uint64_t data_offset_ = 0;
   WriteFault fault_;
+  std::uint64_t writes_ = 0;
 };
 
 class SafetensorsFile {

@@ -279,6 +279,22 @@ void full_from_shard(const ParamDesc& p, const float* shard, float* full) {
   }
 }
 
+std::vector<ElementRun> shard_runs(const ParamDesc& p, std::int64_t begin, std::int64_t end) {
+  std::vector<ElementRun> runs;
+  const std::int64_t cols = p.numel() / std::max<std::int64_t>(p.shape[0], 1);
+  for (std::int64_t e = begin; e < end;) {
+    const std::int64_t row_end = std::min(end, (e / cols + 1) * cols);
+    const std::int64_t at = full_element(p.shard, cols, e);
+    if (!runs.empty() && runs.back().full_begin + runs.back().count == at) {
+      runs.back().count += row_end - e;
+    } else {
+      runs.push_back({at, row_end - e});
+    }
+    e = row_end;
+  }
+  return runs;
+}
+
 std::string_view to_string(ModelKind kind) { return kind == ModelKind::kGpt2 ? "gpt2" : "llama"; }
 
 Result<ModelKind> parse_model_kind(std::string_view text) {

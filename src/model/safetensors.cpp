@@ -172,7 +172,8 @@ SafetensorsPartWriter::SafetensorsPartWriter(SafetensorsPartWriter&& other) noex
       tmp_(std::move(other.tmp_)),
       fd_(std::exchange(other.fd_, -1)),
       data_offset_(other.data_offset_),
-      fault_(std::move(other.fault_)) {}
+      fault_(std::move(other.fault_)),
+      writes_(other.writes_) {}
 
 SafetensorsPartWriter::~SafetensorsPartWriter() {
   if (fd_ >= 0) ::close(fd_);
@@ -188,14 +189,32 @@ Status SafetensorsPartWriter::write(const std::string& name, const void* data, s
                             std::to_string(e->nbytes()) + " bytes in the header, " + std::to_string(nbytes) +
                             " given");
   }
-  std::uint64_t offset = data_offset_ + e->data_begin;
+  return pwrite_at(name, data_offset_ + e->data_begin, static_cast<const char*>(data), nbytes);
+}
+
+Status SafetensorsPartWriter::write_range(const std::string& name, std::uint64_t offset, const void* data,
+                                          std::uint64_t nbytes) {
+  if (fd_ < 0) return internal_error("safetensors: writing '" + name + "' to '" + tmp_ + "' after close");
+  const SafetensorsEntry* e = header_->find(name);
+  if (e == nullptr)
+    return invalid_argument("safetensors: '" + tmp_ + "' has no tensor '" + name + "' in its header");
+  if (offset < e->data_begin || offset > e->data_end || nbytes > e->data_end - offset) {
+    return invalid_argument("safetensors: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+                            ") of the data section of '" + tmp_ + "' are not inside tensor '" + name + "' [" +
+                            std::to_string(e->data_begin) + ", " + std::to_string(e->data_end) + ")");
+  }
+  return pwrite_at(name, data_offset_ + offset, static_cast<const char*>(data), nbytes);
+}
+
+Status SafetensorsPartWriter::pwrite_at(const std::string& name, std::uint64_t offset, const char* p,
+                                        std::uint64_t nbytes) {
+  ++writes_;
   if (fault_) {
     if (const int err = fault_(tmp_, offset, nbytes); err != 0) {
       return io_error("writing '" + name + "' to '" + tmp_ + "' at offset " + std::to_string(offset) + ": " +
                       std::strerror(err));
     }
   }
-  auto* p = static_cast<const char*>(data);
   while (nbytes > 0) {
     ssize_t w = ::pwrite(fd_, p, std::min<std::uint64_t>(nbytes, 1ull << 30), static_cast<off_t>(offset));
     if (w < 0) {

@@ -1,6 +1,7 @@
 // Weight files: Hugging Face safetensors (the export slices of the descriptor table: row ranges
 // of a parameter under HF names, transposed where HF keeps the other layout, GPT-2's Conv1D)
 // and Strata's native layout (one tensor per parameter, storage layout). See model.hpp.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -67,6 +68,16 @@ const SafetensorsEntry* find_hf(const SafetensorsFile& file, const ModelLayout& 
   return nullptr;
 }
 
+// Element `at` of `bytes` (a file's tensor bytes in `dtype`: f32, bf16 or f16) set to `v`.
+void store_element(DType dtype, char* bytes, std::size_t at, float v) {
+  if (dtype == DType::kF32) {
+    std::memcpy(bytes + at * 4, &v, 4);
+    return;
+  }
+  const std::uint16_t h = dtype == DType::kF16 ? kernels::f32_to_f16_bits_rne(v) : kernels::f32_to_bf16_bits_rne(v);
+  std::memcpy(bytes + at * 2, &h, 2);
+}
+
 }  // namespace
 
 Result<SafetensorsHeader> weights_header(const ModelLayout& layout, WeightFormat format, DType dtype) {
@@ -119,17 +130,8 @@ Status encode_weights(const ModelLayout& layout, int index, WeightFormat format,
   if (values.size() != static_cast<std::size_t>(p.numel())) {
     return internal_error("write_weights: parameter '" + p.name + "' came back with the wrong size");
   }
-  const bool half = dtype != DType::kF32;
-  const std::uint64_t esize = half ? 2 : 4;
-  auto store = [&](std::vector<char>& bytes, std::size_t at, float v) {
-    if (half) {
-      const std::uint16_t h =
-          dtype == DType::kF16 ? kernels::f32_to_f16_bits_rne(v) : kernels::f32_to_bf16_bits_rne(v);
-      std::memcpy(bytes.data() + at * 2, &h, 2);
-    } else {
-      std::memcpy(bytes.data() + at * 4, &v, 4);
-    }
-  };
+  const std::uint64_t esize = dtype == DType::kF32 ? 4 : 2;
+  auto store = [&](std::vector<char>& bytes, std::size_t at, float v) { store_element(dtype, bytes.data(), at, v); };
   if (format == WeightFormat::kNative) {
     EncodedTensor& t = out.emplace_back();
     t.name = p.name;
@@ -150,6 +152,98 @@ Status encode_weights(const ModelLayout& layout, int index, WeightFormat format,
         store(t.bytes, static_cast<std::size_t>(at), src[r * cols + c]);
       }
     }
+  }
+  return ok_status();
+}
+
+Status encode_weights_part(const ModelLayout& layout, const SafetensorsHeader& header, int index,
+                           WeightFormat format, DType dtype, std::span<const ElementRun> runs,
+                           std::span<const float> values, std::vector<EncodedRange>& out) {
+  out.clear();
+  if (index < 0 || static_cast<std::size_t>(index) >= layout.params.size() ||
+      !layout.params[static_cast<std::size_t>(index)].owns_storage()) {
+    return invalid_argument("encode_weights_part: no owning parameter with index " + std::to_string(index));
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return invalid_argument("encode_weights_part: dtype " + std::string(to_string(dtype)) +
+                            " cannot be written (f32, bf16 or f16)");
+  }
+  const ParamDesc& p = layout.params[static_cast<std::size_t>(index)];
+  const std::int64_t numel = p.numel(), cols = numel / p.shape[0];
+  const std::uint64_t esize = dtype == DType::kF32 ? 4 : 2;
+  // The parameter's tensors in the file: its export slices (HF) or itself (native).
+  struct Target {
+    const SafetensorsEntry* entry;
+    std::int64_t row_begin, rows;
+    bool transpose;
+  };
+  std::vector<Target> targets;
+  if (format == WeightFormat::kNative) {
+    targets.push_back({header.find(p.name), 0, p.shape[0], false});
+  } else {
+    for (const ExportSlice& e : p.exports) targets.push_back({header.find(e.name), e.row_begin, e.rows, e.transpose});
+  }
+  for (const Target& t : targets) {
+    if (t.entry == nullptr || t.entry->nbytes() != static_cast<std::uint64_t>(t.rows * cols) * esize) {
+      return invalid_argument("encode_weights_part: the header does not hold parameter '" + p.name +
+                              "' in this format and dtype");
+    }
+  }
+  // Every element's file position (bytes from the data section) and its target, in row pieces:
+  // a piece of a row is contiguous in the file unless its tensor is transposed.
+  struct Piece {
+    std::uint64_t at;      // the first element's byte in the data section
+    std::uint64_t count;   // elements, adjacent in the file
+    std::size_t value;     // the first element's index in `values`
+    std::size_t target;
+  };
+  std::vector<Piece> pieces;
+  std::size_t v = 0;
+  for (const ElementRun& run : runs) {
+    if (run.count < 0 || run.full_begin < 0 || run.full_begin + run.count > numel) {
+      return invalid_argument("encode_weights_part: elements [" + std::to_string(run.full_begin) + ", " +
+                              std::to_string(run.full_begin + run.count) + ") are outside parameter '" + p.name +
+                              "' (" + std::to_string(numel) + " elements)");
+    }
+    for (std::int64_t j = run.full_begin; j < run.full_begin + run.count;) {
+      const std::int64_t r = j / cols, c0 = j % cols, c1 = std::min(cols, c0 + run.full_begin + run.count - j);
+      const std::size_t first = v + static_cast<std::size_t>(j - run.full_begin);
+      for (std::size_t k = 0; k < targets.size(); ++k) {
+        const Target& t = targets[k];
+        if (r < t.row_begin || r >= t.row_begin + t.rows) continue;
+        const std::int64_t tr = r - t.row_begin;
+        if (!t.transpose) {
+          pieces.push_back({t.entry->data_begin + static_cast<std::uint64_t>(tr * cols + c0) * esize,
+                            static_cast<std::uint64_t>(c1 - c0), first, k});
+          break;
+        }
+        for (std::int64_t c = c0; c < c1; ++c) {  // (cols, rows) in the file: a column apart
+          pieces.push_back({t.entry->data_begin + static_cast<std::uint64_t>(c * t.rows + tr) * esize, 1,
+                            first + static_cast<std::size_t>(c - c0), k});
+        }
+        break;
+      }
+      j += c1 - c0;
+    }
+    v += static_cast<std::size_t>(run.count);
+  }
+  if (v != values.size()) {
+    return invalid_argument("encode_weights_part: parameter '" + p.name + "': " + std::to_string(values.size()) +
+                            " values for runs of " + std::to_string(v) + " elements");
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.at < b.at; });
+  for (const Piece& piece : pieces) {
+    const bool joins = !out.empty() && out.back().tensor == targets[piece.target].entry->name &&
+                       out.back().offset + out.back().bytes.size() == piece.at;
+    if (!joins) {
+      EncodedRange& range = out.emplace_back();
+      range.tensor = targets[piece.target].entry->name;
+      range.offset = piece.at;
+    }
+    std::vector<char>& bytes = out.back().bytes;
+    const std::size_t at = bytes.size() / esize;
+    bytes.resize(bytes.size() + piece.count * esize);
+    for (std::uint64_t k = 0; k < piece.count; ++k) store_element(dtype, bytes.data(), at + k, values[piece.value + k]);
   }
   return ok_status();
 }

@@ -67,9 +67,9 @@
 // device optimizer: its reduced slice, inside device_update_sharded).
 // loss() and evaluate() run the forwards only through the stages (forward_stage) and broadcast
 // the last stage's result. Weights and checkpoints are the single process's files: each stage
-// reads the full state of the units it holds (the tied unit: the first stage's copy). Each
-// stage's first rank writes its parameters into the one weights file at their offsets, the
-// first stage's first rank its header and the rename (save_weights_pp); a checkpoint's
+// reads the full state of the units it holds (the tied unit: the first stage's copy). Every
+// rank writes the elements it holds into the one weights file at their offsets, the first
+// stage's first rank its header and the rename (save_weights_parallel); a checkpoint's
 // module files are written by each stage's first rank into the shared temporary directory, and
 // the first stage's first rank publishes the manifest once every stage agreed its files are
 // durable (save_checkpoint_pp); loading reads the files on every rank and keeps the stage's units.
@@ -89,6 +89,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -573,6 +574,8 @@ struct OffloadEngine::Impl {
   std::uint64_t pp_bytes = 0;
   // Bytes of checkpoint files this rank wrote (write_checkpoint_file; caller thread).
   std::uint64_t checkpoint_bytes = 0;
+  // Writes this rank issued into weights files (save_weights_parallel; caller thread).
+  std::uint64_t weights_writes = 0;
 
   // Counters.
   std::uint64_t accesses = 0, hits = 0, mismatches = 0;
@@ -888,6 +891,11 @@ struct OffloadEngine::Impl {
   // `verb` names what failed ("read"; the pipeline checkpoint's stages agree on "write").
   Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group,
                        const char* verb = "read");
+  // The exchange agree_on_read makes: OK when every rank of `comm` read, else the lowest failing
+  // rank's status as that rank had it (its code and the first bytes of its message), its rank in
+  // `*failing`; a failed exchange is returned with context (`*failing` = -1).
+  Status first_failure(Comm& comm, const Status& mine, const std::string& what, const char* group,
+                       int* failing);
   // A checkpoint file written (SafetensorsWriter::write: temporary name, fsync, rename) and its
   // bytes added to checkpoint_bytes. Caller thread.
   Status write_checkpoint_file(const SafetensorsWriter& w, const std::string& path);
@@ -946,10 +954,18 @@ struct OffloadEngine::Impl {
   // Forward only of the batch set on the model through this stage: receive the input from the
   // previous stage, run the stage's modules, send the output to the next (loss, evaluate).
   Status forward_stage();
-  // Pipeline: every stage's parameters gathered (tp, dp: collective) and sent to the first
-  // stage's writer, which writes the single process's files (docs/parallel.md "Saving and
-  // loading a pipeline").
-  Status save_weights_pp(const std::string& path, WeightFormat format);
+  // Every rank writes the part of the weights file it holds (docs/checkpoints.md "Who writes the
+  // weights file"); collective over every group.
+  Status save_weights_parallel(const std::string& path, WeightFormat format);
+  // Step 2 of it: this rank's elements of the parameters it writes, encoded and pwritten into
+  // the temporary file, fsync'd. Errors start with rank_name().
+  Status write_weights_part(const std::string& path, WeightFormat format, const ModelLayout& full,
+                            const SafetensorsHeader& header);
+  // `n` words from the writer (tp 0, dp 0, stage 0) to every rank: over the tensor-parallel
+  // groups, the data-parallel groups, then the pipeline groups (collective over all three).
+  Status broadcast_from_writer(std::uint32_t* words, std::size_t n, const char* what);
+  // This rank in its groups, for errors: "pipeline stage 1, tensor-parallel rank 0 of 2".
+  std::string rank_name() const;
   Result<std::string> save_checkpoint_pp(const std::string& root, const CheckpointManifest& manifest,
                                          int keep);
   Status device_update(double lr, std::int64_t step);
@@ -2203,106 +2219,52 @@ Status OffloadEngine::Impl::forward_stage() {
   return ok_status();
 }
 
-// Weights of a pipeline, written by every stage into the one file (docs/parallel.md "Saving and
-// loading a pipeline"). The header is a function of the full layout (weights_header), so each
-// stage writer (tp 0, dp 0 of its stage) knows where its tensors go without hearing from anyone:
-//   1. the writer (stage 0's) creates "<path>.tmp" with the header at its final size and
-//      broadcasts whether it could over the stage writers (the writer's pp group);
-//   2. every rank reads the full parameters its stage holds in table order (the tied embedding
-//      from the first stage only), gathered over the stage's tp (and, stage 3, dp) group, and
-//      the stage writer encodes each one and pwrites it at its offsets right away: no rank holds
-//      more than one parameter of the model, and nothing but flags crosses the pp links;
-//   3. each stage writer fsyncs and reports its outcome in an all-gather over the stage writers
-//      (agree_on_read: the lowest failing stage's error on all of them); the writer renames the
-//      file into place only when every stage wrote its part, else removes it, so the final name
+// Weights written by every rank into the one file (docs/checkpoints.md "Who writes the weights
+// file"). The header is a function of the full layout (weights_header), so every rank knows where
+// each of its elements goes without hearing from anyone:
+//   1. the writer (tp 0, dp 0, stage 0) creates "<path>.tmp" with the header at its final size and
+//      broadcasts whether it could (broadcast_from_writer);
+//   2. every rank writes what it holds (write_weights_part): its tensor-parallel shard of each
+//      parameter its stage holds (replicated ones: tp rank 0 only), the whole shard on dp rank 0
+//      or, where stage 3 slices the unit, each dp rank its slice; no collective, nothing gathered;
+//      then fsyncs;
+//   3. the outcomes are agreed (first_failure over the tp, then the dp, then the pp groups: every
+//      rank learns the same lowest failing rank's error, which names it); the writer renames the
+//      file into place only when every rank's part is durable, else removes it, so the final name
 //      never holds a partial file and a previous file there keeps its bytes;
-//   4. the outcome (success, or the writer's error: the code and the first bytes of its message,
-//      naming the stage) goes over the writer's tp group, the first stage's dp groups, then
-//      every pp group: every rank returns the same success or the same error.
-// A rank stops reading at its first failed read (a later read would pair its collectives with
-// another parameter's on its peers; read_full makes the stage's ranks fail the same parameter).
-// A stage writer whose write failed, or that has no file to write into, still reads (its stage's
-// peers are in those collectives) but writes nothing more.
-Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightFormat format) {
+//   4. the outcome (success, or the writer's error: the code and the first bytes of its message)
+//      is broadcast from the writer: every rank returns the same success or the same error.
+Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
   // The same on every rank (a function of the config): a failure here returns before any
   // collective, on every rank alike.
   auto header = weights_header(full, format, config.model.dtype);
   if (!header.ok()) return header.status().with_context("weights '" + path + "'");
-  const bool stage_writer = tp_rank == 0 && dp_rank == 0;
-  const bool writer = stage_writer && pp_rank == 0;
-  const std::string stage_name = "pipeline stage " + std::to_string(pp_rank);
-  auto held_by = [&](std::size_t i) {
-    return full.params[i].owns_storage() ? holder(full.params[i].module) : -1;
-  };
-  // 1. The temporary file, then whether it exists (stage writers).
+  const bool writer = tp_rank == 0 && dp_rank == 0 && pp_rank == 0;
+  // 1. The temporary file, then whether it exists.
   Status created;
   if (writer) created = SafetensorsPartWriter::create(path, *header);
-  float have_file = created.ok() ? 1.0f : 0.0f;
-  Status shared;
-  if (stage_writer) {
-    shared = pp_caller->broadcast(&have_file, 1, DType::kF32, 0)
-                 .wait()
-                 .with_context("weights '" + path + "': sharing whether the temporary file exists");
-  }
-  // 2. Read this stage's parameters; the stage writer writes each one.
-  std::optional<SafetensorsPartWriter> part;
-  Status wrote;  // the stage writer's first failure to write
-  if (stage_writer && shared.ok() && have_file == 1.0f) {
-    SafetensorsPartWriter::WriteFault fault;
-    if (io_faults != nullptr) {
-      fault = [f = io_faults](const std::string& file, std::uint64_t offset, std::uint64_t nbytes) {
-        return f->error_for(IoOp::kWrite, file, offset, nbytes);
-      };
-    }
-    auto opened = SafetensorsPartWriter::open(path, *header, std::move(fault));
-    if (opened.ok()) {
-      part.emplace(std::move(*opened));
-    } else {
-      wrote = opened.status();
-    }
-  }
-  Status local;  // the first failed read
-  std::vector<EncodedTensor> encoded;
-  for (std::size_t i = 0; i < full.params.size() && local.ok(); ++i) {
-    if (held_by(i) != pp_rank) continue;
-    auto v = read_full(static_cast<int>(i), 0);
-    if (!v.ok()) {
-      local = Status(v.status().code(),
-                     stage_name + " could not read '" + full.params[i].name + "': " + v.status().message());
-      break;
-    }
-    if (!part || !wrote.ok()) continue;
-    wrote = encode_weights(full, static_cast<int>(i), format, config.model.dtype, *v, encoded);
-    for (std::size_t k = 0; wrote.ok() && k < encoded.size(); ++k)
-      wrote = part->write(encoded[k].name, encoded[k].bytes.data(), encoded[k].bytes.size());
-  }
-  if (part) {
-    Status closed = part->close();
-    if (wrote.ok()) wrote = closed;
-  }
-  // 3. The stage writers agree; the writer publishes or removes the file.
+  std::uint32_t have_file = created.ok() ? 1 : 0;
+  Status mine = broadcast_from_writer(&have_file, 1, "weights: whether the temporary file exists");
+  // 2. This rank's part.
+  if (mine.ok() && have_file == 1) mine = write_weights_part(path, format, full, *header);
+  // 3. Every rank's outcome agreed; the writer publishes or removes the file.
+  int failing = -1;
+  Status all = mine;
+  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel", &failing);
+  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel", &failing);
+  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline", &failing);
   Status written;  // the writer's outcome
-  if (stage_writer) {
-    Status mine = local;
-    if (mine.ok() && !wrote.ok())
-      mine = Status(wrote.code(), stage_name + " could not write its tensors: " + wrote.message());
-    if (mine.ok()) mine = shared;
-    Status all = agree_on_read(*pp_caller, mine, "its part of the weights", "pipeline stage", "save");
-    if (writer) {
-      if (!created.ok()) {
-        written = created.with_context("weights '" + path + "' not written");
-      } else if (!all.ok()) {
-        written = Status(all.code(),
-                         "weights '" + path +
-                             "' not written (a previous file at that path is unchanged): " + all.message());
-      } else {
-        written = SafetensorsPartWriter::publish(path).with_context("weights '" + path + "'");
-      }
-      if (!written.ok()) SafetensorsPartWriter::discard(path);
-    } else if (local.ok()) {
-      local = mine;  // the outcome below says more (every stage's), unless it cannot arrive
+  if (writer) {
+    if (!created.ok()) {
+      written = created.with_context("weights '" + path + "' not written");
+    } else if (!all.ok()) {
+      written = Status(all.code(), "weights '" + path +
+                                       "' not written (a previous file at that path is unchanged): " + all.message());
+    } else {
+      written = SafetensorsPartWriter::publish(path).with_context("weights '" + path + "'");
     }
+    if (!written.ok()) SafetensorsPartWriter::discard(path);
   }
   // 4. The outcome, as 4-byte words: 1, or 0, the status code and the first bytes of the
   // writer's error.
@@ -2315,16 +2277,10 @@ Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightForma
     word[1] = static_cast<std::uint32_t>(written.code());
     std::memcpy(word.data() + 2, m.data(), std::min<std::size_t>(m.size(), 4 * (kWords - 2) - 1));
   }
-  Status b;
-  if (tp_size > 1) b = tp_step->broadcast(word.data(), kWords, DType::kF32, 0).wait();
-  if (b.ok() && dp_size > 1) {
-    b = dp_wait(dp_tracks[0], dp_caller->broadcast(word.data(), kWords, DType::kF32, 0), "weights outcome",
-                -1, 4 * kWords);
-  }
-  if (b.ok()) b = pp_caller->broadcast(word.data(), kWords, DType::kF32, 0).wait();
+  Status b = broadcast_from_writer(word.data(), kWords, "weights outcome");
   if (writer) return written;
   if (!b.ok()) {
-    STRATA_RETURN_IF_ERROR(local);
+    if (!all.ok()) return all.with_context("weights '" + path + "' not written");
     return b.with_context("weights '" + path + "': broadcast of the outcome");
   }
   if (word[0] != 1) {
@@ -2336,6 +2292,102 @@ Status OffloadEngine::Impl::save_weights_pp(const std::string& path, WeightForma
     return Status(code, why);
   }
   return ok_status();
+}
+
+// Which ranks write a parameter's elements: the stage holding it (the lowest: GPT-2's tied
+// embedding is the first stage's); of its tensor-parallel shards each its own, a replicated
+// parameter tp rank 0 alone; of the data-parallel replicas dp rank 0, or under stage 3 each rank
+// the elements of its slice of the unit. The union is every element once. A shard's elements map
+// onto the file by encode_weights_part: one pwrite per run of adjacent file bytes.
+Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFormat format,
+                                               const ModelLayout& full, const SafetensorsHeader& header) {
+  const std::string who = rank_name();
+  SafetensorsPartWriter::WriteFault fault;
+  if (io_faults != nullptr) {
+    fault = [f = io_faults](const std::string& file, std::uint64_t offset, std::uint64_t nbytes) {
+      return f->error_for(IoOp::kWrite, file, offset, nbytes);
+    };
+  }
+  auto part = SafetensorsPartWriter::open(path, header, std::move(fault));
+  auto cannot_write = [&](const Status& s) {
+    return Status(s.code(), who + " could not write its tensors: " + s.message());
+  };
+  if (!part.ok()) return cannot_write(part.status());
+  if (dev_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // slices are read in place
+  const std::uint64_t w = half ? 2 : 4;
+  int unit = -1;
+  std::vector<char> bytes;  // unit `unit`: its working parameters, or this rank's slice (stage 3)
+  std::vector<float> values;
+  std::vector<EncodedRange> ranges;
+  Status s;
+  for (std::size_t i = 0; i < full.params.size() && s.ok(); ++i) {
+    if (!full.params[i].owns_storage() || holder(full.params[i].module) != pp_rank) continue;
+    const ParamDesc& p = layout().params[i];  // this rank's shard
+    if (p.shard.kind == ShardKind::kReplicated && tp_rank != 0) continue;
+    const int k = owned_index(static_cast<int>(i));
+    if (k < 0) return internal_error(who + " holds no parameter '" + p.name + "'");
+    const OwnedParam& o = owned[static_cast<std::size_t>(k)];
+    const std::size_t uu = static_cast<std::size_t>(o.unit);
+    const bool sliced = !psharded.empty() && psharded[uu];
+    if (!sliced && dp_rank != 0) continue;
+    if (o.unit != unit) {
+      unit = o.unit;
+      Status read;
+      if (sliced) {
+        bytes.resize(slices.len[uu] * w);
+        read = read_param_slice(unit, bytes.data());
+      } else {
+        read = read_unit_params(unit, bytes);
+      }
+      if (!read.ok()) {
+        const std::string what = sliced ? "its slice of module '" + layout().modules[uu].name + "'"
+                                 : tp_size > 1 ? "its shard of '" + p.name + "'"
+                                               : "'" + p.name + "'";
+        return Status(read.code(), who + " could not read " + what + ": " + read.message());
+      }
+    }
+    // This rank's elements [a, b) of the shard, at `src`.
+    std::uint64_t a = 0, b = o.n;
+    const char* src = bytes.data() + o.param_in_unit;
+    if (sliced) {  // the slice holds the unit's elements [begin, begin + len) (its fp32 order)
+      const std::uint64_t first = o.grad_in_unit / 4, begin = slices.begin[uu], end = begin + slices.len[uu];
+      a = std::max(first, begin) - first;
+      b = std::min(first + o.n, end);
+      if (b <= first + a) continue;
+      b -= first;
+      src = bytes.data() + (first + a - begin) * w;
+    }
+    values.resize(b - a);
+    STRATA_RETURN_IF_ERROR(convert(src, wdtype, values.data(), DType::kF32, b - a));
+    const std::vector<ElementRun> runs =
+        shard_runs(p, static_cast<std::int64_t>(a), static_cast<std::int64_t>(b));
+    s = encode_weights_part(full, header, static_cast<int>(i), format, config.model.dtype, runs, values, ranges);
+    for (std::size_t r = 0; s.ok() && r < ranges.size(); ++r)
+      s = part->write_range(ranges[r].tensor, ranges[r].offset, ranges[r].bytes.data(), ranges[r].bytes.size());
+  }
+  Status closed = part->close();
+  weights_writes += part->writes();
+  if (s.ok()) s = closed;
+  return s.ok() ? s : cannot_write(s);
+}
+
+Status OffloadEngine::Impl::broadcast_from_writer(std::uint32_t* words, std::size_t n, const char* what) {
+  // The writer's tp group first, then the dp groups (the first stage's get it from theirs), then
+  // the pp groups (every stage from the first).
+  Status b;
+  if (tp_size > 1) b = tp_step->broadcast(words, n, DType::kF32, 0).wait();
+  if (b.ok() && dp_size > 1) b = dp_wait(dp_tracks[0], dp_caller->broadcast(words, n, DType::kF32, 0), what, -1, 4 * n);
+  if (b.ok() && pp_size > 1) b = pp_caller->broadcast(words, n, DType::kF32, 0).wait();
+  return b.ok() ? b : b.with_context(what);
+}
+
+std::string OffloadEngine::Impl::rank_name() const {
+  std::string name;
+  auto add = [&name](const std::string& part) { name += (name.empty() ? "" : ", ") + part; };
+  if (pp_size > 1) add("pipeline stage " + std::to_string(pp_rank));
+  if (tp_size > 1) add("tensor-parallel rank " + std::to_string(tp_rank) + " of " + std::to_string(tp_size));
+  if (dp_size > 1) add("data-parallel rank " + std::to_string(dp_rank) + " of " + std::to_string(dp_size));
+  return name;
 }
 
 // One step's micro-batches through this stage in the schedule's order. Forwards and backwards
@@ -2755,6 +2807,16 @@ Status OffloadEngine::Impl::write_checkpoint_file(const SafetensorsWriter& w, co
 
 Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const std::string& what,
                                           const char* group, const char* verb) {
+  int failing = -1;
+  Status s = first_failure(comm, mine, what, group, &failing);
+  if (s.ok() || failing < 0) return s;
+  return Status(s.code(), std::string(group) + " rank " + std::to_string(failing) + " of " +
+                              std::to_string(comm.size()) + " could not " + verb + " " + what + ": " + s.message());
+}
+
+Status OffloadEngine::Impl::first_failure(Comm& comm, const Status& mine, const std::string& what,
+                                          const char* group, int* failing) {
+  *failing = -1;
   // Word 0: 1 read, 0 failed; word 1: the status code; then the message's first bytes (NUL-padded).
   std::array<std::uint32_t, kAgreeWords> word{};
   word[0] = mine.ok() ? 1 : 0;
@@ -2776,8 +2838,8 @@ Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const 
     const auto code = theirs[1] == 0 || theirs[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
                           ? StatusCode::kIoError
                           : static_cast<StatusCode>(theirs[1]);
-    return Status(code, std::string(group) + " rank " + std::to_string(r) + " of " +
-                            std::to_string(comm.size()) + " could not " + verb + " " + what + ": " + cause);
+    *failing = r;
+    return Status(code, cause);
   }
   return ok_status();
 }
@@ -5686,7 +5748,11 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
-  if (t.pp_size > 1) return t.save_weights_pp(path, format);
+  // Every rank writes its part, unless STRATA_WEIGHTS_GATHER=1 asks for the earlier path (the
+  // first rank gathers everything and writes alone; kept as the benchmark's reference).
+  const char* gather = std::getenv("STRATA_WEIGHTS_GATHER");
+  const bool gathered = gather != nullptr && std::string(gather) == "1" && t.pp_size == 1;
+  if (!gathered && (t.pp_size > 1 || t.tp_size > 1 || t.dp_size > 1)) return t.save_weights_parallel(path, format);
   if (t.tp_size > 1) {
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
     // stage 3, the data-parallel group), then the first rank of both writes the full model, the
@@ -6339,6 +6405,7 @@ OffloadStats OffloadEngine::stats() const {
   s.pipeline_wait_seconds = t.pp_wait_seconds;
   s.bytes_pp = t.pp_bytes;
   s.bytes_checkpoint_written = t.checkpoint_bytes;
+  s.weights_file_writes = t.weights_writes;
   if (t.model) {
     const Model::ActivationTraffic a = t.model->activation_traffic();
     s.bytes_activations_to_host = a.to_host;
