@@ -3,7 +3,7 @@
 // (STRATA_WEIGHTS_GATHER=1), alternated in the same run on the same engine. Not part of the
 // build; run it on the machine being measured, from the repository root after a build:
 //
-//   g++ -O2 -std=c++20 -Iinclude bench/weights_save.cpp -Lbuild -lstrata -Wl,-rpath,$PWD/build \
+//   g++ -O2 -std=c++20 -Iinclude bench/weights_save.cpp -Lbuild/lib -lstrata -Wl,-rpath,$PWD/build/lib \
 //       -o /tmp/weights_save
 //   mpirun --oversubscribe -np 2 /tmp/weights_save tp|dp [n_embd] [n_layer] [dtype f32|bf16] [dir]
 //
@@ -71,8 +71,8 @@ int main(int argc, char** argv) {
   }
   DeviceConfig dc;
   dc.kind = DeviceKind::kCpu;
-  dc.memory_bytes = 4ull << 30;
-  dc.pinned_bytes = 1ull << 30;
+  dc.memory_bytes = (mode == "dp" ? 2ull : 1ull) << 30;  // stage 3 keeps whole-model gradients on the device
+  dc.pinned_bytes = 2ull << 30;
   dc.compute_threads = 1;
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());

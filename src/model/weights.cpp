@@ -189,15 +189,13 @@ Status encode_weights_part(const ModelLayout& layout, const SafetensorsHeader& h
                               "' in this format and dtype");
     }
   }
-  // Every element's file position (bytes from the data section) and its target, in row pieces:
-  // a piece of a row is contiguous in the file unless its tensor is transposed.
-  struct Piece {
-    std::uint64_t at;      // the first element's byte in the data section
-    std::uint64_t count;   // elements, adjacent in the file
-    std::size_t value;     // the first element's index in `values`
-    std::size_t target;
+  // The runs cut into row segments, per tensor: (row in the tensor, columns [c0, c1), the index
+  // of element (row, c0) in `values`).
+  struct Segment {
+    std::int64_t row, c0, c1;
+    std::size_t value;
   };
-  std::vector<Piece> pieces;
+  std::vector<std::vector<Segment>> segments(targets.size());
   std::size_t v = 0;
   for (const ElementRun& run : runs) {
     if (run.count < 0 || run.full_begin < 0 || run.full_begin + run.count > numel) {
@@ -207,20 +205,10 @@ Status encode_weights_part(const ModelLayout& layout, const SafetensorsHeader& h
     }
     for (std::int64_t j = run.full_begin; j < run.full_begin + run.count;) {
       const std::int64_t r = j / cols, c0 = j % cols, c1 = std::min(cols, c0 + run.full_begin + run.count - j);
-      const std::size_t first = v + static_cast<std::size_t>(j - run.full_begin);
       for (std::size_t k = 0; k < targets.size(); ++k) {
         const Target& t = targets[k];
-        if (r < t.row_begin || r >= t.row_begin + t.rows) continue;
-        const std::int64_t tr = r - t.row_begin;
-        if (!t.transpose) {
-          pieces.push_back({t.entry->data_begin + static_cast<std::uint64_t>(tr * cols + c0) * esize,
-                            static_cast<std::uint64_t>(c1 - c0), first, k});
-          break;
-        }
-        for (std::int64_t c = c0; c < c1; ++c) {  // (cols, rows) in the file: a column apart
-          pieces.push_back({t.entry->data_begin + static_cast<std::uint64_t>(c * t.rows + tr) * esize, 1,
-                            first + static_cast<std::size_t>(c - c0), k});
-        }
+        if (r < t.row_begin || r >= t.row_begin + t.rows) continue;  // else: vocabulary padding
+        segments[k].push_back({r - t.row_begin, c0, c1, v + static_cast<std::size_t>(j - run.full_begin)});
         break;
       }
       j += c1 - c0;
@@ -231,19 +219,47 @@ Status encode_weights_part(const ModelLayout& layout, const SafetensorsHeader& h
     return invalid_argument("encode_weights_part: parameter '" + p.name + "': " + std::to_string(values.size()) +
                             " values for runs of " + std::to_string(v) + " elements");
   }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.at < b.at; });
-  for (const Piece& piece : pieces) {
-    const bool joins = !out.empty() && out.back().tensor == targets[piece.target].entry->name &&
-                       out.back().offset + out.back().bytes.size() == piece.at;
-    if (!joins) {
+  // Elements in file order (the targets are in file order), appended to the open range while
+  // they are adjacent to it in the same tensor.
+  std::size_t open = targets.size();  // the target of out.back()
+  auto emit = [&](std::size_t k, std::uint64_t at, std::size_t value, std::uint64_t count) {
+    if (open != k || out.back().offset + out.back().bytes.size() != at) {
       EncodedRange& range = out.emplace_back();
-      range.tensor = targets[piece.target].entry->name;
-      range.offset = piece.at;
+      range.tensor = targets[k].entry->name;
+      range.offset = at;
+      open = k;
     }
     std::vector<char>& bytes = out.back().bytes;
-    const std::size_t at = bytes.size() / esize;
-    bytes.resize(bytes.size() + piece.count * esize);
-    for (std::uint64_t k = 0; k < piece.count; ++k) store_element(dtype, bytes.data(), at + k, values[piece.value + k]);
+    const std::size_t first = bytes.size() / esize;
+    bytes.resize(bytes.size() + count * esize);
+    for (std::uint64_t e = 0; e < count; ++e) store_element(dtype, bytes.data(), first + e, values[value + e]);
+  };
+  for (std::size_t k = 0; k < targets.size(); ++k) {
+    const Target& t = targets[k];
+    std::vector<Segment>& segs = segments[k];
+    if (segs.empty()) continue;
+    std::sort(segs.begin(), segs.end(),
+              [](const Segment& a, const Segment& b) { return a.row != b.row ? a.row < b.row : a.c0 < b.c0; });
+    if (!t.transpose) {  // (rows, cols): a segment is contiguous in the file
+      for (const Segment& g : segs) {
+        emit(k, t.entry->data_begin + static_cast<std::uint64_t>(g.row * cols + g.c0) * esize, g.value,
+             static_cast<std::uint64_t>(g.c1 - g.c0));
+      }
+      continue;
+    }
+    // (cols, rows) in the file: column by column, each segment's element of that column in row order.
+    std::int64_t lo = cols, hi = 0;
+    for (const Segment& g : segs) {
+      lo = std::min(lo, g.c0);
+      hi = std::max(hi, g.c1);
+    }
+    for (std::int64_t c = lo; c < hi; ++c) {
+      for (const Segment& g : segs) {
+        if (c < g.c0 || c >= g.c1) continue;
+        emit(k, t.entry->data_begin + static_cast<std::uint64_t>(c * t.rows + g.row) * esize,
+             g.value + static_cast<std::size_t>(c - g.c0), 1);
+      }
+    }
   }
   return ok_status();
 }
