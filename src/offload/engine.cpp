@@ -5749,7 +5749,8 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
   // Every rank writes its part, unless STRATA_WEIGHTS_GATHER=1 asks for the earlier path (the
-  // first rank gathers everything and writes alone; kept as the benchmark's reference).
+  // first rank gathers everything and writes alone; kept as the reference of the tests and of
+  // bench/weights_save.cpp).
   const char* gather = std::getenv("STRATA_WEIGHTS_GATHER");
   const bool gathered = gather != nullptr && std::string(gather) == "1" && t.pp_size == 1;
   if (!gathered && (t.pp_size > 1 || t.tp_size > 1 || t.dp_size > 1)) return t.save_weights_parallel(path, format);
