@@ -475,6 +475,51 @@ TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
   MPI_Comm_free(&ref);
 }
 
+// The same after an operation the caller ran itself for a while (rank 1 answers after 1 ms: past
+// kDoze, within kDozeSpan, so the queue thread, finding the caller at work, waits kPark at a time
+// instead): a send submitted right after it and never waited for must still start, though the
+// thread is in its longer wait and the submit does not wake it.
+TEST(Comm, ASendNobodyWaitsForStartsAfterTheCallerRanALongOperationItself) {
+  Comm& c = world();
+  const int me = c.rank();
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  for (int round = 0; round < 5; ++round) {
+    const std::string at = "round " + std::to_string(round);
+    float out = static_cast<float>(round);
+    if (me == 0) {
+      float slow = -1.0f;
+      ASSERT_TRUE(c.recv(&slow, 1, DType::kF32, 1).wait().ok()) << at;
+      EXPECT_EQ(slow, static_cast<float>(round)) << at;
+      CommWork s = c.send(&out, 1, DType::kF32, 1);
+      int ack = -1;
+      MPI_Request req;
+      ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
+      int flag = 0;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!flag && std::chrono::steady_clock::now() < give_up) {
+        MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (!flag) {
+        ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      EXPECT_EQ(ack, round) << at;
+      ASSERT_TRUE(s.wait().ok()) << at;
+    } else if (me == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_TRUE(c.send(&out, 1, DType::kF32, 0).wait().ok()) << at;
+      float in = -1.0f;
+      ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
+      int ack = static_cast<int>(in);
+      ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+    }
+  }
+  ASSERT_TRUE(c.barrier().wait().ok());
+  MPI_Comm_free(&ref);
+}
+
 // Element i of `rank`'s buffer in the reduction-order tests: signs and exponents spread over
 // 2^-20..2^20, so the fp32 sum over ranks depends on the order it is taken in.
 float order_sensitive_value(int rank, std::size_t i) {
