@@ -662,6 +662,54 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
   MPI_Comm_free(&ref);
 }
 
+// bf16 reductions travel as bf16 and are folded in fp32 (mpi_comm.cpp fold): every element must
+// be what the simplest path gives, each rank's bf16 value widened exactly, the widened values
+// added (or max'ed) left to right in rank order 0..n-1 in fp32, divided by n for avg, and rounded
+// to bf16 once. The values' sum depends on the order and is rarely a bf16 value, so rounding
+// after each addition (a mutation tried), or folding in another order, fails it on 3 and 4 ranks
+// (2 ranks add once). Sizes: one whole message, one in pieces, and several chunks per range with
+// unequal ranges; all_reduce in and out of place, reduce_scatter.
+TEST(Comm, Bf16ReductionsFoldInFp32AndRoundOnceBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  const auto np = static_cast<std::size_t>(p);
+  const auto value = [](int r, std::size_t i) { return bf16(order_sensitive_value(r, i)); };
+  const auto want = [&](ReduceOp op, std::size_t i) {
+    float acc = static_cast<float>(value(0, i));
+    for (int r = 1; r < p; ++r) {
+      const float v = static_cast<float>(value(r, i));
+      acc = op == ReduceOp::kMax ? std::max(acc, v) : acc + v;
+    }
+    if (op == ReduceOp::kAvg) acc = acc / static_cast<float>(p);
+    return bf16(acc).bits;
+  };
+  const std::size_t chunk = detail::mpi_reduce_chunk_elements(p);
+  for (std::size_t total : {std::size_t{1000}, std::size_t{5000}, np * (2 * chunk + 1) + (np - 1)}) {
+    std::vector<bf16> x(total);
+    for (std::size_t i = 0; i < total; ++i) x[i] = value(me, i);
+    for (ReduceOp op : kOps) {
+      const std::string at = where(DType::kBF16, total, op);
+      std::vector<bf16> got(total, bf16(-1.0f));
+      ASSERT_TRUE(c.all_reduce(x.data(), got.data(), total, DType::kBF16, op).wait().ok()) << at;
+      for (std::size_t i = 0; i < total; ++i) {
+        ASSERT_EQ(got[i].bits, want(op, i)) << "all_reduce " << at << " i=" << i;
+      }
+      std::vector<bf16> y = x;
+      ASSERT_TRUE(c.all_reduce(y.data(), y.data(), total, DType::kBF16, op).wait().ok()) << at;
+      ASSERT_EQ(std::memcmp(y.data(), got.data(), total * sizeof(bf16)), 0) << "in-place all_reduce " << at;
+      const std::size_t block = total / np;
+      std::vector<bf16> part(block, bf16(-1.0f));
+      ASSERT_TRUE(c.reduce_scatter(x.data(), part.data(), block, DType::kBF16, op).wait().ok()) << at;
+      for (std::size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(part[i].bits, want(op, static_cast<std::size_t>(me) * block + i))
+            << "reduce_scatter " << at << " i=" << i;
+      }
+    }
+  }
+  EXPECT_LE(detail::mpi_reduce_buffer_bytes(c), detail::kMpiReduceBufferBytes);
+}
+
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on
 // B before A, and neither blocks the other.
 TEST(Comm, SeparateCommsProgressIndependently) {
