@@ -409,5 +409,49 @@ TEST(CliReport, BadRunDirectoriesAreErrorsNamingTheFileAndLine) {
   expect_error(run.string() + " --out /nonexistent-dir/p.html", 1, {"/nonexistent-dir/p.html"});
 }
 
+// A parallel run's links (strata train --metrics under mpirun writes them; test_dist_cli_train
+// checks the values): a link with traffic gets its summary row (the run's total) and its line in
+// the traffic chart; one that moved nothing in the whole run is left out, beside the four host and
+// NVMe links that every run shows.
+TEST(CliReport, ParallelLinksWithTrafficAreChartedAndSummed) {
+  TempDir dir;
+  const auto run = dir / "run";
+  std::filesystem::create_directories(run);
+  write_file(run / "run.json", "{\"steps\": 3}\n");
+  std::string metrics;
+  for (int step = 1; step <= 3; ++step) {
+    Json m{{"step", step}, {"loss", 4.0 - 0.1 * step}};
+    m["traffic"] = Json{{"h2d", 1000 * step}, {"d2h", 500},           {"nvme_read", 0},
+                        {"nvme_write", 0},     {"data_parallel", 4096 * step},
+                        {"tensor_parallel", 0}, {"pipeline", 2048},    {"activations", 0}};
+    metrics += m.dump() + "\n";
+  }
+  write_file(run / "metrics.jsonl", metrics);
+  auto r = run_cli("report " + run.string() + " --out " + (dir / "p.html").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string error;
+  const auto elements = parse_xml(read_text(dir / "p.html"), &error);
+  ASSERT_EQ(error, "");
+  std::set<std::string> series;
+  std::map<std::string, std::string> summary;
+  std::string last_row;
+  for (const Element& e : elements) {
+    if (e.tag == "polyline") series.insert(e.attrs.at("data-series"));
+    if (e.tag == "tr" && e.attrs.count("id")) last_row = e.attrs.at("id");
+    if (e.tag == "td" && !last_row.empty()) summary[last_row] = e.text;
+  }
+  for (const char* s : {"host to device", "device to host", "NVMe read", "NVMe written",
+                        "data-parallel collectives", "pipeline sends"}) {
+    EXPECT_TRUE(series.count(s)) << s;
+  }
+  EXPECT_FALSE(series.count("tensor-parallel collectives"));
+  EXPECT_FALSE(series.count("activation offload"));
+  EXPECT_EQ(summary["s-traffic-data_parallel"], format_bytes(4096 * 6));
+  EXPECT_EQ(summary["s-traffic-pipeline"], format_bytes(2048 * 3));
+  EXPECT_EQ(summary["s-traffic-nvme_read"], format_bytes(0));
+  EXPECT_FALSE(summary.count("s-traffic-tensor_parallel"));
+  EXPECT_FALSE(summary.count("s-traffic-activations"));
+}
+
 }  // namespace
 }  // namespace strata::testing

@@ -475,6 +475,51 @@ TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
   MPI_Comm_free(&ref);
 }
 
+// The same after an operation the caller ran itself for a while (rank 1 answers after 1 ms: past
+// kDoze, within kDozeSpan, so the queue thread, finding the caller at work, waits kPark at a time
+// instead): a send submitted right after it and never waited for must still start, though the
+// thread is in its longer wait and the submit does not wake it.
+TEST(Comm, ASendNobodyWaitsForStartsAfterTheCallerRanALongOperationItself) {
+  Comm& c = world();
+  const int me = c.rank();
+  MPI_Comm ref = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  for (int round = 0; round < 5; ++round) {
+    const std::string at = "round " + std::to_string(round);
+    float out = static_cast<float>(round);
+    if (me == 0) {
+      float slow = -1.0f;
+      ASSERT_TRUE(c.recv(&slow, 1, DType::kF32, 1).wait().ok()) << at;
+      EXPECT_EQ(slow, static_cast<float>(round)) << at;
+      CommWork s = c.send(&out, 1, DType::kF32, 1);
+      int ack = -1;
+      MPI_Request req;
+      ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
+      int flag = 0;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!flag && std::chrono::steady_clock::now() < give_up) {
+        MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (!flag) {
+        ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      EXPECT_EQ(ack, round) << at;
+      ASSERT_TRUE(s.wait().ok()) << at;
+    } else if (me == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_TRUE(c.send(&out, 1, DType::kF32, 0).wait().ok()) << at;
+      float in = -1.0f;
+      ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
+      int ack = static_cast<int>(in);
+      ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+    }
+  }
+  ASSERT_TRUE(c.barrier().wait().ok());
+  MPI_Comm_free(&ref);
+}
+
 // Element i of `rank`'s buffer in the reduction-order tests: signs and exponents spread over
 // 2^-20..2^20, so the fp32 sum over ranks depends on the order it is taken in.
 float order_sensitive_value(int rank, std::size_t i) {
@@ -615,6 +660,54 @@ TEST(Comm, LargeReductionsStreamThroughTheBoundedBufferInRankOrder) {
   }
   check_buffer("every op");
   MPI_Comm_free(&ref);
+}
+
+// bf16 reductions travel as bf16 and are folded in fp32 (mpi_comm.cpp fold): every element must
+// be what the simplest path gives, each rank's bf16 value widened exactly, the widened values
+// added (or max'ed) left to right in rank order 0..n-1 in fp32, divided by n for avg, and rounded
+// to bf16 once. The values' sum depends on the order and is rarely a bf16 value, so rounding
+// after each addition (a mutation tried), or folding in another order, fails it on 3 and 4 ranks
+// (2 ranks add once). Sizes: one whole message, one in pieces, and several chunks per range with
+// unequal ranges; all_reduce in and out of place, reduce_scatter.
+TEST(Comm, Bf16ReductionsFoldInFp32AndRoundOnceBitForBit) {
+  Comm& c = world();
+  const int p = c.size();
+  const int me = c.rank();
+  const auto np = static_cast<std::size_t>(p);
+  const auto value = [](int r, std::size_t i) { return bf16(order_sensitive_value(r, i)); };
+  const auto want = [&](ReduceOp op, std::size_t i) {
+    float acc = static_cast<float>(value(0, i));
+    for (int r = 1; r < p; ++r) {
+      const float v = static_cast<float>(value(r, i));
+      acc = op == ReduceOp::kMax ? std::max(acc, v) : acc + v;
+    }
+    if (op == ReduceOp::kAvg) acc = acc / static_cast<float>(p);
+    return bf16(acc).bits;
+  };
+  const std::size_t chunk = detail::mpi_reduce_chunk_elements(p);
+  for (std::size_t total : {std::size_t{1000}, std::size_t{5000}, np * (2 * chunk + 1) + (np - 1)}) {
+    std::vector<bf16> x(total);
+    for (std::size_t i = 0; i < total; ++i) x[i] = value(me, i);
+    for (ReduceOp op : kOps) {
+      const std::string at = where(DType::kBF16, total, op);
+      std::vector<bf16> got(total, bf16(-1.0f));
+      ASSERT_TRUE(c.all_reduce(x.data(), got.data(), total, DType::kBF16, op).wait().ok()) << at;
+      for (std::size_t i = 0; i < total; ++i) {
+        ASSERT_EQ(got[i].bits, want(op, i)) << "all_reduce " << at << " i=" << i;
+      }
+      std::vector<bf16> y = x;
+      ASSERT_TRUE(c.all_reduce(y.data(), y.data(), total, DType::kBF16, op).wait().ok()) << at;
+      ASSERT_EQ(std::memcmp(y.data(), got.data(), total * sizeof(bf16)), 0) << "in-place all_reduce " << at;
+      const std::size_t block = total / np;
+      std::vector<bf16> part(block, bf16(-1.0f));
+      ASSERT_TRUE(c.reduce_scatter(x.data(), part.data(), block, DType::kBF16, op).wait().ok()) << at;
+      for (std::size_t i = 0; i < block; ++i) {
+        ASSERT_EQ(part[i].bits, want(op, static_cast<std::size_t>(me) * block + i))
+            << "reduce_scatter " << at << " i=" << i;
+      }
+    }
+  }
+  EXPECT_LE(detail::mpi_reduce_buffer_bytes(c), detail::kMpiReduceBufferBytes);
 }
 
 // Two Comms over the same ranks have separate queues: rank 0 waits on A before B, the others on

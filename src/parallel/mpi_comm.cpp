@@ -7,17 +7,20 @@
 // blocking algorithms. The reductions stream through a receive buffer of at most
 // kMpiReduceBufferBytes (mpi_comm.hpp) whatever the message size.
 //
-// bf16 reductions are staged through fp32: the queue thread widens the send buffer into a scratch
-// buffer (exact), MPI reduces fp32, and the result is rounded to bf16 once. The scratch buffers
-// grow to the largest call and are then reused, so steady-state calls allocate nothing.
-// Moves without arithmetic (all_gather, broadcast, send/recv) carry bf16 as 16-bit integers.
+// bf16 reductions travel as bf16 and are folded in fp32 (each value widened exactly, the result
+// rounded to bf16 once), so they move half the bytes of fp32 and need no buffer beyond the
+// bounded one. Above 16 ranks (OpenMPI's non-blocking calls) they are staged through fp32
+// scratch buffers instead, which grow to the largest call and are then reused. Moves without
+// arithmetic (all_gather, broadcast, send/recv) carry bf16 as 16-bit integers.
 #include "strata/build_config.hpp"
 
 #if STRATA_HAVE_MPI
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 
 #include "parallel/internal.hpp"
 #include "parallel/mpi_comm.hpp"
@@ -26,6 +29,10 @@ namespace strata::detail {
 namespace {
 
 MPI_Datatype wire_type(DType dtype) { return dtype == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+template <typename T>
+MPI_Datatype wire_type() {
+  return wire_type(std::is_same_v<T, float> ? DType::kF32 : DType::kBF16);
+}
 
 // What an operation is, for its error messages: "all_reduce(sum) of 4097 x f32", "send of 1 x
 // bf16 to group rank 1 (world rank 3)". Kept as its parts and formatted only when an error is
@@ -88,21 +95,27 @@ class MpiComm final : public Comm {
   const std::string& name() const override { return name_; }
   const std::vector<int>& world_ranks() const override { return world_ranks_; }
   // mpi_reduce_buffer_bytes (mpi_comm.hpp).
-  std::size_t reduce_buffer_bytes() const { return peer_blocks_.capacity() * sizeof(float); }
+  std::size_t reduce_buffer_bytes() const { return peer_blocks_.capacity(); }
 
   CommWork all_reduce(const void* send, void* recv, std::size_t count, DType dtype, ReduceOp op) override {
     if (Status s = check_count(count, dtype, "all_reduce"); !s.ok())
       return finished_work(s.with_context(label_));
     const OpName what{"all_reduce", to_string(op), true, count, dtype};
     return queue_.submit([=, this]() -> Status {
+      if (reduces_direct()) {
+        return dtype == DType::kF32 ? all_reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv),
+                                                        count, op, what)
+                                    : all_reduce_direct(static_cast<const bf16*>(send), static_cast<bf16*>(recv),
+                                                        count, op, what);
+      }
       if (dtype == DType::kF32) {
         STRATA_RETURN_IF_ERROR(
-            all_reduce_f32(static_cast<const float*>(send), static_cast<float*>(recv), count, op, what));
+            all_reduce_nbc(static_cast<const float*>(send), static_cast<float*>(recv), count, op, what));
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), count, scratch_);
-      STRATA_RETURN_IF_ERROR(all_reduce_f32(wide, wide, count, op, what));
+      STRATA_RETURN_IF_ERROR(all_reduce_nbc(wide, wide, count, op, what));
       if (op == ReduceOp::kAvg) divide(wide, count);
       convert(wide, static_cast<bf16*>(recv), count);
       return ok_status();
@@ -118,15 +131,22 @@ class MpiComm final : public Comm {
     const OpName what{"reduce_scatter", to_string(op), true, recv_count, dtype, OpName::Tail::kPerRank};
     return queue_.submit([=, this]() -> Status {
       const std::size_t total = recv_count * static_cast<std::size_t>(size_);
+      if (reduces_direct()) {
+        return dtype == DType::kF32
+                   ? reduce_direct(static_cast<const float*>(send), static_cast<float*>(recv), total,
+                                   /*scatter=*/true, op, what)
+                   : reduce_direct(static_cast<const bf16*>(send), static_cast<bf16*>(recv), total,
+                                   /*scatter=*/true, op, what);
+      }
       if (dtype == DType::kF32) {
-        STRATA_RETURN_IF_ERROR(reduce_scatter_f32(static_cast<const float*>(send), static_cast<float*>(recv),
+        STRATA_RETURN_IF_ERROR(reduce_scatter_nbc(static_cast<const float*>(send), static_cast<float*>(recv),
                                                   recv_count, op, what));
         if (op == ReduceOp::kAvg) divide(static_cast<float*>(recv), recv_count);
         return ok_status();
       }
       float* wide = widen(static_cast<const bf16*>(send), total, scratch_);
       if (scratch_out_.size() < recv_count) scratch_out_.resize(recv_count);
-      STRATA_RETURN_IF_ERROR(reduce_scatter_f32(wide, scratch_out_.data(), recv_count, op, what));
+      STRATA_RETURN_IF_ERROR(reduce_scatter_nbc(wide, scratch_out_.data(), recv_count, op, what));
       if (op == ReduceOp::kAvg) divide(scratch_out_.data(), recv_count);
       convert(scratch_out_.data(), static_cast<bf16*>(recv), recv_count);
       return ok_status();
@@ -236,11 +256,20 @@ class MpiComm final : public Comm {
   // most kMaxDirectGatherRanks, stays far below kMpiReduceBufferBytes.
   static constexpr std::size_t kWholeReduceBytes = std::size_t{16} << 10;
   static_assert((kMaxDirectGatherRanks - 1) * kWholeReduceBytes <= kMpiReduceBufferBytes);
+  // reduce_whole sends a buffer of up to kPiecedWholeBytes as messages of kWholePieceBytes. The
+  // shared-memory transport sends a message up to its eager limit at once (4 KiB with its header
+  // on OpenMPI's vader) and a larger one by a rendezvous, a round trip more: a 4 KiB all_reduce
+  // measured 0.6-0.7 of MPI's time as one message per peer and 1.05-1.09 as two pieces, while 16
+  // KiB is fastest whole (2.9 against 1.5 as eight pieces; docs/parallel.md).
+  static constexpr std::size_t kWholePieceBytes = std::size_t{2} << 10;
+  static constexpr std::size_t kPiecedWholeBytes = std::size_t{4} << 10;
   // broadcast_direct's messages.
   static constexpr int kBcastTag = 10;
   // broadcast_direct: up to this many bytes the root sends to every peer itself; above, a
   // binomial tree spreads the sends over the ranks that already hold the data.
   static constexpr std::size_t kFlatBcastBytes = std::size_t{64} << 10;
+  // fold's tile (elements): its accumulator stays in L1.
+  static constexpr std::size_t kFoldTile = 256;
 
   static MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
 
@@ -382,24 +411,24 @@ class MpiComm final : public Comm {
     };
   }
 
-  // The fp32 reductions both dtypes run (bf16 widened first): from point-to-point messages in
-  // groups of up to kMaxDirectGatherRanks, else OpenMPI's non-blocking call. src == dst allowed
-  // for all_reduce.
-  Status all_reduce_f32(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
-    if (reduces_direct() && count * sizeof(float) <= kWholeReduceBytes) {
-      return reduce_whole(src, dst, count, op, what);
-    }
-    if (reduces_direct()) return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
+  // Groups of up to kMaxDirectGatherRanks: all_reduce from point-to-point messages, in either
+  // dtype as it is (bf16 travels as 16 bits and is folded in fp32, see fold). src == dst allowed.
+  template <typename T>
+  Status all_reduce_direct(const T* src, T* dst, std::size_t count, ReduceOp op, const OpName& what) {
+    if (count * sizeof(T) <= kWholeReduceBytes) return reduce_whole(src, dst, count, op, what);
+    return reduce_direct(src, dst, count, /*scatter=*/false, op, what);
+  }
+  // Larger groups: OpenMPI's non-blocking calls on fp32 (bf16 widened first). src == dst
+  // allowed for all_reduce.
+  Status all_reduce_nbc(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
     MPI_Request req;
     const void* in = src == dst ? MPI_IN_PLACE : src;
     STRATA_RETURN_IF_ERROR(
         start(MPI_Iallreduce(in, dst, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req), what));
     return finish(req, what);
   }
-  Status reduce_scatter_f32(const float* src, float* dst, std::size_t recv_count, ReduceOp op,
+  Status reduce_scatter_nbc(const float* src, float* dst, std::size_t recv_count, ReduceOp op,
                             const OpName& what) {
-    const std::size_t total = recv_count * static_cast<std::size_t>(size_);
-    if (reduces_direct()) return reduce_direct(src, dst, total, /*scatter=*/true, op, what);
     MPI_Request req;
     STRATA_RETURN_IF_ERROR(start(
         MPI_Ireduce_scatter_block(src, dst, static_cast<int>(recv_count), MPI_FLOAT, mpi_op(op), comm_, &req),
@@ -426,8 +455,8 @@ class MpiComm final : public Comm {
   // dst: one message per peer (sending each chunk as soon as it was folded measured 5-7x slower
   // at 4 MiB, docs/parallel.md). Bytes per rank as a ring: (n - 1) / n of the buffer out and in
   // per half, in one step per chunk instead of n - 1.
-  Status reduce_direct(const float* src, float* dst, std::size_t total, bool scatter, ReduceOp op,
-                       const OpName& what) {
+  template <typename T>
+  Status reduce_direct(const T* src, T* dst, std::size_t total, bool scatter, ReduceOp op, const OpName& what) {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
     const auto n = static_cast<std::size_t>(size_);
     const auto begin = [&](int q) { return total * static_cast<std::size_t>(q) / n; };
@@ -446,11 +475,9 @@ class MpiComm final : public Comm {
     const std::size_t width = steps == 1 ? len : chunk;
     const std::size_t half = (n - 1) * width;
     const std::size_t need = steps == 1 ? half : 2 * half;
-    // A fresh vector of exactly `need` (resize could round the capacity up past the bound, and
-    // would copy contents nobody reads).
-    if (peer_blocks_.size() < need) peer_blocks_ = std::vector<float>(need);
+    T* const blocks = peer_buffer<T>(need);
     const auto slot = [&](int q, std::size_t j) {
-      return peer_blocks_.data() + (j % 2) * half +
+      return blocks + (j % 2) * half +
              static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * width;
     };
     // Chunk j's receives and sends, in request set j % 2.
@@ -460,7 +487,7 @@ class MpiComm final : public Comm {
       if (const std::size_t m = piece(rank_, j); m > 0) {
         for (int step = 1; step < size_; ++step) {
           const int from = (rank_ + size_ - step) % size_;
-          STRATA_RETURN_IF_ERROR(start(MPI_Irecv(slot(from, j), static_cast<int>(m), MPI_FLOAT, from,
+          STRATA_RETURN_IF_ERROR(start(MPI_Irecv(slot(from, j), static_cast<int>(m), wire_type<T>(), from,
                                                  kReduceTag, comm_, &reqs.emplace_back()),
                                        what));
         }
@@ -468,14 +495,14 @@ class MpiComm final : public Comm {
       for (int step = 1; step < size_; ++step) {
         const int to = (rank_ + step) % size_;
         if (const std::size_t m = piece(to, j); m > 0) {
-          STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to) + j * chunk, static_cast<int>(m), MPI_FLOAT,
-                                                 to, kReduceTag, comm_, &reqs.emplace_back()),
+          STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + begin(to) + j * chunk, static_cast<int>(m),
+                                                 wire_type<T>(), to, kReduceTag, comm_, &reqs.emplace_back()),
                                        what));
         }
       }
       return ok_status();
     };
-    float* out = scatter ? dst : dst + lo;
+    T* out = scatter ? dst : dst + lo;
     STRATA_RETURN_IF_ERROR(post(0));
     for (std::size_t j = 0; j < steps; ++j) {
       if (j + 1 < steps) STRATA_RETURN_IF_ERROR(post(j + 1));
@@ -492,12 +519,12 @@ class MpiComm final : public Comm {
     for (int step = 1; step < size_; ++step) {
       const int from = (rank_ + size_ - step) % size_;
       STRATA_RETURN_IF_ERROR(
-          start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), MPI_FLOAT, from,
-                          kGatherTag, comm_, &requests_.emplace_back()),
+          start(MPI_Irecv(dst + begin(from), static_cast<int>(begin(from + 1) - begin(from)), wire_type<T>(),
+                          from, kGatherTag, comm_, &requests_.emplace_back()),
                 what));
     }
     for (int step = 1; step < size_; ++step) {
-      STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), MPI_FLOAT, (rank_ + step) % size_,
+      STRATA_RETURN_IF_ERROR(start(MPI_Isend(out, static_cast<int>(len), wire_type<T>(), (rank_ + step) % size_,
                                              kGatherTag, comm_, &requests_.emplace_back()),
                                    what));
     }
@@ -509,25 +536,30 @@ class MpiComm final : public Comm {
   // buffers itself, element by element in rank order 0, 1, ..., n - 1, as reduce_direct's owner
   // of each element does: the same bits on every rank and the same as reduce_direct's, with one
   // message latency instead of two (reduce, then gather) for (n - 1) times the bytes, which
-  // below kWholeReduceBytes cost less than a message's fixed latency. src == dst allowed: the
-  // fold runs after every send has completed.
-  Status reduce_whole(const float* src, float* dst, std::size_t count, ReduceOp op, const OpName& what) {
-    const std::size_t need = static_cast<std::size_t>(size_ - 1) * count;
-    if (peer_blocks_.size() < need) peer_blocks_ = std::vector<float>(need);
+  // below kWholeReduceBytes cost less than a message's fixed latency (up to kPiecedWholeBytes
+  // in pieces that each travel at once, see there). src == dst allowed: the fold runs after
+  // every send has completed. One sender's pieces of one tag arrive in order.
+  template <typename T>
+  Status reduce_whole(const T* src, T* dst, std::size_t count, ReduceOp op, const OpName& what) {
+    T* const blocks = peer_buffer<T>(static_cast<std::size_t>(size_ - 1) * count);
     const auto slot = [&](int q) {
-      return peer_blocks_.data() + static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * count;
+      return blocks + static_cast<std::size_t>((rank_ - q + size_) % size_ - 1) * count;
     };
-    const int n = static_cast<int>(count);
+    const std::size_t piece = count * sizeof(T) <= kPiecedWholeBytes ? kWholePieceBytes / sizeof(T) : count;
     requests_.clear();
-    for (int step = 1; step < size_; ++step) {
-      const int from = (rank_ + size_ - step) % size_;
-      STRATA_RETURN_IF_ERROR(start(
-          MPI_Irecv(slot(from), n, MPI_FLOAT, from, kReduceTag, comm_, &requests_.emplace_back()), what));
-    }
-    for (int step = 1; step < size_; ++step) {
-      STRATA_RETURN_IF_ERROR(start(
-          MPI_Isend(src, n, MPI_FLOAT, (rank_ + step) % size_, kReduceTag, comm_, &requests_.emplace_back()),
-          what));
+    for (std::size_t b = 0; b < count; b += piece) {
+      const int n = static_cast<int>(std::min(piece, count - b));
+      for (int step = 1; step < size_; ++step) {
+        const int from = (rank_ + size_ - step) % size_;
+        STRATA_RETURN_IF_ERROR(start(
+            MPI_Irecv(slot(from) + b, n, wire_type<T>(), from, kReduceTag, comm_, &requests_.emplace_back()),
+            what));
+      }
+      for (int step = 1; step < size_; ++step) {
+        STRATA_RETURN_IF_ERROR(start(MPI_Isend(src + b, n, wire_type<T>(), (rank_ + step) % size_, kReduceTag,
+                                               comm_, &requests_.emplace_back()),
+                                     what));
+      }
     }
     STRATA_RETURN_IF_ERROR(finish(requests_.data(), static_cast<int>(requests_.size()), what));
     fold(src, slot, dst, count, op);
@@ -535,27 +567,74 @@ class MpiComm final : public Comm {
   }
 
   // out[i] = the fold over ranks 0, 1, ..., size - 1 of element i (mine for this rank, peer(q)[i]
-  // for the others), left to right. out may be mine (in place): each tile is read before it is
-  // written.
-  template <typename Peer>
-  void fold(const float* mine, Peer peer, float* out, std::size_t count, ReduceOp op) const {
-    constexpr std::size_t kTile = 256;
-    float acc[kTile];
-    const bool max = op == ReduceOp::kMax;
-    for (std::size_t t = 0; t < count; t += kTile) {
-      const std::size_t m = std::min(kTile, count - t);
-      const float* first = rank_ == 0 ? mine + t : peer(0) + t;
+  // for the others), left to right in fp32, divided by the group's size for kAvg, stored as T
+  // (bf16: widened exactly, rounded once at the end, as widening the whole buffer first did). out
+  // may be mine (in place): each tile is read before it is written.
+  template <typename T, typename Peer>
+  void fold(const T* mine, Peer peer, T* out, std::size_t count, ReduceOp op) const {
+    const auto at = [&](int q, std::size_t t) -> const T* { return q == rank_ ? mine + t : peer(q) + t; };
+    std::size_t t = 0;
+    // Whole tiles with a constant trip count, which the compiler vectorizes at -O2 (gcc's cheap
+    // cost model takes no loop that needs a scalar remainder): the scalar fold took most of a
+    // 1 MiB reduction's own time. Each element still sees the same operations in the same
+    // order, so the bits are those of the element-wise loop.
+    for (; t + kFoldTile <= count; t += kFoldTile) {
+      fold_tile(at, t, std::integral_constant<std::size_t, kFoldTile>{}, out, op);
+    }
+    if (t < count) fold_tile(at, t, count - t, out, op);
+  }
+  // One tile of fold: `m` (at most kFoldTile) elements from offset t.
+  template <typename T, typename At, typename Count>
+  void fold_tile(const At& at, std::size_t t, Count m, T* out, ReduceOp op) const {
+    float wide[2][kFoldTile];  // bf16 values widened (fp32 is read in place)
+    const auto load = [&](int q, float* buf) -> const float* {
+      if constexpr (std::is_same_v<T, float>) {
+        return at(q, t);
+      } else {
+        convert(at(q, t), buf, m);
+        return buf;
+      }
+    };
+    float acc[kFoldTile];
+    const float* first = load(0, wide[0]);
+    if (size_ == 1) {
       std::copy(first, first + m, acc);
-      for (int q = 1; q < size_; ++q) {
-        const float* v = q == rank_ ? mine + t : peer(q) + t;
+    } else {
+      const bool max = op == ReduceOp::kMax;
+      const float* second = load(1, wide[1]);
+      if (max) {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = std::max(first[i], second[i]);
+      } else {
+        for (std::size_t i = 0; i < m; ++i) acc[i] = first[i] + second[i];
+      }
+      for (int q = 2; q < size_; ++q) {
+        const float* v = load(q, wide[0]);
         if (max) {
           for (std::size_t i = 0; i < m; ++i) acc[i] = std::max(acc[i], v[i]);
         } else {
           for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] + v[i];
         }
       }
-      std::copy(acc, acc + m, out + t);
     }
+    if (op == ReduceOp::kAvg) {
+      const float d = static_cast<float>(size_);
+      for (std::size_t i = 0; i < m; ++i) acc[i] = acc[i] / d;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy(acc, acc + m, out + t);
+    } else {
+      convert(acc, out + t, m);
+    }
+  }
+
+  // peer_blocks_ as `elements` values of T: a fresh buffer of exactly the bytes needed when it
+  // is too small (a resize could round the capacity up past the bound, and would copy contents
+  // nobody reads).
+  template <typename T>
+  T* peer_buffer(std::size_t elements) {
+    const std::size_t bytes = elements * sizeof(T);
+    if (peer_blocks_.size() < bytes) peer_blocks_ = std::vector<std::byte>(bytes);
+    return reinterpret_cast<T*>(peer_blocks_.data());
   }
 
   static float* widen(const bf16* src, std::size_t n, std::vector<float>& scratch) {
@@ -576,7 +655,8 @@ class MpiComm final : public Comm {
   std::string label_;
   int rank_ = 0;
   int size_ = 1;
-  // fp32 staging for bf16 reductions; touched only by the queue thread.
+  // fp32 staging for bf16 reductions above kMaxDirectGatherRanks; touched only by the thread
+  // running the operation.
   std::vector<float> scratch_;
   std::vector<float> scratch_out_;
   // The requests of gather_direct and reduce_direct (all_reduce's gather), and of reduce_direct's
@@ -585,7 +665,7 @@ class MpiComm final : public Comm {
   std::vector<MPI_Request> chunk_requests_[2];
   // reduce_direct's receive buffer: one or two chunks of the peers' ranges of this rank's
   // elements, at most kMpiReduceBufferBytes (mpi_comm.hpp).
-  std::vector<float> peer_blocks_;
+  std::vector<std::byte> peer_blocks_;
   CommQueue queue_;  // last: its thread uses the members above, and stops first
 };
 

@@ -261,7 +261,8 @@ void CommQueue::run() {
           return (stopping_ || !pending_.empty() || !in_flight_.empty()) && !inline_active_;
         };
         // Dozing (see kDoze): short timed waits while operations keep coming, so that a submit
-        // need not wake the thread; then one wait until woken.
+        // need not wake the thread, longer ones (kPark) while a caller runs them itself; then one
+        // wait until woken.
         while (!ready()) {
           const auto now = std::chrono::steady_clock::now();
           if (now >= doze_until_) {
@@ -270,7 +271,7 @@ void CommQueue::run() {
             continue;
           }
           dozing_ = true;
-          cv_.wait_until(lock, std::min(now + kDoze, doze_until_));
+          cv_.wait_until(lock, std::min(now + (inline_active_ ? kPark : kDoze), doze_until_));
           dozing_ = false;
         }
         worker_active_ = true;

@@ -38,10 +38,14 @@ constexpr FlagSpec kFlags[] = {
     {"json", "", "print one JSON object (default: a table)"},
     {"min-bytes", "B", "smallest message (default 64KiB)"},
     {"max-bytes", "B", "largest message (default 64MiB); sizes step by 4x"},
-    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..50)"},
+    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..400)"},
     {"reps", "R", "timed runs per size and side; the median ratio is reported (default 5)"},
     {"help", "", "show this help"},
 };
+
+// The default iterations' cap: a timed run of small messages lasts ~0.2-1 ms, long against the
+// barrier's skew between ranks (with 50, a 1 KiB run was ~25 us and its ratio swung 0.3-1.5).
+constexpr std::uint64_t kMaxIters = 400;
 
 std::string usage() {
   return "usage: mpirun -np N strata bench comm [flags]\n\n"
@@ -144,7 +148,7 @@ int run(const Args& args) {
     std::vector<float> b(count + block * n, 0.0f);
     const int iters = *iters_flag > 0
                           ? static_cast<int>(*iters_flag)
-                          : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, 2, 50));
+                          : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, 2, kMaxIters));
     for (const Collective& col : kCollectives) {
       const std::string name = col.name;
       std::function<Status()> strata_op;

@@ -64,7 +64,14 @@ constexpr Part kLinks[] = {
     {"d2h", "device to host", "#55a868"},
     {"nvme_read", "NVMe read", "#ccb974"},
     {"nvme_write", "NVMe written", "#c44e52"},
+    // The rest only when the run moved any (parallel runs, activation offload).
+    {"data_parallel", "data-parallel collectives", "#8172b2"},
+    {"tensor_parallel", "tensor-parallel collectives", "#937860"},
+    {"pipeline", "pipeline sends", "#da8bc3"},
+    {"activations", "activation offload", "#64b5cd"},
 };
+// kLinks before this index are shown in every run that records traffic.
+constexpr std::size_t kAlwaysShownLinks = 4;
 
 struct Record {
   std::int64_t step = 0;
@@ -540,10 +547,12 @@ std::string render(const Run& run) {
   row("s-min-loss", "lowest loss", fmt("%.4f", min_loss) + " at step " + std::to_string(min_step));
   if (last_val) row("s-val-loss", "last validation loss", fmt("%.4f", *last_val));
   row("s-step-time", "mean step time", fmt("%.2f ms", 1e3 * step_sum / static_cast<double>(n)));
+  const auto shown = [&](std::size_t link) { return link < kAlwaysShownLinks || link_total[link] > 0; };
   if (run.have_traffic) {
     for (std::size_t k = 0; k < link_total.size(); ++k)
-      row(std::string("s-traffic-") + kLinks[k].key, std::string("traffic ") + kLinks[k].label,
-          format_bytes(static_cast<std::uint64_t>(std::llround(link_total[k]))));
+      if (shown(k))
+        row(std::string("s-traffic-") + kLinks[k].key, std::string("traffic ") + kLinks[k].label,
+            format_bytes(static_cast<std::uint64_t>(std::llround(link_total[k]))));
   }
   if (run.have_time) {
     for (std::size_t k = 0; k < time_total.size(); ++k) {
@@ -607,8 +616,9 @@ std::string render(const Run& run) {
     Chart c("chart-traffic", "Traffic per link, per step", "bytes", Unit::kBytes);
     c.zero_based();
     for (std::size_t k = 0; k < std::size(kLinks); ++k)
-      c.line(Series{kLinks[k].label, kLinks[k].color, steps,
-                    column([k](const Record& r) { return r.traffic[k]; })});
+      if (shown(k))
+        c.line(Series{kLinks[k].label, kLinks[k].color, steps,
+                      column([k](const Record& r) { return r.traffic[k]; })});
     o << "<div>" << c.svg() << "</div>\n";
   }
   o << "</div>\n</body>\n</html>\n";
