@@ -1,9 +1,9 @@
 // save_weights with every rank writing its part (the default, docs/checkpoints.md "Who writes
 // the weights file") against the earlier path that gathers every parameter to the first rank
-// (STRATA_WEIGHTS_GATHER=1), alternated in the same run on the same engine. Not part of the
+// (offload_detail::EngineFaults::gather_weights_on_save), alternated in the same run on the same engine. Not part of the
 // build; run it on the machine being measured, from the repository root after a build:
 //
-//   g++ -O2 -std=c++20 -Iinclude bench/weights_save.cpp -Lbuild/lib -lstrata -Wl,-rpath,$PWD/build/lib \
+//   g++ -O2 -std=c++20 -Iinclude -Isrc -Ibuild/generated bench/weights_save.cpp -Lbuild/lib -lstrata -Wl,-rpath,$PWD/build/lib \
 //       -o /tmp/weights_save
 //   mpirun --oversubscribe -np 2 /tmp/weights_save tp|dp [n_embd] [n_layer] [dtype f32|bf16] [dir]
 //
@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/internal.hpp"
 #include "strata/device.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
@@ -81,12 +82,12 @@ int main(int argc, char** argv) {
   if (!engine.ok()) return fail(engine.status());
   const std::string path = dir + "/strata-weights-save-bench.safetensors";
   auto timed = [&](bool gather) -> double {
-    if (gather) ::setenv("STRATA_WEIGHTS_GATHER", "1", 1);
+    offload_detail::EngineFaults::gather_weights_on_save(**engine, gather);
     (void)comm.barrier().wait();
     const auto t0 = std::chrono::steady_clock::now();
     Status st = (*engine)->save_weights(path);
     double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    ::unsetenv("STRATA_WEIGHTS_GATHER");
+    offload_detail::EngineFaults::gather_weights_on_save(**engine, false);
     if (!st.ok()) {
       fail(st);
       std::exit(1);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm_environment.hpp"
+#include "offload/internal.hpp"
 #include "offload_fixture.hpp"
 
 namespace strata::testing {
@@ -175,7 +176,7 @@ inline void expect_same_text_on_every_rank(const std::string& text, const std::s
 
 // Collective: `engine`'s weights saved twice into `dir` (every rank sees it), in both formats:
 // every rank writing the part it holds (the default), and the earlier path as the reference (the
-// first rank gathers everything and writes alone: STRATA_WEIGHTS_GATHER=1). The files are equal
+// first rank gathers everything and writes alone: EngineFaults::gather_weights_on_save). The files are equal
 // byte for byte, and every rank issued writes of its own in the parallel save (where
 // `every_rank_writes`; without stage 3 a data-parallel replica's ranks other than the first hold
 // nothing to write).
@@ -192,9 +193,9 @@ inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const st
     if (every_rank_writes) {
       EXPECT_GT(writes, 0u) << what << " (" << tag << "): rank " << world().rank() << " wrote nothing";
     }
-    ::setenv("STRATA_WEIGHTS_GATHER", "1", 1);
+    offload_detail::EngineFaults::gather_weights_on_save(engine, true);
     s = engine.save_weights(gathered, format);
-    ::unsetenv("STRATA_WEIGHTS_GATHER");
+    offload_detail::EngineFaults::gather_weights_on_save(engine, false);
     ASSERT_TRUE(s.ok()) << what << " (" << tag << ", gathered): " << s.to_string();
     EXPECT_EQ(engine.stats().weights_file_writes - before, writes) << what << ": the gather path wrote in parts";
     ASSERT_TRUE(world().barrier().wait().ok());

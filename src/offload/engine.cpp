@@ -431,6 +431,9 @@ struct OffloadEngine::Impl {
   // returns injected_caller_error on the caller. Caller thread only.
   int injected_caller_module = -1;
   Status injected_caller_error;
+  // Tests only (EngineFaults::gather_weights_on_save): save_weights without a pipeline takes the
+  // gather path. Caller thread only.
+  bool gather_weights_on_save = false;
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -5251,6 +5254,10 @@ void offload_detail::EngineFaults::fail_caller_at(OffloadEngine& engine, int mod
   engine.impl_->injected_caller_error = std::move(fault);
 }
 
+void offload_detail::EngineFaults::gather_weights_on_save(OffloadEngine& engine, bool on) {
+  engine.impl_->gather_weights_on_save = on;
+}
+
 namespace {
 
 // What tensor parallelism supports today; the errors say what to use instead.
@@ -5748,11 +5755,10 @@ Result<std::vector<float>> OffloadEngine::get_exp_avg_sq(int index) { return imp
 Status OffloadEngine::save_weights(const std::string& path, WeightFormat format) {
   Impl& t = *impl_;
   STRATA_RETURN_IF_ERROR(t.wait_all_updates());
-  // Every rank writes its part, unless STRATA_WEIGHTS_GATHER=1 asks for the earlier path (the
-  // first rank gathers everything and writes alone; kept as the reference of the tests and of
-  // bench/weights_save.cpp).
-  const char* gather = std::getenv("STRATA_WEIGHTS_GATHER");
-  const bool gathered = gather != nullptr && std::string(gather) == "1" && t.pp_size == 1;
+  // Every rank writes its part, unless a test asked for the earlier path (the first rank
+  // gathers everything and writes alone; EngineFaults::gather_weights_on_save, the reference of
+  // the tests and of bench/weights_save.cpp).
+  const bool gathered = t.gather_weights_on_save && t.pp_size == 1;
   if (!gathered && (t.pp_size > 1 || t.tp_size > 1 || t.dp_size > 1)) return t.save_weights_parallel(path, format);
   if (t.tp_size > 1) {
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,

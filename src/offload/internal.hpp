@@ -751,6 +751,10 @@ struct EngineFaults {
   // Tests only: the caller's next access of module `module` (the next forward's) returns `fault`,
   // as a caller-side error inside the pass (a pipeline's schedule). Once.
   static void fail_caller_at(OffloadEngine& engine, int module, Status fault);
+  // Tests and bench/weights_save.cpp only: while `on`, save_weights without a pipeline takes the
+  // earlier path (the first rank gathers every parameter and writes alone), the reference that
+  // every rank writing its part must equal byte for byte. Caller thread, between calls.
+  static void gather_weights_on_save(OffloadEngine& engine, bool on);
 };
 
 }  // namespace strata::offload_detail
