@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "harness/harness.hpp"
+#include "strata/build_config.hpp"
 
 namespace strata::testing {
 namespace {
@@ -50,6 +51,16 @@ TEST(CliBadInput, IntegersThatDoNotFitAreRangeErrors) {
       {"eval --weights w --data d --max-windows -1", {"'--max-windows'", "-1"}},
       {"config a.json --data-parallel-size 4294967297",
        {"'--data-parallel-size'", "4294967297", "[1, 1048576]"}},
+  });
+}
+
+// bench comm checks its flags before it starts MPI, so these run without mpirun.
+TEST(CliBadInput, BenchCommNamesAnUnknownOperation) {
+  if (!STRATA_HAVE_MPI) GTEST_SKIP() << "this build has no MPI";
+  expect_usage_errors({
+      {"bench comm --ops all_reduce,allreduce", {"--ops", "'allreduce'", "all_reduce, reduce_scatter"}},
+      {"bench comm --ops all_gather,,sendrecv", {"--ops", "''"}},
+      {"bench comm --min-bytes 2MiB --max-bytes 1MiB", {"--min-bytes exceeds --max-bytes"}},
   });
 }
 

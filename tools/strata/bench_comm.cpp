@@ -21,6 +21,8 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <set>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
@@ -40,15 +42,18 @@ constexpr FlagSpec kFlags[] = {
     {"max-bytes", "B", "largest message (default 64MiB); sizes step by 4x"},
     {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..400)"},
     {"reps", "R", "timed runs per size and side; the median ratio is reported (default 5)"},
+    {"ops", "LIST", "comma-separated operations to run (default: all five)"},
     {"help", "", "show this help"},
 };
+
+constexpr std::string_view kOpNames[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv"};
 
 // The default iterations' cap: a timed run of small messages lasts ~0.2-1 ms, long against the
 // barrier's skew between ranks (with 50, a 1 KiB run was ~25 us and its ratio swung 0.3-1.5).
 constexpr std::uint64_t kMaxIters = 400;
 
 std::string usage() {
-  return "usage: mpirun -np N strata bench comm [flags]\n\n"
+  return "usage: strata bench comm [flags], under mpirun: mpirun -np N strata bench comm (N >= 2)\n\n"
          "Bus bandwidth of all_reduce, reduce_scatter, all_gather, broadcast and sendrecv (f32) through\n"
          "Strata's comm layer against the same calls made directly on MPI, and their ratio.\n\nflags:\n" +
          format_flags(kFlags);
@@ -89,6 +94,21 @@ int run(const Args& args) {
     if (!s->ok()) return usage_error("bench comm", s->message(), usage());
   }
   if (*min_bytes > *max_bytes) return usage_error("bench comm", "--min-bytes exceeds --max-bytes", usage());
+  std::set<std::string> ops;
+  if (auto list = args.get("ops")) {
+    std::stringstream items(*list);
+    std::string op;
+    while (std::getline(items, op, ',')) {
+      if (std::find(std::begin(kOpNames), std::end(kOpNames), op) == std::end(kOpNames)) {
+        return usage_error("bench comm",
+                           "--ops: unknown operation '" + op +
+                               "' (expected all_reduce, reduce_scatter, all_gather, broadcast or sendrecv)",
+                           usage());
+      }
+      ops.insert(op);
+    }
+  }
+  const auto wanted = [&](const std::string& name) { return ops.empty() || ops.count(name) > 0; };
 
   Options options;
   if (Status s = options.load_env(); !s.ok()) {
@@ -150,6 +170,7 @@ int run(const Args& args) {
                           ? static_cast<int>(*iters_flag)
                           : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, 2, kMaxIters));
     for (const Collective& col : kCollectives) {
+      if (!wanted(col.name)) continue;
       const std::string name = col.name;
       std::function<Status()> strata_op;
       std::function<Status()> mpi_op;
