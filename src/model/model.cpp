@@ -1014,7 +1014,11 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
     count += targets[i] >= 0 ? 1 : 0;
   }
   // The previous batch's copies out of the pinned buffer must be done before it is overwritten.
-  STRATA_RETURN_IF_ERROR(m.tokens_copied->synchronize());
+  // Only their completion matters here: the event carries the error of its stream when an earlier
+  // operation of the stream had failed, and that error is the failed pass's, reported by the
+  // stream's synchronize() (a record runs, and completes, even after a failure). Taking it here
+  // would fail the next batch (a step run again after a compute-stream fault) with a stale error.
+  (void)m.tokens_copied->synchronize();
   auto* pin = static_cast<std::int32_t*>(m.pinned_tokens.data());
   std::memcpy(pin, inputs.data(), n * 4);
   std::memcpy(pin + n, targets.data(), n * 4);
