@@ -909,10 +909,12 @@ void pass_fault_case(const PassCase& k) {
                (caller ? ", the caller fails" : ", the compute stream fails") +
                (k.at_last_module ? " at the last module's forward" : " at module 1's forward") +
                (k.virtual_stages > 1 ? ", interleaved" : ""));
-  ASSERT_EQ(world().size(), 2) << "run under mpirun -np 2";
+  const int np = is_grid(k.group) ? 4 : 2;
+  ASSERT_EQ(world().size(), np) << "run under mpirun -np " << np;
   const int R = world().rank();
   const int failing = 1;
   const Groups groups(k.group);
+  ASSERT_TRUE(!is_grid(k.group) || groups.grid.ok()) << groups.grid.status().to_string();
   // A pipeline: two micro-batches, so the fault is followed by exchanges of both directions.
   const TrainerConfig c = testing::tiny(ModelKind::kGpt2, DType::kF32, groups.pipeline() ? 2 : 1, 1.0);
   OffloadSettings s;
@@ -990,6 +992,20 @@ TEST(DistOffloadPassRetry, FailureInsideThePipelineScheduleIsAgreedAndRunAgainOn
     pass_fault_case({Group::kPipeline, PassFault::kCaller, /*at_last_module=*/true, v});
     pass_fault_case({Group::kPipeline, PassFault::kCompute, /*at_last_module=*/true, v});
   }
+}
+
+// The tensor 2 x pipeline 2 grid (dist.offload_pass_retry.np4; rank = stage * 2 + tensor rank):
+// world rank 1, tensor-parallel rank 1 of stage 0, fails at the forward of module 1 (a block,
+// whose forward holds two tensor all-reduces) in the first micro-batch. Its caller's error
+// inside the module's work (plain and interleaved) fails its compute stream and the stage goes
+// on with the model's work alone, so its tensor peer's all-reduces and the other stage's
+// exchanges all find it (keep_module_place); a compute-stream error there keeps its place the
+// same way. Every rank's step() fails (rank 1 its cause, the three others naming "tensor-parallel
+// rank 1, pipeline stage 0"), and the same batch then runs bit for bit as the same grid without
+// the fault.
+TEST(DistOffloadPassRetryGrid, FailureInATensorParallelStageIsAgreedAndRunAgainOnEveryRank) {
+  for (int v : {1, 2}) pass_fault_case({Group::kTensorPipeline, PassFault::kCaller, /*at_last_module=*/false, v});
+  pass_fault_case({Group::kTensorPipeline, PassFault::kCompute, /*at_last_module=*/false});
 }
 
 // A rank that is really gone (dist.offload_killed_rank.np2, STRATA_COMM_TIMEOUT=3, mpirun told

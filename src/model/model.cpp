@@ -223,6 +223,8 @@ struct Model::Impl : ActState {
   ArenaBuffer pinned_tokens, pinned_losses;
   std::unique_ptr<detail::HostStager> stager;
   std::unique_ptr<Event> tokens_copied;
+  // set_failed_pass: the stream failed in this pass; module calls skip check_bound.
+  bool failed_pass = false;
   std::vector<std::int64_t> slot_rows, slot_counts;
   // Activation offload: ring buffers per slot (0: off), the copy stream, bytes moved.
   int ring = 0;
@@ -1088,6 +1090,14 @@ Status Model::bind_module(int module, void* params, float* grads) {
   return ok_status();
 }
 
+Status Model::set_failed_pass(bool failed) {
+  if (failed && !impl_->launch->is_cpu()) {
+    return failed_precondition("set_failed_pass: only the cpu backend skips a failed stream's later kernels");
+  }
+  impl_->failed_pass = failed;
+  return ok_status();
+}
+
 Status Model::forward_module(int module, bool for_backward) {
   Impl& m = *impl_;
   if (module != m.next_forward) {
@@ -1102,7 +1112,7 @@ Status Model::forward_module(int module, bool for_backward) {
   if (for_backward && !m.options.with_grads) {
     return failed_precondition("forward(for_backward): the model was created without gradients");
   }
-  STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
+  if (!m.failed_pass) STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
   STRATA_RETURN_IF_ERROR(m.offload_before_forward(module));
   STRATA_RETURN_IF_ERROR(m.forward_module(module, for_backward));
   STRATA_RETURN_IF_ERROR(m.offload_after_forward(module, for_backward));
@@ -1129,7 +1139,7 @@ Status Model::backward_module(int module, float dloss) {
                                " out of order; the backward pass expects module " +
                                std::to_string(m.next_backward) + " next");
   }
-  STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
+  if (!m.failed_pass) STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
   STRATA_RETURN_IF_ERROR(m.offload_before_backward(module));
   STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
   STRATA_RETURN_IF_ERROR(m.offload_after_backward(module));
