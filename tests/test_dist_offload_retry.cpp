@@ -198,6 +198,17 @@ bool capture_rank_state(OffloadEngine& e, const Groups& g, Snapshot& out) {
   return testing::capture_stage(e, out, held) && !held.empty();
 }
 
+// The run against the same ranks without the fault: a fresh engine (no faults) makes the calls
+// of `run` (its steps, into `ref`), then `ref` gets this rank's state.
+template <class Run>
+void reference_run(const TrainerConfig& c, const OffloadSettings& s, const Groups& g, Run run, Snapshot& ref) {
+  auto device = testing::make_device();
+  auto engine = make_engine(c, s, *device, g, nullptr);
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  ASSERT_TRUE(run(**engine, ref));
+  ASSERT_TRUE(capture_rank_state(**engine, g, ref));
+}
+
 // How a peer of world rank 1 names it when rank 1's host update failed: the ranks that update
 // the same units learn it in the per-unit agreement (over the data-parallel, then the tensor
 // group), the other stage in the stages' agreement.
@@ -268,13 +279,9 @@ void retry_case(const Case& which) {
   testing::TempDir ref_dir("strata-dist-retry-ref"), dir("strata-dist-retry");  // each rank its own
 
   Snapshot ref;
-  {
-    auto device = testing::make_device();
-    auto engine = make_engine(c, settings(ref_dir, which), *device, groups, nullptr);
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(run(**engine, 0, kSteps, ref));
-    ASSERT_TRUE(capture(**engine, ref));
-  }
+  ASSERT_NO_FATAL_FAILURE(reference_run(
+      c, settings(ref_dir, which), groups, [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); },
+      ref));
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -397,13 +404,9 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
   constexpr int kSteps = 4, k = 2;  // batch k (step k + 1) fails
   testing::TempDir ref_dir("strata-dist-before-ref"), dir("strata-dist-before");  // each rank its own
   Snapshot ref;
-  {
-    auto device = testing::make_device();
-    auto engine = make_engine(c, make_settings(ref_dir), *device, groups, nullptr);
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(run(**engine, 0, kSteps, ref));
-    ASSERT_TRUE(capture(**engine, ref));
-  }
+  ASSERT_NO_FATAL_FAILURE(reference_run(
+      c, make_settings(ref_dir), groups, [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); },
+      ref));
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -830,13 +833,8 @@ TEST(DistOffloadRetry, UpdateDuringBackwardFailureOnOneRankIsStickyOnEveryRank) 
   s.update_during_backward = true;
   constexpr int kSteps = 4, k = 2;  // step k + 1 (batch k) fails
   Snapshot ref;
-  {
-    auto device = testing::make_device();
-    auto engine = make_engine(c, s, *device, groups, nullptr);
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(testing::run_steps(**engine, c, 0, kSteps, ref));
-    ASSERT_TRUE(testing::capture_state(**engine, ref));
-  }
+  ASSERT_NO_FATAL_FAILURE(reference_run(
+      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); }, ref));
   const std::string root = testing::shared_temp_dir("udb-sticky");
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -925,13 +923,8 @@ void pass_fault_case(const PassCase& k) {
   constexpr int kSteps = 3, step = 1;  // batch `step` (step 2) fails
   auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
   Snapshot ref;
-  {
-    auto device = testing::make_device();
-    auto engine = make_engine(c, s, *device, groups, nullptr);
-    ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-    ASSERT_TRUE(testing::run_steps(**engine, c, 0, kSteps, ref));
-    ASSERT_TRUE(capture(**engine, ref));
-  }
+  ASSERT_NO_FATAL_FAILURE(reference_run(
+      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); }, ref));
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
   auto engine = make_engine(c, s, *device, groups, &faults);
