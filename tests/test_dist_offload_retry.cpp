@@ -10,8 +10,9 @@
 // without the fault: the reduction order is the same, so the comparison is bitwise (losses,
 // norms, and every parameter, master and moment this rank holds). Also on the 2 x 2 grids of 4
 // ranks and the 2 x 2 x 2 grid of 8, with the delayed update, with update_during_backward
-// (agreed, sticky), a failure that stops one rank's compute stream before a collective of the
-// pass (agreed: the rank keeps its place, DistOffloadPassRetry), and a killed rank (not agreed:
+// (agreed, sticky), a failure that stops one rank's pass before a collective of the pass (a
+// compute-stream or a caller error; agreed: the rank keeps its place, DistOffloadPassRetry, and
+// on the tensor 2 x pipeline 2 grid DistOffloadPassRetryGrid), and a killed rank (not agreed:
 // the job ends with an error, DistOffloadKilledRank).
 #include <gtest/gtest.h>
 
