@@ -202,7 +202,8 @@ bool capture_rank_state(OffloadEngine& e, const Groups& g, Snapshot& out) {
 // The run against the same ranks without the fault: a fresh engine (no faults) makes the calls
 // of `run` (its steps, into `ref`), then `ref` gets this rank's state.
 template <class Run>
-void reference_run(const TrainerConfig& c, const OffloadSettings& s, const Groups& g, Run run, Snapshot& ref) {
+void reference_run(const TrainerConfig& c, const OffloadSettings& s, const Groups& g, Run run,
+                   Snapshot& ref) {
   auto device = testing::make_device();
   auto engine = make_engine(c, s, *device, g, nullptr);
   ASSERT_TRUE(engine.ok()) << engine.status().to_string();
@@ -281,8 +282,8 @@ void retry_case(const Case& which) {
 
   Snapshot ref;
   ASSERT_NO_FATAL_FAILURE(reference_run(
-      c, settings(ref_dir, which), groups, [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); },
-      ref));
+      c, settings(ref_dir, which), groups,
+      [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); }, ref));
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -406,8 +407,8 @@ void before_update_case(Group group, Before fault, int stage, Tier params, Model
   testing::TempDir ref_dir("strata-dist-before-ref"), dir("strata-dist-before");  // each rank its own
   Snapshot ref;
   ASSERT_NO_FATAL_FAILURE(reference_run(
-      c, make_settings(ref_dir), groups, [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); },
-      ref));
+      c, make_settings(ref_dir), groups,
+      [&](OffloadEngine& r, Snapshot& out) { return run(r, 0, kSteps, out); }, ref));
 
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -835,7 +836,8 @@ TEST(DistOffloadRetry, UpdateDuringBackwardFailureOnOneRankIsStickyOnEveryRank) 
   constexpr int kSteps = 4, k = 2;  // step k + 1 (batch k) fails
   Snapshot ref;
   ASSERT_NO_FATAL_FAILURE(reference_run(
-      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); }, ref));
+      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); },
+      ref));
   const std::string root = testing::shared_temp_dir("udb-sticky");
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
@@ -925,7 +927,8 @@ void pass_fault_case(const PassCase& k) {
   auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
   Snapshot ref;
   ASSERT_NO_FATAL_FAILURE(reference_run(
-      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); }, ref));
+      c, s, groups, [&](OffloadEngine& r, Snapshot& out) { return testing::run_steps(r, c, 0, kSteps, out); },
+      ref));
   nvme_detail::IoFaults faults;
   auto device = testing::make_device();
   auto engine = make_engine(c, s, *device, groups, &faults);
@@ -998,7 +1001,8 @@ TEST(DistOffloadPassRetry, FailureInsideThePipelineScheduleIsAgreedAndRunAgainOn
 // rank 1, pipeline stage 0"), and the same batch then runs bit for bit as the same grid without
 // the fault.
 TEST(DistOffloadPassRetryGrid, FailureInATensorParallelStageIsAgreedAndRunAgainOnEveryRank) {
-  for (int v : {1, 2}) pass_fault_case({Group::kTensorPipeline, PassFault::kCaller, /*at_last_module=*/false, v});
+  for (int v : {1, 2})
+    pass_fault_case({Group::kTensorPipeline, PassFault::kCaller, /*at_last_module=*/false, v});
   pass_fault_case({Group::kTensorPipeline, PassFault::kCompute, /*at_last_module=*/false});
 }
 

@@ -664,7 +664,8 @@ TEST(ModelStream, SetBatchAfterAReportedStreamFailureGoesThrough) {
   Model& m = **model;
   ASSERT_TRUE(m.initialize(42).ok());
   const Batches b = make_batches(c, 2, 32);
-  ASSERT_TRUE((*stream)->host_fn("injected", [] { return internal_error("injected: the stream failed"); }).ok());
+  ASSERT_TRUE(
+      (*stream)->host_fn("injected", [] { return internal_error("injected: the stream failed"); }).ok());
   ASSERT_TRUE(m.set_batch(b.in[0], b.tg[0], 2, 16).ok());  // its copies recorded after the failure
   const Status failed = (*stream)->synchronize();
   ASSERT_FALSE(failed.ok());

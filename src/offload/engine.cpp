@@ -2394,8 +2394,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // parallelism (its reduce-scatters are the engine's gradient work, which that mode skips) nor
   // with the optimizer on the device (its tied sum runs after the pass). A stage without either
   // keeps its place through any caller error of the schedule (keep_place below).
-  keep_modules = tp_size > 1 && dp_size <= 1 && !opt_on_device && !partial &&
-                 device->info().kind == DeviceKind::kCpu;
+  keep_modules =
+      tp_size > 1 && dp_size <= 1 && !opt_on_device && !partial && device->info().kind == DeviceKind::kCpu;
   pass_error = ok_status();
   struct EndKeep {
     Impl* t;
