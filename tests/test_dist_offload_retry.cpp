@@ -902,6 +902,7 @@ struct PassCase {
   PassFault fault;
   bool at_last_module;  // the fault at rank 1's last module (the head) instead of its module 1
   int virtual_stages = 1;
+  int zero_stage = 0;
 };
 
 void pass_fault_case(const PassCase& k) {
@@ -909,7 +910,7 @@ void pass_fault_case(const PassCase& k) {
   SCOPED_TRACE(std::string(name_of(k.group)) +
                (caller ? ", the caller fails" : ", the compute stream fails") +
                (k.at_last_module ? " at the last module's forward" : " at module 1's forward") +
-               (k.virtual_stages > 1 ? ", interleaved" : ""));
+               (k.virtual_stages > 1 ? ", interleaved" : "") + ", stage " + std::to_string(k.zero_stage));
   const int np = is_grid(k.group) ? 4 : 2;
   ASSERT_EQ(world().size(), np) << "run under mpirun -np " << np;
   const int R = world().rank();
@@ -923,6 +924,7 @@ void pass_fault_case(const PassCase& k) {
   s.optimizer = Tier::kHost;
   s.persistence_threshold = 0;
   s.pipeline_virtual_stages = k.virtual_stages;
+  s.zero_stage = k.zero_stage;
   constexpr int kSteps = 3, step = 1;  // batch `step` (step 2) fails
   auto capture = [&](OffloadEngine& e, Snapshot& out) { return capture_rank_state(e, groups, out); };
   Snapshot ref;
@@ -1004,6 +1006,29 @@ TEST(DistOffloadPassRetryGrid, FailureInATensorParallelStageIsAgreedAndRunAgainO
   for (int v : {1, 2})
     pass_fault_case({Group::kTensorPipeline, PassFault::kCaller, /*at_last_module=*/false, v});
   pass_fault_case({Group::kTensorPipeline, PassFault::kCompute, /*at_last_module=*/false});
+}
+
+// The data 2 x pipeline 2 grid (rank = dp * 2 + stage): world rank 1, data-parallel rank 0 of
+// stage 1, fails at the head's forward of the first micro-batch (host optimizer sharded over the
+// data-parallel pair: stage 1 reduce-scatters each unit's gradients after the last micro-batch,
+// stage 2 after every micro-batch). Its caller's error fails its compute stream; the stage goes
+// on with the model's work and the gradient reduce-scatters of every later module
+// (reduce_after_failure), so its data-parallel peer's reduce-scatters and the other stage's
+// exchanges all find it. Every rank's step() fails (the three others naming "data-parallel rank
+// 0, pipeline stage 1"), and the same batch runs again bit for bit. Then (stage 2) interleaved,
+// and its compute stream failing there instead.
+TEST(DistOffloadPassRetryGrid, FailureInADataParallelStageIsAgreedAndRunAgainOnEveryRank) {
+  for (int stage : {1, 2}) {
+    PassCase k{Group::kDataPipeline, PassFault::kCaller, /*at_last_module=*/true};
+    k.zero_stage = stage;
+    pass_fault_case(k);
+  }
+  PassCase interleaved{Group::kDataPipeline, PassFault::kCaller, /*at_last_module=*/true, 2};
+  interleaved.zero_stage = 2;
+  pass_fault_case(interleaved);
+  PassCase compute{Group::kDataPipeline, PassFault::kCompute, /*at_last_module=*/true};
+  compute.zero_stage = 2;
+  pass_fault_case(compute);
 }
 
 // A rank that is really gone (dist.offload_killed_rank.np2, STRATA_COMM_TIMEOUT=3, mpirun told

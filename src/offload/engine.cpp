@@ -825,6 +825,12 @@ struct OffloadEngine::Impl {
   Status end_pass();
   Status acquire_grads(int m, bool first_micro);
   Status release_grads(int m, bool first_micro, bool last_micro, std::int64_t step, double lr);
+  // Data parallel: unit u's gradients reduce-scattered into this rank's slice on the gradient
+  // stream (from rs_send, where release_grads copied them).
+  Status enqueue_reduce(int u, bool first_micro, bool last_micro, std::int64_t step);
+  // keep_modules after a failure: the reduce-scatters of the units whose last touch is module m,
+  // on whatever rs_send holds, so the data-parallel peers' collectives find this rank.
+  Status reduce_after_failure(int m, bool first_micro, bool last_micro, std::int64_t step);
   // Data parallel.
   Status setup_data_parallel();
   // `values` summed over the data-parallel ranks, in rank order (the same bits on every rank).
@@ -906,11 +912,13 @@ struct OffloadEngine::Impl {
     return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
   }
   // A pipeline stage that keeps its place through a caller error inside a module's work
-  // (run_pipeline sets it: the cpu backend, no data parallelism, the optimizer on the host).
+  // (run_pipeline sets it: tensor or data parallelism in the stage, the cpu backend, the
+  // optimizer on the host, stages 0-2).
   bool keep_modules = false;
   // The first such error of this pass: the compute stream was failed with it, and every later
   // module of the pass enqueues only the model's work (its kernels skipped, its tensor-parallel
-  // collectives run), so this rank still issues every collective of the pass.
+  // collectives run) and its data-parallel reduce-scatters, so this rank still issues every
+  // collective of the pass.
   Status pass_error;
   // Around a module: `s`, an error of the engine's work for module m, ends the pass, or (with
   // keep_modules) fails the compute stream with it and continues in the failed mode above.
@@ -2387,15 +2395,16 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   pp_stream_wait_seconds = 0.0;
   cyclic = false;
   begin_pass();
-  // A stage with tensor parallelism: a caller error inside a module's work fails the compute
-  // stream and the stage goes on issuing every later module's collectives and exchanges
-  // (keep_module_place; the cpu backend, whose failed stream skips the kernels but runs those).
-  // Its collectives are the model's, so the model's work alone keeps its place. Not with data
-  // parallelism (its reduce-scatters are the engine's gradient work, which that mode skips) nor
-  // with the optimizer on the device (its tied sum runs after the pass). A stage without either
-  // keeps its place through any caller error of the schedule (keep_place below).
-  keep_modules =
-      tp_size > 1 && dp_size <= 1 && !opt_on_device && !partial && device->info().kind == DeviceKind::kCpu;
+  // A stage with tensor or data parallelism: a caller error inside a module's work fails the
+  // compute stream and the stage goes on issuing every later module's collectives and exchanges
+  // (keep_module_place; the cpu backend, whose failed stream skips the kernels but runs those):
+  // the model's work (its tensor collectives) and, with data parallelism, the gradient
+  // reduce-scatters at each unit's last touch (reduce_after_failure). Not at stage 3 (its
+  // parameter all-gathers are in the fetch, which that mode skips) nor with the optimizer on
+  // the device (its buckets, and its tied sum after the pass). A stage without either keeps its
+  // place through any caller error of the schedule (keep_place below).
+  keep_modules = (tp_size > 1 || dp_size > 1) && settings.zero_stage < 3 && !opt_on_device && !partial &&
+                 device->info().kind == DeviceKind::kCpu;
   pass_error = ok_status();
   struct EndKeep {
     Impl* t;
@@ -2587,8 +2596,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // A caller error inside an op fails the compute stream (its later kernels are skipped) and the
   // stage keeps its place: the rest of the schedule's exchanges are still enqueued, then the tied
   // embedding's sum. Tensor or data parallelism inside the stage issue collectives of their own
-  // in the skipped ops (tensor parallelism keeps its place for an error inside a module's work
-  // through keep_modules above), and the optimizer on the device (or partly there) sums the tied
+  // in the skipped ops (they keep their place for an error inside a module's work through
+  // keep_modules above), and the optimizer on the device (or partly there) sums the tied
   // embedding after the pass, so there a caller error still stops the pass (docs/offload.md
   // "Not built yet").
   const bool keep_place = tp_size <= 1 && dp_size <= 1 && !opt_on_device && !partial;
@@ -4367,6 +4376,26 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
   return ok_status();
 }
 
+Status OffloadEngine::Impl::enqueue_reduce(int u, bool first_micro, bool last_micro, std::int64_t step) {
+  const bool accumulate = settings.zero_stage >= 2 && !first_micro;
+  const bool scan = grads_on_nvme && last_micro && step > 0;
+  const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
+  return gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
+                          [this, u, accumulate, scan, inv_scale]() {
+                            return reduce_unit_grads(u, accumulate, scan, inv_scale);
+                          });
+}
+
+Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool last_micro, std::int64_t step) {
+  if (!sharded || !(last_micro || settings.zero_stage >= 2)) return ok_status();
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (last_touch[uu] != m || units.gbytes[uu] == 0 || dev_unit(u)) continue;
+    STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
+  }
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr) {
   if (opt_on_device) return ok_status();
@@ -4393,13 +4422,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
         tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     if (reduce) {
-      const bool accumulate = settings.zero_stage >= 2 && !first_micro;
-      const bool scan = grads_on_nvme && last_micro && step > 0;
-      const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
-      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
-                                              [this, u, accumulate, scan, inv_scale]() {
-                                                return reduce_unit_grads(u, accumulate, scan, inv_scale);
-                                              }));
+      STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
     } else if (grads_on_nvme && sharded) {
       // Stage 1's earlier micro-batches: the unsharded local sum waits on NVMe, unreduced.
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad_local." + std::to_string(u),
@@ -4502,8 +4525,9 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
       if (before.ok() && grad_sharded) before = open_buckets(m);
       STRATA_RETURN_IF_ERROR(keep_module_place(std::move(before)));
     }
-    if (!pass_error.ok()) {  // keep_modules after a failure: the model's work alone
+    if (!pass_error.ok()) {  // keep_modules after a failure: the model's work and the collectives alone
       STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
+      STRATA_RETURN_IF_ERROR(reduce_after_failure(m, first_micro, last_micro, step));
       continue;
     }
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
