@@ -4380,13 +4380,13 @@ Status OffloadEngine::Impl::enqueue_reduce(int u, bool first_micro, bool last_mi
   const bool accumulate = settings.zero_stage >= 2 && !first_micro;
   const bool scan = grads_on_nvme && last_micro && step > 0;
   const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
-  return gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
-                          [this, u, accumulate, scan, inv_scale]() {
-                            return reduce_unit_grads(u, accumulate, scan, inv_scale);
-                          });
+  return gstream->host_fn(
+      "offload: data-parallel reduce-scatter of grad." + std::to_string(u),
+      [this, u, accumulate, scan, inv_scale]() { return reduce_unit_grads(u, accumulate, scan, inv_scale); });
 }
 
-Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool last_micro, std::int64_t step) {
+Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool last_micro,
+                                                 std::int64_t step) {
   if (!sharded || !(last_micro || settings.zero_stage >= 2)) return ok_status();
   for (int u : units.storage[static_cast<std::size_t>(m)]) {
     const std::size_t uu = static_cast<std::size_t>(u);
