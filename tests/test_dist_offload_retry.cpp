@@ -12,7 +12,7 @@
 // ranks and the 2 x 2 x 2 grid of 8, with the delayed update, with update_during_backward
 // (agreed, sticky), a failure that stops one rank's pass before a collective of the pass (a
 // compute-stream or a caller error; agreed: the rank keeps its place, DistOffloadPassRetry, and
-// on the tensor 2 x pipeline 2 grid DistOffloadPassRetryGrid), and a killed rank (not agreed:
+// on the tensor 2 x pipeline 2 and data 2 x pipeline 2 grids DistOffloadPassRetryGrid), and a killed rank (not agreed:
 // the job ends with an error, DistOffloadKilledRank).
 #include <gtest/gtest.h>
 
