@@ -645,6 +645,41 @@ TEST(ModelSlots, PerChunkSlotsCarveTheirRangesOnly) {
 // between them through the host, in 1F1B order on both: each stage's gradients are the
 // reference's bits. GPT-2's tied wte: the stages hold the embedding's and the head's parts,
 // whose sum is the reference only within rounding when several micro-batches accumulate.
+// A stream's failure belongs to the pass that reported it (docs/offload.md "Faults"): set_batch
+// records its token copies on the model's stream, and on a failed stream that record completes
+// carrying the error. Once the stream's synchronize() has reported it, the next set_batch (the
+// step run again) goes through, and so does the pass after it.
+TEST(ModelStream, SetBatchAfterAReportedStreamFailureGoesThrough) {
+  const ModelConfig c = small(ModelKind::kGpt2, 2);
+  auto layout = describe_model(c);
+  ASSERT_TRUE(layout.ok());
+  Model::Options o;
+  o.max_batch = 2;
+  o.max_seq_len = 16;
+  auto device = testing::make_device();
+  auto stream = device->create_stream("compute");
+  ASSERT_TRUE(stream.ok());
+  auto model = Model::create(*layout, *device, **stream, o);
+  ASSERT_TRUE(model.ok()) << model.status().to_string();
+  Model& m = **model;
+  ASSERT_TRUE(m.initialize(42).ok());
+  const Batches b = make_batches(c, 2, 32);
+  ASSERT_TRUE(
+      (*stream)->host_fn("injected", [] { return internal_error("injected: the stream failed"); }).ok());
+  ASSERT_TRUE(m.set_batch(b.in[0], b.tg[0], 2, 16).ok());  // its copies recorded after the failure
+  const Status failed = (*stream)->synchronize();
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.message().find("injected: the stream failed"), std::string::npos) << failed.to_string();
+  const Status again = m.set_batch(b.in[1], b.tg[1], 2, 16);
+  ASSERT_TRUE(again.ok()) << again.to_string();
+  ASSERT_TRUE(m.forward(true).ok());
+  ASSERT_TRUE(m.copy_losses(0).ok());
+  ASSERT_TRUE((*stream)->synchronize().ok());
+  const auto targets = std::count_if(b.tg[1].begin(), b.tg[1].end(), [](std::int32_t t) { return t >= 0; });
+  EXPECT_EQ(m.loss_sum(0).count, targets);
+  EXPECT_TRUE(std::isfinite(m.loss_sum(0).sum));
+}
+
 TEST(ModelSlots, TwoStagesHandingOverBoundaries) {
   for (ModelKind kind : {ModelKind::kLlama, ModelKind::kGpt2}) {
     const ModelConfig c = small(kind, 3);

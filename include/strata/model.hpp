@@ -381,6 +381,13 @@ class Model {
   // One module of the backward pass (out of order is an error naming the module expected);
   // its gradients accumulate (+=) into the bound gradient storage of module_storage(module).
   Status backward_module(int module, float dloss);
+  // After an error of the caller inside a pass that it also put on the stream (so the stream's
+  // later work is skipped): forward_module and backward_module no longer require bound storage,
+  // and what they enqueue is the module's work as usual, of which only the tensor-parallel
+  // collectives run (on whatever the buffers hold), so this rank keeps its place in its group's
+  // collectives (docs/offload.md "Faults"). The cpu backend only (its streams run those
+  // collectives after a failure); false again once the pass ended.
+  Status set_failed_pass(bool failed);
   // Zeroes the grads region (enqueued).
   Status zero_grads();
   // Copies the last forward's per-token losses into pinned slot `slot` (enqueued) ...

@@ -223,6 +223,8 @@ struct Model::Impl : ActState {
   ArenaBuffer pinned_tokens, pinned_losses;
   std::unique_ptr<detail::HostStager> stager;
   std::unique_ptr<Event> tokens_copied;
+  // set_failed_pass: the stream failed in this pass; module calls skip check_bound.
+  bool failed_pass = false;
   std::vector<std::int64_t> slot_rows, slot_counts;
   // Activation offload: ring buffers per slot (0: off), the copy stream, bytes moved.
   int ring = 0;
@@ -1014,7 +1016,11 @@ Status Model::set_batch(std::span<const std::int32_t> inputs, std::span<const st
     count += targets[i] >= 0 ? 1 : 0;
   }
   // The previous batch's copies out of the pinned buffer must be done before it is overwritten.
-  STRATA_RETURN_IF_ERROR(m.tokens_copied->synchronize());
+  // Only their completion matters here: the event carries the error of its stream when an earlier
+  // operation of the stream had failed, and that error is the failed pass's, reported by the
+  // stream's synchronize() (a record runs, and completes, even after a failure). Taking it here
+  // would fail the next batch (a step run again after a compute-stream fault) with a stale error.
+  (void)m.tokens_copied->synchronize();
   auto* pin = static_cast<std::int32_t*>(m.pinned_tokens.data());
   std::memcpy(pin, inputs.data(), n * 4);
   std::memcpy(pin + n, targets.data(), n * 4);
@@ -1084,6 +1090,14 @@ Status Model::bind_module(int module, void* params, float* grads) {
   return ok_status();
 }
 
+Status Model::set_failed_pass(bool failed) {
+  if (failed && !impl_->launch->is_cpu()) {
+    return failed_precondition("set_failed_pass: only the cpu backend skips a failed stream's later kernels");
+  }
+  impl_->failed_pass = failed;
+  return ok_status();
+}
+
 Status Model::forward_module(int module, bool for_backward) {
   Impl& m = *impl_;
   if (module != m.next_forward) {
@@ -1098,7 +1112,7 @@ Status Model::forward_module(int module, bool for_backward) {
   if (for_backward && !m.options.with_grads) {
     return failed_precondition("forward(for_backward): the model was created without gradients");
   }
-  STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
+  if (!m.failed_pass) STRATA_RETURN_IF_ERROR(m.check_bound(module, false));
   STRATA_RETURN_IF_ERROR(m.offload_before_forward(module));
   STRATA_RETURN_IF_ERROR(m.forward_module(module, for_backward));
   STRATA_RETURN_IF_ERROR(m.offload_after_forward(module, for_backward));
@@ -1125,7 +1139,7 @@ Status Model::backward_module(int module, float dloss) {
                                " out of order; the backward pass expects module " +
                                std::to_string(m.next_backward) + " next");
   }
-  STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
+  if (!m.failed_pass) STRATA_RETURN_IF_ERROR(m.check_bound(module, true));
   STRATA_RETURN_IF_ERROR(m.offload_before_backward(module));
   STRATA_RETURN_IF_ERROR(m.backward_module(module, dloss));
   STRATA_RETURN_IF_ERROR(m.offload_after_backward(module));

@@ -831,6 +831,12 @@ struct OffloadEngine::Impl {
   Status end_pass();
   Status acquire_grads(int m, bool first_micro);
   Status release_grads(int m, bool first_micro, bool last_micro, std::int64_t step, double lr);
+  // Data parallel: unit u's gradients reduce-scattered into this rank's slice on the gradient
+  // stream (from rs_send, where release_grads copied them).
+  Status enqueue_reduce(int u, bool first_micro, bool last_micro, std::int64_t step);
+  // keep_modules after a failure: the reduce-scatters of the units whose last touch is module m,
+  // on whatever rs_send holds, so the data-parallel peers' collectives find this rank.
+  Status reduce_after_failure(int m, bool first_micro, bool last_micro, std::int64_t step);
   // Data parallel.
   Status setup_data_parallel();
   // `values` summed over the data-parallel ranks, in rank order (the same bits on every rank).
@@ -916,6 +922,18 @@ struct OffloadEngine::Impl {
     if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
     return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
   }
+  // A pipeline stage that keeps its place through a caller error inside a module's work
+  // (run_pipeline sets it: tensor or data parallelism in the stage, the cpu backend, the
+  // optimizer on the host, stages 0-2).
+  bool keep_modules = false;
+  // The first such error of this pass: the compute stream was failed with it, and every later
+  // module of the pass enqueues only the model's work (its kernels skipped, its tensor-parallel
+  // collectives run) and its data-parallel reduce-scatters, so this rank still issues every
+  // collective of the pass.
+  Status pass_error;
+  // Around a module: `s`, an error of the engine's work for module m, ends the pass, or (with
+  // keep_modules) fails the compute stream with it and continues in the failed mode above.
+  Status keep_module_place(Status s);
   // The modules of chunk_ranges[chunk] (the whole model, or the stage's only range, for chunk 0).
   Status run_forward(bool for_backward, int chunk = 0);
   Status run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step, double lr,
@@ -2432,6 +2450,25 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   pp_stream_wait_seconds = 0.0;
   cyclic = false;
   begin_pass();
+  // A stage with tensor or data parallelism: a caller error inside a module's work fails the
+  // compute stream and the stage goes on issuing every later module's collectives and exchanges
+  // (keep_module_place; the cpu backend, whose failed stream skips the kernels but runs those):
+  // the model's work (its tensor collectives) and, with data parallelism, the gradient
+  // reduce-scatters at each unit's last touch (reduce_after_failure). Not at stage 3 (its
+  // parameter all-gathers are in the fetch, which that mode skips) nor with the optimizer on
+  // the device (its buckets, and its tied sum after the pass). A stage without either keeps its
+  // place through any caller error of the schedule (keep_place below).
+  keep_modules = (tp_size > 1 || dp_size > 1) && settings.zero_stage < 3 && !opt_on_device && !partial &&
+                 device->info().kind == DeviceKind::kCpu;
+  pass_error = ok_status();
+  struct EndKeep {
+    Impl* t;
+    ~EndKeep() {
+      t->keep_modules = false;
+      t->pass_error = ok_status();
+      (void)t->model->set_failed_pass(false);
+    }
+  } end_keep{this};
   // The stage's ops as (forward, micro-batch, chunk): the schedule's with one chunk, the
   // interleaved order with several.
   std::vector<ChunkOp> ops;
@@ -2614,7 +2651,8 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // A caller error inside an op fails the compute stream (its later kernels are skipped) and the
   // stage keeps its place: the rest of the schedule's exchanges are still enqueued, then the tied
   // embedding's sum. Tensor or data parallelism inside the stage issue collectives of their own
-  // in the skipped ops, and the optimizer on the device (or partly there) sums the tied
+  // in the skipped ops (they keep their place for an error inside a module's work through
+  // keep_modules above), and the optimizer on the device (or partly there) sums the tied
   // embedding after the pass, so there a caller error still stops the pass (docs/offload.md
   // "Not built yet").
   const bool keep_place = tp_size <= 1 && dp_size <= 1 && !opt_on_device && !partial;
@@ -2632,7 +2670,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
       }
       STRATA_RETURN_IF_ERROR(finish_exchanges(j, done));
     }
-    return failed;
+    return failed.ok() ? pass_error : failed;
   };
   Status s = schedule();
   // Always drained before returning, also after an error: the stream's host functions use
@@ -2651,7 +2689,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     // and the other end's pass may have gone through: a stage that keeps its place joins it too,
     // on whatever its buffer holds (the step fails on every stage, so nothing reads the sum).
     tied_landed.reset();
-    if (keep_place && step > 0 && pp_tied) {
+    if ((keep_place || keep_modules) && step > 0 && pp_tied) {
       (void)gstream->synchronize();  // the gradient copies into the buffer have retired
       const std::size_t uu = static_cast<std::size_t>(tied_unit);
       auto [buf, n] = unit_grads(tied_unit);
@@ -4403,6 +4441,26 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
   return ok_status();
 }
 
+Status OffloadEngine::Impl::enqueue_reduce(int u, bool first_micro, bool last_micro, std::int64_t step) {
+  const bool accumulate = settings.zero_stage >= 2 && !first_micro;
+  const bool scan = grads_on_nvme && last_micro && step > 0;
+  const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
+  return gstream->host_fn(
+      "offload: data-parallel reduce-scatter of grad." + std::to_string(u),
+      [this, u, accumulate, scan, inv_scale]() { return reduce_unit_grads(u, accumulate, scan, inv_scale); });
+}
+
+Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool last_micro,
+                                                 std::int64_t step) {
+  if (!sharded || !(last_micro || settings.zero_stage >= 2)) return ok_status();
+  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    const std::size_t uu = static_cast<std::size_t>(u);
+    if (last_touch[uu] != m || units.gbytes[uu] == 0 || dev_unit(u)) continue;
+    STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
+  }
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr) {
   if (opt_on_device) return ok_status();
@@ -4429,13 +4487,7 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
         tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     if (reduce) {
-      const bool accumulate = settings.zero_stage >= 2 && !first_micro;
-      const bool scan = grads_on_nvme && last_micro && step > 0;
-      const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
-      STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: data-parallel reduce-scatter of grad." + std::to_string(u),
-                                              [this, u, accumulate, scan, inv_scale]() {
-                                                return reduce_unit_grads(u, accumulate, scan, inv_scale);
-                                              }));
+      STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
     } else if (grads_on_nvme && sharded) {
       // Stage 1's earlier micro-batches: the unsharded local sum waits on NVMe, unreduced.
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad_local." + std::to_string(u),
@@ -4487,11 +4539,27 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
   return ok_status();
 }
 
+Status OffloadEngine::Impl::keep_module_place(Status s) {
+  if (s.ok() || !keep_modules) return s;
+  if (pass_error.ok()) {
+    STRATA_RETURN_IF_ERROR(compute->host_fn("offload: the stage's pass failed", [s]() { return s; }));
+    STRATA_RETURN_IF_ERROR(model->set_failed_pass(true));
+    pass_error = std::move(s);
+  }
+  return ok_status();
+}
+
 Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
   const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
   for (int m = first; m < end; ++m) {
-    note_access(m);
-    STRATA_RETURN_IF_ERROR(access_params(m));
+    if (pass_error.ok()) {
+      note_access(m);
+      STRATA_RETURN_IF_ERROR(keep_module_place(access_params(m)));
+    }
+    if (!pass_error.ok()) {  // keep_modules after a failure: the model's work alone
+      STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
+      continue;
+    }
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->forward_module(m, for_backward));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute,
@@ -4506,7 +4574,7 @@ Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
         return ok_status();
       }));
     }
-    STRATA_RETURN_IF_ERROR(release_after(m));
+    STRATA_RETURN_IF_ERROR(keep_module_place(release_after(m)));
   }
   return ok_status();
 }
@@ -4515,16 +4583,25 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
                                          double lr, int chunk) {
   const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
   for (int m = end - 1; m >= first; --m) {
-    note_access(M + m);
-    STRATA_RETURN_IF_ERROR(access_params(m));
-    STRATA_RETURN_IF_ERROR(acquire_grads(m, first_micro));
-    if (grad_sharded) STRATA_RETURN_IF_ERROR(open_buckets(m));
+    if (pass_error.ok()) {
+      note_access(M + m);
+      Status before = access_params(m);
+      if (before.ok()) before = acquire_grads(m, first_micro);
+      if (before.ok() && grad_sharded) before = open_buckets(m);
+      STRATA_RETURN_IF_ERROR(keep_module_place(std::move(before)));
+    }
+    if (!pass_error.ok()) {  // keep_modules after a failure: the model's work and the collectives alone
+      STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
+      STRATA_RETURN_IF_ERROR(reduce_after_failure(m, first_micro, last_micro, step));
+      continue;
+    }
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
-    STRATA_RETURN_IF_ERROR(release_grads(m, first_micro, last_micro, step, lr));
-    if (bucketed) STRATA_RETURN_IF_ERROR(close_buckets(m, first_micro, last_micro, step));
-    STRATA_RETURN_IF_ERROR(release_after(m));
+    Status after = release_grads(m, first_micro, last_micro, step, lr);
+    if (after.ok() && bucketed) after = close_buckets(m, first_micro, last_micro, step);
+    if (after.ok()) after = release_after(m);
+    STRATA_RETURN_IF_ERROR(keep_module_place(std::move(after)));
   }
   return ok_status();
 }
