@@ -85,6 +85,10 @@ class CommQueue {
   // meanwhile. Waking the queue thread and being woken back costs two scheduler hand-offs,
   // which dominate small messages; the MPI library's own blocking calls pay neither.
   bool run_inline(WorkState* state);
+  // Called by a thread about to sleep on a handle (after run_inline) and when it is done: while
+  // any thread sleeps so, the queue thread takes pending operations at once (see kDoze).
+  void begin_wait();
+  void end_wait();
   bool broken() const;
 
  private:
@@ -92,6 +96,7 @@ class CommQueue {
     std::shared_ptr<WorkState> state;
     Op op;        // blocking, or
     Start start;  // asynchronous
+    std::chrono::steady_clock::time_point submitted;
   };
   struct InFlight {
     std::shared_ptr<WorkState> state;
@@ -105,7 +110,12 @@ class CommQueue {
   // instead of until woken, and a submit meanwhile does not wake it (the thread finds the
   // operation within kDoze plus the timer slack, unless a waiting caller ran it first). So an
   // operation submitted and then waited for costs no thread wake-up, and one that nobody waits
-  // for starts at most ~kDoze late while operations keep coming, at once otherwise.
+  // for starts at most ~kDoze late while operations keep coming, at once otherwise. For the same
+  // reason the thread, with nothing in flight and nobody asleep on a handle, leaves an operation
+  // to its submitter for kDoze after the submit: taking it at once made that submitter's wait
+  // sleep on the handle and be woken back (two hand-offs), and a thread that was awake when the
+  // next operations came took those too, the caller sleeping on every one (measured: a sixth of
+  // 4 KiB send/recv pairs on one rank, docs/parallel.md).
   static constexpr std::chrono::microseconds kDoze{50};
   static constexpr std::chrono::microseconds kDozeSpan{2000};
   // While a caller runs operations itself (run_inline) the thread may take nothing, so a doze
@@ -142,6 +152,7 @@ class CommQueue {
   bool worker_active_ = true;   // the queue thread is not asleep (it owns in_flight_ then)
   bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
   bool dozing_ = false;         // the queue thread is in a timed wait (kDoze): submit need not wake it
+  int waiters_ = 0;             // threads asleep on a handle of this queue (begin_wait)
   std::chrono::steady_clock::time_point doze_until_;  // the last submit + kDozeSpan
   Status failure_;
   // The queue thread's while it is awake; handed to it under mu_ by run_inline while it sleeps.

@@ -46,6 +46,7 @@ CommWork CommQueue::enqueue(Entry e) {
   bool wake = false;
   {
     std::lock_guard lock(mu_);
+    e.submitted = std::chrono::steady_clock::now();
     pending_.push_back(std::move(e));
     // No wake-up while a caller runs the queue (run_inline): the thread may not take anything
     // then, and that caller wakes it when it is done if anything is pending. None while the
@@ -53,10 +54,26 @@ CommWork CommQueue::enqueue(Entry e) {
     // operation itself (the common "submit, then wait"). A wake-up is a scheduler round trip
     // that preempts the caller on a busy machine and costs more than a small message.
     wake = !inline_active_ && !dozing_;
-    doze_until_ = std::chrono::steady_clock::now() + kDozeSpan;
+    doze_until_ = pending_.back().submitted + kDozeSpan;
   }
   if (wake) cv_.notify_all();
   return CommWork(std::move(state));
+}
+
+void CommQueue::begin_wait() {
+  bool wake = false;
+  {
+    std::lock_guard lock(mu_);
+    ++waiters_;
+    // The thread may be leaving a fresh operation to its submitter: that is over now.
+    wake = !worker_active_;
+  }
+  if (wake) cv_.notify_all();
+}
+
+void CommQueue::end_wait() {
+  std::lock_guard lock(mu_);
+  --waiters_;
 }
 
 Status CommQueue::drain() {
@@ -262,9 +279,20 @@ void CommQueue::run() {
         };
         // Dozing (see kDoze): short timed waits while operations keep coming, so that a submit
         // need not wake the thread, longer ones (kPark) while a caller runs them itself; then one
-        // wait until woken.
-        while (!ready()) {
+        // wait until woken. An operation submitted less than kDoze ago is left to its submitter
+        // while nothing is in flight and nobody sleeps on a handle.
+        for (;;) {
           const auto now = std::chrono::steady_clock::now();
+          if (ready()) {
+            if (stopping_ || !in_flight_.empty() || waiters_ > 0 || pending_.empty() ||
+                now >= pending_.front().submitted + kDoze) {
+              break;
+            }
+            dozing_ = true;
+            cv_.wait_until(lock, pending_.front().submitted + kDoze);
+            dozing_ = false;
+            continue;
+          }
           if (now >= doze_until_) {
             // Until woken; then doze again if that was a submit the caller ran itself.
             cv_.wait(lock);
@@ -345,10 +373,18 @@ Status CommWork::wait() const {
     std::lock_guard lock(state_->mu);
     if (state_->done) return state_->status;
   }
-  if (state_->queue != nullptr) state_->queue->run_inline(state_.get());
+  detail::CommQueue* queue = state_->queue;
+  if (queue != nullptr) queue->run_inline(state_.get());
   std::unique_lock lock(state_->mu);
+  if (state_->done || queue == nullptr) return state_->status;
+  lock.unlock();
+  queue->begin_wait();
+  lock.lock();
   state_->cv.wait(lock, [&] { return state_->done; });
-  return state_->status;
+  Status s = state_->status;
+  lock.unlock();
+  queue->end_wait();
+  return s;
 }
 
 bool CommWork::test() const {
