@@ -35,9 +35,9 @@ CommQueue::~CommQueue() {
   thread_.join();
 }
 
-CommWork CommQueue::submit(Op op) { return enqueue(Entry{nullptr, std::move(op), nullptr}); }
+CommWork CommQueue::submit(Op op) { return enqueue(Entry{nullptr, std::move(op), nullptr, {}}); }
 
-CommWork CommQueue::submit_async(Start start) { return enqueue(Entry{nullptr, nullptr, std::move(start)}); }
+CommWork CommQueue::submit_async(Start start) { return enqueue(Entry{nullptr, nullptr, std::move(start), {}}); }
 
 CommWork CommQueue::enqueue(Entry e) {
   auto state = std::make_shared<WorkState>();
