@@ -433,10 +433,40 @@ TEST(Comm, BroadcastEqualsTheMpiLibrarysBcastBitForBit) {
 
 // A submit right after other operations does not wake the queue thread, which dozes then
 // (CommQueue::kDoze): an operation that nobody waits for must still start, within the doze.
-// Rank 0 submits a send to rank 1 right after a collective and does not wait for it; it waits
-// (outside the Comm, on MPI directly) for rank 1's acknowledgment that the message arrived. Only
-// the queue thread can start that send; if the doze missed it, no acknowledgment would come
-// (checked against a generous deadline, a liveness bound, not a timing).
+// Rank 0's side of the two tests below: a send of `round` to rank 1 that nobody waits for, then
+// rank 1's acknowledgment, awaited outside the Comm (on MPI directly): only the queue thread can
+// start that send, so without it no acknowledgment comes (a generous liveness bound, not a
+// timing).
+void send_unwaited_and_expect_ack(Comm& c, MPI_Comm ref, int round, const std::string& at) {
+  float out = static_cast<float>(round);
+  CommWork s = c.send(&out, 1, DType::kF32, 1);
+  int ack = -1;
+  MPI_Request req;
+  ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
+  int flag = 0;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!flag && std::chrono::steady_clock::now() < give_up) {
+    MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+    if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (!flag) {
+    ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  EXPECT_EQ(ack, round) << at;
+  ASSERT_TRUE(s.wait().ok()) << at;
+}
+
+// Rank 1's side: receives that send and acknowledges it on `ref`.
+void receive_and_ack(Comm& c, MPI_Comm ref, const std::string& at) {
+  float in = -1.0f;
+  ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
+  int ack = static_cast<int>(in);
+  ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+}
+
+// Rank 0 submits a send to rank 1 right after a collective and does not wait for it (above): if
+// the doze missed it, no acknowledgment would come.
 TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
   Comm& c = world();
   const int me = c.rank();
@@ -446,29 +476,10 @@ TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
     const std::string at = "round " + std::to_string(round);
     float x = 1.0f;
     ASSERT_TRUE(c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
-    float out = static_cast<float>(round);
     if (me == 0) {
-      CommWork s = c.send(&out, 1, DType::kF32, 1);
-      int ack = -1;
-      MPI_Request req;
-      ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
-      int flag = 0;
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (!flag && std::chrono::steady_clock::now() < give_up) {
-        MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-      if (!flag) {
-        ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      }
-      EXPECT_EQ(ack, round) << at;
-      ASSERT_TRUE(s.wait().ok()) << at;
+      send_unwaited_and_expect_ack(c, ref, round, at);
     } else if (me == 1) {
-      float in = -1.0f;
-      ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
-      int ack = static_cast<int>(in);
-      ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+      receive_and_ack(c, ref, at);
     }
   }
   ASSERT_TRUE(c.barrier().wait().ok());
@@ -491,29 +502,11 @@ TEST(Comm, ASendNobodyWaitsForStartsAfterTheCallerRanALongOperationItself) {
       float slow = -1.0f;
       ASSERT_TRUE(c.recv(&slow, 1, DType::kF32, 1).wait().ok()) << at;
       EXPECT_EQ(slow, static_cast<float>(round)) << at;
-      CommWork s = c.send(&out, 1, DType::kF32, 1);
-      int ack = -1;
-      MPI_Request req;
-      ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
-      int flag = 0;
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-      while (!flag && std::chrono::steady_clock::now() < give_up) {
-        MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-      if (!flag) {
-        ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      }
-      EXPECT_EQ(ack, round) << at;
-      ASSERT_TRUE(s.wait().ok()) << at;
+      send_unwaited_and_expect_ack(c, ref, round, at);
     } else if (me == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       ASSERT_TRUE(c.send(&out, 1, DType::kF32, 0).wait().ok()) << at;
-      float in = -1.0f;
-      ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
-      int ack = static_cast<int>(in);
-      ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
+      receive_and_ack(c, ref, at);
     }
   }
   ASSERT_TRUE(c.barrier().wait().ok());
