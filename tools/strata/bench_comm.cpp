@@ -59,6 +59,38 @@ std::string usage() {
          format_flags(kFlags);
 }
 
+// The flags, checked before MPI starts (a usage error needs no mpirun, in a build without MPI too).
+struct Flags {
+  std::uint64_t min_bytes = 0;
+  std::uint64_t max_bytes = 0;
+  std::int64_t iters = 0;  // 0: the default count per size
+  std::int64_t reps = 0;
+  std::set<std::string> ops;  // empty: all
+  bool json = false;
+};
+
+Result<Flags> parse_flags(const Args& args) {
+  Flags f;
+  STRATA_ASSIGN_OR_RETURN(f.min_bytes, args.get_bytes("min-bytes", 64 << 10, 4, 1ull << 32));
+  STRATA_ASSIGN_OR_RETURN(f.max_bytes, args.get_bytes("max-bytes", 64 << 20, 4, 1ull << 32));
+  STRATA_ASSIGN_OR_RETURN(f.iters, args.get_int("iters", 0, 0, 100000));
+  STRATA_ASSIGN_OR_RETURN(f.reps, args.get_int("reps", 5, 1, 1000));
+  f.json = args.has("json");
+  if (f.min_bytes > f.max_bytes) return invalid_argument("--min-bytes exceeds --max-bytes");
+  if (auto list = args.get("ops")) {
+    std::stringstream items(*list);
+    std::string op;
+    while (std::getline(items, op, ',')) {
+      if (std::find(std::begin(kOpNames), std::end(kOpNames), op) == std::end(kOpNames)) {
+        return invalid_argument("--ops: unknown operation '" + op +
+                                "' (expected all_reduce, reduce_scatter, all_gather, broadcast or sendrecv)");
+      }
+      f.ops.insert(op);
+    }
+  }
+  return f;
+}
+
 #if STRATA_HAVE_MPI
 
 struct Collective {
@@ -85,30 +117,8 @@ Result<double> time_run(const std::function<Status()>& one, int iters) {
   return slowest(t);
 }
 
-int run(const Args& args) {
-  auto min_bytes = args.get_bytes("min-bytes", 64 << 10, 4, 1ull << 32);
-  auto max_bytes = args.get_bytes("max-bytes", 64 << 20, 4, 1ull << 32);
-  auto iters_flag = args.get_int("iters", 0, 0, 100000);
-  auto reps = args.get_int("reps", 5, 1, 1000);
-  for (const Status* s : {&min_bytes.status(), &max_bytes.status(), &iters_flag.status(), &reps.status()}) {
-    if (!s->ok()) return usage_error("bench comm", s->message(), usage());
-  }
-  if (*min_bytes > *max_bytes) return usage_error("bench comm", "--min-bytes exceeds --max-bytes", usage());
-  std::set<std::string> ops;
-  if (auto list = args.get("ops")) {
-    std::stringstream items(*list);
-    std::string op;
-    while (std::getline(items, op, ',')) {
-      if (std::find(std::begin(kOpNames), std::end(kOpNames), op) == std::end(kOpNames)) {
-        return usage_error("bench comm",
-                           "--ops: unknown operation '" + op +
-                               "' (expected all_reduce, reduce_scatter, all_gather, broadcast or sendrecv)",
-                           usage());
-      }
-      ops.insert(op);
-    }
-  }
-  const auto wanted = [&](const std::string& name) { return ops.empty() || ops.count(name) > 0; };
+int run(const Flags& flags) {
+  const auto wanted = [&](const std::string& name) { return flags.ops.empty() || flags.ops.count(name) > 0; };
 
   Options options;
   if (Status s = options.load_env(); !s.ok()) {
@@ -157,17 +167,17 @@ int run(const Args& args) {
   out["ranks"] = n;
   out["backend"] = "mpi";
   out["dtype"] = "f32";
-  out["reps"] = *reps;
+  out["reps"] = flags.reps;
   out["results"] = nlohmann::json::array();
   double worst = 1e300;
-  for (std::uint64_t bytes = *min_bytes; bytes <= *max_bytes; bytes *= 4) {
+  for (std::uint64_t bytes = flags.min_bytes; bytes <= flags.max_bytes; bytes *= 4) {
     // `bytes` is the full buffer: for reduce_scatter / all_gather the n blocks together.
     const std::size_t count = static_cast<std::size_t>(bytes / 4);
     const std::size_t block = std::max<std::size_t>(1, count / static_cast<std::size_t>(n));
     std::vector<float> a(count + block * n, 1.0f);
     std::vector<float> b(count + block * n, 0.0f);
-    const int iters = *iters_flag > 0
-                          ? static_cast<int>(*iters_flag)
+    const int iters = flags.iters > 0
+                          ? static_cast<int>(flags.iters)
                           : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, 2, kMaxIters));
     for (const Collective& col : kCollectives) {
       if (!wanted(col.name)) continue;
@@ -215,7 +225,7 @@ int run(const Args& args) {
         };
       }
       std::vector<double> ts, tm, ratios;
-      for (int r = 0; r <= *reps; ++r) {  // rep 0 warms up both
+      for (int r = 0; r <= flags.reps; ++r) {  // rep 0 warms up both
         double t_s = 0;
         double t_m = 0;
         for (int k = 0; k < 2; ++k) {
@@ -252,11 +262,11 @@ int run(const Args& args) {
   out["worst_median_ratio"] = worst;
   MPI_Comm_free(&ref);
   if (me == 0) {
-    if (args.has("json")) {
+    if (flags.json) {
       std::printf("%s\n", out.dump(2).c_str());
     } else {
       std::printf("comm bus bandwidth on %d ranks (f32, mpi backend), median of %lld reps\n", n,
-                  static_cast<long long>(*reps));
+                  static_cast<long long>(flags.reps));
       std::printf("%-15s %12s %6s %12s %12s %12s %12s %7s %15s\n", "op", "bytes", "iters", "strata us",
                   "mpi us", "strata GB/s", "mpi GB/s", "ratio", "ratio range");
       for (const auto& j : out["results"]) {
@@ -288,8 +298,10 @@ int bench_comm(std::span<const std::string> argv) {
   if (!args.positionals().empty()) {
     return usage_error("bench comm", "unexpected argument '" + args.positionals()[0] + "'", usage());
   }
+  auto flags = parse_flags(args);
+  if (!flags.ok()) return usage_error("bench comm", flags.status().message(), usage());
 #if STRATA_HAVE_MPI
-  return run(args);
+  return run(*flags);
 #else
   std::fprintf(
       stderr, "strata bench comm: this build of Strata has no MPI (configure with -DSTRATA_ENABLE_MPI=ON)\n");
