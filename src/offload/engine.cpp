@@ -89,7 +89,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -902,9 +901,9 @@ struct OffloadEngine::Impl {
                        const char* verb = "read");
   // The exchange agree_on_read makes: OK when every rank of `comm` read, else the lowest failing
   // rank's status as that rank had it (its code and the first bytes of its message), its rank in
-  // `*failing`; a failed exchange is returned with context (`*failing` = -1).
+  // `*failing` where given; a failed exchange is returned with context (`*failing` = -1).
   Status first_failure(Comm& comm, const Status& mine, const std::string& what, const char* group,
-                       int* failing);
+                       int* failing = nullptr);
   // A checkpoint file written (SafetensorsWriter::write: temporary name, fsync, rename) and its
   // bytes added to checkpoint_bytes. Caller thread.
   Status write_checkpoint_file(const SafetensorsWriter& w, const std::string& path);
@@ -2270,11 +2269,10 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
   // 2. This rank's part.
   if (mine.ok() && have_file == 1) mine = write_weights_part(path, format, full, *header);
   // 3. Every rank's outcome agreed; the writer publishes or removes the file.
-  int failing = -1;
   Status all = mine;
-  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel", &failing);
-  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel", &failing);
-  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline", &failing);
+  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel");
+  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel");
+  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline");
   Status written;  // the writer's outcome
   if (writer) {
     if (!created.ok()) {
@@ -2857,7 +2855,7 @@ Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const 
 
 Status OffloadEngine::Impl::first_failure(Comm& comm, const Status& mine, const std::string& what,
                                           const char* group, int* failing) {
-  *failing = -1;
+  if (failing != nullptr) *failing = -1;
   // Word 0: 1 read, 0 failed; word 1: the status code; then the message's first bytes (NUL-padded).
   std::array<std::uint32_t, kAgreeWords> word{};
   word[0] = mine.ok() ? 1 : 0;
@@ -2879,7 +2877,7 @@ Status OffloadEngine::Impl::first_failure(Comm& comm, const Status& mine, const 
     const auto code = theirs[1] == 0 || theirs[1] > static_cast<std::uint32_t>(StatusCode::kCancelled)
                           ? StatusCode::kIoError
                           : static_cast<StatusCode>(theirs[1]);
-    *failing = r;
+    if (failing != nullptr) *failing = r;
     return Status(code, cause);
   }
   return ok_status();
