@@ -2,11 +2,15 @@
 // rank (MPI's singleton start, no mpirun), and the polling pace both backends share (PollPacer, at
 // given times: no clock). Multi-process behaviour is in test_dist_comm.cpp.
 #include <gtest/gtest.h>
+#include <sys/prctl.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <set>
+#include <thread>
 
 #include "harness/harness.hpp"
+#include "parallel/work_state.hpp"
 #include "parallel/poll_pacer.hpp"
 #include "strata/build_config.hpp"
 #include "strata/parallel.hpp"
@@ -124,6 +128,97 @@ TEST(PollPacer, PollsWithoutYieldingForTheHotWindowOnly) {
   EXPECT_EQ(p.next_at(t1), nanoseconds(0));
   EXPECT_TRUE(p.hot_at(t1 + microseconds(10)));
   EXPECT_FALSE(p.hot_at(t1 + microseconds(60)));
+}
+
+// The polling loops read the clock for every poll only once a wait has left its hot window: the
+// first kHotPolls polls after progress read none, then one in kPollsPerRead while the last read
+// was inside kHotSpin.
+TEST(PollPacer, ReadsTheClockRarelyWhileTheWaitIsHot) {
+  using detail::PollPacer;
+  using std::chrono::microseconds;
+  static_assert(PollPacer::kHotPolls == 32 && PollPacer::kPollsPerRead == 8);
+  const auto t0 = std::chrono::steady_clock::time_point{} + std::chrono::seconds(1000);
+  const auto skipped = [](PollPacer& p, int polls) {
+    int n = 0;
+    for (int i = 0; i < polls; ++i) n += p.skip_clock() ? 1 : 0;
+    return n;
+  };
+  PollPacer p;
+  EXPECT_EQ(skipped(p, 32), 32);  // no read at all at first
+  EXPECT_EQ(skipped(p, 7), 7);    // then one in 8: poll 40 reads ...
+  EXPECT_FALSE(p.skip_clock());
+  (void)p.next_at(t0);  // ... and starts the wait: hot
+  EXPECT_EQ(skipped(p, 7), 7);
+  EXPECT_FALSE(p.skip_clock());
+  (void)p.next_at(t0 + microseconds(49));  // still hot
+  EXPECT_EQ(skipped(p, 8), 7);
+  (void)p.next_at(t0 + microseconds(50));  // past kHotSpin: every poll reads and paces
+  EXPECT_EQ(skipped(p, 16), 0);
+  // Progress starts over.
+  p.reset();
+  EXPECT_EQ(skipped(p, 39), 39);
+  EXPECT_FALSE(p.skip_clock());
+}
+
+// A wait's sleeps run with a 1 us timer slack (Linux's default, 50 us, let a 12 us sleep last
+// ~80 us), and the thread gets its own slack back when the wait makes progress or ends.
+TEST(PollPacer, SleepsWithATightTimerSlackAndPutsTheThreadsBack) {
+  using detail::PollPacer;
+  using std::chrono::microseconds;
+  const int before = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+  ASSERT_GT(before, 0);
+  ASSERT_NE(before, PollPacer::kSleepSlackNs);
+  const auto t0 = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  {
+    PollPacer p;
+    (void)p.next_at(t0);  // a wait that started a second ago: the next pause sleeps (100 us)
+    p.pause_at(t0 + std::chrono::seconds(1));
+    EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), PollPacer::kSleepSlackNs);
+    p.reset();  // progress
+    EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), before);
+    (void)p.next_at(t0);
+    p.pause_at(t0 + microseconds(100));  // inside the spin window: a yield, the slack untouched
+    EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), before);
+    p.pause_at(t0 + std::chrono::seconds(1));
+    EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), PollPacer::kSleepSlackNs);
+  }  // a wait that ends (the pacer goes) puts it back too
+  EXPECT_EQ(prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0), before);
+}
+
+// A handle completes without a lock unless somebody sleeps on it (WorkState, internal.hpp): a
+// waiter that checks, then sleeps, must never miss a completion that lands in between. One
+// thread completes a fresh handle per round while this one waits for it, both released at once
+// with head starts that vary by round, so the completion falls before, during and after the
+// waiter's check; a lost wake-up hangs the round (the test's timeout), and each round's status
+// must be the one set.
+TEST(WorkState, AWaiterNeverMissesTheCompletion) {
+  constexpr int kRounds = 20000;
+  std::vector<std::unique_ptr<detail::WorkState>> states(kRounds);
+  for (auto& st : states) st = std::make_unique<detail::WorkState>();
+  std::atomic<int> released{-1};  // the round both threads may start
+  const auto spin = [](int n) {
+    std::atomic<int> steps{0};
+    for (int i = 0; i < n; ++i) steps.fetch_add(1, std::memory_order_relaxed);
+  };
+  std::thread completer([&] {
+    for (int round = 0; round < kRounds; ++round) {
+      while (released.load(std::memory_order_acquire) < round) {
+      }
+      spin((round * 7) % 61 * 8);
+      states[round]->complete(round % 2 == 0 ? ok_status() : internal_error("round " + std::to_string(round)));
+    }
+  });
+  int wrong = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    detail::WorkState& state = *states[round];
+    released.store(round, std::memory_order_release);
+    spin((round * 13) % 61 * 8);
+    if (!state.finished()) state.sleep_until_done();
+    if (!state.finished() || state.status.ok() != (round % 2 == 0)) ++wrong;
+  }
+  completer.join();
+  EXPECT_EQ(wrong, 0) << "rounds whose wait returned before completion or with another status";
+  for (auto& st : states) EXPECT_EQ(st->sleepers.load(), 0);
 }
 
 TEST(CommConfig, TimeoutComesFromTheTunable) {

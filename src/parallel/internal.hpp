@@ -11,8 +11,10 @@
 // failure, and the failure goes to the context (watchdog, see context.cpp).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -21,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "parallel/inline_function.hpp"
+#include "parallel/work_state.hpp"
 #include "parallel/poll_pacer.hpp"
 #include "strata/build_config.hpp"
 #include "strata/parallel.hpp"
@@ -36,30 +40,18 @@ namespace strata::detail {
 
 class CommQueue;
 
-struct WorkState {
-  // The queue it was submitted to (null for a handle finished at once). A Comm outlives every
-  // wait on its handles, so this stays valid for as long as wait() can use it.
-  CommQueue* queue = nullptr;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Status status;
-
-  void complete(Status s);
-};
-
 // A handle that is already complete with `status` (argument errors, size-1 shortcuts).
 CommWork finished_work(Status status);
 
 class CommQueue {
  public:
   // A blocking operation: runs to completion (or failure) on the queue thread.
-  using Op = std::function<Status()>;
+  using Op = InlineFunction<Status()>;
   // An operation that completes later: polled until it returns true (done) or an error (which
   // includes its own deadline passing).
-  using Poll = std::function<Result<bool>()>;
+  using Poll = InlineFunction<Result<bool>()>;
   // Starts an asynchronous operation (posts it to the library) and returns its poll.
-  using Start = std::function<Result<Poll>()>;
+  using Start = InlineFunction<Result<Poll>()>;
   using FailureSink = std::function<void(const Status&)>;
 
   // `label` names the Comm in cancellation messages; `on_failure` is told of the first failure.
@@ -127,6 +119,14 @@ class CommQueue {
   // all_gather and broadcast of 16 KiB-4 MiB 0.87-0.90 / 0.88-0.96 / 0.89-0.97 of MPI, and the
   // interleaved pipeline's bubble at 8 micro-batches 0.04 / 0.04-0.05 / 0.05-0.06.
   static constexpr std::chrono::microseconds kPark{500};
+  // The doze's tick and how long a fresh operation is left to its submitter: kDoze at first,
+  // doubled (up to kPark) each time a timed wake-up finds that the callers ran everything
+  // themselves, back to kDoze when the thread had to start an operation nobody took (its
+  // submitter does not wait for it) and after a quiet spell. Each wake-up preempts a rank on a
+  // machine whose cores the ranks fill: at kDoze, a stream of 4 KiB send/recv pairs that the
+  // callers ran themselves saw ten times the context switches of bare MPI and took 1.6x its
+  // time (docs/parallel.md "Small messages without hand-offs"). Under mu_.
+  std::chrono::microseconds tick_ = kDoze;
 
   // submit and submit_async: gives `e` its handle's state and appends it.
   CommWork enqueue(Entry e);
@@ -157,6 +157,11 @@ class CommQueue {
   int waiters_ = 0;             // threads asleep on a handle of this queue (begin_wait)
   std::chrono::steady_clock::time_point doze_until_;  // the last submit + kDozeSpan
   Status failure_;
+  // failure_ is set: read without mu_ on every operation's start (the lock is taken only after).
+  std::atomic<bool> broken_{false};
+  // Operations submitted so far: run_inline's poll loop checks it, without mu_, for one
+  // submitted meanwhile.
+  std::atomic<std::uint64_t> submits_{0};
   // The queue thread's while it is awake; handed to it under mu_ by run_inline while it sleeps.
   std::vector<InFlight> in_flight_;
   PollPacer pacer_;  // queue thread only: paces the polls of in_flight_

@@ -32,7 +32,40 @@ class PollPacer {
   static constexpr std::chrono::microseconds kSpin{500};
   static constexpr std::chrono::microseconds kMaxSleep{100};
 
-  void reset() { waiting_ = false; }
+  // The clock is not read for every poll: a read (~25 ns here) costs about what a poll of the
+  // shared-memory transport does, and a loop that read it per poll spent a sixth of a 1 KiB
+  // send/recv's time in it (docs/parallel.md "Small messages without hand-offs"). After reset()
+  // the first kHotPolls polls read none; then, while the last read found the wait inside
+  // kHotSpin, one poll in kPollsPerRead does.
+  static constexpr int kHotPolls = 32;
+  static constexpr int kPollsPerRead = 8;
+  // The timer slack of a thread while it sleeps between polls (the comm queue threads keep it
+  // always). Linux lets a sleep overrun by the thread's slack, 50 us by default: here a 12 us
+  // sleep took ~80 us and a 100 us one ~170 us (1 us of slack: ~32 and ~125 us), so a wait for a
+  // 2.5 ms broadcast saw its completion up to ~170 us late instead of about kMaxSleep
+  // (docs/parallel.md "Waiting without burning a core").
+  static constexpr long kSleepSlackNs = 1000;
+
+  PollPacer() = default;
+  PollPacer(const PollPacer&) = delete;
+  PollPacer& operator=(const PollPacer&) = delete;
+  ~PollPacer() {
+    if (slack_saved_ >= 0) restore_timer_slack();
+  }
+
+  void reset() {
+    waiting_ = false;
+    hot_ = true;
+    polls_ = 0;
+    if (slack_saved_ >= 0) restore_timer_slack();
+  }
+  // Called after each unsuccessful poll: true when the next poll may follow at once, without
+  // reading the clock (nor checking a deadline, which so few polls overrun by microseconds at
+  // most); false when the caller should read it and pace (pause_at, next_at).
+  bool skip_clock() {
+    ++polls_;
+    return polls_ <= kHotPolls || (hot_ && polls_ % kPollsPerRead != 0);
+  }
   // Whether the wait, as of `now`, is still inside its first kHotSpin (poll again at once, no
   // yield). True before the wait has started (the first next_at starts it).
   bool hot_at(std::chrono::steady_clock::time_point now) const {
@@ -41,7 +74,7 @@ class PollPacer {
   // How long to wait before the next poll: zero (just yield) within the spin window.
   std::chrono::nanoseconds next() { return next_at(std::chrono::steady_clock::now()); }
   // next() at the given time (the rule itself, testable without a clock): the first call after
-  // reset() starts the wait at `now`.
+  // reset() starts the wait at `now`. Records whether `now` is inside kHotSpin (skip_clock).
   std::chrono::nanoseconds next_at(std::chrono::steady_clock::time_point now);
   // Waits next(): returns at once inside the hot window, else yields or sleeps.
   void pause();
@@ -49,7 +82,15 @@ class PollPacer {
   void pause_at(std::chrono::steady_clock::time_point now);
 
  private:
+  // The thread's timer slack is kSleepSlackNs from the wait's first sleep until reset() or the
+  // destructor puts back the value it had (slack_saved_, -1: not changed).
+  void sleep(std::chrono::nanoseconds d);
+  void restore_timer_slack();
+  long slack_saved_ = -1;
+
   bool waiting_ = false;
+  bool hot_ = true;  // as of the last next_at: inside kHotSpin
+  int polls_ = 0;
   std::chrono::steady_clock::time_point since_;
 };
 

@@ -1,5 +1,7 @@
 // CommWork handles and the in-order queue of a Comm (see internal.hpp for the life of an
 // operation).
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <climits>
 
@@ -9,12 +11,20 @@ namespace strata {
 namespace detail {
 
 void WorkState::complete(Status s) {
-  {
-    std::lock_guard lock(mu);
-    status = std::move(s);
-    done = true;
-  }
+  status = std::move(s);
+  done.store(true, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) == 0) return;
+  { std::lock_guard lock(mu); }  // a sleeper between its check of done and cv's wait holds mu
   cv.notify_all();
+}
+
+void WorkState::sleep_until_done() {
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return done.load(std::memory_order_seq_cst); });
+  }
+  sleepers.fetch_sub(1, std::memory_order_relaxed);
 }
 
 CommWork finished_work(Status status) {
@@ -48,6 +58,7 @@ CommWork CommQueue::enqueue(Entry e) {
     std::lock_guard lock(mu_);
     e.submitted = std::chrono::steady_clock::now();
     pending_.push_back(std::move(e));
+    submits_.fetch_add(1, std::memory_order_relaxed);
     // No wake-up while a caller runs the queue (run_inline): the thread may not take anything
     // then, and that caller wakes it when it is done if anything is pending. None while the
     // thread dozes either: it looks within kDoze, by which time the caller has usually run the
@@ -88,6 +99,9 @@ bool CommQueue::broken() const {
 }
 
 Status CommQueue::earlier_failure() const {
+  // Checked before every operation starts: the flag spares the lock while nothing failed. An
+  // operation that starts as another fails is one the failure did not precede.
+  if (!broken_.load(std::memory_order_acquire)) return ok_status();
   std::lock_guard lock(mu_);
   return failure_;
 }
@@ -101,6 +115,7 @@ void CommQueue::fail(const Status& s) {
     std::lock_guard lock(mu_);
     if (!failure_.ok()) return;
     failure_ = s;
+    broken_.store(true, std::memory_order_release);
   }
   if (on_failure_) on_failure_(s);
 }
@@ -108,10 +123,12 @@ void CommQueue::fail(const Status& s) {
 std::chrono::nanoseconds PollPacer::next_at(std::chrono::steady_clock::time_point now) {
   if (!waiting_) {
     waiting_ = true;
+    hot_ = true;
     since_ = now;
     return std::chrono::nanoseconds(0);
   }
   const auto waited = now - since_;
+  hot_ = waited < kHotSpin;
   if (waited < kSpin) return std::chrono::nanoseconds(0);
   return std::min<std::chrono::nanoseconds>(waited / 8, kMaxSleep);
 }
@@ -124,8 +141,21 @@ void PollPacer::pause_at(std::chrono::steady_clock::time_point now) {
   if (d.count() == 0) {
     std::this_thread::yield();
   } else {
-    std::this_thread::sleep_for(d);
+    sleep(d);
   }
+}
+
+void PollPacer::sleep(std::chrono::nanoseconds d) {
+  if (slack_saved_ < 0) {
+    const int was = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+    if (was >= 0 && prctl(PR_SET_TIMERSLACK, kSleepSlackNs, 0, 0, 0) == 0) slack_saved_ = was;
+  }
+  std::this_thread::sleep_for(d);
+}
+
+void PollPacer::restore_timer_slack() {
+  prctl(PR_SET_TIMERSLACK, slack_saved_, 0, 0, 0);
+  slack_saved_ = -1;
 }
 
 bool CommQueue::poll_once(std::vector<InFlight>& list) {
@@ -153,7 +183,7 @@ bool CommQueue::poll_in_flight(bool until_empty) {
       pacer_.reset();
     }
     if (!until_empty) return progressed;
-    if (!in_flight_.empty()) pacer_.pause();
+    if (!in_flight_.empty() && !pacer_.skip_clock()) pacer_.pause();
   }
   return progressed;
 }
@@ -185,6 +215,8 @@ void CommQueue::execute(Entry& e) {
 }
 
 bool CommQueue::run_inline(WorkState* state) {
+  bool left_behind = false;
+  std::uint64_t submits_seen = 0;
   {
     std::lock_guard lock(mu_);
     // The queue thread sleeps only with nothing in flight (run()), so while it sleeps the queue
@@ -201,6 +233,10 @@ bool CommQueue::run_inline(WorkState* state) {
       pending_.pop_front();
     }
     inline_active_ = true;
+    // Operations left behind must start as soon as `state`'s own have (see below); so must one
+    // submitted while this runs, which the poll loop notices by the count, without mu_.
+    left_behind = !pending_.empty();
+    submits_seen = submits_.load(std::memory_order_relaxed);
   }
   // As run() would: asynchronous operations start at once, a blocking one after everything
   // before it (here: what this batch started) has completed.
@@ -209,7 +245,7 @@ bool CommQueue::run_inline(WorkState* state) {
     while (!inline_flight_.empty()) {
       if (poll_once(inline_flight_)) {
         pacer.reset();
-      } else {
+      } else if (!pacer.skip_clock()) {
         pacer.pause();
       }
     }
@@ -227,28 +263,24 @@ bool CommQueue::run_inline(WorkState* state) {
   // another thread) must start now, as with the queue thread, not after this wait (a peer may
   // need them to send what `state` receives): hand everything to the queue thread then.
   pacer.reset();
-  const auto finished = [state] {
-    std::lock_guard lock(state->mu);
-    return state->done;
-  };
-  while (!inline_flight_.empty() && !finished()) {
+  while (!left_behind && !inline_flight_.empty() && !state->finished()) {
     if (poll_once(inline_flight_)) {
       pacer.reset();
       continue;
     }
-    {
-      std::lock_guard lock(mu_);
-      if (!pending_.empty() || stopping_) break;
-    }
-    pacer.pause();
+    if (submits_.load(std::memory_order_relaxed) != submits_seen) break;
+    if (!pacer.skip_clock()) pacer.pause();
   }
   // What is left is usually a send the library marks done at its next progress call: poll it
   // through the hot window before handing it over (the queue thread's wake-up, and the caller's
   // later wait for it, would cost the two hand-offs this function exists to avoid).
   pacer.reset();
-  pacer.next_at(std::chrono::steady_clock::now());
-  while (!inline_flight_.empty() && pacer.hot_at(std::chrono::steady_clock::now())) {
+  while (!inline_flight_.empty()) {
     poll_once(inline_flight_);
+    if (inline_flight_.empty() || pacer.skip_clock()) continue;
+    const auto now = std::chrono::steady_clock::now();
+    pacer.next_at(now);  // the first read starts the hot window
+    if (!pacer.hot_at(now)) break;
   }
   bool wake = false;
   {
@@ -268,6 +300,8 @@ bool CommQueue::run_inline(WorkState* state) {
 }
 
 void CommQueue::run() {
+  // Its dozes and paced polls are short timed waits: keep them short (PollPacer::kSleepSlackNs).
+  prctl(PR_SET_TIMERSLACK, PollPacer::kSleepSlackNs, 0, 0, 0);
   for (;;) {
     Entry e;
     {
@@ -277,30 +311,38 @@ void CommQueue::run() {
         const auto ready = [&] {
           return (stopping_ || !pending_.empty() || !in_flight_.empty()) && !inline_active_;
         };
-        // Dozing (see kDoze): short timed waits while operations keep coming, so that a submit
-        // need not wake the thread, longer ones (kPark) while a caller runs them itself; then one
-        // wait until woken. An operation submitted less than kDoze ago is left to its submitter
-        // while nothing is in flight and nobody sleeps on a handle.
+        // Dozing (see kDoze, tick_): timed waits while operations keep coming, so that a submit
+        // need not wake the thread, kPark while a caller runs them itself; then one wait until
+        // woken. An operation submitted less than tick_ ago is left to its submitter while
+        // nothing is in flight and nobody sleeps on a handle.
         for (;;) {
           const auto now = std::chrono::steady_clock::now();
           if (ready()) {
-            if (stopping_ || !in_flight_.empty() || waiters_ > 0 || pending_.empty() ||
-                now >= pending_.front().submitted + kDoze) {
+            if (stopping_ || !in_flight_.empty() || waiters_ > 0 || pending_.empty()) break;
+            if (now >= pending_.front().submitted + tick_) {
+              tick_ = kDoze;  // nobody took it: the submitters do not wait, be prompt again
               break;
             }
             dozing_ = true;
-            cv_.wait_until(lock, pending_.front().submitted + kDoze);
+            const bool timed_out =
+                cv_.wait_until(lock, pending_.front().submitted + tick_) == std::cv_status::timeout;
             dozing_ = false;
+            if (timed_out && pending_.empty() && in_flight_.empty()) tick_ = std::min(2 * tick_, kPark);
             continue;
           }
           if (now >= doze_until_) {
-            // Until woken; then doze again if that was a submit the caller ran itself.
+            // Until woken; then doze again if that was a submit the caller ran itself. A quiet
+            // spell ends what the ticks learned.
+            tick_ = kDoze;
             cv_.wait(lock);
             continue;
           }
           dozing_ = true;
-          cv_.wait_until(lock, std::min(now + (inline_active_ ? kPark : kDoze), doze_until_));
+          const bool timed_out = cv_.wait_until(lock, std::min(now + (inline_active_ ? kPark : tick_),
+                                                               doze_until_)) == std::cv_status::timeout;
           dozing_ = false;
+          // Woken by its timer with nothing to do: the callers ran everything themselves.
+          if (timed_out && pending_.empty() && in_flight_.empty()) tick_ = std::min(2 * tick_, kPark);
         }
         worker_active_ = true;
       }
@@ -308,7 +350,7 @@ void CommQueue::run() {
         if (in_flight_.empty()) return;  // stopping, and everything queued has completed
         lock.unlock();
         poll_in_flight(false);
-        if (in_flight_.empty()) continue;
+        if (in_flight_.empty() || pacer_.skip_clock()) continue;
         // Paced like any poll, but a newly submitted operation ends the sleep at once: it may be
         // the send a peer is waiting for.
         const auto now = std::chrono::steady_clock::now();
@@ -369,28 +411,18 @@ Status check_count(std::size_t count, DType dtype, const char* what) {
 
 Status CommWork::wait() const {
   if (!state_) return ok_status();
-  {
-    std::lock_guard lock(state_->mu);
-    if (state_->done) return state_->status;
-  }
+  // Once done is set nothing writes the status again: no lock needed to read it.
+  if (state_->finished()) return state_->status;
+  // Not null: only a queued operation's handle can be unfinished (finished_work completes first).
   detail::CommQueue* queue = state_->queue;
-  if (queue != nullptr) queue->run_inline(state_.get());
-  std::unique_lock lock(state_->mu);
-  if (state_->done || queue == nullptr) return state_->status;
-  lock.unlock();
+  queue->run_inline(state_.get());
+  if (state_->finished()) return state_->status;
   queue->begin_wait();
-  lock.lock();
-  state_->cv.wait(lock, [&] { return state_->done; });
-  Status s = state_->status;
-  lock.unlock();
+  state_->sleep_until_done();
   queue->end_wait();
-  return s;
+  return state_->status;
 }
 
-bool CommWork::test() const {
-  if (!state_) return true;
-  std::lock_guard lock(state_->mu);
-  return state_->done;
-}
+bool CommWork::test() const { return !state_ || state_->finished(); }
 
 }  // namespace strata

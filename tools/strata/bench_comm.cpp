@@ -40,7 +40,7 @@ constexpr FlagSpec kFlags[] = {
     {"json", "", "print one JSON object (default: a table)"},
     {"min-bytes", "B", "smallest message (default 64KiB)"},
     {"max-bytes", "B", "largest message (default 64MiB); sizes step by 4x"},
-    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..400)"},
+    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..4000)"},
     {"reps", "R", "timed runs per size and side; the median ratio is reported (default 5)"},
     {"ops", "LIST", "comma-separated operations to run (default: all five)"},
     {"help", "", "show this help"},
@@ -48,9 +48,11 @@ constexpr FlagSpec kFlags[] = {
 
 constexpr std::string_view kOpNames[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "sendrecv"};
 
-// The default iterations' cap: a timed run of small messages lasts ~0.2-1 ms, long against the
-// barrier's skew between ranks (with 50, a 1 KiB run was ~25 us and its ratio swung 0.3-1.5).
-constexpr std::uint64_t kMaxIters = 400;
+// The default iterations' cap: a timed run of small messages lasts ~2-20 ms, long against the
+// barrier's skew between ranks and the machine's scheduling noise. With 50, a 1 KiB run was
+// ~25 us and its ratio swung 0.3-1.5; with 400 (~0.2-1 ms) the 1-4 KiB ratios still read
+// 0.1-0.3 above what runs ten times longer agree on (docs/performance.md, 2026-11-27).
+constexpr std::uint64_t kMaxIters = 4000;
 
 std::string usage() {
   return "usage: strata bench comm [flags], under mpirun: mpirun -np N strata bench comm (N >= 2)\n\n"
@@ -82,8 +84,9 @@ Result<Flags> parse_flags(const Args& args) {
     std::string op;
     while (std::getline(items, op, ',')) {
       if (std::find(std::begin(kOpNames), std::end(kOpNames), op) == std::end(kOpNames)) {
-        return invalid_argument("--ops: unknown operation '" + op +
-                                "' (expected all_reduce, reduce_scatter, all_gather, broadcast or sendrecv)");
+        std::string expected;
+        for (std::string_view name : kOpNames) expected += (expected.empty() ? "" : ", ") + std::string(name);
+        return invalid_argument("--ops: unknown operation '" + op + "' (expected one of " + expected + ")");
       }
       f.ops.insert(op);
     }
