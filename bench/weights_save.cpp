@@ -5,10 +5,11 @@
 //
 //   g++ -O2 -std=c++20 -Iinclude -Isrc -Ibuild/generated bench/weights_save.cpp -Lbuild/lib -lstrata -Wl,-rpath,$PWD/build/lib \
 //       -o /tmp/weights_save
-//   mpirun --oversubscribe -np 2 /tmp/weights_save tp|dp [n_embd] [n_layer] [dtype f32|bf16] [dir]
+//   mpirun --oversubscribe -np 2 /tmp/weights_save tp|dp|dp1 [n_embd] [n_layer] [dtype f32|bf16] [dir]
 //
 // tp: GPT-2 split over the ranks (its Conv1D shards are strided in the file: one write per stored
-// column); dp: ZeRO stage 3, every module sliced. The model is GPT-2 with a 50257-token vocabulary
+// column); dp: ZeRO stage 3, every module sliced; dp1: ZeRO stage 1, every rank a replica (each
+// writes a contiguous 1/dp of every parameter). The model is GPT-2 with a 50257-token vocabulary
 // (the embedding dominates, as in GPT-2 small). Prints each save's time (the slowest rank's, each
 // after a barrier), the median of 5 of each, the ratio gather / parallel and each rank's writes.
 #include <algorithm>
@@ -65,19 +66,23 @@ int main(int argc, char** argv) {
   config.seq_len = 16;
   OffloadSettings s;
   s.optimizer = Tier::kHost;
+  const bool dp = mode == "dp" || mode == "dp1";
   if (mode == "dp") {
     s.params = Tier::kHost;
     s.zero_stage = 3;
     s.persistence_threshold = 0;
+  } else if (mode == "dp1") {
+    s.params = Tier::kHost;
+    s.zero_stage = 1;
   }
   DeviceConfig dc;
   dc.kind = DeviceKind::kCpu;
-  dc.memory_bytes = (mode == "dp" ? 2ull : 1ull) << 30;  // stage 3 keeps whole-model gradients on the device
+  dc.memory_bytes = (dp ? 2ull : 1ull) << 30;  // data parallelism keeps whole-model gradients on the device
   dc.pinned_bytes = 2ull << 30;
   dc.compute_threads = 1;
   auto device = Device::create(dc);
   if (!device.ok()) return fail(device.status());
-  auto engine = mode == "dp" ? OffloadEngine::create(config, s, **device, nullptr, &comm)
+  auto engine = dp ? OffloadEngine::create(config, s, **device, nullptr, &comm)
                              : OffloadEngine::create(config, s, **device, nullptr, nullptr, &comm);
   if (!engine.ok()) return fail(engine.status());
   const std::string path = dir + "/strata-weights-save-bench.safetensors";

@@ -177,11 +177,9 @@ inline void expect_same_text_on_every_rank(const std::string& text, const std::s
 // Collective: `engine`'s weights saved twice into `dir` (every rank sees it), in both formats:
 // every rank writing the part it holds (the default), and the earlier path as the reference (the
 // first rank gathers everything and writes alone: EngineFaults::gather_weights_on_save). The files are equal
-// byte for byte, and every rank issued writes of its own in the parallel save (where
-// `every_rank_writes`; without stage 3 a data-parallel replica's ranks other than the first hold
-// nothing to write).
+// byte for byte, and every rank issued writes of its own in the parallel save.
 inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const std::string& dir,
-                                                 const std::string& what, bool every_rank_writes = true) {
+                                                 const std::string& what) {
   for (const WeightFormat format : {WeightFormat::kHuggingFace, WeightFormat::kNative}) {
     const std::string tag = format == WeightFormat::kNative ? "native" : "hf";
     const std::string parallel = dir + "/parallel-" + tag + ".safetensors";
@@ -190,9 +188,7 @@ inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const st
     Status s = engine.save_weights(parallel, format);
     ASSERT_TRUE(s.ok()) << what << " (" << tag << "): " << s.to_string();
     const std::uint64_t writes = engine.stats().weights_file_writes - before;
-    if (every_rank_writes) {
-      EXPECT_GT(writes, 0u) << what << " (" << tag << "): rank " << world().rank() << " wrote nothing";
-    }
+    EXPECT_GT(writes, 0u) << what << " (" << tag << "): rank " << world().rank() << " wrote nothing";
     offload_detail::EngineFaults::gather_weights_on_save(engine, true);
     s = engine.save_weights(gathered, format);
     offload_detail::EngineFaults::gather_weights_on_save(engine, false);

@@ -898,13 +898,14 @@ TEST(DataParallel, SaveWeightsIsCollective) {
   if (world().rank() == 0) std::filesystem::remove_all(root);
 }
 
-// Stage 3: every data-parallel rank writes the part of the weights file its slices hold (a slice
-// cuts a unit's flat buffer, so it holds the end of one tensor and the start of the next; bf16
-// splits on element boundaries), with the working parameters on the host and on NVMe, GPT-2 and
-// LLaMA, fp32 and bf16, both formats. Untrained, the file is one process's byte for byte; after a
-// step it is the gather path's file (every slice gathered, rank 0 writes) byte for byte, and every
-// rank wrote its part.
-TEST(DataParallel, Stage3EveryRankWritesItsSlicesOfTheWeights) {
+// Every data-parallel rank writes its part of the weights file, with the working parameters on
+// the host and on NVMe, GPT-2 and LLaMA, fp32 and bf16, both formats. Stage 3: the part its slices
+// hold (a slice cuts a unit's flat buffer, so it holds the end of one tensor and the start of the
+// next; bf16 splits on element boundaries). Stages 1 and 2 (replicas): a contiguous 1/dp of every
+// parameter (on 3 ranks the thirds end inside a tensor's row). Untrained, the file is one
+// process's byte for byte; after a step it is the gather path's file (rank 0 writes everything)
+// byte for byte, and every rank wrote its part.
+void expect_every_rank_writes_its_part_of_the_weights(int stage) {
   const int P = world().size();
   struct Case {
     ModelKind kind;
@@ -915,15 +916,16 @@ TEST(DataParallel, Stage3EveryRankWritesItsSlicesOfTheWeights) {
                        Case{ModelKind::kLlama, DType::kBF16, Tier::kHost}}) {
     const TrainerConfig global = testing::tiny(c.kind, c.dtype, P, 1.0);
     const std::string what = std::string(to_string(c.kind)) + " " + std::string(to_string(c.dtype)) + ", params on " +
-                             std::string(to_string(c.params)) + ", dp " + std::to_string(P);
+                             std::string(to_string(c.params)) + ", dp " + std::to_string(P) + ", stage " +
+                             std::to_string(stage);
     testing::TempDir swap("strata-dp-parwrite");  // each rank its own
     OffloadSettings s;
-    s.zero_stage = 3;
+    s.zero_stage = stage;
     s.params = c.params;
     s.optimizer = Tier::kHost;
-    s.persistence_threshold = 0;  // every module's working parameters sliced
+    s.persistence_threshold = 0;  // stage 3: every module's working parameters sliced
     if (c.params == Tier::kNvme) s.nvme_path = {swap.path().string()};
-    const std::string root = shared_temp_dir("s3-parwrite");
+    const std::string root = shared_temp_dir("dp-parwrite");
     auto device = testing::make_device();
     auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
     ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
@@ -938,17 +940,22 @@ TEST(DataParallel, Stage3EveryRankWritesItsSlicesOfTheWeights) {
   }
 }
 
-// Stage 3, rank 1 unable to write its slice of the last tensor of the file (an injected EIO on its
-// last element, which only rank 1 holds: the last unit, GPT-2's ln_f, has 128 elements and slices
-// are 64-element chunks, so on 2 and 3 ranks rank 1 holds its second half): every rank returns the
-// same error naming that rank, the tensor and the path; no temporary file is left, a new path
-// stays empty and the previous file keeps its bytes; with the fault gone the same engine saves the
-// same bytes.
-TEST(DataParallel, Stage3WeightsFailCleanlyWhenARankCannotWriteItsSlice) {
-  const int P = world().size(), failing = 1;
+TEST(DataParallel, Stage3EveryRankWritesItsSlicesOfTheWeights) { expect_every_rank_writes_its_part_of_the_weights(3); }
+
+TEST(DataParallel, ReplicasSplitTheWeightsFileAmongTheirRanks) {
+  expect_every_rank_writes_its_part_of_the_weights(1);
+  expect_every_rank_writes_its_part_of_the_weights(2);
+}
+
+// Rank `failing` unable to write its part of the last tensor of the file (an injected EIO on its
+// last element, which only that rank writes): every rank returns the same error naming that rank,
+// the tensor and the path; no temporary file is left, a new path stays empty and the previous file
+// keeps its bytes; with the fault gone the same engine saves the same bytes.
+void expect_weights_fail_cleanly_when_a_rank_cannot_write(int stage, int failing) {
+  const int P = world().size();
   const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, P, 1.0);
   OffloadSettings s;
-  s.zero_stage = 3;
+  s.zero_stage = stage;
   s.params = Tier::kHost;
   s.optimizer = Tier::kHost;
   s.persistence_threshold = 0;
@@ -996,6 +1003,18 @@ TEST(DataParallel, Stage3WeightsFailCleanlyWhenARankCannotWriteItsSlice) {
     std::filesystem::remove_all(root);
   }
   ASSERT_TRUE(world().barrier().wait().ok());
+}
+
+// Stage 3: the last unit, GPT-2's ln_f, has 128 elements and slices are 64-element chunks, so on 2
+// and 3 ranks rank 1 holds its second half, the file's last bytes.
+TEST(DataParallel, Stage3WeightsFailCleanlyWhenARankCannotWriteItsSlice) {
+  expect_weights_fail_cleanly_when_a_rank_cannot_write(3, 1);
+}
+
+// Stages 1 and 2: the last data-parallel rank writes the last 1/dp of every parameter.
+TEST(DataParallel, ReplicaWeightsFailCleanlyWhenARankCannotWriteItsPart) {
+  expect_weights_fail_cleanly_when_a_rank_cannot_write(1, world().size() - 1);
+  expect_weights_fail_cleanly_when_a_rank_cannot_write(2, world().size() - 1);
 }
 
 // Stage 3 with everything on NVMe; after a step the last rank's disk fails every read. Its

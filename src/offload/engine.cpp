@@ -2315,8 +2315,9 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
 
 // Which ranks write a parameter's elements: the stage holding it (the lowest: GPT-2's tied
 // embedding is the first stage's); of its tensor-parallel shards each its own, a replicated
-// parameter tp rank 0 alone; of the data-parallel replicas dp rank 0, or under stage 3 each rank
-// the elements of its slice of the unit. The union is every element once. A shard's elements map
+// parameter tp rank 0 alone; of the data-parallel replicas each dp rank a contiguous 1/dp of the
+// shard's elements (rank r: [n r / dp, n (r + 1) / dp)), or under stage 3 each rank the elements
+// of its slice of the unit. The union is every element once. A shard's elements map
 // onto the file by encode_weights_part: one pwrite per run of adjacent file bytes.
 Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFormat format,
                                                const ModelLayout& full, const SafetensorsHeader& header) {
@@ -2348,7 +2349,11 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     const std::size_t uu = static_cast<std::size_t>(o.unit);
     const bool sliced = !psharded.empty() && psharded[uu];
-    if (!sliced && dp_rank != 0) continue;
+    // This rank's elements [a, b) of the shard: a replica's contiguous 1/dp of them, or (stage 3)
+    // those its slice of the unit holds.
+    std::uint64_t a = o.n * static_cast<std::uint64_t>(dp_rank) / static_cast<std::uint64_t>(dp_size);
+    std::uint64_t b = o.n * static_cast<std::uint64_t>(dp_rank + 1) / static_cast<std::uint64_t>(dp_size);
+    if (!sliced && a == b) continue;
     if (o.unit != unit) {
       unit = o.unit;
       Status read;
@@ -2365,9 +2370,7 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
         return Status(read.code(), who + " could not read " + what + ": " + read.message());
       }
     }
-    // This rank's elements [a, b) of the shard, at `src`.
-    std::uint64_t a = 0, b = o.n;
-    const char* src = bytes.data() + o.param_in_unit;
+    const char* src = nullptr;  // element a of the shard
     if (sliced) {  // the slice holds the unit's elements [begin, begin + len) (its fp32 order)
       const std::uint64_t first = o.grad_in_unit / 4, begin = slices.begin[uu], end = begin + slices.len[uu];
       a = std::max(first, begin) - first;
@@ -2375,6 +2378,8 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
       if (b <= first + a) continue;
       b -= first;
       src = bytes.data() + (first + a - begin) * w;
+    } else {
+      src = bytes.data() + o.param_in_unit + a * w;
     }
     values.resize(b - a);
     STRATA_RETURN_IF_ERROR(convert(src, wdtype, values.data(), DType::kF32, b - a));
