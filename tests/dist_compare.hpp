@@ -206,6 +206,35 @@ inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const st
   }
 }
 
+// Collective: with the last rank not seeing the file the first rank creates (as on another node
+// without a shared file system: EngineFaults::hide_weights_file), save_weights still succeeds by
+// the gather path: no rank writes in parts, no temporary file is left, and the file is the
+// gather path's byte for byte.
+inline void expect_unseen_file_takes_the_gather_path(OffloadEngine& engine, const std::string& dir,
+                                                     const std::string& what) {
+  const std::string hidden = dir + "/unseen.safetensors", gathered = dir + "/gathered.safetensors";
+  const std::uint64_t before = engine.stats().weights_file_writes;
+  const bool hides = world().rank() == world().size() - 1;
+  if (hides) offload_detail::EngineFaults::hide_weights_file(engine, true);
+  Status s = engine.save_weights(hidden);
+  if (hides) offload_detail::EngineFaults::hide_weights_file(engine, false);
+  ASSERT_TRUE(s.ok()) << what << ", a rank not seeing the file: " << s.to_string();
+  EXPECT_EQ(engine.stats().weights_file_writes, before) << what << ": rank " << world().rank() << " wrote in parts";
+  offload_detail::EngineFaults::gather_weights_on_save(engine, true);
+  s = engine.save_weights(gathered);
+  offload_detail::EngineFaults::gather_weights_on_save(engine, false);
+  ASSERT_TRUE(s.ok()) << what << " (gathered): " << s.to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_TRUE(file_bytes(hidden) == file_bytes(gathered)) << what << ": the fallback's file differs from the gather path's";
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << what << ": " << e.path();
+    std::filesystem::remove(hidden);
+    std::filesystem::remove(gathered);
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+}
+
 // Collective: the weights file `engine` saves (every rank its part) is the file `one` (a
 // one-process engine at the same parameters, on every rank) saves, byte for byte, in both formats.
 inline void expect_weights_of_one_process(OffloadEngine& engine, OffloadEngine& one, const std::string& dir,

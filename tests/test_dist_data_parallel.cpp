@@ -936,6 +936,7 @@ void expect_every_rank_writes_its_part_of_the_weights(int stage) {
     Snapshot out;
     ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out)) << what;
     testing::expect_parallel_weights_are_gathered(**engine, root, what + ", after a step");
+    testing::expect_unseen_file_takes_the_gather_path(**engine, root, what);
     if (world().rank() == 0) std::filesystem::remove_all(root);
   }
 }

@@ -539,6 +539,50 @@ TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
 // byte (no step in between). Run with the last stage failing and the first (the writer's own).
 // That the save fails at all shows the stage wrote that tensor itself: its fault is on its rank
 // only.
+// A pipeline's stages must share a file system at the weights path (each writes its modules into
+// the one file): a stage that does not see the file the first stage created (as on another node
+// without a shared file system: EngineFaults::hide_weights_file) fails the save on every rank with
+// an error naming the stage and the file; nothing is written, the previous file keeps its bytes,
+// and with the file seen again the same engines save it again.
+TEST(PipelineEngine, WeightsFailWhenAStageDoesNotSeeTheFile) {
+  const TrainerConfig config = testing::tiny(ModelKind::kLlama, DType::kF32, 2, 1.0);
+  OffloadSettings s;
+  s.persistence_threshold = 0;
+  const std::string root = testing::shared_temp_dir("pp-unseen");
+  const std::string weights = root + "/weights.safetensors";
+  auto device = testing::make_device();
+  auto engine = OffloadEngine::create(config, s, *device, nullptr, nullptr, nullptr, &world());
+  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
+  Snapshot got;
+  ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, got));
+  STRATA_ASSERT_OK((*engine)->save_weights(weights));
+  ASSERT_TRUE(world().barrier().wait().ok());
+  const std::string before = file_bytes(weights);
+  const int last = world().size() - 1;
+  if (world().rank() == last) offload_detail::EngineFaults::hide_weights_file(**engine, true);
+  Status failed = (*engine)->save_weights(weights);
+  if (world().rank() == last) offload_detail::EngineFaults::hide_weights_file(**engine, false);
+  ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
+  EXPECT_EQ(failed.code(), StatusCode::kFailedPrecondition) << failed.to_string();
+  for (const std::string& part : {"pipeline stage " + std::to_string(last) + " does not see", weights + ".tmp",
+                                  std::string("share a file system")})
+    EXPECT_NE(failed.message().find(part), std::string::npos) << "rank " << world().rank() << ": " << failed.to_string();
+  testing::expect_same_text_on_every_rank(failed.message(), "save_weights");
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_TRUE(file_bytes(weights) == before) << "a failed save changed the previous file";
+    EXPECT_FALSE(std::filesystem::exists(weights + ".tmp")) << "the temporary file was left";
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+  STRATA_ASSERT_OK((*engine)->save_weights(weights));
+  ASSERT_TRUE(world().barrier().wait().ok());
+  if (world().rank() == 0) {
+    EXPECT_TRUE(file_bytes(weights) == before) << "the save with the file seen again";
+    std::filesystem::remove_all(root);
+  }
+  ASSERT_TRUE(world().barrier().wait().ok());
+}
+
 TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotWrite) {
   const TrainerConfig config = testing::tiny(ModelKind::kLlama, DType::kF32, 2, 1.0);
   OffloadSettings s;

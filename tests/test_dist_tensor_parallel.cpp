@@ -272,6 +272,7 @@ TEST(TensorParallel, EveryRankWritesItsShardOfTheWeights) {
       Snapshot out;
       ASSERT_TRUE(testing::run_steps(**engine, config, 0, 1, out)) << what;
       testing::expect_parallel_weights_are_gathered(**engine, root, what + ", after a step");
+      testing::expect_unseen_file_takes_the_gather_path(**engine, root, what);
       if (world().rank() == 0) std::filesystem::remove_all(root);
     }
   }

@@ -433,6 +433,9 @@ struct OffloadEngine::Impl {
   // Tests only (EngineFaults::gather_weights_on_save): save_weights without a pipeline takes the
   // gather path. Caller thread only.
   bool gather_weights_on_save = false;
+  // Tests only (EngineFaults::hide_weights_file): this rank does not see the weights file the
+  // first rank created, as a rank on another node without a shared file system. Caller thread.
+  bool hide_weights_file = false;
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -976,7 +979,9 @@ struct OffloadEngine::Impl {
   Status forward_stage();
   // Every rank writes the part of the weights file it holds (docs/checkpoints.md "Who writes the
   // weights file"); collective over every group.
-  Status save_weights_parallel(const std::string& path, WeightFormat format);
+  // True once written; false when not every rank sees the file the first rank created (no file
+  // system shared at the path) and there is no pipeline: the caller takes the gather path.
+  Result<bool> save_weights_parallel(const std::string& path, WeightFormat format);
   // Step 2 of it: this rank's elements of the parameters it writes, encoded and pwritten into
   // the temporary file, fsync'd. Errors start with rank_name().
   Status write_weights_part(const std::string& path, WeightFormat format, const ModelLayout& full,
@@ -2254,7 +2259,7 @@ Status OffloadEngine::Impl::forward_stage() {
 //      never holds a partial file and a previous file there keeps its bytes;
 //   4. the outcome (success, or the writer's error: the code and the first bytes of its message)
 //      is broadcast from the writer: every rank returns the same success or the same error.
-Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, WeightFormat format) {
+Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
   // The same on every rank (a function of the config): a failure here returns before any
   // collective, on every rank alike.
@@ -2266,9 +2271,30 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
   if (writer) created = SafetensorsPartWriter::create(path, *header);
   std::uint32_t have_file = created.ok() ? 1 : 0;
   Status mine = broadcast_from_writer(&have_file, 1, "weights: whether the temporary file exists");
-  // 2. This rank's part.
+  // 2. Whether every rank sees it: the ranks write into one file, so they must share a file
+  // system at the path. Where one does not (node-local disks on several nodes), the writer removes
+  // the file and, without a pipeline, every rank returns false for the gather path (the first
+  // rank gathers the model and writes alone); a pipeline's stages must share it, so there it is
+  // the error, naming the rank.
+  if (mine.ok() && have_file == 1) {
+    const std::string tmp = SafetensorsPartWriter::temp_path(path);
+    Status sees;
+    if (hide_weights_file || !std::filesystem::exists(tmp)) {
+      sees = failed_precondition(rank_name() + " does not see '" + tmp +
+                                 "', which the first rank created: the ranks do not share a file system at that path");
+    }
+    if (tp_size > 1) sees = first_failure(*tp_step, sees, "the weights file", "tensor-parallel");
+    if (dp_size > 1) sees = first_failure(*dp_caller, sees, "the weights file", "data-parallel");
+    if (pp_size > 1) sees = first_failure(*pp_caller, sees, "the weights file", "pipeline");
+    if (!sees.ok() && sees.code() == StatusCode::kFailedPrecondition && pp_size == 1) {
+      if (writer) SafetensorsPartWriter::discard(path);
+      return false;
+    }
+    mine = sees;
+  }
+  // 3. This rank's part.
   if (mine.ok() && have_file == 1) mine = write_weights_part(path, format, full, *header);
-  // 3. Every rank's outcome agreed; the writer publishes or removes the file.
+  // 4. Every rank's outcome agreed; the writer publishes or removes the file.
   Status all = mine;
   if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel");
   if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel");
@@ -2285,7 +2311,7 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
     }
     if (!written.ok()) SafetensorsPartWriter::discard(path);
   }
-  // 4. The outcome, as 4-byte words: 1, or 0, the status code and the first bytes of the
+  // 5. The outcome, as 4-byte words: 1, or 0, the status code and the first bytes of the
   // writer's error.
   constexpr std::size_t kWords = 1 + 256;
   std::array<std::uint32_t, kWords> word{};
@@ -2297,7 +2323,10 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
     std::memcpy(word.data() + 2, m.data(), std::min<std::size_t>(m.size(), 4 * (kWords - 2) - 1));
   }
   Status b = broadcast_from_writer(word.data(), kWords, "weights outcome");
-  if (writer) return written;
+  if (writer) {
+    STRATA_RETURN_IF_ERROR(written);
+    return true;
+  }
   if (!b.ok()) {
     if (!all.ok()) return all.with_context("weights '" + path + "' not written");
     return b.with_context("weights '" + path + "': broadcast of the outcome");
@@ -2310,7 +2339,7 @@ Status OffloadEngine::Impl::save_weights_parallel(const std::string& path, Weigh
                           : static_cast<StatusCode>(word[1]);
     return Status(code, why);
   }
-  return ok_status();
+  return true;
 }
 
 // Which ranks write a parameter's elements: the stage holding it (the lowest: GPT-2's tied
@@ -5334,6 +5363,10 @@ void offload_detail::EngineFaults::fail_caller_at(OffloadEngine& engine, int mod
   engine.impl_->injected_caller_error = std::move(fault);
 }
 
+void offload_detail::EngineFaults::hide_weights_file(OffloadEngine& engine, bool on) {
+  engine.impl_->hide_weights_file = on;
+}
+
 void offload_detail::EngineFaults::gather_weights_on_save(OffloadEngine& engine, bool on) {
   engine.impl_->gather_weights_on_save = on;
 }
@@ -5839,7 +5872,11 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
   // gathers everything and writes alone; EngineFaults::gather_weights_on_save, the reference of
   // the tests and of bench/weights_save.cpp).
   const bool gathered = t.gather_weights_on_save && t.pp_size == 1;
-  if (!gathered && (t.pp_size > 1 || t.tp_size > 1 || t.dp_size > 1)) return t.save_weights_parallel(path, format);
+  if (!gathered && (t.pp_size > 1 || t.tp_size > 1 || t.dp_size > 1)) {
+    STRATA_ASSIGN_OR_RETURN(const bool written, t.save_weights_parallel(path, format));
+    if (written) return ok_status();
+    // Not every rank sees the file system at the path: the gather path below.
+  }
   if (t.tp_size > 1) {
     // Collective: every rank gathers every owning parameter in table order (over the tensor- and,
     // stage 3, the data-parallel group), then the first rank of both writes the full model, the

@@ -755,6 +755,9 @@ struct EngineFaults {
   // earlier path (the first rank gathers every parameter and writes alone), the reference that
   // every rank writing its part must equal byte for byte. Caller thread, between calls.
   static void gather_weights_on_save(OffloadEngine& engine, bool on);
+  // This rank does not see the weights file the first rank creates (a rank on another node
+  // without a shared file system): save_weights takes the gather path, or fails with a pipeline.
+  static void hide_weights_file(OffloadEngine& engine, bool on);
 };
 
 }  // namespace strata::offload_detail
