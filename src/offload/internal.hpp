@@ -755,6 +755,11 @@ struct EngineFaults {
   // earlier path (the first rank gathers every parameter and writes alone), the reference that
   // every rank writing its part must equal byte for byte. Caller thread, between calls.
   static void gather_weights_on_save(OffloadEngine& engine, bool on);
+  // Tests only: a rank dying in the middle of a parallel save. While `writes` is non-zero, this
+  // rank raises SIGKILL in save_weights (every rank writing its part) right after its `writes`-th
+  // range write into the temporary file: after the header was written (the writer's, before any
+  // rank writes) and some of this rank's ranges were. 0 turns it off. Caller thread, between calls.
+  static void kill_during_save(OffloadEngine& engine, std::uint64_t writes);
 };
 
 }  // namespace strata::offload_detail
