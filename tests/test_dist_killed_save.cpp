@@ -26,6 +26,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -122,7 +123,7 @@ void kill_mid_save(Split split, int killed) {
   if (R == killed) offload_detail::EngineFaults::kill_during_save(e, kWritesBeforeKill);
   const Status st = e.save_weights(path);
   ASSERT_EQ(R, survivor) << "the killed rank returned from save_weights: " << st.to_string();
-  ASSERT_FALSE(st.ok()) << "rank " << R << ": the save without its peer succeeded";
+  EXPECT_FALSE(st.ok()) << "rank " << R << ": the save without its peer succeeded";
   for (const std::string& part : {"weights '" + path + "' not written",
                                  std::string(split == Split::kStage3 ? "data-parallel" : "tensor-parallel") +
                                      " ranks: exchanging whether each read its part of the weights",
@@ -136,9 +137,11 @@ void kill_mid_save(Split split, int killed) {
     EXPECT_EQ(files_in(dir), (std::set<std::string>{"weights.safetensors", "weights.safetensors.tmp"}));
     const std::string left = file_bytes(tmp);
     EXPECT_EQ(left.size(), first.size()) << "the temporary file is not at its full length";
-    const std::uint64_t header = 8 + *reinterpret_cast<const std::uint64_t*>(first.data());
+    std::uint64_t header = 0;  // the header's length (little-endian), then the header
+    std::memcpy(&header, first.data(), 8);
+    header += 8;
     EXPECT_TRUE(left.compare(0, header, first, 0, header) == 0) << "the temporary file lacks the header";
-    EXPECT_FALSE(left == first) << "the killed save wrote none of the second step's bytes";
+    EXPECT_FALSE(left == first) << "the temporary file holds none of the second save's bytes";
   } else {
     EXPECT_EQ(files_in(dir), (std::set<std::string>{"weights.safetensors"}))
         << "the writer did not remove the temporary file";
