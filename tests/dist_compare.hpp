@@ -235,6 +235,23 @@ inline void expect_unseen_file_takes_the_gather_path(OffloadEngine& engine, cons
   ASSERT_TRUE(world().barrier().wait().ok());
 }
 
+// Collective: `engine` saves `path` (every rank its part) and `one` (a one-process engine at the
+// same parameters, on every rank) saves `single` (this rank's own name): the two files are equal
+// byte for byte. Each rank removes its `single`; `path` stays.
+inline void expect_saved_as_one_process(OffloadEngine& engine, OffloadEngine& one, const std::string& path,
+                                        const std::string& single, WeightFormat format, const std::string& what) {
+  Status s = engine.save_weights(path, format);
+  ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+  s = one.save_weights(single, format);
+  ASSERT_TRUE(s.ok()) << what << " (one process): " << s.to_string();
+  ASSERT_TRUE(world().barrier().wait().ok());
+  const std::string want = file_bytes(single);
+  ASSERT_GT(want.size(), 1000u) << what;
+  EXPECT_TRUE(file_bytes(path) == want) << what << ": not one process's file";
+  ASSERT_TRUE(world().barrier().wait().ok());
+  std::filesystem::remove(single);
+}
+
 // Collective: the weights file `engine` saves (every rank its part) is the file `one` (a
 // one-process engine at the same parameters, on every rank) saves, byte for byte, in both formats.
 inline void expect_weights_of_one_process(OffloadEngine& engine, OffloadEngine& one, const std::string& dir,
@@ -242,17 +259,9 @@ inline void expect_weights_of_one_process(OffloadEngine& engine, OffloadEngine& 
   for (const WeightFormat format : {WeightFormat::kHuggingFace, WeightFormat::kNative}) {
     const std::string tag = format == WeightFormat::kNative ? "native" : "hf";
     const std::string path = dir + "/ranks-" + tag + ".safetensors";
-    const std::string single = dir + "/one-" + tag + "-" + std::to_string(world().rank()) + ".safetensors";
-    Status s = engine.save_weights(path, format);
-    ASSERT_TRUE(s.ok()) << what << " (" << tag << "): " << s.to_string();
-    s = one.save_weights(single, format);
-    ASSERT_TRUE(s.ok()) << what << " (" << tag << ", one process): " << s.to_string();
-    ASSERT_TRUE(world().barrier().wait().ok());
-    const std::string want = file_bytes(single);
-    ASSERT_GT(want.size(), 1000u) << what << " (" << tag << ")";
-    EXPECT_TRUE(file_bytes(path) == want) << what << " (" << tag << "): not one process's file";
-    ASSERT_TRUE(world().barrier().wait().ok());
-    std::filesystem::remove(single);
+    expect_saved_as_one_process(engine, one, path,
+                                dir + "/one-" + tag + "-" + std::to_string(world().rank()) + ".safetensors", format,
+                                what + " (" + tag + ")");
     if (world().rank() == 0) std::filesystem::remove(path);
   }
 }

@@ -90,6 +90,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -436,6 +437,9 @@ struct OffloadEngine::Impl {
   // Tests only (EngineFaults::hide_weights_file): this rank does not see the weights file the
   // first rank created, as a rank on another node without a shared file system. Caller thread.
   bool hide_weights_file = false;
+  // Tests only (EngineFaults::kill_during_save): when non-zero, write_weights_part raises SIGKILL
+  // on this rank once it issued this many range writes into one weights file. Caller thread only.
+  std::uint64_t kill_after_weights_writes = 0;
   CpuAccount worker_cpu;  // the host optimizer thread and its OpenMP team
 
   // Prefetch trace: one code per module access (forward m: m; backward m: M + m).
@@ -2415,8 +2419,10 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     const std::vector<ElementRun> runs =
         shard_runs(p, static_cast<std::int64_t>(a), static_cast<std::int64_t>(b));
     s = encode_weights_part(full, header, static_cast<int>(i), format, config.model.dtype, runs, values, ranges);
-    for (std::size_t r = 0; s.ok() && r < ranges.size(); ++r)
+    for (std::size_t r = 0; s.ok() && r < ranges.size(); ++r) {
       s = part->write_range(ranges[r].tensor, ranges[r].offset, ranges[r].bytes.data(), ranges[r].bytes.size());
+      if (kill_after_weights_writes != 0 && part->writes() >= kill_after_weights_writes) std::raise(SIGKILL);
+    }
   }
   Status closed = part->close();
   weights_writes += part->writes();
@@ -5369,6 +5375,10 @@ void offload_detail::EngineFaults::hide_weights_file(OffloadEngine& engine, bool
 
 void offload_detail::EngineFaults::gather_weights_on_save(OffloadEngine& engine, bool on) {
   engine.impl_->gather_weights_on_save = on;
+}
+
+void offload_detail::EngineFaults::kill_during_save(OffloadEngine& engine, std::uint64_t writes) {
+  engine.impl_->kill_after_weights_writes = writes;
 }
 
 namespace {

@@ -758,6 +758,11 @@ struct EngineFaults {
   // This rank does not see the weights file the first rank creates (a rank on another node
   // without a shared file system): save_weights takes the gather path, or fails with a pipeline.
   static void hide_weights_file(OffloadEngine& engine, bool on);
+  // Tests only: a rank dying in the middle of a parallel save. While `writes` is non-zero, this
+  // rank raises SIGKILL in save_weights (every rank writing its part) right after its `writes`-th
+  // range write into the temporary file: after the header was written (the writer's, before any
+  // rank writes) and some of this rank's ranges were. 0 turns it off. Caller thread, between calls.
+  static void kill_during_save(OffloadEngine& engine, std::uint64_t writes);
 };
 
 }  // namespace strata::offload_detail
