@@ -126,7 +126,7 @@ void kill_mid_save(Split split, int killed) {
   EXPECT_FALSE(st.ok()) << "rank " << R << ": the save without its peer succeeded";
   for (const std::string& part : {"weights '" + path + "' not written",
                                  std::string(split == Split::kStage3 ? "data-parallel" : "tensor-parallel") +
-                                     " ranks: exchanging whether each read its part of the weights",
+                                     " ranks: exchanging whether each could write its part of the weights",
                                  std::string("comm timeout")})
     EXPECT_NE(st.message().find(part), std::string::npos) << "rank " << R << ": " << st.to_string();
   std::printf("rank %d: save 2 failed: %s\n", R, st.to_string().c_str());

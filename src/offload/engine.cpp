@@ -906,11 +906,12 @@ struct OffloadEngine::Impl {
   // `verb` names what failed ("read"; the pipeline checkpoint's stages agree on "write").
   Status agree_on_read(Comm& comm, const Status& mine, const std::string& what, const char* group,
                        const char* verb = "read");
-  // The exchange agree_on_read makes: OK when every rank of `comm` read, else the lowest failing
-  // rank's status as that rank had it (its code and the first bytes of its message), its rank in
-  // `*failing` where given; a failed exchange is returned with context (`*failing` = -1).
+  // The exchange agree_on_read makes: OK when every rank of `comm` succeeded, else the lowest
+  // failing rank's status as that rank had it (its code and the first bytes of its message), its
+  // rank in `*failing` where given; a failed exchange is returned with context naming `verb` and
+  // `what` ("exchanging whether each could write its part of the weights"; `*failing` = -1).
   Status first_failure(Comm& comm, const Status& mine, const std::string& what, const char* group,
-                       int* failing = nullptr);
+                       int* failing = nullptr, const char* verb = "read");
   // A checkpoint file written (SafetensorsWriter::write: temporary name, fsync, rename) and its
   // bytes added to checkpoint_bytes. Caller thread.
   Status write_checkpoint_file(const SafetensorsWriter& w, const std::string& path);
@@ -2287,9 +2288,9 @@ Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path,
       sees = failed_precondition(rank_name() + " does not see '" + tmp +
                                  "', which the first rank created: the ranks do not share a file system at that path");
     }
-    if (tp_size > 1) sees = first_failure(*tp_step, sees, "the weights file", "tensor-parallel");
-    if (dp_size > 1) sees = first_failure(*dp_caller, sees, "the weights file", "data-parallel");
-    if (pp_size > 1) sees = first_failure(*pp_caller, sees, "the weights file", "pipeline");
+    if (tp_size > 1) sees = first_failure(*tp_step, sees, "the weights file", "tensor-parallel", nullptr, "see");
+    if (dp_size > 1) sees = first_failure(*dp_caller, sees, "the weights file", "data-parallel", nullptr, "see");
+    if (pp_size > 1) sees = first_failure(*pp_caller, sees, "the weights file", "pipeline", nullptr, "see");
     if (!sees.ok() && sees.code() == StatusCode::kFailedPrecondition && pp_size == 1) {
       if (writer) SafetensorsPartWriter::discard(path);
       return false;
@@ -2300,9 +2301,9 @@ Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path,
   if (mine.ok() && have_file == 1) mine = write_weights_part(path, format, full, *header);
   // 4. Every rank's outcome agreed; the writer publishes or removes the file.
   Status all = mine;
-  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel");
-  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel");
-  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline");
+  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel", nullptr, "write");
+  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel", nullptr, "write");
+  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline", nullptr, "write");
   Status written;  // the writer's outcome
   if (writer) {
     if (!created.ok()) {
@@ -2887,14 +2888,14 @@ Status OffloadEngine::Impl::write_checkpoint_file(const SafetensorsWriter& w, co
 Status OffloadEngine::Impl::agree_on_read(Comm& comm, const Status& mine, const std::string& what,
                                           const char* group, const char* verb) {
   int failing = -1;
-  Status s = first_failure(comm, mine, what, group, &failing);
+  Status s = first_failure(comm, mine, what, group, &failing, verb);
   if (s.ok() || failing < 0) return s;
   return Status(s.code(), std::string(group) + " rank " + std::to_string(failing) + " of " +
                               std::to_string(comm.size()) + " could not " + verb + " " + what + ": " + s.message());
 }
 
 Status OffloadEngine::Impl::first_failure(Comm& comm, const Status& mine, const std::string& what,
-                                          const char* group, int* failing) {
+                                          const char* group, int* failing, const char* verb) {
   if (failing != nullptr) *failing = -1;
   // Word 0: 1 read, 0 failed; word 1: the status code; then the message's first bytes (NUL-padded).
   std::array<std::uint32_t, kAgreeWords> word{};
@@ -2907,7 +2908,7 @@ Status OffloadEngine::Impl::first_failure(Comm& comm, const Status& mine, const 
   // The words travel as raw f32 bits (an all-gather moves bits, it does not add).
   Status s = comm.all_gather(word.data(), all.data(), kAgreeWords, DType::kF32).wait();
   if (!s.ok()) {
-    return s.with_context(std::string(group) + " ranks: exchanging whether each read " + what);
+    return s.with_context(std::string(group) + " ranks: exchanging whether each could " + verb + " " + what);
   }
   for (int r = 0; r < comm.size(); ++r) {
     const std::uint32_t* theirs = all.data() + static_cast<std::size_t>(r) * kAgreeWords;
