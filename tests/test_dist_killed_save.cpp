@@ -1,6 +1,7 @@
 // A rank killed in the middle of a parallel weights save (docs/checkpoints.md "Who writes the
 // weights file"), on real MPI processes (tests/mpi_run.sh, label `dist`), 2 ranks, GPT-2 tiny:
-// tensor parallel (tp 2), or ZeRO stage 3 data parallel (dp 2, every module sliced). Each rank
+// tensor parallel (tp 2), ZeRO stage 3 data parallel (dp 2, every module sliced), or a pipeline
+// (pp 2, each stage its modules). Each rank
 // saves a first weights file, trains a step, then one rank SIGKILLs itself inside the second save of the same path, right after its third range write
 // into `<path>.tmp` (EngineFaults::kill_during_save: the header is written, some of that rank's
 // ranges are, not all). mpirun is told not to end the job when a rank dies, so the survivor waits
@@ -13,6 +14,8 @@
 //                                         its bytes;
 //   dist.offload_killed_save_stage3.np2   the same with ZeRO stage 3, data-parallel rank 1 killed
 //                                         part-way through its slices;
+//   dist.offload_killed_save_pipeline.np2 the same with a pipeline, stage 1 killed part-way
+//                                         through its modules;
 //   dist.offload_killed_save_writer.np2   the writer (rank 0) is killed: `<path>.tmp` is left,
 //                                         full length, the previous file keeps its bytes;
 //   dist.offload_save_after_kill.np2      (needs the job above: ctest fixture) fresh ranks resume
@@ -46,12 +49,19 @@ using testing::world;
 // Range writes the killed rank issues into the temporary file before it dies.
 constexpr std::uint64_t kWritesBeforeKill = 3;
 
-TrainerConfig config() { return testing::tiny(ModelKind::kGpt2, DType::kF32, 1, 1.0); }
-
 // How the two ranks split the model: tensor parallel (each its shard of every parameter, the
-// replicated ones tp rank 0), or ZeRO stage 3 data parallel (each its slice of every module's
-// parameters, every module sliced).
-enum class Split { kTensor, kStage3 };
+// replicated ones tp rank 0), ZeRO stage 3 data parallel (each its slice of every module's
+// parameters, every module sliced), or a pipeline (each stage its modules; 2 micro-batches).
+enum class Split { kTensor, kStage3, kPipeline };
+
+TrainerConfig config(Split split = Split::kTensor) {
+  return testing::tiny(ModelKind::kGpt2, DType::kF32, split == Split::kPipeline ? 2 : 1, 1.0);
+}
+
+// The group the save's agreement runs over, as its errors name it.
+const char* group_of(Split split) {
+  return split == Split::kStage3 ? "data-parallel" : split == Split::kPipeline ? "pipeline" : "tensor-parallel";
+}
 
 OffloadSettings settings(Split split) {
   OffloadSettings s;
@@ -66,7 +76,8 @@ OffloadSettings settings(Split split) {
 std::unique_ptr<OffloadEngine> engine_of(Split split, Device& device) {
   Comm* dp = split == Split::kStage3 ? &world() : nullptr;
   Comm* tp = split == Split::kTensor ? &world() : nullptr;
-  auto engine = OffloadEngine::create(config(), settings(split), device, nullptr, dp, tp);
+  Comm* pp = split == Split::kPipeline ? &world() : nullptr;
+  auto engine = OffloadEngine::create(config(split), settings(split), device, nullptr, dp, tp, pp);
   EXPECT_TRUE(engine.ok()) << engine.status().to_string();
   return engine.ok() ? std::move(*engine) : nullptr;
 }
@@ -108,7 +119,7 @@ void kill_mid_save(Split split, int killed) {
   const std::string dir = save_dir(/*fresh=*/true);
   const std::string path = dir + "/weights.safetensors", tmp = path + ".tmp";
   Snapshot got;
-  ASSERT_TRUE(testing::run_steps(e, config(), 0, 1, got));
+  ASSERT_TRUE(testing::run_steps(e, config(split), 0, 1, got));
   const std::uint64_t before = e.stats().weights_file_writes;
   STRATA_ASSERT_OK(e.save_weights(path));
   const std::uint64_t writes = e.stats().weights_file_writes - before;
@@ -117,7 +128,7 @@ void kill_mid_save(Split split, int killed) {
   ASSERT_TRUE(world().barrier().wait().ok());
   const std::string first = file_bytes(path);
   ASSERT_GT(first.size(), 1000u);
-  ASSERT_TRUE(testing::run_steps(e, config(), 1, 2, got));
+  ASSERT_TRUE(testing::run_steps(e, config(split), 1, 2, got));
   ASSERT_TRUE(e.synchronize().ok());
   ASSERT_TRUE(world().barrier().wait().ok());
   if (R == killed) offload_detail::EngineFaults::kill_during_save(e, kWritesBeforeKill);
@@ -125,7 +136,7 @@ void kill_mid_save(Split split, int killed) {
   ASSERT_EQ(R, survivor) << "the killed rank returned from save_weights: " << st.to_string();
   EXPECT_FALSE(st.ok()) << "rank " << R << ": the save without its peer succeeded";
   for (const std::string& part : {"weights '" + path + "' not written",
-                                 std::string(split == Split::kStage3 ? "data-parallel" : "tensor-parallel") +
+                                 std::string(group_of(split)) +
                                      " ranks: exchanging whether each could write its part of the weights",
                                  std::string("comm timeout")})
     EXPECT_NE(st.message().find(part), std::string::npos) << "rank " << R << ": " << st.to_string();
@@ -155,6 +166,9 @@ TEST(DistOffloadKilledSave, DISABLED_KilledWriterLeavesOnlyTheTemporaryFile) { k
 
 // ZeRO stage 3, dp 2: data-parallel rank 1 dies part-way through writing its slices.
 TEST(DistOffloadKilledSave, DISABLED_KilledStage3RankLeavesThePreviousFile) { kill_mid_save(Split::kStage3, 1); }
+
+// A pipeline, pp 2: stage 1 dies part-way through writing its modules.
+TEST(DistOffloadKilledSave, DISABLED_KilledPipelineStageLeavesThePreviousFile) { kill_mid_save(Split::kPipeline, 1); }
 
 // After dist.offload_killed_save_writer.np2 (its directory, with the previous file and the
 // leftover `<path>.tmp`): fresh tp 2 ranks and a one-process engine load the previous file
