@@ -207,7 +207,7 @@ inline void expect_parallel_weights_are_gathered(OffloadEngine& engine, const st
 }
 
 // Collective: with the last rank not seeing the file the first rank creates (as on another node
-// without a shared file system: EngineFaults::hide_shared_files), save_weights still succeeds by
+// without a shared file system: EngineFaults::hide_weights_file), save_weights still succeeds by
 // the gather path: no rank writes in parts, no temporary file is left, and the file is the
 // gather path's byte for byte.
 inline void expect_unseen_file_takes_the_gather_path(OffloadEngine& engine, const std::string& dir,
@@ -215,9 +215,9 @@ inline void expect_unseen_file_takes_the_gather_path(OffloadEngine& engine, cons
   const std::string hidden = dir + "/unseen.safetensors", gathered = dir + "/gathered.safetensors";
   const std::uint64_t before = engine.stats().weights_file_writes;
   const bool hides = world().rank() == world().size() - 1;
-  if (hides) offload_detail::EngineFaults::hide_shared_files(engine, true);
+  if (hides) offload_detail::EngineFaults::hide_weights_file(engine, true);
   Status s = engine.save_weights(hidden);
-  if (hides) offload_detail::EngineFaults::hide_shared_files(engine, false);
+  if (hides) offload_detail::EngineFaults::hide_weights_file(engine, false);
   ASSERT_TRUE(s.ok()) << what << ", a rank not seeing the file: " << s.to_string();
   EXPECT_EQ(engine.stats().weights_file_writes, before) << what << ": rank " << world().rank() << " wrote in parts";
   offload_detail::EngineFaults::gather_weights_on_save(engine, true);

@@ -28,7 +28,6 @@
 #include "nvme/faults.hpp"
 #include "offload/internal.hpp"
 #include "offload_fixture.hpp"
-#include "strata/checkpoint.hpp"
 #include "strata/parallel.hpp"
 
 namespace strata {
@@ -860,106 +859,6 @@ TEST(DataParallel, CheckpointResumesBitwiseStage2DeviceOptimizer) {
 // gathers the slices, the load keeps this rank's slice, one process loads the whole model.
 TEST(DataParallel, CheckpointResumesBitwiseStage3DeviceParams) {
   check_checkpoint(3, Tier::kDevice, Tier::kDevice);
-}
-
-// A data-parallel checkpoint's module files are written by the ranks in turn (module u by dp rank
-// u % dp, docs/checkpoints.md "Who writes a checkpoint"): every rank writes some, and the files
-// equal, byte for byte, those of a save where the last rank does not see rank 0's directory (as
-// on another node without a shared file system: EngineFaults::hide_shared_files), in which rank 0
-// writes every file and the others none. Stages 1 (state sharded on the host) and 3 (parameters
-// sliced too), GPT-2 bf16, on 2 and 3 ranks.
-TEST(DataParallel, CheckpointFilesAreWrittenByEveryRank) {
-  const int P = world().size();
-  for (const int stage : {1, 3}) {
-    const std::string what = "stage " + std::to_string(stage) + ", dp " + std::to_string(P);
-    const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kBF16, P, 1.0);
-    OffloadSettings s;
-    s.zero_stage = stage;
-    s.params = Tier::kHost;
-    s.optimizer = Tier::kHost;
-    s.persistence_threshold = 0;
-    auto device = testing::make_device();
-    auto engine = OffloadEngine::create(local_of(global), s, *device, nullptr, &world());
-    ASSERT_TRUE(engine.ok()) << what << ": " << engine.status().to_string();
-    Snapshot out;
-    ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out)) << what;
-    const std::string root = shared_temp_dir("dp-ckpt-split");
-    const std::uint64_t b0 = (*engine)->stats().bytes_checkpoint_written;
-    auto split = (*engine)->save_checkpoint(root + "/split");
-    ASSERT_TRUE(split.ok()) << what << ": " << split.status().to_string();
-    const std::uint64_t b1 = (*engine)->stats().bytes_checkpoint_written;
-    EXPECT_GT(b1, b0) << what << ": rank " << world().rank() << " wrote no file";
-    const bool hides = world().rank() == P - 1;
-    if (hides) offload_detail::EngineFaults::hide_shared_files(**engine, true);
-    auto alone = (*engine)->save_checkpoint(root + "/alone");
-    if (hides) offload_detail::EngineFaults::hide_shared_files(**engine, false);
-    ASSERT_TRUE(alone.ok()) << what << ", a rank not seeing the directory: " << alone.status().to_string();
-    if (world().rank() != 0) {
-      EXPECT_EQ((*engine)->stats().bytes_checkpoint_written, b1) << what << ": rank " << world().rank() << " wrote";
-    }
-    ASSERT_TRUE(world().barrier().wait().ok());
-    if (world().rank() == 0) {
-      auto a = read_checkpoint_manifest(*split), b = read_checkpoint_manifest(*alone);
-      ASSERT_TRUE(a.ok() && b.ok()) << what;
-      ASSERT_EQ(a->files.size(), b->files.size()) << what;
-      ASSERT_GE(a->files.size(), static_cast<std::size_t>(P)) << what << ": fewer modules than ranks";
-      for (std::size_t i = 0; i < a->files.size(); ++i) {
-        EXPECT_EQ(a->files[i].name, b->files[i].name) << what;
-        EXPECT_TRUE(testing::file_bytes(*split + "/" + a->files[i].name) ==
-                    testing::file_bytes(*alone + "/" + b->files[i].name))
-            << what << ": " << a->files[i].name;
-      }
-      std::filesystem::remove_all(root);
-    }
-    ASSERT_TRUE(world().barrier().wait().ok());
-  }
-}
-
-// The last rank unable to write its module file (an injected EIO): every rank returns the same
-// error naming that rank and the file; nothing is published (`latest` still names the previous
-// checkpoint, no temporary directory is left); with the fault gone the same engine saves.
-TEST(DataParallel, CheckpointFailsCleanlyWhenARankCannotWriteItsFile) {
-  const int P = world().size(), failing = P - 1;
-  const TrainerConfig global = testing::tiny(ModelKind::kGpt2, DType::kF32, P, 1.0);
-  OffloadSettings s;
-  s.zero_stage = 2;
-  s.optimizer = Tier::kHost;
-  nvme_detail::IoFaults faults;
-  auto device = testing::make_device();
-  auto engine = offload_detail::EngineFaults::create(local_of(global), s, *device, &faults, nullptr, &world());
-  ASSERT_TRUE(engine.ok()) << engine.status().to_string();
-  Snapshot out;
-  ASSERT_TRUE(run_dp_steps(**engine, global, 0, 1, out));
-  const std::string root = shared_temp_dir("dp-ckpt-fault");
-  auto first = (*engine)->save_checkpoint(root);
-  ASSERT_TRUE(first.ok()) << first.status().to_string();
-  ASSERT_TRUE(run_dp_steps(**engine, global, 1, 2, out));
-  // Module P - 1 is the failing rank's (u % P); every module of the tiny GPT-2 holds parameters.
-  char name[40];
-  std::snprintf(name, sizeof name, "module-%04d.safetensors", failing);
-  if (world().rank() == failing) faults.add_error({IoOp::kWrite, name, 0, EIO});
-  auto failed = (*engine)->save_checkpoint(root);
-  ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
-  const std::string named = "data-parallel rank " + std::to_string(failing) + " of " + std::to_string(P) +
-                            " could not write its part of the checkpoint";
-  for (const std::string& part : {named, std::string(name), std::string("Input/output error")})
-    EXPECT_NE(failed.status().message().find(part), std::string::npos) << failed.status().to_string();
-  testing::expect_same_text_on_every_rank(failed.status().message(), "save_checkpoint");
-  faults.clear_errors();
-  ASSERT_TRUE(world().barrier().wait().ok());
-  if (world().rank() == 0) {
-    auto latest = resolve_checkpoint(root);
-    ASSERT_TRUE(latest.ok()) << latest.status().to_string();
-    EXPECT_EQ(*latest, *first) << "a failed save moved latest";
-    for (const auto& e : std::filesystem::directory_iterator(root))
-      EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
-  }
-  ASSERT_TRUE(world().barrier().wait().ok());
-  auto again = (*engine)->save_checkpoint(root);
-  ASSERT_TRUE(again.ok()) << again.status().to_string();
-  ASSERT_TRUE(world().barrier().wait().ok());
-  if (world().rank() == 0) std::filesystem::remove_all(root);
-  ASSERT_TRUE(world().barrier().wait().ok());
 }
 
 // Saved weights are the same file whichever stage trained them (stage 3 gathers the slices).

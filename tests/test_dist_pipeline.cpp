@@ -541,7 +541,7 @@ TEST(PipelineEngine, WeightsFailCleanlyWhenAStageCannotReadItsParameters) {
 // only.
 // A pipeline's stages must share a file system at the weights path (each writes its modules into
 // the one file): a stage that does not see the file the first stage created (as on another node
-// without a shared file system: EngineFaults::hide_shared_files) fails the save on every rank with
+// without a shared file system: EngineFaults::hide_weights_file) fails the save on every rank with
 // an error naming the stage and the file; nothing is written, the previous file keeps its bytes,
 // and with the file seen again the same engines save it again.
 TEST(PipelineEngine, WeightsFailWhenAStageDoesNotSeeTheFile) {
@@ -559,9 +559,9 @@ TEST(PipelineEngine, WeightsFailWhenAStageDoesNotSeeTheFile) {
   ASSERT_TRUE(world().barrier().wait().ok());
   const std::string before = file_bytes(weights);
   const int last = world().size() - 1;
-  if (world().rank() == last) offload_detail::EngineFaults::hide_shared_files(**engine, true);
+  if (world().rank() == last) offload_detail::EngineFaults::hide_weights_file(**engine, true);
   Status failed = (*engine)->save_weights(weights);
-  if (world().rank() == last) offload_detail::EngineFaults::hide_shared_files(**engine, false);
+  if (world().rank() == last) offload_detail::EngineFaults::hide_weights_file(**engine, false);
   ASSERT_FALSE(failed.ok()) << "rank " << world().rank();
   EXPECT_EQ(failed.code(), StatusCode::kFailedPrecondition) << failed.to_string();
   for (const std::string& part : {"pipeline stage " + std::to_string(last) + " does not see", weights + ".tmp",

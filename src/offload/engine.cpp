@@ -434,10 +434,9 @@ struct OffloadEngine::Impl {
   // Tests only (EngineFaults::gather_weights_on_save): save_weights without a pipeline takes the
   // gather path. Caller thread only.
   bool gather_weights_on_save = false;
-  // Tests only (EngineFaults::hide_shared_files): this rank does not see the weights file or the
-  // checkpoint directory the first rank created, as a rank on another node without a shared file
-  // system. Caller thread.
-  bool hide_shared_files = false;
+  // Tests only (EngineFaults::hide_weights_file): this rank does not see the weights file the
+  // first rank created, as a rank on another node without a shared file system. Caller thread.
+  bool hide_weights_file = false;
   // Tests only (EngineFaults::kill_during_save): when non-zero, write_weights_part raises SIGKILL
   // on this rank once it issued this many range writes into one weights file. Caller thread only.
   std::uint64_t kill_after_weights_writes = 0;
@@ -2285,7 +2284,7 @@ Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path,
   if (mine.ok() && have_file == 1) {
     const std::string tmp = SafetensorsPartWriter::temp_path(path);
     Status sees;
-    if (hide_shared_files || !std::filesystem::exists(tmp)) {
+    if (hide_weights_file || !std::filesystem::exists(tmp)) {
       sees = failed_precondition(rank_name() + " does not see '" + tmp +
                                  "', which the first rank created: the ranks do not share a file system at that path");
     }
@@ -2879,10 +2878,6 @@ Status OffloadEngine::Impl::early_gather_unit_params(int u, bool mine, char* wor
 }
 
 Status OffloadEngine::Impl::write_checkpoint_file(const SafetensorsWriter& w, const std::string& path) {
-  if (io_faults != nullptr) {  // tests: a file that cannot be written (nothing is left under its name)
-    if (const int err = io_faults->error_for(IoOp::kWrite, path, 0, 1); err != 0)
-      return io_error("writing '" + path + "': " + std::strerror(err));
-  }
   STRATA_RETURN_IF_ERROR(w.write(path));
   std::error_code ec;
   const auto bytes = std::filesystem::file_size(path, ec);
@@ -5375,8 +5370,8 @@ void offload_detail::EngineFaults::fail_caller_at(OffloadEngine& engine, int mod
   engine.impl_->injected_caller_error = std::move(fault);
 }
 
-void offload_detail::EngineFaults::hide_shared_files(OffloadEngine& engine, bool on) {
-  engine.impl_->hide_shared_files = on;
+void offload_detail::EngineFaults::hide_weights_file(OffloadEngine& engine, bool on) {
+  engine.impl_->hide_weights_file = on;
 }
 
 void offload_detail::EngineFaults::gather_weights_on_save(OffloadEngine& engine, bool on) {
@@ -6247,118 +6242,65 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   const std::uint64_t wsize = dtype_size(t.wdtype);
   if (t.pp_size > 1) return t.save_checkpoint_pp(root, manifest, keep);
   if (t.tp_size > 1) return t.save_checkpoint_tp(root, manifest, keep);
-  // Data parallel (docs/checkpoints.md "Who writes a checkpoint"): every rank walks every unit in
-  // order, reading its state (collective where sharded: the state is all-gathered, so every rank
-  // then holds the unit whole), and module u's file is written by dp rank u % dp into rank 0's
-  // temporary directory (publish_checkpoint). Rank 0 shares the directory's path; every rank
-  // checks that it sees it, and where one does not (no file system shared at the root) rank 0
-  // writes every file, as one process does. The ranks then agree that every file is durable (each
-  // was fsync'd and renamed into place by its writer), or on the lowest failing rank's error;
-  // only then does rank 0 checksum the files from disk and write the manifest, last, and move
-  // `latest`. Every rank takes part in every collective even after a failure.
+  // Data parallel: rank 0 writes the checkpoint; sharded state is gathered unit by unit (every
+  // rank takes part, in unit order, even after rank 0 failed to write), then rank 0 broadcasts
+  // the outcome and the published directory.
+  int gathered_through = 0;  // units whose state every rank has gathered
   std::vector<char> pbytes;
   std::vector<float> blob;
-  const bool collective_reads = t.sharded || t.dev_sharded;
-  // This rank's units (all of them where `everything`, on rank 0) into `dir` (empty: the save
-  // already failed, only the collective reads run); rank 0 also writes the loss scaler's file.
-  // Returns this rank's first failure.
-  auto write_units = [&](const std::string& dir, bool everything) -> Status {
-    Status first;
-    for (int u = 0; u < t.M; ++u) {
-      const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
-      if (mine.empty()) continue;
-      const bool writes = everything ? t.dp_rank == 0 : u % t.dp_size == t.dp_rank;
-      if (!writes && !collective_reads) continue;
-      // Read or not, every rank has been through the unit's collectives: a failed sharded read is
-      // exchanged (agree_on_read) and fails the unit on every rank.
-      Status read = t.read_unit_state(u, pbytes, blob);
-      if (!writes) continue;
-      if (!read.ok()) {
-        if (first.ok()) first = read;
-        continue;
+  auto gather_rest = [&]() {  // the collective part of read_unit_state, for the units not yet read
+    for (; gathered_through < t.M; ++gathered_through) {
+      if ((t.sharded || t.dev_sharded) &&
+          !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
+        (void)t.read_unit_state(gathered_through, pbytes, blob);
       }
-      if (dir.empty() || !first.ok()) continue;
+    }
+  };
+  Result<std::string> published = std::string();
+  if (t.dp_rank == 0) {
+    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
+      for (int u = 0; u < t.M; ++u) {
+        gathered_through = u;
+        const auto& mine = t.owned_of_unit[static_cast<std::size_t>(u)];
+        if (mine.empty()) continue;
+        Status read = t.read_unit_state(u, pbytes, blob);
+        // Read or not, every rank has been through the unit's collectives: a failed read is
+        // exchanged (agree_on_read) and fails the unit on every rank.
+        gathered_through = u + 1;
+        STRATA_RETURN_IF_ERROR(read);
       const std::size_t n = t.units.gbytes[static_cast<std::size_t>(u)] / 4;
       SafetensorsWriter w;
       for (int k : mine) {
         const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
         const ParamDesc& p = L.params[static_cast<std::size_t>(o.index)];
         const float* master = blob.data() + o.grad_in_unit / 4;
-        Status added = w.add("param/" + p.name, working, p.shape, pbytes.data() + o.param_in_unit, o.n * wsize);
-        if (added.ok()) added = w.add("master/" + p.name, "F32", p.shape, master, o.n * 4);
-        if (added.ok()) added = w.add("exp_avg/" + p.name, "F32", p.shape, master + n, o.n * 4);
-        if (added.ok()) added = w.add("exp_avg_sq/" + p.name, "F32", p.shape, master + 2 * n, o.n * 4);
-        if (!added.ok() && first.ok()) first = added;
+        STRATA_RETURN_IF_ERROR(w.add("param/" + p.name, working, p.shape, pbytes.data() + o.param_in_unit, o.n * wsize));
+        STRATA_RETURN_IF_ERROR(w.add("master/" + p.name, "F32", p.shape, master, o.n * 4));
+        STRATA_RETURN_IF_ERROR(w.add("exp_avg/" + p.name, "F32", p.shape, master + n, o.n * 4));
+        STRATA_RETURN_IF_ERROR(w.add("exp_avg_sq/" + p.name, "F32", p.shape, master + 2 * n, o.n * 4));
       }
       w.set_metadata("module", L.modules[static_cast<std::size_t>(u)].name);
-      if (first.ok()) first = t.write_checkpoint_file(w, dir + "/" + module_file(u));
+      const std::string name = module_file(u);
+      STRATA_RETURN_IF_ERROR(t.write_checkpoint_file(w, dir + "/" + name));
+      names->push_back(name);
     }
-    if (t.dp_rank == 0 && t.scaler && first.ok() && !dir.empty()) {
+    gathered_through = t.M;
+    if (t.scaler) {
       const std::array<double, kScalerFields> fields = scaler_fields(t.scaler->state());
       SafetensorsWriter w;
-      first = w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields);
-      if (first.ok()) first = t.write_checkpoint_file(w, dir + "/" + kScalerFile);
+      STRATA_RETURN_IF_ERROR(w.add(kScalerTensor, "F64", {kScalerFields}, fields.data(), sizeof fields));
+      STRATA_RETURN_IF_ERROR(t.write_checkpoint_file(w, dir + "/" + kScalerFile));
+      names->push_back(kScalerFile);
     }
-    return first;
-  };
-  // The files one process lists, in its order: modules, then the scaler.
-  auto list_files = [&](std::vector<std::string>* names) {
-    for (int u = 0; u < t.M; ++u) {
-      if (!t.owned_of_unit[static_cast<std::size_t>(u)].empty()) names->push_back(module_file(u));
-    }
-    if (t.scaler) names->push_back(kScalerFile);
-  };
-  if (t.dp_size == 1) {
-    return publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
-      STRATA_RETURN_IF_ERROR(write_units(dir, /*everything=*/true));
-      list_files(names);
-      return ok_status();
+    return ok_status();
     });
   }
-  constexpr std::size_t kWords = 1 + 256;
-  // Every rank: rank 0's temporary directory (`dir` on rank 0; empty: none, the save failed before
-  // its files), whether every rank sees it, this rank's files, and the agreed outcome.
-  auto write_part = [&](const std::string& dir) -> Status {
-    std::array<std::uint32_t, kWords> word{};
-    if (t.dp_rank == 0 && !dir.empty() && dir.size() < 4 * (kWords - 1)) {
-      word[0] = 1;
-      std::memcpy(word.data() + 1, dir.data(), dir.size());
-    }
-    Status shared = t.dp_wait(t.dp_tracks[0], t.dp_caller->broadcast(word.data(), kWords, DType::kF32, 0),
-                              "checkpoint: sharing the temporary directory", -1, 4 * kWords);
-    std::string got = shared.ok() && word[0] == 1 ? std::string(reinterpret_cast<const char*>(word.data() + 1)) : "";
-    bool split = !got.empty();
-    if (split) {
-      Status sees;
-      if (t.hide_shared_files || !std::filesystem::is_directory(got)) {
-        sees = failed_precondition(t.rank_name() + " does not see '" + got +
-                                   "', which rank 0 created: the ranks do not share a file system at that path");
-      }
-      sees = t.first_failure(*t.dp_caller, sees, "the checkpoint's temporary directory", "data-parallel", nullptr, "see");
-      split = sees.ok();
-      if (!sees.ok() && sees.code() != StatusCode::kFailedPrecondition) shared = sees;  // the exchange failed
-      if (!split && t.dp_rank != 0) got.clear();  // rank 0 writes everything
-    }
-    Status mine = shared.ok() ? write_units(got, /*everything=*/!split) : shared;
-    return t.agree_on_read(*t.dp_caller, mine, "its part of the checkpoint", "data-parallel", "write");
-  };
-  Result<std::string> published = std::string();
-  if (t.dp_rank == 0) {
-    bool shared = false;
-    published = publish_checkpoint(root, manifest, keep, [&](const std::string& dir, std::vector<std::string>* names) {
-      shared = true;
-      STRATA_RETURN_IF_ERROR(write_part(dir));
-      list_files(names);
-      return ok_status();
-    });
-    if (!shared) (void)write_part(std::string());  // publishing failed before the files: still meet the peers
-  } else {
-    (void)write_part(std::string());  // the agreed outcome reaches this rank from rank 0 below
-  }
-
+  if (t.dp_size == 1) return published;
+  gather_rest();
   // The outcome, as 4-byte words from rank 0: 1 and the directory, or 0, the status code and the
   // first bytes of rank 0's error (so every rank returns the same error, e.g. the rank that could
   // not read its slice).
+  constexpr std::size_t kWords = 1 + 256;
   std::array<std::uint32_t, kWords> word{};
   if (t.dp_rank == 0 && published.ok() && published->size() < 4 * (kWords - 1)) {
     word[0] = 1;

@@ -755,10 +755,9 @@ struct EngineFaults {
   // earlier path (the first rank gathers every parameter and writes alone), the reference that
   // every rank writing its part must equal byte for byte. Caller thread, between calls.
   static void gather_weights_on_save(OffloadEngine& engine, bool on);
-  // This rank does not see the weights file or the checkpoint directory the first rank creates (a
-  // rank on another node without a shared file system): save_weights takes the gather path (or
-  // fails with a pipeline), a data-parallel save_checkpoint has rank 0 write every file.
-  static void hide_shared_files(OffloadEngine& engine, bool on);
+  // This rank does not see the weights file the first rank creates (a rank on another node
+  // without a shared file system): save_weights takes the gather path, or fails with a pipeline.
+  static void hide_weights_file(OffloadEngine& engine, bool on);
   // Tests only: a rank dying in the middle of a parallel save. While `writes` is non-zero, this
   // rank raises SIGKILL in save_weights (every rank writing its part) right after its `writes`-th
   // range write into the temporary file: after the header was written (the writer's, before any
