@@ -987,6 +987,9 @@ struct OffloadEngine::Impl {
   // True once written; false when not every rank sees the file the first rank created (no file
   // system shared at the path) and there is no pipeline: the caller takes the gather path.
   Result<bool> save_weights_parallel(const std::string& path, WeightFormat format);
+  // first_failure over the tensor-, then the data-parallel, then the pipeline group (those this
+  // rank has): every rank of the grid ends with the same lowest failing rank's status.
+  Status agree_everywhere(const Status& mine, const std::string& what, const char* verb);
   // Step 2 of it: this rank's elements of the parameters it writes, encoded and pwritten into
   // the temporary file, fsync'd. Errors start with rank_name().
   Status write_weights_part(const std::string& path, WeightFormat format, const ModelLayout& full,
@@ -2254,15 +2257,17 @@ Status OffloadEngine::Impl::forward_stage() {
 // each of its elements goes without hearing from anyone:
 //   1. the writer (tp 0, dp 0, stage 0) creates "<path>.tmp" with the header at its final size and
 //      broadcasts whether it could (broadcast_from_writer);
-//   2. every rank writes what it holds (write_weights_part): its tensor-parallel shard of each
-//      parameter its stage holds (replicated ones: tp rank 0 only), the whole shard on dp rank 0
-//      or, where stage 3 slices the unit, each dp rank its slice; no collective, nothing gathered;
-//      then fsyncs;
-//   3. the outcomes are agreed (first_failure over the tp, then the dp, then the pp groups: every
-//      rank learns the same lowest failing rank's error, which names it); the writer renames the
-//      file into place only when every rank's part is durable, else removes it, so the final name
-//      never holds a partial file and a previous file there keeps its bytes;
-//   4. the outcome (success, or the writer's error: the code and the first bytes of its message)
+//   2. every rank checks that it sees the file, agreed (agree_everywhere); where one does not, the
+//      writer removes it and, without a pipeline, every rank returns false (the gather path);
+//   3. every rank writes what it holds (write_weights_part): its tensor-parallel shard of each
+//      parameter its stage holds (replicated ones: tp rank 0 only), a contiguous 1/dp of it on
+//      each dp rank or, where stage 3 slices the unit, each dp rank its slice; no collective,
+//      nothing gathered; then fsyncs;
+//   4. the outcomes are agreed (agree_everywhere: every rank learns the same lowest failing rank's
+//      error, which names it); the writer renames the file into place only when every rank's part
+//      is durable, else removes it, so the final name never holds a partial file and a previous
+//      file there keeps its bytes;
+//   5. the outcome (success, or the writer's error: the code and the first bytes of its message)
 //      is broadcast from the writer: every rank returns the same success or the same error.
 Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path, WeightFormat format) {
   STRATA_ASSIGN_OR_RETURN(ModelLayout full, describe_model(config.model));
@@ -2288,9 +2293,7 @@ Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path,
       sees = failed_precondition(rank_name() + " does not see '" + tmp +
                                  "', which the first rank created: the ranks do not share a file system at that path");
     }
-    if (tp_size > 1) sees = first_failure(*tp_step, sees, "the weights file", "tensor-parallel", nullptr, "see");
-    if (dp_size > 1) sees = first_failure(*dp_caller, sees, "the weights file", "data-parallel", nullptr, "see");
-    if (pp_size > 1) sees = first_failure(*pp_caller, sees, "the weights file", "pipeline", nullptr, "see");
+    sees = agree_everywhere(sees, "the weights file", "see");
     if (!sees.ok() && sees.code() == StatusCode::kFailedPrecondition && pp_size == 1) {
       if (writer) SafetensorsPartWriter::discard(path);
       return false;
@@ -2300,10 +2303,7 @@ Result<bool> OffloadEngine::Impl::save_weights_parallel(const std::string& path,
   // 3. This rank's part.
   if (mine.ok() && have_file == 1) mine = write_weights_part(path, format, full, *header);
   // 4. Every rank's outcome agreed; the writer publishes or removes the file.
-  Status all = mine;
-  if (tp_size > 1) all = first_failure(*tp_step, all, "its part of the weights", "tensor-parallel", nullptr, "write");
-  if (dp_size > 1) all = first_failure(*dp_caller, all, "its part of the weights", "data-parallel", nullptr, "write");
-  if (pp_size > 1) all = first_failure(*pp_caller, all, "its part of the weights", "pipeline", nullptr, "write");
+  const Status all = agree_everywhere(mine, "its part of the weights", "write");
   Status written;  // the writer's outcome
   if (writer) {
     if (!created.ok()) {
@@ -2383,11 +2383,14 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     const std::size_t uu = static_cast<std::size_t>(o.unit);
     const bool sliced = !psharded.empty() && psharded[uu];
-    // This rank's elements [a, b) of the shard: a replica's contiguous 1/dp of them, or (stage 3)
-    // those its slice of the unit holds.
-    std::uint64_t a = o.n * static_cast<std::uint64_t>(dp_rank) / static_cast<std::uint64_t>(dp_size);
-    std::uint64_t b = o.n * static_cast<std::uint64_t>(dp_rank + 1) / static_cast<std::uint64_t>(dp_size);
-    if (!sliced && a == b) continue;
+    // This rank's elements [a, b) of the shard: of a replica, its contiguous 1/dp; under stage 3,
+    // those its slice of the unit holds (below, once the slice is read).
+    std::uint64_t a = 0, b = o.n;
+    if (!sliced) {
+      a = o.n * static_cast<std::uint64_t>(dp_rank) / static_cast<std::uint64_t>(dp_size);
+      b = o.n * static_cast<std::uint64_t>(dp_rank + 1) / static_cast<std::uint64_t>(dp_size);
+      if (a == b) continue;
+    }
     if (o.unit != unit) {
       unit = o.unit;
       Status read;
@@ -2429,6 +2432,14 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
   weights_writes += part->writes();
   if (s.ok()) s = closed;
   return s.ok() ? s : cannot_write(s);
+}
+
+Status OffloadEngine::Impl::agree_everywhere(const Status& mine, const std::string& what, const char* verb) {
+  Status all = mine;
+  if (tp_size > 1) all = first_failure(*tp_step, all, what, "tensor-parallel", nullptr, verb);
+  if (dp_size > 1) all = first_failure(*dp_caller, all, what, "data-parallel", nullptr, verb);
+  if (pp_size > 1) all = first_failure(*pp_caller, all, what, "pipeline", nullptr, verb);
+  return all;
 }
 
 Status OffloadEngine::Impl::broadcast_from_writer(std::uint32_t* words, std::size_t n, const char* what) {
