@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "comm_environment.hpp"
 #include "parallel/mpi_comm.hpp"
@@ -431,86 +433,92 @@ TEST(Comm, BroadcastEqualsTheMpiLibrarysBcastBitForBit) {
   MPI_Comm_free(&ref);
 }
 
-// A submit right after other operations does not wake the queue thread, which dozes then
-// (CommQueue::kDoze): an operation that nobody waits for must still start, within the doze.
-// Rank 0's side of the two tests below: a send of `round` to rank 1 that nobody waits for, then
-// rank 1's acknowledgment, awaited outside the Comm (on MPI directly): only the queue thread can
-// start that send, so without it no acknowledgment comes (a generous liveness bound, not a
-// timing).
-void send_unwaited_and_expect_ack(Comm& c, MPI_Comm ref, int round, const std::string& at) {
-  float out = static_cast<float>(round);
-  CommWork s = c.send(&out, 1, DType::kF32, 1);
-  int ack = -1;
-  MPI_Request req;
-  ASSERT_EQ(MPI_Irecv(&ack, 1, MPI_INT, 1, 0, ref, &req), MPI_SUCCESS);
-  int flag = 0;
+// Operations nobody waits for must still start and complete. A submit right after other
+// operations does not wake the queue thread, which dozes then (CommQueue::kDoze, tick_): it
+// starts a queued collective within its tick; a send or recv is posted by its submitter at once
+// (submit_async) and the thread polls it once it has been left unclaimed for a tick. Rank 0
+// watches its handle with test() alone, which makes no MPI call, so nothing but the queue thread
+// can move the operation on (a generous liveness bound, not a timing).
+void expect_completes_unwaited(const CommWork& work, const std::string& at) {
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!flag && std::chrono::steady_clock::now() < give_up) {
-    MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-    if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  if (!flag) {
-    ADD_FAILURE() << at << ": the send nobody waited for did not start within 20 s";
+  while (!work.test() && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  if (!work.test()) {
+    ADD_FAILURE() << at << ": an operation nobody waited for did not complete within 20 s";
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
-  EXPECT_EQ(ack, round) << at;
-  ASSERT_TRUE(s.wait().ok()) << at;
+  ASSERT_TRUE(work.wait().ok()) << at;
 }
 
-// Rank 1's side: receives that send and acknowledges it on `ref`.
-void receive_and_ack(Comm& c, MPI_Comm ref, const std::string& at) {
-  float in = -1.0f;
-  ASSERT_TRUE(c.recv(&in, 1, DType::kF32, 0).wait().ok()) << at;
-  int ack = static_cast<int>(in);
-  ASSERT_EQ(MPI_Send(&ack, 1, MPI_INT, 0, 0, ref), MPI_SUCCESS);
-}
-
-// Rank 0 submits a send to rank 1 right after a collective and does not wait for it (above): if
-// the doze missed it, no acknowledgment would come.
+// Rank 0 submits a collective right after another and does not wait for it: the queue thread
+// must run it. Then a 1 MiB send and a 1 MiB recv (past the shared-memory transport's eager
+// limit, so each needs rank 0's progress after it is posted: the send's completion, the recv's
+// match), posted directly and never waited for: the thread must take them over.
 TEST(Comm, AnOperationNobodyWaitsForStartsWhileTheQueueThreadDozes) {
   Comm& c = world();
   const int me = c.rank();
-  MPI_Comm ref = MPI_COMM_NULL;
-  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
-  for (int round = 0; round < 20; ++round) {
+  const int p = c.size();
+  const std::size_t big = std::size_t{1} << 18;
+  std::vector<float> out(big);
+  std::vector<float> in(big);
+  for (int round = 0; round < 10; ++round) {
     const std::string at = "round " + std::to_string(round);
     float x = 1.0f;
     ASSERT_TRUE(c.all_reduce(&x, &x, 1, DType::kF32, ReduceOp::kSum).wait().ok()) << at;
+    float y = static_cast<float>(me + round);
+    CommWork w = c.all_reduce(&y, &y, 1, DType::kF32, ReduceOp::kSum);
     if (me == 0) {
-      send_unwaited_and_expect_ack(c, ref, round, at);
+      expect_completes_unwaited(w, at + ", all_reduce");
+    } else {
+      ASSERT_TRUE(w.wait().ok()) << at;
+    }
+    EXPECT_EQ(y, static_cast<float>(p * (p - 1) / 2 + p * round)) << at;
+    for (std::size_t i = 0; i < big; ++i) out[i] = static_cast<float>(round * 7 + me) + static_cast<float>(i % 97);
+    std::fill(in.begin(), in.end(), -1.0f);
+    if (me == 0) {
+      expect_completes_unwaited(c.send(out.data(), big, DType::kF32, 1), at + ", send");
+      expect_completes_unwaited(c.recv(in.data(), big, DType::kF32, 1), at + ", recv");
     } else if (me == 1) {
-      receive_and_ack(c, ref, at);
+      ASSERT_TRUE(c.recv(in.data(), big, DType::kF32, 0).wait().ok()) << at;
+      ASSERT_TRUE(c.send(out.data(), big, DType::kF32, 0).wait().ok()) << at;
+    }
+    if (me <= 1) {
+      const int from = 1 - me;
+      for (std::size_t i = 0; i < big; i += 4099)
+        ASSERT_EQ(in[i], static_cast<float>(round * 7 + from) + static_cast<float>(i % 97)) << at << " i=" << i;
     }
   }
   ASSERT_TRUE(c.barrier().wait().ok());
-  MPI_Comm_free(&ref);
 }
 
 // The same after an operation the caller ran itself for a while (rank 1 answers after 1 ms: past
 // kDoze, within kDozeSpan, so the queue thread, finding the caller at work, waits kPark at a time
-// instead): a send submitted right after it and never waited for must still start, though the
-// thread is in its longer wait and the submit does not wake it.
-TEST(Comm, ASendNobodyWaitsForStartsAfterTheCallerRanALongOperationItself) {
+// instead): a collective submitted right after it and never waited for must still start, though
+// the thread is in its longer wait and the submit does not wake it.
+TEST(Comm, ACollectiveNobodyWaitsForStartsAfterTheCallerRanALongOperationItself) {
   Comm& c = world();
   const int me = c.rank();
-  MPI_Comm ref = MPI_COMM_NULL;
-  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &ref), MPI_SUCCESS);
+  const int p = c.size();
   for (int round = 0; round < 5; ++round) {
     const std::string at = "round " + std::to_string(round);
-    float out = static_cast<float>(round);
+    float slow = static_cast<float>(round);
     if (me == 0) {
-      float slow = -1.0f;
       ASSERT_TRUE(c.recv(&slow, 1, DType::kF32, 1).wait().ok()) << at;
-      EXPECT_EQ(slow, static_cast<float>(round)) << at;
-      send_unwaited_and_expect_ack(c, ref, round, at);
     } else if (me == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      ASSERT_TRUE(c.send(&out, 1, DType::kF32, 0).wait().ok()) << at;
-      receive_and_ack(c, ref, at);
+      ASSERT_TRUE(c.send(&slow, 1, DType::kF32, 0).wait().ok()) << at;
     }
+    EXPECT_EQ(slow, static_cast<float>(round)) << at;
+    float y = static_cast<float>(me + round);
+    CommWork w = c.all_reduce(&y, &y, 1, DType::kF32, ReduceOp::kSum);
+    if (me == 0) {
+      expect_completes_unwaited(w, at);
+    } else {
+      ASSERT_TRUE(w.wait().ok()) << at;
+    }
+    EXPECT_EQ(y, static_cast<float>(p * (p - 1) / 2 + p * round)) << at;
   }
   ASSERT_TRUE(c.barrier().wait().ok());
-  MPI_Comm_free(&ref);
 }
 
 // Element i of `rank`'s buffer in the reduction-order tests: signs and exponents spread over

@@ -5,7 +5,9 @@
 // handle with the error at once and leaves the Comm usable), then appends a closure to the
 // Comm's CommQueue and returns the handle. The queue's thread runs closures one at a time in
 // append order; a closure starts the backend's non-blocking operation and polls it until it
-// completes or its deadline (start + CommConfig::timeout) passes. The first failure (other than
+// completes or its deadline (start + CommConfig::timeout) passes. A waiting caller may run them
+// itself instead (run_inline), and a send or recv submitted to an idle queue is posted by its
+// submitter at once (submit_async); either does what the thread would, in the same order. The first failure (other than
 // kInvalidArgument, a caller's mistake that leaves the peers in a known state) marks the
 // queue broken: every later closure is not run and its handle gets kCancelled naming that
 // failure, and the failure goes to the context (watchdog, see context.cpp).
@@ -65,17 +67,21 @@ class CommQueue {
   CommWork submit(Op op);
   // Starts after every earlier blocking operation has completed, without waiting for earlier
   // asynchronous ones (point-to-point: a send and the matching recv may both be in flight).
+  // When nothing is queued and nobody runs the queue, that is now: the submitting thread posts
+  // it itself (`start` runs on it, under the queue's lock) and leaves it in flight, so the peer
+  // can match it at once while the submitter goes on, and no queue thread has to wake up for it.
   CommWork submit_async(Start start);
   // Waits until everything submitted so far has completed; the first failure, if any.
   Status drain();
-  // Called by a thread about to wait for `state`: when the queue thread is asleep and nothing
-  // is in flight and `state` is among the first kMaxInlineEntries pending operations, the
-  // calling thread takes the operations up to and including it, in order, and runs them as the
-  // queue thread would (asynchronous ones started at once, a blocking one after those before it
-  // completed), polls until `state` completes, and hands whatever is still in flight to the
-  // queue thread (true). It stops early, handing over, when another operation is submitted
-  // meanwhile. Waking the queue thread and being woken back costs two scheduler hand-offs,
-  // which dominate small messages; the MPI library's own blocking calls pay neither.
+  // Called by a thread about to wait for `state`: when nobody runs the queue (the queue thread
+  // is asleep, no other caller is in here) and `state` is in flight or among the first
+  // kMaxInlineEntries pending operations, the calling thread takes everything in flight and the
+  // pending operations up to and including `state`, in order, and runs them as the queue thread
+  // would (asynchronous ones started at once, a blocking one after those before it completed),
+  // polls until `state` completes, and hands whatever is still in flight to the queue thread
+  // (true). It stops early, handing over, when another operation is submitted meanwhile.
+  // Waking the queue thread and being woken back costs two scheduler hand-offs, which dominate
+  // small messages; the MPI library's own blocking calls pay neither.
   bool run_inline(WorkState* state);
   // Called by a thread about to sleep on a handle (after run_inline) and when it is done: while
   // any thread sleeps so, the queue thread takes pending operations at once (see kDoze).
@@ -112,13 +118,15 @@ class CommQueue {
   static constexpr std::chrono::microseconds kDozeSpan{2000};
   // While a caller runs operations itself (run_inline) the thread may take nothing, so a doze
   // that finds one running waits kPark instead of kDoze: each timed wake-up preempts a rank on a
-  // machine whose cores the ranks fill, which cost an operation of 50-300 us a fifth of its time
-  // (docs/parallel.md "Small messages without hand-offs"). run_inline wakes the thread when it
-  // leaves work behind; an operation submitted after it returned and never waited for starts at
-  // most ~kPark late. Measured on 2 ranks (same run, alternating): kPark 250 / 500 / 1000 us gave
-  // all_gather and broadcast of 16 KiB-4 MiB 0.87-0.90 / 0.88-0.96 / 0.89-0.97 of MPI, and the
-  // interleaved pipeline's bubble at 8 micro-batches 0.04 / 0.04-0.05 / 0.05-0.06.
-  static constexpr std::chrono::microseconds kPark{500};
+  // machine whose cores the ranks fill (~10 us of the rank's core per tick here, and its peer
+  // stalls meanwhile), which cost every operation of 16 KiB-4 MiB 5-10% at kPark 500 us
+  // (docs/parallel.md "Sends and receives posted by their submitter; the doze's ticks").
+  // run_inline wakes the thread when it leaves work behind; a collective submitted after it
+  // returned and never waited for starts at most ~kPark late (sends and recvs are posted by their
+  // submitter and do not wait for the thread). Equal to kDozeSpan: while callers run everything
+  // the thread wakes about once per kDozeSpan. Measured on 2 ranks (same run, alternating): the
+  // pipeline schedules' bubbles and step times the same at 500 us and 2 ms.
+  static constexpr std::chrono::microseconds kPark{2000};
   // The doze's tick and how long a fresh operation is left to its submitter: kDoze at first,
   // doubled (up to kPark) each time a timed wake-up finds that the callers ran everything
   // themselves, back to kDoze when the thread had to start an operation nobody took (its
@@ -155,6 +163,11 @@ class CommQueue {
   bool inline_active_ = false;  // a waiting thread is running an operation (run_inline)
   bool dozing_ = false;         // the queue thread is in a timed wait (kDoze): submit need not wake it
   int waiters_ = 0;             // threads asleep on a handle of this queue (begin_wait)
+  // in_flight_ while nobody runs the queue: handed over by a caller's inline run (the thread
+  // polls it at once) rather than posted directly by submitters (left to them for tick_ after
+  // unclaimed_since_, when the first of them was posted).
+  bool handed_over_ = false;
+  std::chrono::steady_clock::time_point unclaimed_since_;
   std::chrono::steady_clock::time_point doze_until_;  // the last submit + kDozeSpan
   Status failure_;
   // failure_ is set: read without mu_ on every operation's start (the lock is taken only after).
@@ -162,7 +175,10 @@ class CommQueue {
   // Operations submitted so far: run_inline's poll loop checks it, without mu_, for one
   // submitted meanwhile.
   std::atomic<std::uint64_t> submits_{0};
-  // The queue thread's while it is awake; handed to it under mu_ by run_inline while it sleeps.
+  // Started operations. The queue thread's while it is awake (worker_active_), run_inline's
+  // (moved to inline_flight_) while a caller runs the queue; under mu_ while nobody does, when
+  // submitters post asynchronous operations into it directly and run_inline hands its leftovers
+  // over. Whoever runs the queue next takes all of it.
   std::vector<InFlight> in_flight_;
   PollPacer pacer_;  // queue thread only: paces the polls of in_flight_
   // run_inline's, used only while inline_active_ (by the one thread that set it).

@@ -54,20 +54,48 @@ CommWork CommQueue::enqueue(Entry e) {
   state->queue = this;
   e.state = state;
   bool wake = false;
+  // A direct post that did not start: its error, or its cancellation after an earlier failure.
+  Status refused;
+  bool start_failed = false;
   {
     std::lock_guard lock(mu_);
-    e.submitted = std::chrono::steady_clock::now();
-    pending_.push_back(std::move(e));
+    const auto now = std::chrono::steady_clock::now();
     submits_.fetch_add(1, std::memory_order_relaxed);
-    // No wake-up while a caller runs the queue (run_inline): the thread may not take anything
-    // then, and that caller wakes it when it is done if anything is pending. None while the
-    // thread dozes either: it looks within kDoze, by which time the caller has usually run the
-    // operation itself (the common "submit, then wait"). A wake-up is a scheduler round trip
-    // that preempts the caller on a busy machine and costs more than a small message.
-    wake = !inline_active_ && !dozing_;
-    doze_until_ = pending_.back().submitted + kDozeSpan;
+    doze_until_ = now + kDozeSpan;
+    if (e.start && !worker_active_ && !inline_active_ && pending_.empty() && !stopping_) {
+      // Posted at once by the submitter: nothing is queued and nobody runs the queue, so every
+      // earlier operation has started (an earlier blocking one has completed) and this is where
+      // the queue would start it; the peer can match it while this caller goes on. Under mu_,
+      // so no later operation starts first. Nobody polls it until its submitter waits
+      // (run_inline takes it) or the queue thread does, tick_ later (run()).
+      if (!failure_.ok()) {
+        refused = cancelled("not run: an earlier operation on " + label_ + " failed: " + failure_.to_string());
+      } else if (Result<Poll> poll = e.start(); !poll.ok()) {
+        refused = poll.status();
+        start_failed = true;
+      } else {
+        if (in_flight_.empty()) unclaimed_since_ = now;
+        in_flight_.push_back(InFlight{state, std::move(*poll)});
+        // A thread asleep until woken would never poll it: wake it (the first submit after a
+        // quiet spell, as below). A dozing one looks within its tick.
+        wake = !dozing_;
+      }
+    } else {
+      e.submitted = now;
+      pending_.push_back(std::move(e));
+      // No wake-up while a caller runs the queue (run_inline): the thread may not take anything
+      // then, and that caller wakes it when it is done if anything is pending. None while the
+      // thread dozes either: it looks within kDoze, by which time the caller has usually run the
+      // operation itself (the common "submit, then wait"). A wake-up is a scheduler round trip
+      // that preempts the caller on a busy machine and costs more than a small message.
+      wake = !inline_active_ && !dozing_;
+    }
   }
   if (wake) cv_.notify_all();
+  if (!refused.ok()) {
+    if (start_failed && breaks_comm(refused)) fail(refused);
+    state->complete(std::move(refused));
+  }
   return CommWork(std::move(state));
 }
 
@@ -219,16 +247,28 @@ bool CommQueue::run_inline(WorkState* state) {
   std::uint64_t submits_seen = 0;
   {
     std::lock_guard lock(mu_);
-    // The queue thread sleeps only with nothing in flight (run()), so while it sleeps the queue
-    // is exactly pending_, and taking a prefix of it in order is what the thread would do next.
-    // Not so between a hand-over and the thread's wake-up (in_flight_ filled, the thread not
-    // yet running): a collective taken now would not wait for what was handed over.
-    if (worker_active_ || inline_active_ || !in_flight_.empty()) return false;
-    std::size_t k = 0;
-    while (k < pending_.size() && k < kMaxInlineEntries && pending_[k].state.get() != state) ++k;
-    if (k == pending_.size() || k == kMaxInlineEntries) return false;
+    // Nobody runs the queue, so it is in_flight_ (started: posted directly by their submitters,
+    // or handed over and not yet taken by the thread) followed by pending_, and taking all of
+    // in_flight_ and a prefix of pending_ in order is what the thread would do next: a blocking
+    // operation of the prefix starts once what was in flight before it has completed (settle).
+    if (worker_active_ || inline_active_) return false;
+    const bool started = std::any_of(in_flight_.begin(), in_flight_.end(),
+                                     [&](const InFlight& f) { return f.state.get() == state; });
+    std::size_t take = 0;  // entries of pending_ to run
+    if (started) {
+      // A queued operation behind it must start as soon as it may, which this wait would delay:
+      // it is the thread's (begin_wait wakes it).
+      if (!pending_.empty()) return false;
+    } else {
+      while (take < pending_.size() && take < kMaxInlineEntries && pending_[take].state.get() != state) ++take;
+      if (take == pending_.size() || take == kMaxInlineEntries) return false;
+      ++take;
+    }
+    for (InFlight& f : in_flight_) inline_flight_.push_back(std::move(f));
+    in_flight_.clear();
+    handed_over_ = false;
     inline_batch_.clear();
-    for (std::size_t i = 0; i <= k; ++i) {
+    for (std::size_t i = 0; i < take; ++i) {
       inline_batch_.push_back(std::move(pending_.front()));
       pending_.pop_front();
     }
@@ -289,6 +329,7 @@ bool CommQueue::run_inline(WorkState* state) {
     // sleeps (inline_active_ kept it so) with in_flight_ empty.
     for (InFlight& f : inline_flight_) in_flight_.push_back(std::move(f));
     inline_flight_.clear();
+    handed_over_ = !in_flight_.empty();
     inline_active_ = false;
     // Wake the thread only for work (or to stop): with nothing handed over or pending its wake-up
     // condition is false, and the wake-up would cost the scheduler round trip this function
@@ -313,19 +354,22 @@ void CommQueue::run() {
         };
         // Dozing (see kDoze, tick_): timed waits while operations keep coming, so that a submit
         // need not wake the thread, kPark while a caller runs them itself; then one wait until
-        // woken. An operation submitted less than tick_ ago is left to its submitter while
-        // nothing is in flight and nobody sleeps on a handle.
+        // woken. Fresh work (a queued operation, or one its submitter posted directly, less than
+        // tick_ ago) is left to its submitter while nobody sleeps on a handle; work handed over
+        // by a caller's inline run is taken at once.
         for (;;) {
           const auto now = std::chrono::steady_clock::now();
           if (ready()) {
-            if (stopping_ || !in_flight_.empty() || waiters_ > 0 || pending_.empty()) break;
-            if (now >= pending_.front().submitted + tick_) {
+            if (stopping_ || handed_over_ || waiters_ > 0) break;
+            auto since = std::chrono::steady_clock::time_point::max();
+            if (!pending_.empty()) since = pending_.front().submitted;
+            if (!in_flight_.empty()) since = std::min(since, unclaimed_since_);
+            if (now >= since + tick_) {
               tick_ = kDoze;  // nobody took it: the submitters do not wait, be prompt again
               break;
             }
             dozing_ = true;
-            const bool timed_out =
-                cv_.wait_until(lock, pending_.front().submitted + tick_) == std::cv_status::timeout;
+            const bool timed_out = cv_.wait_until(lock, since + tick_) == std::cv_status::timeout;
             dozing_ = false;
             if (timed_out && pending_.empty() && in_flight_.empty()) tick_ = std::min(2 * tick_, kPark);
             continue;
@@ -344,6 +388,7 @@ void CommQueue::run() {
           // Woken by its timer with nothing to do: the callers ran everything themselves.
           if (timed_out && pending_.empty() && in_flight_.empty()) tick_ = std::min(2 * tick_, kPark);
         }
+        handed_over_ = false;  // the thread owns in_flight_ now
         worker_active_ = true;
       }
       if (pending_.empty()) {

@@ -40,7 +40,7 @@ constexpr FlagSpec kFlags[] = {
     {"json", "", "print one JSON object (default: a table)"},
     {"min-bytes", "B", "smallest message (default 64KiB)"},
     {"max-bytes", "B", "largest message (default 64MiB); sizes step by 4x"},
-    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 2..4000)"},
+    {"iters", "K", "operations per timed run (default: enough for ~256 MiB moved, 8..4000)"},
     {"reps", "R", "timed runs per size and side; the median ratio is reported (default 5)"},
     {"ops", "LIST", "comma-separated operations to run (default: all five)"},
     {"help", "", "show this help"},
@@ -53,6 +53,10 @@ constexpr std::string_view kOpNames[] = {"all_reduce", "reduce_scatter", "all_ga
 // ~25 us and its ratio swung 0.3-1.5; with 400 (~0.2-1 ms) the 1-4 KiB ratios still read
 // 0.1-0.3 above what runs ten times longer agree on (docs/performance.md, 2026-11-27).
 constexpr std::uint64_t kMaxIters = 4000;
+// And its floor: at 64 MiB ~256 MiB moved is 4 operations, one run ~40 ms, and such runs of
+// all_gather read 0.75-1.05 of MPI where runs of 8 read 0.87-1.07 (docs/performance.md,
+// 2026-11-27, third pass).
+constexpr std::uint64_t kMinIters = 8;
 
 std::string usage() {
   return "usage: strata bench comm [flags], under mpirun: mpirun -np N strata bench comm (N >= 2)\n\n"
@@ -181,7 +185,7 @@ int run(const Flags& flags) {
     std::vector<float> b(count + block * n, 0.0f);
     const int iters = flags.iters > 0
                           ? static_cast<int>(flags.iters)
-                          : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, 2, kMaxIters));
+                          : static_cast<int>(std::clamp<std::uint64_t>((256ull << 20) / bytes, kMinIters, kMaxIters));
     for (const Collective& col : kCollectives) {
       if (!wanted(col.name)) continue;
       const std::string name = col.name;
