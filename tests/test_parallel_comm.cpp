@@ -130,6 +130,43 @@ TEST(PollPacer, PollsWithoutYieldingForTheHotWindowOnly) {
   EXPECT_FALSE(p.hot_at(t1 + microseconds(60)));
 }
 
+// A wait for an operation that moves many bytes through this rank is its own transfer, not a
+// late peer: expect() stretches the hot window to that transfer time (at most kMaxExpected),
+// and the yielding window and the sleeps follow it as usual. A reset keeps it.
+TEST(PollPacer, PollsThroughTheExpectedTransferTimeBeforePacing) {
+  using detail::PollPacer;
+  using std::chrono::microseconds;
+  using std::chrono::milliseconds;
+  using std::chrono::nanoseconds;
+  const auto t0 = std::chrono::steady_clock::time_point{} + std::chrono::seconds(1000);
+  PollPacer p;
+  p.expect(milliseconds(3));
+  EXPECT_EQ(p.next_at(t0), nanoseconds(0));
+  EXPECT_TRUE(p.hot_at(t0 + microseconds(2999)));  // no yield for the transfer's 3 ms
+  EXPECT_EQ(p.next_at(t0 + microseconds(2999)), nanoseconds(0));
+  EXPECT_FALSE(p.hot_at(t0 + milliseconds(3)));
+  // Then the usual kSpin - kHotSpin of yields, then sleeps of an eighth of the wait, capped.
+  EXPECT_EQ(p.next_at(t0 + microseconds(3449)), nanoseconds(0));
+  EXPECT_EQ(p.next_at(t0 + microseconds(3450)), microseconds(100));
+  // Progress starts a new wait with the same window.
+  p.reset();
+  const auto t1 = t0 + std::chrono::seconds(10);
+  EXPECT_EQ(p.next_at(t1), nanoseconds(0));
+  EXPECT_TRUE(p.hot_at(t1 + microseconds(2500)));
+  // Never longer than kMaxExpected, and never shorter than kHotSpin (a tiny operation).
+  PollPacer q;
+  q.expect(std::chrono::seconds(5));
+  EXPECT_EQ(q.next_at(t0), nanoseconds(0));
+  EXPECT_TRUE(q.hot_at(t0 + PollPacer::kMaxExpected - microseconds(1)));
+  EXPECT_FALSE(q.hot_at(t0 + PollPacer::kMaxExpected));
+  PollPacer r;
+  r.expect(nanoseconds(10));
+  EXPECT_EQ(r.next_at(t0), nanoseconds(0));
+  EXPECT_TRUE(r.hot_at(t0 + PollPacer::kHotSpin - microseconds(1)));
+  EXPECT_FALSE(r.hot_at(t0 + PollPacer::kHotSpin));
+  EXPECT_EQ(r.next_at(t0 + PollPacer::kSpin), microseconds(62) + nanoseconds(500));
+}
+
 // The polling loops read the clock for every poll only once a wait has left its hot window: the
 // first kHotPolls polls after progress read none, then one in kPollsPerRead while the last read
 // was inside kHotSpin.

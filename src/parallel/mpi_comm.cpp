@@ -270,6 +270,11 @@ class MpiComm final : public Comm {
   // broadcast_direct: up to this many bytes the root sends to every peer itself; above, a
   // binomial tree spreads the sends over the ranks that already hold the data.
   static constexpr std::size_t kFlatBcastBytes = std::size_t{64} << 10;
+  // The copy rate a wait assumes of its own operation's transfer (transfer_time), in bytes per
+  // ns: 10 GB/s, about what one core of the 2-core VM copies (memcpy and the shared-memory
+  // transport's single copy alike). Faster links finish inside the window; on slower ones the
+  // pacing starts before the transfer ends, as without it.
+  static constexpr std::size_t kCopyBytesPerNs = 4;
   // fold's tile (elements): its accumulator stays in L1.
   static constexpr std::size_t kFoldTile = 256;
 
@@ -303,9 +308,12 @@ class MpiComm final : public Comm {
   }
   // The same against an operation's deadline set when it started (a chunked reduction waits
   // several times).
-  Status finish(MPI_Request* reqs, int count, const OpName& what,
-                std::chrono::steady_clock::time_point deadline) const {
+  // `expected`: the operation's own transfer time through this rank (transfer_time), polled
+  // through without pacing (PollPacer::expect).
+  Status finish(MPI_Request* reqs, int count, const OpName& what, std::chrono::steady_clock::time_point deadline,
+                std::chrono::nanoseconds expected = std::chrono::nanoseconds(0)) const {
     PollPacer pacer;
+    pacer.expect(expected);
     for (;;) {
       int flag = 0;
       const int rc = MPI_Testall(count, reqs, &flag, MPI_STATUSES_IGNORE);
@@ -318,6 +326,12 @@ class MpiComm final : public Comm {
     }
   }
   Status finish(MPI_Request& req, const OpName& what) const { return finish(&req, 1, what); }
+
+  // How long moving `bytes` through this rank's memory takes at kCopyBytesPerNs: how long a wait
+  // for an operation that moves them is its own doing, not a late peer's.
+  static std::chrono::nanoseconds transfer_time(std::size_t bytes) {
+    return std::chrono::nanoseconds(static_cast<std::int64_t>(bytes / kCopyBytesPerNs));
+  }
 
   // all_gather as one message from every rank to every other (docs/parallel.md "all_gather from
   // point-to-point messages"): OpenMPI serves MPI_Iallgather with libnbc, whose schedule took
@@ -346,7 +360,8 @@ class MpiComm final : public Comm {
     }
     unsigned char* mine = out + static_cast<std::size_t>(rank_) * block;
     if (send != mine) std::memcpy(mine, send, block);
-    return finish(requests_.data(), k, what);
+    return finish(requests_.data(), k, what, std::chrono::steady_clock::now() + context_.config.timeout,
+                  transfer_time(2 * static_cast<std::size_t>(size_ - 1) * block));
   }
 
   // broadcast as point-to-point messages (docs/parallel.md "Broadcast from point-to-point
@@ -362,7 +377,8 @@ class MpiComm final : public Comm {
     const auto deadline = std::chrono::steady_clock::now() + context_.config.timeout;
     const int n = static_cast<int>(count);
     const int v = (rank_ - root + size_) % size_;
-    const bool flat = count * dtype_size(dtype) <= kFlatBcastBytes;
+    const std::size_t bytes = count * dtype_size(dtype);
+    const bool flat = bytes <= kFlatBcastBytes;
     // The lowest set bit of v (the root: above every rank).
     int low = 1;
     while (low < size_ && (v & low) == 0) low <<= 1;
@@ -371,7 +387,7 @@ class MpiComm final : public Comm {
       MPI_Request req;
       STRATA_RETURN_IF_ERROR(
           start(MPI_Irecv(buf, n, wire_type(dtype), parent, kBcastTag, comm_, &req), what));
-      STRATA_RETURN_IF_ERROR(finish(&req, 1, what, deadline));
+      STRATA_RETURN_IF_ERROR(finish(&req, 1, what, deadline, transfer_time(bytes)));
       if (flat) return ok_status();
     }
     requests_.clear();
@@ -387,7 +403,8 @@ class MpiComm final : public Comm {
         if (v + k < size_) STRATA_RETURN_IF_ERROR(send_to(v + k));
       }
     }
-    return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline);
+    return finish(requests_.data(), static_cast<int>(requests_.size()), what, deadline,
+                  transfer_time(requests_.size() * bytes));
   }
 
   // The poll of a posted send or recv; a recv (expect >= 0) also checks the received count.

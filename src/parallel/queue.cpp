@@ -156,8 +156,10 @@ std::chrono::nanoseconds PollPacer::next_at(std::chrono::steady_clock::time_poin
     return std::chrono::nanoseconds(0);
   }
   const auto waited = now - since_;
-  hot_ = waited < kHotSpin;
-  if (waited < kSpin) return std::chrono::nanoseconds(0);
+  hot_ = waited < hot_span_;
+  // The yielding window follows the hot one (kSpin - kHotSpin long); sleeps after it, each an
+  // eighth of the time waited.
+  if (waited < hot_span_ + (kSpin - kHotSpin)) return std::chrono::nanoseconds(0);
   return std::min<std::chrono::nanoseconds>(waited / 8, kMaxSleep);
 }
 
