@@ -53,9 +53,9 @@ constexpr std::string_view kOpNames[] = {"all_reduce", "reduce_scatter", "all_ga
 // ~25 us and its ratio swung 0.3-1.5; with 400 (~0.2-1 ms) the 1-4 KiB ratios still read
 // 0.1-0.3 above what runs ten times longer agree on (docs/performance.md, 2026-11-27).
 constexpr std::uint64_t kMaxIters = 4000;
-// And its floor: at 64 MiB ~256 MiB moved is 4 operations, one run ~40 ms, and such runs of
-// all_gather read 0.75-1.05 of MPI where runs of 8 read 0.87-1.07 (docs/performance.md,
-// 2026-11-27, third pass).
+// And its floor: at 64 MiB ~256 MiB moved is 4 operations, one run ~40 ms, and the reps of such
+// runs of all_gather spread over 0.75-1.05 of MPI, those of runs of 8 about a third as wide
+// (docs/performance.md, 2026-11-27, third pass).
 constexpr std::uint64_t kMinIters = 8;
 
 std::string usage() {
