@@ -152,6 +152,8 @@ class CommQueue {
   void fail(const Status& s);
   static bool breaks_comm(const Status& s);
   Status earlier_failure() const;
+  // The status of an operation not run because `earlier` failed the Comm.
+  Status cancelled_by(const Status& earlier) const;
 
   std::string label_;
   FailureSink on_failure_;

@@ -271,9 +271,10 @@ class MpiComm final : public Comm {
   // binomial tree spreads the sends over the ranks that already hold the data.
   static constexpr std::size_t kFlatBcastBytes = std::size_t{64} << 10;
   // The copy rate a wait assumes of its own operation's transfer (transfer_time), in bytes per
-  // ns: 10 GB/s, about what one core of the 2-core VM copies (memcpy and the shared-memory
-  // transport's single copy alike). Faster links finish inside the window; on slower ones the
-  // pacing starts before the transfer ends, as without it.
+  // ns: 4 GB/s, below the ~7 GB/s each rank of the 2-core VM copies at while both copy (memcpy
+  // and the shared-memory transport's single copy alike; 10 GB/s ended the window before a
+  // 64 MiB all_gather's). Faster links finish inside the window; on slower ones the pacing
+  // starts before the transfer ends, as without it.
   static constexpr std::size_t kCopyBytesPerNs = 4;
   // fold's tile (elements): its accumulator stays in L1.
   static constexpr std::size_t kFoldTile = 256;
@@ -303,8 +304,9 @@ class MpiComm final : public Comm {
   // short sleeps, so a rank waiting for a slow peer does not burn a core. Runs on the queue
   // thread or, through run_inline, on the waiting caller's.
   // `count` requests, done when all are.
-  Status finish(MPI_Request* reqs, int count, const OpName& what) const {
-    return finish(reqs, count, what, std::chrono::steady_clock::now() + context_.config.timeout);
+  Status finish(MPI_Request* reqs, int count, const OpName& what,
+                std::chrono::nanoseconds expected = std::chrono::nanoseconds(0)) const {
+    return finish(reqs, count, what, std::chrono::steady_clock::now() + context_.config.timeout, expected);
   }
   // The same against an operation's deadline set when it started (a chunked reduction waits
   // several times).
@@ -360,8 +362,7 @@ class MpiComm final : public Comm {
     }
     unsigned char* mine = out + static_cast<std::size_t>(rank_) * block;
     if (send != mine) std::memcpy(mine, send, block);
-    return finish(requests_.data(), k, what, std::chrono::steady_clock::now() + context_.config.timeout,
-                  transfer_time(2 * static_cast<std::size_t>(size_ - 1) * block));
+    return finish(requests_.data(), k, what, transfer_time(2 * static_cast<std::size_t>(size_ - 1) * block));
   }
 
   // broadcast as point-to-point messages (docs/parallel.md "Broadcast from point-to-point

@@ -69,7 +69,7 @@ CommWork CommQueue::enqueue(Entry e) {
       // so no later operation starts first. Nobody polls it until its submitter waits
       // (run_inline takes it) or the queue thread does, tick_ later (run()).
       if (!failure_.ok()) {
-        refused = cancelled("not run: an earlier operation on " + label_ + " failed: " + failure_.to_string());
+        refused = cancelled_by(failure_);
       } else if (Result<Poll> poll = e.start(); !poll.ok()) {
         refused = poll.status();
         start_failed = true;
@@ -132,6 +132,10 @@ Status CommQueue::earlier_failure() const {
   if (!broken_.load(std::memory_order_acquire)) return ok_status();
   std::lock_guard lock(mu_);
   return failure_;
+}
+
+Status CommQueue::cancelled_by(const Status& earlier) const {
+  return cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string());
 }
 
 // A caller's mistake (kInvalidArgument: a recv of the wrong count) leaves the library and the
@@ -220,8 +224,7 @@ bool CommQueue::poll_in_flight(bool until_empty) {
 
 void CommQueue::start_async(Entry& e, std::vector<InFlight>& list) {
   if (Status earlier = earlier_failure(); !earlier.ok()) {
-    e.state->complete(
-        cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
+    e.state->complete(cancelled_by(earlier));
     return;
   }
   Result<Poll> poll = e.start();
@@ -235,8 +238,7 @@ void CommQueue::start_async(Entry& e, std::vector<InFlight>& list) {
 
 void CommQueue::execute(Entry& e) {
   if (Status earlier = earlier_failure(); !earlier.ok()) {
-    e.state->complete(
-        cancelled("not run: an earlier operation on " + label_ + " failed: " + earlier.to_string()));
+    e.state->complete(cancelled_by(earlier));
     return;
   }
   Status s = e.op();
