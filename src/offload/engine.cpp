@@ -108,9 +108,9 @@
 #include "offload/internal.hpp"
 #include "offload/regions.hpp"
 #include "partition/placement.hpp"
-#include "runtime/evaluate.hpp"
-#include "runtime/grad_norm_cuda.hpp"
-#include "runtime/trace.hpp"
+#include "model/evaluate.hpp"
+#include "optim/grad_norm_cuda.hpp"
+#include "offload/trace.hpp"
 #include "strata/checkpoint.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
@@ -433,7 +433,7 @@ struct OffloadEngine::Impl {
   std::size_t pos = 0;
   bool cyclic = false;  // the pass that follows repeats this trace (more micro-batches this step)
 
-  // The timeline and busy/stall seconds (runtime/trace.hpp); tracks are added in setup().
+  // The timeline and busy/stall seconds (offload/trace.hpp); tracks are added in setup().
   detail::Tracer tracer;
   struct Tracks {
     int caller = 0, compute = 0, h2d = 0, grads = 0, copy_h2d = 0, copy_d2h = 0, optimizer = 0;
