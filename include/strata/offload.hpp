@@ -4,7 +4,7 @@
 // invariants, the schedule of a step and the memory plan.
 //
 // One step algorithm serves every placement: the all-device placement is the resident trainer
-// (engine.hpp's Trainer runs on it), and every other placement must give the same parameters
+// (trainer.hpp's Trainer runs on it), and every other placement must give the same parameters
 // bit for bit on the cpu backend (tests/test_offload_engine.cpp checks it).
 //
 // Ownership and threads: an OffloadEngine is driven from one host thread at a time. It owns its
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "strata/checkpoint.hpp"
-#include "strata/engine.hpp"
+#include "strata/training.hpp"
 #include "strata/nvme.hpp"
 #include "strata/status.hpp"
 #include "strata/tensor.hpp"

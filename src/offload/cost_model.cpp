@@ -22,7 +22,8 @@
 #include <limits>
 #include <sstream>
 
-#include "offload/internal.hpp"
+#include "offload/regions.hpp"
+#include "partition/placement.hpp"
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
 #include "strata/pipeline_schedule.hpp"
@@ -30,7 +31,8 @@
 namespace strata {
 namespace {
 
-using offload_detail::Units;
+using partition::Placement;
+using partition::UnitPlacement;
 
 bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0; }
 
@@ -43,8 +45,11 @@ std::string number(double v) {
 // Which accesses of one step fetch which units: engine.cpp's slot rule replayed. A unit read by
 // an access stays in its slot while one of the next max(1, k) accesses reads it again; between
 // micro-batches of one step the units of the trace's first max(1, k) accesses stay (cyclic
-// trace); across steps everything is released.
-std::vector<std::vector<int>> fetches_of_step(const Units& units, int M, std::int64_t passes, int k) {
+// trace); across steps everything is released. `sliced_fetched`: stage 3 in device memory, whose
+// sliced units are fetched as units at home on the host are (the same trace and slots).
+std::vector<std::vector<int>> fetches_of_step(const Placement& placement, bool sliced_fetched, int M,
+                                              std::int64_t passes, int k) {
+  const std::vector<UnitPlacement>& units = placement.units;
   const std::size_t per_pass = 2 * static_cast<std::size_t>(M);
   const std::size_t J = per_pass * static_cast<std::size_t>(passes);
   auto module_at = [&](std::size_t j) {
@@ -52,7 +57,7 @@ std::vector<std::vector<int>> fetches_of_step(const Units& units, int M, std::in
     return i < static_cast<std::size_t>(M) ? static_cast<int>(i) : static_cast<int>(per_pass - 1 - i);
   };
   auto reads = [&](std::size_t j, int u) {
-    const auto& st = units.storage[static_cast<std::size_t>(module_at(j))];
+    const auto& st = units[static_cast<std::size_t>(module_at(j))].reads;
     return std::find(st.begin(), st.end(), u) != st.end();
   };
   const std::size_t window = static_cast<std::size_t>(std::max(1, k));
@@ -60,16 +65,17 @@ std::vector<std::vector<int>> fetches_of_step(const Units& units, int M, std::in
   std::vector<char> held(static_cast<std::size_t>(M), 0);
   for (std::size_t j = 0; j < J; ++j) {
     const int m = module_at(j);
-    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    for (int u : units[static_cast<std::size_t>(m)].reads) {
       const std::size_t uu = static_cast<std::size_t>(u);
-      if (units.home[uu] == Tier::kDevice || units.pbytes[uu] == 0 || held[uu]) continue;
+      const bool fetched = units[uu].home != Tier::kDevice || (sliced_fetched && units[uu].slice_at_home);
+      if (!fetched || units[uu].param_bytes == 0 || held[uu]) continue;
       fetch[j].push_back(u);
       held[uu] = 1;
     }
     // release_after: the trace predicts within this pass, and into the next one when cyclic.
     const std::size_t pass_end = (j / per_pass + 1) * per_pass;
     const std::size_t horizon = std::min(pass_end < J ? pass_end + per_pass : J, j + 1 + window);
-    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    for (int u : units[static_cast<std::size_t>(m)].reads) {
       bool reused = false;
       for (std::size_t i = j + 1; i < horizon && !reused; ++i) reused = reads(i, u);
       if (!reused) held[static_cast<std::size_t>(u)] = 0;
@@ -151,15 +157,15 @@ struct DpShape {
   bool active() const { return ranks > 1; }
   // Stages 1-2 (and stage 3's resident modules) all-gather a module's parameters after its update;
   // stage 3 gathers the others at every fetch instead.
-  bool gathers_after_update(const Units& units, int u) const {
-    return active() && (stage < 3 || units.home[static_cast<std::size_t>(u)] == Tier::kDevice);
+  bool gathers_after_update(const std::vector<UnitPlacement>& units, int u) const {
+    return active() && (stage < 3 || units[static_cast<std::size_t>(u)].home == Tier::kDevice);
   }
-  bool gathers_at_fetch(const Units& units, int u) const {
-    return active() && !device_opt && stage == 3 && units.home[static_cast<std::size_t>(u)] != Tier::kDevice;
+  bool gathers_at_fetch(const std::vector<UnitPlacement>& units, int u) const {
+    return active() && !device_opt && stage == 3 && units[static_cast<std::size_t>(u)].home != Tier::kDevice;
   }
 };
 
-DpShape dp_shape(const TrainerConfig& config, const OffloadSettings& settings, const Units& units) {
+DpShape dp_shape(const TrainerConfig& config, const OffloadSettings& settings, const std::vector<UnitPlacement>& units) {
   DpShape d;
   d.ranks = std::max(1, settings.dp_size);
   d.device_opt = settings.optimizer == Tier::kDevice;
@@ -168,13 +174,13 @@ DpShape dp_shape(const TrainerConfig& config, const OffloadSettings& settings, c
   d.device_sharded = d.active() && d.device_opt && d.stage >= 1;
   const std::uint64_t w = dtype_size(config.model.dtype);
   const std::uint64_t P = static_cast<std::uint64_t>(d.ranks);
-  for (std::size_t u = 0; u < units.gbytes.size(); ++u) {
-    const std::uint64_t n = units.gbytes[u] / 4;
-    const offload_detail::DpSlice s = offload_detail::dp_slice_of(n, d.ranks, 0);  // rank 0: the largest
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const std::uint64_t n = units[u].grad_bytes / 4;
+    const partition::DpSlice s = partition::dp_slice_of(n, d.ranks, 0);  // rank 0: the largest
     d.rs_bytes.push_back(n == 0 ? 0 : 4 * P * s.chunk);
     d.ag_bytes.push_back(n == 0 ? 0 : w * P * s.chunk);
     d.slice_elements.push_back(d.active() ? s.len : n);
-    d.all_reduce_bytes += units.gbytes[u];
+    d.all_reduce_bytes += units[u].grad_bytes;
   }
   return d;
 }
@@ -201,7 +207,8 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
   // Tensor parallel: a rank's data-parallel group reduces its shard (the same shapes on every
   // tensor-parallel rank); with a pipeline, the units of its stage (describe_units).
   STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model, TensorParallel{settings.tp_size, 0}));
-  const Units units = offload_detail::describe_units(layout, settings);
+  const Placement placement = Placement::build(layout, settings);
+  const std::vector<UnitPlacement>& units = placement.units;
   const DpShape d = dp_shape(config, settings, units);
   DpTraffic t;
   t.ranks = d.ranks;
@@ -212,9 +219,10 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
   if (d.device_opt && !d.device_sharded) {
     t.all_reduce_bytes = d.all_reduce_bytes;
     t.collectives = 1;
-    if (offload_detail::dp_stage0_bucketed(settings, cuda)) {
-      // One all-reduce per gradient bucket, beside backward with overlap_comm.
-      t.collectives = std::max<std::uint64_t>(1, offload_detail::grad_buckets(units, settings).units.size());
+    if (!cuda && settings.zero_stage == 0) {
+      // One all-reduce per gradient bucket, beside backward with overlap_comm (stage 0 buckets on
+      // the cpu backend).
+      t.collectives = std::max<std::uint64_t>(1, partition::cut_grad_buckets(placement, settings).buckets.size());
       t.overlapped = settings.overlap_comm;
     }
     return t;
@@ -222,7 +230,7 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
   // With the optimizer on the device, stage 1 reduces once in the update; stages 2-3 (data
   // parallelism alone, or with tensor or pipeline parallelism) reduce each bucket every
   // micro-batch (docs/parallel.md "Gradient buckets"), as the host tier's stage 2.
-  const bool device_buckets = d.device_opt && offload_detail::dp_device_grad_sharded(settings);
+  const bool device_buckets = placement.sharding.device_grads_sharded;
   // Beside compute: every collective with the optimizer off the device; on it, stage 2-3's bucket
   // reduce-scatters with overlap_comm and stage 3's gathers in the prefetched fetches.
   t.overlapped = !d.device_opt || (device_buckets && (settings.overlap_comm || settings.zero_stage == 3));
@@ -233,21 +241,18 @@ Result<DpTraffic> dp_traffic(const TrainerConfig& config, const OffloadSettings&
     t.reduce_scatter_bytes += rs_times * d.rs_bytes[uu];
     t.collectives += rs_times;
     // Stage 3 in device memory: a sliced unit is not gathered after its update (its fetches are).
-    if (!units.sliced[uu] && (d.device_opt || d.gathers_after_update(units, u))) {
+    if (!units[uu].slice_at_home && (d.device_opt || d.gathers_after_update(units, u))) {
       t.all_gather_bytes += d.ag_bytes[uu];
       ++t.collectives;
     }
   }
-  const bool any_sliced = std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+  const bool any_sliced = placement.any_slice_at_home();
   if ((!d.device_opt && d.stage == 3) || any_sliced) {
     // The sliced units are fetched as units at home on the host are (the same trace and slots).
-    Units fetched = units;
-    for (std::size_t m = 0; m < fetched.home.size(); ++m)
-      if (units.sliced[m]) fetched.home[m] = Tier::kHost;
     const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
-    for (const std::vector<int>& at : fetches_of_step(fetched, M, config.grad_accum, k)) {
+    for (const std::vector<int>& at : fetches_of_step(placement, true, M, config.grad_accum, k)) {
       for (int u : at) {
-        if (!units.sliced[static_cast<std::size_t>(u)] && !d.gathers_at_fetch(units, u)) continue;
+        if (!units[static_cast<std::size_t>(u)].slice_at_home && !d.gathers_at_fetch(units, u)) continue;
         t.all_gather_bytes += d.ag_bytes[static_cast<std::size_t>(u)];
         ++t.collectives;
       }
@@ -424,7 +429,8 @@ Result<ModuleCosts> module_costs(const TrainerConfig& config, const OffloadSetti
 Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSettings& settings,
                                     const MachineRates& rates, const ModelLayout& layout,
                                     const ModuleCosts& mc) {
-  const Units units = offload_detail::describe_units(layout, settings);
+  const Placement placement = Placement::build(layout, settings);
+  const std::vector<UnitPlacement>& units = placement.units;
   const int M = static_cast<int>(layout.modules.size());
   const std::size_t MM = static_cast<std::size_t>(M);
   const std::int64_t A = config.grad_accum;
@@ -517,16 +523,16 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
     //   takes the bucket's buffer again, grad_bucket_slots of them, and for all before the
     //   update), without it on compute at once; the update all-gathers the parameters of every
     //   unit but the sliced ones;
-    // - stage 3 (Units::sliced): each fetch of a sliced unit gathers its slices and copies the
+    // - stage 3 (UnitPlacement::slice_at_home): each fetch of a sliced unit gathers its slices and copies the
     //   whole unit into a param slot (serial on the h2d stream, the slot rule of fetches_of_step,
     //   prefetch_modules accesses ahead), and compute waits for it; the update waits for the h2d
     //   stream.
     const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
-    const bool bucketed = dps.device_sharded && offload_detail::dp_device_grad_sharded(settings);
+    const bool bucketed = dps.device_sharded && placement.sharding.device_grads_sharded;
     // Stage 0 on the cpu backend: each bucket's range all-reduced in place when backward leaves
     // its last module on the last micro-batch (earlier micro-batches only add); no bucket buffers.
-    const bool stage0_buckets = dps.active() && !dps.device_sharded && offload_detail::dp_stage0_bucketed(settings, rates.cuda);
-    const bool any_sliced = std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+    const bool stage0_buckets = dps.active() && !dps.device_sharded && !rates.cuda && settings.zero_stage == 0;
+    const bool any_sliced = placement.any_slice_at_home();
     const std::size_t per_pass = 2 * MM;
     const std::size_t J = per_pass * static_cast<std::size_t>(A);
     double compute = 0;
@@ -543,10 +549,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
     std::vector<double> fetched(MM, 0.0);
     std::vector<std::vector<int>> fetch_at(J);
     if (any_sliced) {
-      Units as_fetched = units;
-      for (std::size_t m = 0; m < MM; ++m)
-        if (units.sliced[m]) as_fetched.home[m] = Tier::kHost;
-      fetch_at = fetches_of_step(as_fetched, M, A, k);
+      fetch_at = fetches_of_step(placement, true, M, A, k);
     }
     auto issue_fetch = [&](std::size_t t) {
       for (int u : fetch_at[t]) {
@@ -555,18 +558,19 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
         const std::size_t kk = static_cast<std::size_t>(k);
         const double slot_free = t >= kk + 1 ? compute_end[t - kk - 1] : 0.0;
         const double g = collective(dps.ag_bytes[uu], ring);
-        const double c = h2d(units.pbytes[uu]);
+        const double c = h2d(units[uu].param_bytes);
         h2d_stream = std::max(h2d_stream, slot_free) + g + c;
         fetched[uu] = h2d_stream;
         p.dp += g;
         p.dp_bytes += dps.ag_bytes[uu];
         p.h2d += c;
-        p.h2d_bytes += units.pbytes[uu];
+        p.h2d_bytes += units[uu].param_bytes;
       }
     };
 
     // Stages 2-3: the gradient buckets, their buffers and the collectives in flight.
-    offload_detail::GradBuckets gb;
+    partition::GradBuckets gb;
+    std::vector<partition::BucketSeat> seat;
     std::vector<int> buf_owner, buf_of;
     std::vector<std::uint64_t> buf_freed;  // per buffer: its release order in the step (0: not yet)
     std::uint64_t frees = 0;
@@ -577,12 +581,12 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
     std::vector<InFlight> in_flight;  // launch order
     double comm = 0;
     if (bucketed) {
-      gb = offload_detail::grad_buckets(units, settings);
-      buf_owner.assign(offload_detail::grad_bucket_slots(gb, settings), -1);
+      gb = partition::cut_grad_buckets(placement, settings, &seat);
+      buf_owner.assign(gb.slots(settings), -1);
       buf_freed.assign(buf_owner.size(), 0);
-      buf_of.assign(gb.units.size(), -1);
+      buf_of.assign(gb.buckets.size(), -1);
     }
-    if (stage0_buckets) gb = offload_detail::grad_buckets(units, settings);
+    if (stage0_buckets) gb = partition::cut_grad_buckets(placement, settings, &seat);
     // finish_through: compute waits for the collectives in flight up to the one in buffer i
     // (all of them for i < 0), first in first out.
     auto finish_through = [&](int i) {
@@ -608,15 +612,15 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
       }
       if (k == 0 || j == 0) issue_fetch(j);
       double ready = act_ready(m, backward);
-      for (int u : units.storage[mm])
-        if (units.sliced[static_cast<std::size_t>(u)])
+      for (int u : units[mm].reads)
+        if (units[static_cast<std::size_t>(u)].slice_at_home)
           ready = std::max(ready, fetched[static_cast<std::size_t>(u)]);
       if (backward && bucketed) {
         // open_buckets: a bucket its first module touches takes the free buffer released longest
         // ago (ties: the lowest), whose previous bucket's collectives (overlap_comm) compute
         // waits for first.
-        for (int u : units.storage[mm]) {
-          const int b = gb.bucket_of[static_cast<std::size_t>(u)];
+        for (int u : units[mm].reads) {
+          const int b = seat[static_cast<std::size_t>(u)].index;
           if (b < 0 || buf_of[static_cast<std::size_t>(b)] >= 0) continue;
           int slot = -1;
           for (std::size_t q = 0; q < buf_owner.size(); ++q)
@@ -639,10 +643,10 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
       if (backward && bucketed) {
         // close_buckets: each bucket whose last module this was launches one reduce-scatter per
         // unit (after this module's backward in compute order); its buffer is free to take again.
-        for (std::size_t b = 0; b < gb.units.size(); ++b) {
-          if (gb.close_after[b] != m) continue;
+        for (std::size_t b = 0; b < gb.buckets.size(); ++b) {
+          if (gb.buckets[b].close_after != m) continue;
           double d = 0;
-          for (int u : gb.units[b]) {
+          for (int u : gb.buckets[b].units) {
             d += collective(dps.rs_bytes[static_cast<std::size_t>(u)], ring);
             p.dp_bytes += dps.rs_bytes[static_cast<std::size_t>(u)];
           }
@@ -660,10 +664,10 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
         // close_buckets at stage 0: the last micro-batch all-reduces each bucket it leaves (its
         // units' whole gradients: the range is contiguous), on the comm lane with overlap_comm
         // (drain_buckets waits for all before the update), else compute waits at once.
-        for (std::size_t b = 0; b < gb.units.size(); ++b) {
-          if (gb.close_after[b] != m) continue;
+        for (std::size_t b = 0; b < gb.buckets.size(); ++b) {
+          if (gb.buckets[b].close_after != m) continue;
           std::uint64_t bytes = 0;
-          for (int u : gb.units[b]) bytes += units.gbytes[static_cast<std::size_t>(u)];
+          for (int u : gb.buckets[b].units) bytes += units[static_cast<std::size_t>(u)].grad_bytes;
           const double d = collective(bytes, 2 * ring);
           p.dp += d;
           p.dp_bytes += bytes;
@@ -706,13 +710,13 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
           t += collective(dps.rs_bytes[u], ring);
           p.dp_bytes += dps.rs_bytes[u];
         }
-        if (!units.sliced[u]) {
+        if (!units[u].slice_at_home) {
           t += collective(dps.ag_bytes[u], ring);
           p.dp_bytes += dps.ag_bytes[u];
         }
         p.dp += t;
         wait_dp(compute + t);
-        all += units.gbytes[u] / 4;
+        all += units[u].grad_bytes / 4;
         mine += dps.slice_elements[u];
       }
       if (all > 0) update *= static_cast<double>(mine) / static_cast<double>(all);
@@ -724,8 +728,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
 
   const int k = settings.prefetch_elements == 0 ? 0 : settings.prefetch_modules;
   const bool grads_nvme = settings.gradients == Tier::kNvme;
-  const bool any_nvme_home =
-      std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+  const bool any_nvme_home = placement.any_nvme_home();
   // The delayed update (docs/offload.md "Delayed update"): step t+1's forward does not wait for
   // step t's update; its backward waits for a unit's update before that unit's gradients leave
   // the device; after its passes the caller waits for every unit of step t and uploads them
@@ -735,17 +738,17 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
   const bool immediate = settings.update_during_backward && config.grad_clip <= 0.0 &&
                          config.model.dtype != DType::kF16 && !delayed && settings.optimizer == Tier::kHost &&
                          !any_nvme_home && !dps.active();  // sharded: one slice cannot decide a skip
-  // Partial optimizer offload: the units of Units::device_opt (kdev of them) keep gradients and
+  // Partial optimizer offload: the units of UnitPlacement::optimizer_on_device (kdev of them) keep gradients and
   // optimizer state on the device.
   // Their gradients accumulate in place (no bucket, no copy out, no host scan); after the norm
   // the compute stream scans and updates them, charged as the device optimizer's time in
   // proportion to their elements, before the next forward (stream order).
-  const int kdev = settings.optimizer_ratio < 1.0 ? static_cast<int>(units.device_opt_units) : 0;
-  auto dev_opt = [&](int u) { return kdev > 0 && units.device_opt[static_cast<std::size_t>(u)] != 0; };
+  const int kdev = settings.optimizer_ratio < 1.0 ? static_cast<int>(placement.sizes.device_opt_units) : 0;
+  auto dev_opt = [&](int u) { return kdev > 0 && units[static_cast<std::size_t>(u)].optimizer_on_device != 0; };
   std::uint64_t all_elements = 0, dev_elements = 0;
   for (int u = 0; u < M; ++u) {
-    all_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
-    if (dev_opt(u)) dev_elements += units.gbytes[static_cast<std::size_t>(u)] / 4;
+    all_elements += units[static_cast<std::size_t>(u)].grad_bytes / 4;
+    if (dev_opt(u)) dev_elements += units[static_cast<std::size_t>(u)].grad_bytes / 4;
   }
   const double dev_update = all_elements == 0
                                 ? 0.0
@@ -766,20 +769,20 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
   // the fetch, written at the publish); everything else the whole unit.
   auto param_io = [&](int u) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (!dps.gathers_at_fetch(units, u) || units.gbytes[uu] == 0) return units.pbytes[uu];
-    return units.pbytes[uu] / (units.gbytes[uu] / 4) * elements(u);
+    if (!dps.gathers_at_fetch(units, u) || units[uu].grad_bytes == 0) return units[uu].param_bytes;
+    return units[uu].param_bytes / (units[uu].grad_bytes / 4) * elements(u);
   };
 
   // Backward touches: a unit's bucket lives from its first backward touch to its last.
   std::vector<int> first_touch(MM, -1), last_touch(MM, M);
   for (int m = M - 1; m >= 0; --m) {
-    for (int u : units.storage[static_cast<std::size_t>(m)]) {
+    for (int u : units[static_cast<std::size_t>(m)].reads) {
       const std::size_t uu = static_cast<std::size_t>(u);
       if (first_touch[uu] < 0) first_touch[uu] = m;
       last_touch[uu] = std::min(last_touch[uu], m);
     }
   }
-  const std::vector<std::vector<int>> fetch_at = fetches_of_step(units, M, A, k);
+  const std::vector<std::vector<int>> fetch_at = fetches_of_step(placement, false, M, A, k);
   const std::size_t per_pass = 2 * MM;
   const std::size_t J = per_pass * static_cast<std::size_t>(A);
 
@@ -800,11 +803,11 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
     // charges that), or to the device copy through an upload (h2d, after the host copy).
     auto publish_resident = [&](int u, double at) {
       const std::size_t uu = static_cast<std::size_t>(u);
-      if (units.home[uu] != Tier::kDevice) return;
-      upload_lane = std::max(upload_lane, at) + h2d(units.pbytes[uu]);
+      if (units[uu].home != Tier::kDevice) return;
+      upload_lane = std::max(upload_lane, at) + h2d(units[uu].param_bytes);
       uploaded[uu] = upload_lane;
-      cur.h2d += h2d(units.pbytes[uu]);
-      cur.h2d_bytes += units.pbytes[uu];
+      cur.h2d += h2d(units[uu].param_bytes);
+      cur.h2d_bytes += units[uu].param_bytes;
     };
     auto issue_fetch = [&](std::size_t t) {
       for (int u : fetch_at[t]) {
@@ -819,10 +822,10 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
         const double slot_free =
             t >= static_cast<std::size_t>(k) + 1 ? compute_end[t - static_cast<std::size_t>(k) - 1] : 0.0;
         const double start = std::max({h2d_stream, host, slot_free, gate});
-        double d = h2d(units.pbytes[uu]);
+        double d = h2d(units[uu].param_bytes);
         cur.h2d += d;
-        cur.h2d_bytes += units.pbytes[uu];
-        if (units.home[uu] == Tier::kNvme) {
+        cur.h2d_bytes += units[uu].param_bytes;
+        if (units[uu].home == Tier::kNvme) {
           const double r = nvme_read(param_io(u));
           cur.nvme_read += r;
           cur.nvme_read_bytes += param_io(u);
@@ -850,25 +853,25 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
       // first k accesses of the step, which nothing fetched ahead).
       double ready = 0;
       if (!delayed)
-        for (int u : units.storage[mm]) host = std::max(host, updated[static_cast<std::size_t>(u)]);
+        for (int u : units[mm].reads) host = std::max(host, updated[static_cast<std::size_t>(u)]);
       if (k == 0 || j == 0) issue_fetch(j);
-      for (int u : units.storage[mm]) {
+      for (int u : units[mm].reads) {
         const std::size_t uu = static_cast<std::size_t>(u);
-        ready = std::max(ready, units.home[uu] == Tier::kDevice ? uploaded[uu] : fetched[uu]);
+        ready = std::max(ready, units[uu].home == Tier::kDevice ? uploaded[uu] : fetched[uu]);
       }
       // acquire_grads: later micro-batches restore the bucket (grads stream) first; data parallel
       // at stage 2-3 reduces every micro-batch on its own, so the bucket starts from zero instead.
       if (backward && !(dps.active() && dps.stage >= 2)) {
-        for (int u : units.storage[mm]) {
+        for (int u : units[mm].reads) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (first_touch[uu] != m || units.gbytes[uu] == 0 || micro == 0 || dev_opt(u)) continue;
-          double d = h2d(units.gbytes[uu]);
+          if (first_touch[uu] != m || units[uu].grad_bytes == 0 || micro == 0 || dev_opt(u)) continue;
+          double d = h2d(units[uu].grad_bytes);
           cur.h2d += d;
-          cur.h2d_bytes += units.gbytes[uu];
+          cur.h2d_bytes += units[uu].grad_bytes;
           if (grads_nvme) {
-            const double r = nvme_read(units.gbytes[uu]);
+            const double r = nvme_read(units[uu].grad_bytes);
             cur.nvme_read += r;
-            cur.nvme_read_bytes += units.gbytes[uu];
+            cur.nvme_read_bytes += units[uu].grad_bytes;
             d += r;
           }
           grads = std::max(grads, host) + d;
@@ -890,20 +893,20 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
       // release_grads: at a unit's last backward touch its bucket goes out (grads stream); on the
       // last micro-batch the unit lands and the optimizer thread scans it (and may update it).
       if (backward) {
-        for (int u : units.storage[mm]) {
+        for (int u : units[mm].reads) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          if (last_touch[uu] != m || units.gbytes[uu] == 0 || dev_opt(u)) continue;
+          if (last_touch[uu] != m || units[uu].grad_bytes == 0 || dev_opt(u)) continue;
           // Delayed update: the previous step's update of u must have read its gradients.
           if (delayed) host = std::max(host, updated[uu]);
-          double d = d2h(units.gbytes[uu]);
+          double d = d2h(units[uu].grad_bytes);
           cur.d2h += d;
-          cur.d2h_bytes += units.gbytes[uu];
+          cur.d2h_bytes += units[uu].grad_bytes;
           if (grads_nvme) {
             // Data parallel: a reduced bucket leaves this rank's slice on NVMe (stage 2-3 read it
             // back first on later micro-batches, to add); stage 1's earlier micro-batches write
             // the unsharded local sum whole.
             const bool reduced = dps.active() && (last_micro || dps.stage >= 2);
-            const std::uint64_t out = reduced ? 4 * elements(u) : units.gbytes[uu];
+            const std::uint64_t out = reduced ? 4 * elements(u) : units[uu].grad_bytes;
             if (reduced && dps.stage >= 2 && micro > 0) {
               const double r = nvme_read(4 * elements(u));
               cur.nvme_read += r;
@@ -959,19 +962,19 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
       for (int u = 0; u < M; ++u) host = std::max(host, updated[static_cast<std::size_t>(u)]);
       for (int u = 0; u < M; ++u) {
         const std::size_t uu = static_cast<std::size_t>(u);
-        if (units.pbytes[uu] == 0) continue;
-        if (units.home[uu] == Tier::kHost) {
-          const double c = host_copy(units.pbytes[uu]);
+        if (units[uu].param_bytes == 0) continue;
+        if (units[uu].home == Tier::kHost) {
+          const double c = host_copy(units[uu].param_bytes);
           host += c;
           cur.host_copy += c;
-          cur.host_copy_bytes += units.pbytes[uu];
+          cur.host_copy_bytes += units[uu].param_bytes;
           continue;
         }
-        if (units.home[uu] != Tier::kDevice) continue;
-        upload_lane = std::max(upload_lane, host) + h2d(units.pbytes[uu]);
+        if (units[uu].home != Tier::kDevice) continue;
+        upload_lane = std::max(upload_lane, host) + h2d(units[uu].param_bytes);
         uploaded[uu] = upload_lane;
-        cur.h2d += h2d(units.pbytes[uu]);
-        cur.h2d_bytes += units.pbytes[uu];
+        cur.h2d += h2d(units[uu].param_bytes);
+        cur.h2d_bytes += units[uu].param_bytes;
       }
     }
     const double norm_known = std::max(worker, host);
@@ -1003,7 +1006,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
           if (delayed) worker = std::max(worker, uploaded[uu]);
           worker += adam(elements(u));
           cur.optimizer += adam(elements(u));
-          if (units.home[uu] == Tier::kNvme) {
+          if (units[uu].home == Tier::kNvme) {
             const double w = nvme_write(param_io(u));  // published synchronously
             worker += w;
             cur.nvme_write += w;
@@ -1029,11 +1032,11 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
         };
         std::vector<Item> items;
         for (int u : order) {
-          const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+          const auto& b = units[static_cast<std::size_t>(u)].sub_groups;
           for (std::size_t c = 0; c + 1 < b.size(); ++c)
             items.push_back({u, b[c + 1] - b[c], c == 0, c + 2 == b.size()});
         }
-        const std::size_t R = units.ring_buffers;
+        const std::size_t R = placement.sizes.ring_buffers;
         struct Pending {
           std::uint64_t seq;
           double done;
@@ -1112,7 +1115,7 @@ Result<StepPrediction> replay_stage(const TrainerConfig& config, const OffloadSe
           ring_seq[i % R] = seq;
           if (!it.last) continue;
           const std::size_t uu = static_cast<std::size_t>(it.unit);
-          if (units.home[uu] == Tier::kNvme) {
+          if (units[uu].home == Tier::kNvme) {
             const double pw = nvme_write(param_io(it.unit));
             cur.nvme_write += pw;
             cur.nvme_write_bytes += param_io(it.unit);
@@ -1266,16 +1269,16 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
     all_elements += static_cast<double>((md.grad_end - md.grad_begin) / 4);
   auto rates_of = [&](const OffloadSettings& s) {
     MachineRates r = rates;
-    const Units units = offload_detail::describe_units(layout, s);
+    const Placement placement = Placement::build(layout, s);
     std::uint64_t mine = 0;
-    for (std::uint64_t g : units.gbytes) mine += g / 4;
+    for (const UnitPlacement& u : placement.units) mine += u.elements();
     if (all_elements > 0) r.device_update_seconds *= static_cast<double>(mine) / all_elements;
     return r;
   };
   if (!pipeline) return replay_stage(config, settings, rates_of(settings), layout, costs);
 
   // Pipeline: each stage's replay, then the schedule over all of them.
-  const int P = offload_detail::pipeline_stage_count(settings);
+  const int P = partition::pipeline_stage_count(settings);
   const int V = std::max(1, settings.pipeline_virtual_stages);
   const int A = static_cast<int>(config.grad_accum);
   if (settings.pp_stage < 0 || settings.pp_stage >= P) {
@@ -1290,7 +1293,7 @@ Result<StepPrediction> predict_step(const TrainerConfig& config, const OffloadSe
   for (int s = 0; s < P; ++s) {
     OffloadSettings ss = settings;
     ss.pp_stage = s;
-    const auto ranges = offload_detail::stage_ranges(settings.pipeline_bounds, V, s);
+    const auto ranges = partition::stage_ranges(settings.pipeline_bounds, V, s);
     std::vector<char> keep(MM, 0);
     for (const auto& [lo, hi] : ranges)
       for (int m = lo; m < hi; ++m) keep[static_cast<std::size_t>(m)] = 1;

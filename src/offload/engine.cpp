@@ -106,9 +106,11 @@
 #include "model/launcher.hpp"
 #include "model/staging.hpp"
 #include "offload/internal.hpp"
-#include "runtime/evaluate.hpp"
-#include "runtime/grad_norm_cuda.hpp"
-#include "runtime/trace.hpp"
+#include "offload/regions.hpp"
+#include "partition/placement.hpp"
+#include "model/evaluate.hpp"
+#include "optim/grad_norm_cuda.hpp"
+#include "offload/trace.hpp"
 #include "strata/checkpoint.hpp"
 #include "strata/device.hpp"
 #include "strata/log.hpp"
@@ -120,7 +122,6 @@
 namespace strata {
 
 using detail::TraceCounter;
-using offload_detail::Units;
 
 namespace {
 
@@ -201,7 +202,8 @@ struct OffloadEngine::Impl {
   TrainerConfig config;
   OffloadSettings settings;
   OffloadPlan plan;
-  Units units;
+  // What lives where (src/partition): read only once setup() built it.
+  partition::Placement placement;
   Device* device = nullptr;
   Stream* compute = nullptr;
   Stream* h2d = nullptr;
@@ -214,25 +216,14 @@ struct OffloadEngine::Impl {
   bool half = false;  // 16-bit working parameters (bf16, fp16) with separate fp32 masters
   bool fp16 = false;  // fp16: loss scaling and skipped steps
   std::optional<LossScaler> scaler;  // fp16 only; moved by the caller once a step's norm is known
-  bool opt_on_device = true;
-  // Partial optimizer offload (Units::device_opt): the units `dev_units` (the first of those this
-  // process holds, in module order: without a pipeline [0, k), with one the stage's first units)
-  // keep gradients, masters and moments in the device regions (indexed by the engine's fp32
-  // offsets, grad_begin, the prefix [0, hshift)) and are updated by the device after the norm is
-  // known; the host arrays hold [hshift, grad_bytes) (host_at).
-  std::vector<int> dev_units;
-  // Per chunk of this stage (chunk_ranges), the device units its modules read, in unit order:
-  // every unit is read by the modules of one chunk of a stage, so the lists partition dev_units
-  // (one list, dev_units itself, without interleaving). Pipeline x data parallel at stages 2-3
-  // reduces a chunk's list after each of its backward ops (run_pipeline).
-  std::vector<std::vector<int>> dev_units_of_chunk;
-  bool partial = false;
-  std::uint64_t hshift = 0;
+  // Partial optimizer offload (Sharding::optimizer_split): the device units (StageShape::
+  // device_units: the first of those this process holds, in module order: without a pipeline
+  // [0, k), with one the stage's first units; per chunk, device_units_of_chunk) keep gradients,
+  // masters and moments in the device regions (indexed by the engine's fp32 offsets, grad_begin,
+  // the prefix [0, device_opt_bytes)) and are updated by the device after the norm is known; the
+  // host arrays hold [device_opt_bytes, grad_bytes) (host_at).
   std::vector<GradStats> dev_stats;  // per unit (device units only): its gradient scan (compute stream)
-  // Unit u's optimizer state is one of the partial split's device units.
-  bool split_dev(int u) const { return partial && units.device_opt[static_cast<std::size_t>(u)] != 0; }
-  bool dev_unit(int u) const { return opt_on_device || split_dev(u); }
-  // Partial offload with data parallelism (offload_detail::dp_partial_sharded; docs/offload.md
+  // Partial offload with data parallelism (Sharding::split_state_sharded; docs/offload.md
   // "Data parallel" under "Partial optimizer offload"): the device units' gradients stay whole in
   // offload.grads; after backward (stage 2: after every micro-batch) a compute-stream host
   // function reduce-scatters each of them through offload.dp_staging on dp_device into this
@@ -240,16 +231,12 @@ struct OffloadEngine::Impl {
   // scan goes to dev_stats; once the norm is known the compute stream updates this rank's slices
   // of master and moments (optim.*, packed at slices.offset) and all-gathers the working elements
   // into the resident copy. The host units take ratio 1's sharded path unchanged.
-  bool part_dp = false;
   float* dgrad_slices = nullptr;  // stage 2: offload.grad_slices (this rank's reduced slices)
   std::unique_ptr<Comm> dp_device;  // the compute stream's (reduce-scatters, then all-gathers)
-  // Whether the device units' optimizer state holds this rank's slices only.
-  bool dev_sliced() const { return dev_sharded || part_dp; }
   // Global fp32-layout offset `off` (of a host unit) in one of the host arrays.
-  char* host_at(const HostMem& h, std::uint64_t off) const { return h.bytes() + (off - hshift); }
+  char* host_at(const HostMem& h, std::uint64_t off) const { return h.bytes() + (off - placement.sizes.device_opt_bytes); }
   std::vector<OwnedParam> owned;                 // every owning parameter
   std::vector<std::vector<int>> owned_of_unit;   // indices into `owned`
-  std::vector<int> first_touch, last_touch;      // per unit: backward modules (first = highest)
 
   // Device storage.
   char* resident = nullptr;  // offload.params
@@ -267,7 +254,6 @@ struct OffloadEngine::Impl {
 
   // Host storage.
   HostMem host_grads, host_params, host_master, host_m, host_v;
-  std::vector<std::uint64_t> host_param_offset;  // per unit, into host_params
   HostMem param_out_staging;                     // host optimizer + NVMe-home params
   std::vector<HostMem> ring;                     // NVMe optimizer pipeline: one sub-group each
   HostMem param_out[2];                          // NVMe optimizer: updated parameters, alternating units
@@ -392,8 +378,7 @@ struct OffloadEngine::Impl {
   // update writes the other, and publish_delayed flips it (no I/O, so a publish cannot fail
   // half-way). Written by the caller in publish_delayed and load_checkpoint only while the
   // optimizer thread has no update of the unit in flight.
-  HostMem delayed_next;
-  std::vector<std::uint64_t> next_offset;
+  HostMem delayed_next;  // at UnitPlacement::next_offset
   std::vector<std::uint32_t> param_shard;
   // Per unit: the optimizer thread wrote its next version since the last publish (an fp16 step
   // that overflowed writes none, and publishing would then bring back an older one). Set by the
@@ -448,7 +433,7 @@ struct OffloadEngine::Impl {
   std::size_t pos = 0;
   bool cyclic = false;  // the pass that follows repeats this trace (more micro-batches this step)
 
-  // The timeline and busy/stall seconds (runtime/trace.hpp); tracks are added in setup().
+  // The timeline and busy/stall seconds (offload/trace.hpp); tracks are added in setup().
   detail::Tracer tracer;
   struct Tracks {
     int caller = 0, compute = 0, h2d = 0, grads = 0, copy_h2d = 0, copy_d2h = 0, optimizer = 0;
@@ -458,25 +443,24 @@ struct OffloadEngine::Impl {
   // Data parallel (null / size 1: one process).
   Comm* dp = nullptr;
   int dp_size = 1, dp_rank = 0;
-  bool sharded = false;  // host optimizer state sharded over the ranks (offload_detail::dp_sharded)
-  // Stages 1-3 with the optimizer on the device (offload_detail::dp_device_sharded): dmaster, dm
-  // and dv hold this rank's slices (`slices`, packed), the device update reduce-scatters the
-  // gradients, merges the statistics and all-gathers the updated parameters on the compute
+  // Sharding::host_state_sharded: the host optimizer state holds this rank's slices.
+  // Sharding::device_state_sharded (stages 1-3 with the optimizer on the device): dmaster, dm and
+  // dv hold this rank's slices (UnitPlacement::slice, packed), the device update reduce-scatters
+  // the gradients, merges the statistics and all-gathers the updated parameters on the compute
   // stream (device_update_sharded) through the device region offload.dp_staging.
-  bool dev_sharded = false;
   char* dev_staging = nullptr;
   // Gradient buckets (docs/parallel.md "Gradient buckets"; optimizer on the device, cpu backend;
   // stages 0 and 2-3, with or without a pipeline: a pipeline stage's buckets are cut per chunk
   // from its modules and each opens and closes inside one backward op of the schedule).
-  // `bucketed`: stage 0 all-reduces each bucket's range of offload.grads in place as backward
-  // leaves its last module (the last micro-batch only). `grad_sharded` (stage >= 2): offload.grads
+  // Sharding::device_grads_bucketed: stage 0 all-reduces each bucket's range of offload.grads in
+  // place as backward leaves its last module (the last micro-batch only).
+  // Sharding::device_grads_sharded (stage >= 2): offload.grads
   // holds this rank's slices; backward writes into bucket buffers (offload.grad_buckets, each unit
   // padded to size x chunk), reduce-scattered in place unit by unit into the slices every
   // micro-batch. The caller thread assigns the buffers (stream order keeps their uses apart); the
   // collectives, their waits and the slices' accumulation run in compute-stream host functions
   // (the compute thread only) over dp_buckets.
-  bool bucketed = false, grad_sharded = false;
-  offload_detail::GradBuckets buckets;
+  // The buckets are Placement::buckets.
   std::unique_ptr<Comm> dp_buckets;
   std::vector<char*> bucket_buf;       // offload.grad_buckets slots (units padded, then the receive part)
   std::vector<int> bucket_buf_owner;   // per buffer: the open bucket using it, -1 free (caller)
@@ -495,22 +479,20 @@ struct OffloadEngine::Impl {
   std::vector<std::pair<int, CommWork>> bucket_work;  // stage 0 in flight (compute thread)
   // Stage 0: bucket b's range of offload.grads (its units are adjacent): byte offset and elements.
   std::pair<std::uint64_t, std::uint64_t> bucket_range(int b) const {
-    const std::vector<int>& us = buckets.units[static_cast<std::size_t>(b)];
+    const std::vector<int>& us = placement.buckets.buckets[static_cast<std::size_t>(b)].units;
     const int lo = us.back(), hi = us.front();  // backward order: highest unit first
     const std::uint64_t begin = grad_begin(lo);
-    return {begin, (grad_begin(hi) + units.gbytes[static_cast<std::size_t>(hi)] - begin) / 4};
+    return {begin, (grad_begin(hi) + placement.units[static_cast<std::size_t>(hi)].grad_bytes - begin) / 4};
   }
   std::vector<GradStats> shard_stats;  // per unit: this rank's slice's scan (compute stream)
   // Stage 3: every unit that is not resident keeps only this rank's slice of its working
-  // parameters at its home (host or NVMe); a fetch all-gathers the slices on the h2d stream.
-  std::vector<char> psharded;  // per unit
-  // Stage 3 in device memory (offload_detail::dp_device_param_sharded): the psharded units' slices
-  // live in offload.params (Units::sliced), read and written there by read_param_slice /
-  // write_param_slice; the device update writes only the slice (no all-gather after it).
-  bool dev_params_sliced = false;
+  // parameters at its home (host or NVMe; UnitPlacement::gathered_at_fetch); a fetch all-gathers
+  // the slices on the h2d stream. In device memory (Sharding::device_params_sliced) the slices
+  // live in offload.params (UnitPlacement::slice_at_home), read and written there by
+  // read_param_slice / write_param_slice; the device update writes only the slice (no all-gather
+  // after it).
   std::unique_ptr<Comm> dp_caller, dp_grads, dp_params, dp_fetch;  // one per thread that talks
   HostMem fetch_send, fetch_recv;  // h2d stream: this rank's slice, and the gathered unit
-  offload_detail::DpSlices slices;
   HostMem shard_grads;      // this rank's slices of the reduced gradients
   HostMem rs_send, rs_recv;  // gradient stream: one unit padded to size x chunk, and this rank's chunk
   HostMem ag_send, ag_recv;  // optimizer thread: this rank's updated chunk, and the gathered unit
@@ -530,12 +512,8 @@ struct OffloadEngine::Impl {
   int tp_size = 1, tp_rank = 0;
   std::unique_ptr<Comm> tp_model, tp_step, tp_norm;
   std::vector<ModelLayout> tp_layouts;  // every rank's shard layout, by tp rank
-  // Per unit, the element ranges of its fp32 layout whose squares this rank adds to the gradient
-  // norm: sharded parameters on every rank, replicated ones (identical on every rank) on rank 0
-  // only, so the sum over the group counts each element of the full model once.
-  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> norm_ranges;
-  // Pipeline parallel (null / size 1: every module here). This stage runs modules
-  // [stage_first, stage_end); units.in_stage says which units it holds. Each thread that talks
+  // Pipeline parallel (null / size 1: every module here). This stage runs the modules of
+  // Placement::stage (chunk_ranges); UnitPlacement::in_stage says which units it holds. Each thread that talks
   // has its own Comm split from the group, used in one order on every stage: the compute stream's
   // worker (activations and activation gradients, pp_stream), the caller (the loss, pp_caller),
   // the thread that computes the gradient norm
@@ -544,20 +522,12 @@ struct OffloadEngine::Impl {
   // its all-reduce between the first and the last stage).
   Comm* pp = nullptr;
   int pp_size = 1, pp_rank = 0;
-  int stage_first = 0, stage_end = 0;
-  // The module ranges this stage runs, in chunk order: one, [stage_first, stage_end), or with
-  // interleaved 1F1B (settings.pipeline_virtual_stages = v > 1) chunks s, s + p, ... of the v·p
-  // (stage_first / stage_end: the first chunk's start and the last one's end). {[0, M)} without
-  // a pipeline.
-  std::vector<std::pair<int, int>> chunk_ranges;
-  int chunks = 1;
+  int chunks = 1;  // Placement::stage.chunks
   // Interleaved: the activation slot of each (micro-batch, chunk) of the step's schedule, and
   // per chunk a slot carved for it (forward only runs the chunks through these).
   InterleavedSlots chunk_slots;
   std::vector<int> forward_slot;
   std::unique_ptr<Comm> pp_caller, pp_norm, pp_tied;
-  int tied_unit = -1;                   // the unit both the first and the last stage hold (GPT-2's embedding)
-  std::vector<int> unit_stage;          // per unit: the lowest stage holding it (whose statistics count)
   std::vector<GradStats> pp_stats;      // this stage's per-unit statistics, and ...
   std::vector<GradStats> pp_gathered;   // ... every stage's (stage-major)
   // Per micro-batch (interleaved: per micro-batch and chunk, a·v + c): the boundary tensors sent.
@@ -599,9 +569,9 @@ struct OffloadEngine::Impl {
     return device->memory().stats().allocations + device->pinned().stats().allocations + device->stats().raw_allocs;
   }
   const ModelLayout& layout() const { return model->layout(); }
-  // Unit u's gradient offset in the engine's fp32 arrays (internal.hpp's Units::grad_offset: the
+  // Unit u's gradient offset in the engine's fp32 arrays (UnitPlacement::grad_offset: the
   // layout's grad_begin in one process; packed to the stage's units in a pipeline).
-  std::uint64_t grad_begin(int u) const { return units.grad_offset[static_cast<std::size_t>(u)]; }
+  std::uint64_t grad_begin(int u) const { return placement.units[static_cast<std::size_t>(u)].grad_offset; }
   std::uint64_t param_begin(int u) const { return layout().modules[static_cast<std::size_t>(u)].param_begin; }
   int owner_unit(int index) const {
     const ParamDesc& p = layout().params[static_cast<std::size_t>(index)];
@@ -635,13 +605,7 @@ struct OffloadEngine::Impl {
     if (pp_size == 1) return ok_status();
     return failed_precondition(std::string(what) + " with " + std::to_string(pp_size) +
                                " pipeline stages is not built yet (this stage holds modules " +
-                               std::to_string(stage_first) + ".." + std::to_string(stage_end - 1) + ")");
-  }
-  // The unit's whole working parameters live in offload.params (not a stage-3 slice: those are
-  // fetched into param slots like units at home on the host).
-  bool resident_unit(int u) const {
-    const std::size_t uu = static_cast<std::size_t>(u);
-    return units.home[uu] == Tier::kDevice && !units.sliced[uu];
+                               std::to_string(placement.stage.first) + ".." + std::to_string(placement.stage.end - 1) + ")");
   }
   Status bind(int u) {
     return model->bind_module(u, bound_params[static_cast<std::size_t>(u)], bound_grads[static_cast<std::size_t>(u)]);
@@ -673,12 +637,12 @@ struct OffloadEngine::Impl {
   // update with the next step's forward, so it is paid only where the update can fail after the
   // norm (`pp_update_may_fail`: the NVMe optimizer, NVMe gradients or NVMe parameter homes,
   // whose writes can fail); an update in memory cannot (a failed collective is not retried).
-  bool agree_per_unit() const { return (sharded && dp_params != nullptr) || tp_size > 1; }
+  bool agree_per_unit() const { return (placement.sharding.host_state_sharded && dp_params != nullptr) || tp_size > 1; }
   // Units updated as their gradients land, inside the step's call (worker_main's immediate_ok).
   bool update_immediately() const {
     return !delayed && settings.update_during_backward && config.grad_clip <= 0.0 && !fp16 &&
-           settings.optimizer == Tier::kHost && !sharded && pp_size == 1 &&
-           std::none_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; });
+           settings.optimizer == Tier::kHost && !placement.sharding.host_state_sharded && pp_size == 1 &&
+           !placement.any_nvme_home();
   }
   // Several processes, the host optimizer: a rank's own failure of a step before its norm (a
   // stream error the caller sees, a failed scan or copy of landed gradients, a gradient read or
@@ -693,8 +657,8 @@ struct OffloadEngine::Impl {
   // rank naming the cause and the checkpoint to reload). Not with data parallelism whose
   // optimizer state is not sharded (no statistics gather over the data-parallel group).
   bool agree_before_norm() const {
-    return !opt_on_device && (dp_size > 1 || tp_size > 1 || pp_size > 1) &&
-           (dp_size == 1 || (sharded && dp_params != nullptr));
+    return !placement.sharding.optimizer_on_device && (dp_size > 1 || tp_size > 1 || pp_size > 1) &&
+           (dp_size == 1 || (placement.sharding.host_state_sharded && dp_params != nullptr));
   }
   // The agreed place of a failing rank in the grid (1 + data-parallel rank + dp * (tensor rank +
   // tp * stage)), 0 for none, and the words naming it.
@@ -819,7 +783,7 @@ struct OffloadEngine::Impl {
   // published version) and not for a unit all-gathered across ranks (stage 3: every rank must
   // issue the same fetches, and whether an update is done differs between ranks).
   bool gated_in_pass(int u) const {
-    return !delayed && (psharded.empty() || !psharded[static_cast<std::size_t>(u)]);
+    return !delayed && !placement.units[static_cast<std::size_t>(u)].gathered_at_fetch;
   }
   bool next_step_fetches = false;  // prefetch_next_step is issuing (ParamSlot::next_step)
   // Caller, once a step returned (its norm known, its update released to the optimizer thread):
@@ -926,8 +890,8 @@ struct OffloadEngine::Impl {
   // The gradients the optimizer thread scans for unit u: this rank's slice when sharded.
   std::pair<char*, std::uint64_t> unit_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (sharded) return {shard_grads.bytes() + 4 * slices.offset[uu], slices.len[uu]};
-    return {host_at(host_grads, grad_begin(u)), units.gbytes[uu] / 4};
+    if (placement.sharding.host_state_sharded) return {shard_grads.bytes() + 4 * placement.units[uu].slice_offset, placement.units[uu].slice.len};
+    return {host_at(host_grads, grad_begin(u)), placement.units[uu].grad_bytes / 4};
   }
   // A pipeline stage that keeps its place through a caller error inside a module's work
   // (run_pipeline sets it: tensor or data parallelism in the stage, the cpu backend, the
@@ -974,7 +938,7 @@ struct OffloadEngine::Impl {
   }
   // The stage whose copy of unit u counts (the lowest stage holding it: GPT-2's tied embedding
   // is the first stage's); 0 without a pipeline.
-  int holder(int u) const { return pp_size > 1 ? unit_stage[static_cast<std::size_t>(u)] : 0; }
+  int holder(int u) const { return pp_size > 1 ? placement.units[static_cast<std::size_t>(u)].holder_stage : 0; }
   // `bytes` (even) of host memory to / from stage `peer` over pp_caller, as raw 16-bit words in
   // pieces within a Comm call's element limit. Caller thread; waits.
   Status pp_send_bytes(const void* data, std::uint64_t bytes, int peer, const std::string& what);
@@ -1020,15 +984,15 @@ struct OffloadEngine::Impl {
   // (the whole unit, or this rank's slice when dev_sharded).
   char* dev_state(int u, int which) const {
     const float* base = which == 1 ? dmaster : which == 2 ? dm : dv;
-    const std::uint64_t off = dev_sliced() ? 4 * slices.offset[static_cast<std::size_t>(u)] : grad_begin(u);
+    const std::uint64_t off = placement.sharding.device_state_in_slices() ? 4 * placement.units[static_cast<std::size_t>(u)].slice_offset : grad_begin(u);
     return const_cast<char*>(reinterpret_cast<const char*>(base)) + off;
   }
   std::uint64_t dev_state_first(int u) const {
-    return dev_sliced() ? slices.begin[static_cast<std::size_t>(u)] : 0;
+    return placement.sharding.device_state_in_slices() ? placement.units[static_cast<std::size_t>(u)].slice.begin : 0;
   }
   std::uint64_t dev_state_len(int u) const {
-    return dev_sliced() ? slices.len[static_cast<std::size_t>(u)]
-                        : units.gbytes[static_cast<std::size_t>(u)] / 4;
+    return placement.sharding.device_state_in_slices() ? placement.units[static_cast<std::size_t>(u)].slice.len
+                        : placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
   }
   // Partial optimizer offload, in compute order: the device units' gradient scans into
   // dev_stats (after backward), and their update once the step's norm is known.
@@ -1045,8 +1009,8 @@ struct OffloadEngine::Impl {
   // The reduced gradients of this rank's slice of device unit u (part_dp).
   float* dev_slice_grads(int u) const {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (settings.zero_stage >= 2) return dgrad_slices + slices.offset[uu];
-    return reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)) + slices.begin[uu];
+    if (settings.zero_stage >= 2) return dgrad_slices + placement.units[uu].slice_offset;
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)) + placement.units[uu].slice.begin;
   }
   // The device optimizer's buffers of parameter o (master, gradient, moments in the device
   // regions; the working copy in the resident block), for the cpu backend's update.
@@ -1107,34 +1071,24 @@ Status OffloadEngine::Impl::setup() {
     STRATA_ASSIGN_OR_RETURN(LossScaler ls, LossScaler::create(config.loss_scaling));
     scaler.emplace(ls);
   }
-  opt_on_device = settings.optimizer == Tier::kDevice;
   delayed = settings.delayed_update;
   STRATA_RETURN_IF_ERROR(setup_tensor_parallel());
   STRATA_ASSIGN_OR_RETURN(ModelLayout lay, describe_model(config.model, TensorParallel{tp_size, tp_rank}));
-  units = offload_detail::describe_units(lay, settings, dp != nullptr ? dp->rank() : 0);
-  pp_update_may_fail = pp_size > 1 && !opt_on_device &&
+  // Gradient buckets: stage 0's all-reduce on the cpu backend only (cuda keeps the one all-reduce
+  // after backward: a stream's host function may not call NCCL), and stage >= 2's reduce-scatter
+  // (the sharded device optimizer is cpu-only, check_data_parallel).
+  partition::Ranks ranks;
+  ranks.dp_rank = dp != nullptr ? dp->rank() : 0;
+  ranks.tp_rank = tp_rank;
+  ranks.cuda = dev.info().kind == DeviceKind::kCuda;
+  placement = partition::Placement::build(lay, settings, ranks);
+  STRATA_RETURN_IF_ERROR(placement.is_valid());
+  pp_update_may_fail = pp_size > 1 && !placement.sharding.optimizer_on_device &&
                        (settings.optimizer == Tier::kNvme || settings.gradients == Tier::kNvme ||
-                        std::any_of(units.home.begin(), units.home.end(), [](Tier t) { return t == Tier::kNvme; }));
-  dev_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_sharded(settings);
-  if (dev_sharded) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
-  // Gradient buckets: stage 0's all-reduce on the cpu backend (cuda keeps the one all-reduce after
-  // backward: a stream's host function may not call NCCL), and stage >= 2's reduce-scatter (the
-  // sharded device optimizer is cpu-only, check_data_parallel).
-  grad_sharded = dp != nullptr && dp->size() > 1 && offload_detail::dp_device_grad_sharded(settings);
-  bucketed = grad_sharded || (dp != nullptr && dp->size() > 1 &&
-                              offload_detail::dp_stage0_bucketed(settings, dev.info().kind == DeviceKind::kCuda));
-  if (bucketed) buckets = offload_detail::grad_buckets(units, settings);
+                        placement.any_nvme_home());
   M = static_cast<int>(lay.modules.size());
-  partial = !opt_on_device && units.device_opt_units > 0;
-  if (partial) {
-    for (int u = 0; u < M; ++u)
-      if (units.device_opt[static_cast<std::size_t>(u)]) dev_units.push_back(u);
-  }
-  hshift = partial ? units.device_opt_bytes : 0;
-  part_dp = partial && dp != nullptr && dp->size() > 1;
-  if (part_dp) slices = offload_detail::dp_slices(units, dp->size(), dp->rank());
   dev_stats.assign(static_cast<std::size_t>(M), GradStats{});
-  const std::vector<RegionSpec> regions = offload_detail::device_regions(lay, units, settings);
+  const std::vector<RegionSpec> regions = offload_detail::device_regions(placement, settings, wdtype);
   STRATA_RETURN_IF_ERROR(dev.memory().plan(regions).with_context("offload engine: planning device memory"));
   if (compute == nullptr) {
     STRATA_ASSIGN_OR_RETURN(compute, dev.create_stream("train"));
@@ -1151,7 +1105,7 @@ Status OffloadEngine::Impl::setup() {
   track.nvme_fetch = tracer.add_track("NVMe I/O: parameter reads");
   track.nvme_publish = tracer.add_track("NVMe I/O: parameter writes");
   track.nvme_ring = track.nvme_publish + 1;
-  for (std::uint32_t r = 0; settings.optimizer == Tier::kNvme && r < units.ring_buffers; ++r)
+  for (std::uint32_t r = 0; settings.optimizer == Tier::kNvme && r < placement.sizes.ring_buffers; ++r)
     tracer.add_track("NVMe I/O: optimizer ring " + std::to_string(r));
 
   Model::Options mo;
@@ -1164,23 +1118,17 @@ Status OffloadEngine::Impl::setup() {
   mo.tensor_parallel = tp_model.get();
   mo.sequence_parallel = settings.sequence_parallel;
   mo.offload_activations = settings.offload_activations;
-  stage_first = 0;
-  stage_end = M;
-  chunk_ranges = {{0, M}};
+  chunks = placement.stage.chunks;
   if (pp_size > 1) {
-    chunks = settings.pipeline_virtual_stages;
-    chunk_ranges = offload_detail::stage_ranges(settings.pipeline_bounds, chunks, pp_rank);
-    stage_first = chunk_ranges.front().first;
-    stage_end = chunk_ranges.back().second;
     if (chunks == 1) {
-      mo.first_module = stage_first;
-      mo.end_module = stage_end;
+      mo.first_module = placement.stage.first;
+      mo.end_module = placement.stage.end;
       mo.activation_slots =
           pipeline_slots(settings.pipeline_schedule, pp_size, pp_rank, static_cast<int>(config.grad_accum));
     } else {
       // Slots carved per (micro-batch, chunk), as many as the schedule's peak of live chunk
       // forwards (docs/parallel.md "Schedules").
-      mo.module_ranges = chunk_ranges;
+      mo.module_ranges = placement.stage.chunk_ranges;
       STRATA_ASSIGN_OR_RETURN(chunk_slots, interleaved_slot_assignment(pp_size, pp_rank, chunks,
                                                                        static_cast<int>(config.grad_accum)));
       mo.activation_slots = static_cast<int>(chunk_slots.slot_chunks.size());
@@ -1192,23 +1140,14 @@ Status OffloadEngine::Impl::setup() {
       }
     }
   }
-  dev_units_of_chunk.assign(chunk_ranges.size(), {});
-  for (int u : dev_units) {
-    int reader = -1;
-    for (std::size_t c = 0; c < chunk_ranges.size(); ++c) {
-      for (int m = chunk_ranges[c].first; m < chunk_ranges[c].second; ++m) {
-        const std::vector<int>& st = units.storage[static_cast<std::size_t>(m)];
-        if (std::find(st.begin(), st.end(), u) == st.end()) continue;
-        if (reader >= 0 && reader != static_cast<int>(c)) {
-          return internal_error("offload: device module " + std::to_string(u) + " is read by chunks " +
-                                std::to_string(reader) + " and " + std::to_string(c) + " of this stage");
-        }
-        reader = static_cast<int>(c);
-      }
-    }
-    if (reader < 0)
+  // Every device unit is read by the modules of one chunk of this stage (device_units_of_chunk
+  // partitions device_units): pipeline x data parallel at stages 2-3 reduces a chunk's list after
+  // each of its backward ops (run_pipeline).
+  for (int u : placement.stage.device_units) {
+    if (placement.units[static_cast<std::size_t>(u)].several_chunks)
+      return internal_error("offload: device module " + std::to_string(u) + " is read by several chunks of this stage");
+    if (placement.units[static_cast<std::size_t>(u)].chunk < 0)
       return internal_error("offload: device module " + std::to_string(u) + " is read by no chunk");
-    dev_units_of_chunk[static_cast<std::size_t>(reader)].push_back(u);
   }
   STRATA_ASSIGN_OR_RETURN(model, Model::create(std::move(lay), dev, *compute, mo));
   const ModelLayout& L = layout();
@@ -1216,25 +1155,25 @@ Status OffloadEngine::Impl::setup() {
   Arena& arena = dev.memory();
   char* base = static_cast<char*>(arena.base());
   STRATA_ASSIGN_OR_RETURN(std::uint64_t roff,
-                          arena.allocate_persistent("offload.params", std::max<std::uint64_t>(units.resident_bytes, 1)));
+                          arena.allocate_persistent("offload.params", std::max<std::uint64_t>(placement.sizes.resident_bytes, 1)));
   resident = base + roff;
   bound_params.assign(static_cast<std::size_t>(M), nullptr);
   bound_grads.assign(static_cast<std::size_t>(M), nullptr);
   for (int u = 0; u < M; ++u) {
-    if (resident_unit(u))  // a sliced unit (stage 3 in device memory) is bound to its slot when fetched
-      bound_params[static_cast<std::size_t>(u)] = resident + units.resident_offset[static_cast<std::size_t>(u)];
+    if (placement.resident(u))  // a sliced unit (stage 3 in device memory) is bound to its slot when fetched
+      bound_params[static_cast<std::size_t>(u)] = resident + placement.units[static_cast<std::size_t>(u)].resident_offset;
   }
-  if (opt_on_device || partial) {
+  if (placement.sharding.optimizer_on_device || placement.sharding.optimizer_split) {
     // Stage >= 2 (grad_sharded): this rank's slices of the gradients only.
-    const std::uint64_t dbytes = grad_sharded   ? offload_detail::device_state_bytes(units, settings)
-                                 : opt_on_device ? units.grad_bytes
-                                                 : units.device_opt_bytes;
+    const std::uint64_t dbytes = placement.sharding.device_grads_sharded   ? offload_detail::device_state_bytes(placement)
+                                 : placement.sharding.optimizer_on_device ? placement.sizes.grad_bytes
+                                                 : placement.sizes.device_opt_bytes;
     dgrad_bytes = dbytes;
     // Sharded (dev_sharded): the state regions hold this rank's slices only.
     // Partial offload with data parallelism: this rank's slices of the device units.
-    const std::uint64_t sbytes = opt_on_device ? offload_detail::device_state_bytes(units, settings)
-                                 : part_dp     ? 4 * slices.dev_elements
-                                               : units.device_opt_bytes;
+    const std::uint64_t sbytes = placement.sharding.optimizer_on_device ? offload_detail::device_state_bytes(placement)
+                                 : placement.sharding.split_state_sharded     ? 4 * placement.slices.dev_elements
+                                               : placement.sizes.device_opt_bytes;
     auto carve = [&](const char* name, std::uint64_t bytes) -> Result<float*> {
       STRATA_ASSIGN_OR_RETURN(std::uint64_t off,
                               arena.allocate_persistent(name, std::max<std::uint64_t>(bytes, 1)));
@@ -1247,24 +1186,24 @@ Status OffloadEngine::Impl::setup() {
     }
     STRATA_ASSIGN_OR_RETURN(dm, carve("optim.exp_avg", sbytes));
     STRATA_ASSIGN_OR_RETURN(dv, carve("optim.exp_avg_sq", sbytes));
-    if (dev_sharded) {
+    if (placement.sharding.device_state_sharded) {
       float* staging = nullptr;
       STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::device_dp_staging_bytes(
-                                                                       units, settings, half ? 2 : 4)));
+                                                                       placement, half ? 2 : 4)));
       dev_staging = reinterpret_cast<char*>(staging);
     }
-    if (part_dp) {
+    if (placement.sharding.split_state_sharded) {
       float* staging = nullptr;
-      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::partial_dp_staging_bytes(
-                                                                       units, settings, half ? 2 : 4)));
+      STRATA_ASSIGN_OR_RETURN(staging, carve("offload.dp_staging", offload_detail::split_dp_staging_bytes(
+                                                                       placement, half ? 2 : 4)));
       dev_staging = reinterpret_cast<char*>(staging);
       if (settings.zero_stage >= 2) {
-        STRATA_ASSIGN_OR_RETURN(dgrad_slices, carve("offload.grad_slices", 4 * slices.dev_elements));
+        STRATA_ASSIGN_OR_RETURN(dgrad_slices, carve("offload.grad_slices", 4 * placement.slices.dev_elements));
       }
     }
-    if (grad_sharded) {
+    if (placement.sharding.device_grads_sharded) {
       // Backward writes into bucket buffers, bound per bucket (open_buckets).
-      for (std::uint32_t i = 0; i < offload_detail::grad_bucket_slots(buckets, settings); ++i) {
+      for (std::uint32_t i = 0; i < placement.buckets.slots(settings); ++i) {
         STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.grad_buckets"));
         STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.grad_buckets", idx));
         bucket_buf.push_back(base + off);
@@ -1273,12 +1212,12 @@ Status OffloadEngine::Impl::setup() {
       bucket_buf_freed.assign(bucket_buf.size(), 0);
     } else {
       for (int u = 0; u < M; ++u)
-        if (dev_unit(u))
+        if (placement.device_state(u))
           bound_grads[static_cast<std::size_t>(u)] = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u));
     }
-    bucket_buf_of.assign(buckets.units.size(), -1);
+    bucket_buf_of.assign(placement.buckets.buckets.size(), -1);
   }
-  STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, units.resident_bytes));
+  STRATA_RETURN_IF_ERROR(compute->memset_async(resident, 0, placement.sizes.resident_bytes));
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(bind(u));
 
   STRATA_RETURN_IF_ERROR(setup_data_parallel());
@@ -1287,10 +1226,9 @@ Status OffloadEngine::Impl::setup() {
   // Slots and buckets.
   slot_of.assign(static_cast<std::size_t>(M), -1);
   gslot_of.assign(static_cast<std::size_t>(M), -1);
-  bool any_nvme_home = false;
-  for (Tier t : units.home) any_nvme_home = any_nvme_home || t == Tier::kNvme;
-  const bool any_psharded = std::find(psharded.begin(), psharded.end(), 1) != psharded.end();
-  for (std::uint32_t s = 0; s < units.param_slots; ++s) {
+  const bool any_nvme_home = placement.any_nvme_home();
+  const bool any_psharded = placement.any_gathered_at_fetch();
+  for (std::uint32_t s = 0; s < placement.sizes.param_slots; ++s) {
     ParamSlot slot;
     STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.param_slots"));
     STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.param_slots", idx));
@@ -1299,11 +1237,11 @@ Status OffloadEngine::Impl::setup() {
     STRATA_ASSIGN_OR_RETURN(slot.free, dev.create_event());
     slot.early_ok = std::make_unique<std::atomic<bool>>(false);
     if (any_nvme_home || any_psharded) {
-      STRATA_ASSIGN_OR_RETURN(slot.staging, HostMem::make(dev, true, units.param_slot_bytes, "offload.fetch_staging"));
+      STRATA_ASSIGN_OR_RETURN(slot.staging, HostMem::make(dev, true, placement.sizes.param_slot_bytes, "offload.fetch_staging"));
     }
     pslots.push_back(std::move(slot));
   }
-  for (std::uint32_t s = 0; s < units.grad_slots; ++s) {
+  for (std::uint32_t s = 0; s < placement.sizes.grad_slots; ++s) {
     GradSlot slot;
     STRATA_ASSIGN_OR_RETURN(std::uint32_t idx, arena.acquire_slot("offload.grad_slots"));
     STRATA_ASSIGN_OR_RETURN(std::uint64_t off, arena.slot_offset("offload.grad_slots", idx));
@@ -1314,11 +1252,11 @@ Status OffloadEngine::Impl::setup() {
     gslots.push_back(std::move(slot));
   }
 
-  // Owning parameters and backward touches.
+  // Owning parameters.
   owned_of_unit.assign(static_cast<std::size_t>(M), {});
   for (std::size_t i = 0; i < L.params.size(); ++i) {
     const ParamDesc& p = L.params[i];
-    if (!p.owns_storage() || !units.in_stage[static_cast<std::size_t>(p.module)]) continue;
+    if (!p.owns_storage() || !placement.units[static_cast<std::size_t>(p.module)].in_stage) continue;
     OwnedParam o;
     o.index = static_cast<int>(i);
     o.unit = p.module;
@@ -1330,57 +1268,32 @@ Status OffloadEngine::Impl::setup() {
     owned_of_unit[static_cast<std::size_t>(p.module)].push_back(static_cast<int>(owned.size()));
     owned.push_back(o);
   }
-  first_touch.assign(static_cast<std::size_t>(M), -1);
-  last_touch.assign(static_cast<std::size_t>(M), M);
-  for (const auto& [first, end] : chunk_ranges) {  // this stage's modules (all without a pipeline)
-    for (int m = first; m < end; ++m) {
-      for (int u : units.storage[static_cast<std::size_t>(m)]) {
-        first_touch[static_cast<std::size_t>(u)] = std::max(first_touch[static_cast<std::size_t>(u)], m);
-        last_touch[static_cast<std::size_t>(u)] = std::min(last_touch[static_cast<std::size_t>(u)], m);
-      }
-    }
-  }
 
   // Host tiers.
   const bool pin = settings.pin_memory;
-  if (!opt_on_device) {
+  if (!placement.sharding.optimizer_on_device) {
     grads_on_nvme = settings.gradients == Tier::kNvme;
     if (grads_on_nvme) {
-      STRATA_ASSIGN_OR_RETURN(grad_staging, HostMem::make(dev, true, units.grad_slot_bytes, "offload.grad_staging"));
+      STRATA_ASSIGN_OR_RETURN(grad_staging, HostMem::make(dev, true, placement.sizes.grad_slot_bytes, "offload.grad_staging"));
       landed_stats.assign(static_cast<std::size_t>(M), GradStats{});
-    } else if (sharded) {
+    } else if (placement.sharding.host_state_sharded) {
       // Unsharded gradients only to carry stage 1's accumulation between micro-batches.
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
         STRATA_ASSIGN_OR_RETURN(host_grads,
-                                HostMem::make(dev, pin, units.grad_bytes - hshift, "offload.host_grads"));
+                                HostMem::make(dev, pin, placement.sizes.grad_bytes - placement.sizes.device_opt_bytes, "offload.host_grads"));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, units.grad_bytes - hshift, "offload.host_grads"));
+      STRATA_ASSIGN_OR_RETURN(host_grads, HostMem::make(dev, pin, placement.sizes.grad_bytes - placement.sizes.device_opt_bytes, "offload.host_grads"));
     }
-    host_param_offset.assign(static_cast<std::size_t>(M), 0);
-    std::uint64_t off = 0;
-    for (int u = 0; u < M; ++u) {
-      const std::size_t uu = static_cast<std::size_t>(u);
-      host_param_offset[uu] = off;
-      if (units.home[uu] == Tier::kNvme) continue;
-      off += psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : units.pbytes[uu];
-    }
-    STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, off, "offload.host_params"));
+    STRATA_ASSIGN_OR_RETURN(host_params, HostMem::make(dev, pin, placement.sizes.host_params_held, "offload.host_params"));
     if (delayed) {
-      // The delayed update's second version of every off-device unit (delayed_next, param_shard).
-      next_offset.assign(static_cast<std::size_t>(M), 0);
+      // The delayed update's second version of every off-device unit (delayed_next, param_shard;
+      // stage 3: of this rank's slice only, what write_param_slice writes).
       param_shard.assign(static_cast<std::size_t>(M), 0);
       next_fresh.assign(static_cast<std::size_t>(M), 0);
-      std::uint64_t next = 0;
-      for (int u = 0; u < M; ++u) {
-        const std::size_t uu = static_cast<std::size_t>(u);
-        next_offset[uu] = next;
-        // Stage 3: the next version of this rank's slice only (what write_param_slice writes).
-        if (units.home[uu] == Tier::kHost)
-          next += psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : units.pbytes[uu];
-      }
-      if (next > 0) {
-        STRATA_ASSIGN_OR_RETURN(delayed_next, HostMem::make(dev, pin, next, "offload.delayed_next_params"));
+      if (placement.sizes.delayed_next_bytes > 0) {
+        STRATA_ASSIGN_OR_RETURN(delayed_next, HostMem::make(dev, pin, placement.sizes.delayed_next_bytes,
+                                                            "offload.delayed_next_params"));
       }
     }
     for (int u = 0; u < M; ++u) {
@@ -1398,16 +1311,16 @@ Status OffloadEngine::Impl::setup() {
     host_opt = opt;
   }
   if (settings.optimizer == Tier::kHost) {
-    const std::uint64_t bytes = sharded ? 4 * slices.shard_elements : units.grad_bytes - hshift;
+    const std::uint64_t bytes = placement.sharding.host_state_sharded ? 4 * placement.slices.shard_elements : placement.sizes.grad_bytes - placement.sizes.device_opt_bytes;
     STRATA_ASSIGN_OR_RETURN(host_master, HostMem::make(dev, pin, bytes, "offload.master"));
     STRATA_ASSIGN_OR_RETURN(host_m, HostMem::make(dev, pin, bytes, "offload.exp_avg"));
     STRATA_ASSIGN_OR_RETURN(host_v, HostMem::make(dev, pin, bytes, "offload.exp_avg_sq"));
   }
-  if (sharded) {
-    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk;
+  if (placement.sharding.host_state_sharded) {
+    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = placement.slices.max_chunk;
     const std::uint64_t w = half ? 2 : 4;
     if (!grads_on_nvme) {  // on NVMe: only this rank's slices' keys, through grad_staging
-      STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * slices.shard_elements, "offload.dp_grads"));
+      STRATA_ASSIGN_OR_RETURN(shard_grads, HostMem::make(dev, pin, 4 * placement.slices.shard_elements, "offload.dp_grads"));
     }
     STRATA_ASSIGN_OR_RETURN(rs_send, HostMem::make(dev, pin, 4 * P * c, "offload.dp_reduce"));
     STRATA_ASSIGN_OR_RETURN(rs_recv, HostMem::make(dev, pin, 4 * c, "offload.dp_reduce"));
@@ -1417,22 +1330,22 @@ Status OffloadEngine::Impl::setup() {
     flagged_gathered.assign(static_cast<std::size_t>(dp_size) * (static_cast<std::size_t>(M) + 1), GradStats{});
   }
   if (any_psharded) {
-    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = slices.max_chunk, w = half ? 2 : 4;
+    const std::uint64_t P = static_cast<std::uint64_t>(dp_size), c = placement.slices.max_chunk, w = half ? 2 : 4;
     STRATA_ASSIGN_OR_RETURN(fetch_send, HostMem::make(dev, true, w * c, "offload.dp_fetch"));
     STRATA_ASSIGN_OR_RETURN(fetch_recv, HostMem::make(dev, true, w * P * c, "offload.dp_fetch"));
   }
   if (settings.optimizer == Tier::kNvme) {
-    for (std::uint32_t r = 0; r < units.ring_buffers; ++r) {
-      STRATA_ASSIGN_OR_RETURN(HostMem h, HostMem::make(dev, true, units.ring_buffer_bytes, "offload.optim_ring"));
+    for (std::uint32_t r = 0; r < placement.sizes.ring_buffers; ++r) {
+      STRATA_ASSIGN_OR_RETURN(HostMem h, HostMem::make(dev, true, placement.sizes.ring_buffer_bytes, "offload.optim_ring"));
       ring.push_back(std::move(h));
     }
     for (HostMem& h : param_out) {
-      STRATA_ASSIGN_OR_RETURN(h, HostMem::make(dev, true, units.param_out_bytes, "offload.param_out"));
+      STRATA_ASSIGN_OR_RETURN(h, HostMem::make(dev, true, placement.sizes.param_out_bytes, "offload.param_out"));
     }
   }
   if (any_nvme_home && settings.optimizer == Tier::kHost) {
     STRATA_ASSIGN_OR_RETURN(param_out_staging,
-                            HostMem::make(dev, true, units.param_slot_bytes, "offload.param_out_staging"));
+                            HostMem::make(dev, true, placement.sizes.param_slot_bytes, "offload.param_out_staging"));
   }
   if (any_nvme_home || settings.optimizer == Tier::kNvme) {
     IoEngineConfig ioc = settings.io;
@@ -1454,10 +1367,10 @@ Status OffloadEngine::Impl::setup() {
   STRATA_ASSIGN_OR_RETURN(launch, detail::KernelLauncher::create(dev, *compute, 0));
   std::uint64_t largest = 4096;
   for (const auto& p : L.params) largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(p.numel()) * 4);
-  for (std::uint64_t b : units.pbytes) largest = std::max(largest, b);
+  for (const partition::UnitPlacement& u : placement.units) largest = std::max(largest, u.param_bytes);
   STRATA_ASSIGN_OR_RETURN(stager, detail::HostStager::create(dev, *compute, std::min<std::uint64_t>(largest, 16u << 20),
                                                              "offload.staging"));
-  if (opt_on_device || partial) {
+  if (placement.sharding.optimizer_on_device || placement.sharding.optimizer_split) {
     if (launch->is_cpu()) {
       CpuOptimizerConfig oc;
       STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa(config.optimizer_isa));
@@ -1467,7 +1380,7 @@ Status OffloadEngine::Impl::setup() {
     } else {
       STRATA_ASSIGN_OR_RETURN(
           cuda_partials,
-          dev.allocate((detail::sum_of_squares_cuda_partials(units.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
+          dev.allocate((detail::sum_of_squares_cuda_partials(placement.sizes.grad_bytes / 4) + 1) * sizeof(double), "offload.norm"));
       STRATA_ASSIGN_OR_RETURN(pinned_norm, dev.pinned().allocate(sizeof(double), "offload.norm"));
     }
   }
@@ -1475,13 +1388,10 @@ Status OffloadEngine::Impl::setup() {
   stage_done.assign(static_cast<std::size_t>(M), 0);
   host_opt_step.assign(static_cast<std::size_t>(M), 0);
   group_step.resize(static_cast<std::size_t>(M));
-  for (int u = 0; u < M; ++u) {
-    const auto& b = units.sub_groups.empty() ? std::vector<std::uint64_t>{}
-                                             : units.sub_groups[static_cast<std::size_t>(u)];
-    group_step[static_cast<std::size_t>(u)].assign(b.empty() ? 0 : b.size() - 1, 0);
-  }
+  for (int u = 0; u < M; ++u)
+    group_step[static_cast<std::size_t>(u)].assign(placement.units[static_cast<std::size_t>(u)].sub_group_count(), 0);
   STRATA_RETURN_IF_ERROR(initialize());
-  if (!opt_on_device) STRATA_RETURN_IF_ERROR(start_worker());
+  if (!placement.sharding.optimizer_on_device) STRATA_RETURN_IF_ERROR(start_worker());
   return compute->synchronize();
 }
 
@@ -1490,26 +1400,26 @@ Status OffloadEngine::Impl::initialize() {
   std::vector<float> values;
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (!units.in_stage[uu]) continue;  // another pipeline stage's
-    std::vector<char> pbytes(units.pbytes[uu], 0);
+    if (!placement.units[uu].in_stage) continue;  // another pipeline stage's
+    std::vector<char> pbytes(placement.units[uu].param_bytes, 0);
     std::vector<float> blob;
-    const bool via_blob = settings.optimizer == Tier::kNvme || sharded;
-    if (via_blob) blob.assign(3 * units.gbytes[uu] / 4, 0.0f);
+    const bool via_blob = settings.optimizer == Tier::kNvme || placement.sharding.host_state_sharded;
+    if (via_blob) blob.assign(3 * placement.units[uu].grad_bytes / 4, 0.0f);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       values.resize(o.n);
       init_values(L, o.index, config.seed, 0, static_cast<std::int64_t>(o.n), values.data());
       STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, pbytes.data() + o.param_in_unit, wdtype, o.n));
-      if (settings.optimizer == Tier::kHost && !sharded && !dev_unit(u)) {
+      if (settings.optimizer == Tier::kHost && !placement.sharding.host_state_sharded && !placement.device_state(u)) {
         std::memcpy(host_at(host_master, o.grad_offset), values.data(), o.n * 4);
       }
       if (via_blob) std::memcpy(blob.data() + o.grad_in_unit / 4, values.data(), o.n * 4);
-      if (dev_unit(u) && half) STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
+      if (placement.device_state(u) && half) STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
     }
     STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
     // Partial offload with data parallelism: a device unit's state is on the device (its moments
     // zeroed when carved, its master uploaded above).
-    if (via_blob && !(part_dp && dev_unit(u))) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
+    if (via_blob && !(placement.sharding.split_state_sharded && placement.device_state(u))) STRATA_RETURN_IF_ERROR(write_unit_optim(u, blob));
   }
   return compute->synchronize();
 }
@@ -1518,21 +1428,21 @@ Status OffloadEngine::Impl::initialize() {
 
 Status OffloadEngine::Impl::read_unit_params(int u, std::vector<char>& bytes) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  bytes.resize(units.pbytes[uu]);
+  bytes.resize(placement.units[uu].param_bytes);
   if (bytes.empty()) return ok_status();
-  if (!psharded.empty() && psharded[uu]) {
+  if (placement.units[uu].gathered_at_fetch) {
     // Collective: every rank's slice, all-gathered on the caller's Comm.
-    const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu];
+    const std::uint64_t w = half ? 2 : 4, c = placement.units[uu].slice.chunk;
     std::vector<char> mine(c * w), all(c * w * static_cast<std::size_t>(dp_size));
-    if (dev_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // the slice is read in place
+    if (placement.sharding.device_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // the slice is read in place
     return gather_unit_params(u, *dp_caller, dp_tracks[0], mine.data(), all.data(), bytes.data(),
                               /*agree=*/state_reads_can_fail());
   }
-  switch (units.home[uu]) {
+  switch (placement.units[uu].home) {
     case Tier::kDevice:
-      return stager->download(bytes.data(), resident + units.resident_offset[uu], bytes.size());
+      return stager->download(bytes.data(), resident + placement.units[uu].resident_offset, bytes.size());
     case Tier::kHost:
-      std::memcpy(bytes.data(), host_params.bytes() + host_param_offset[uu], bytes.size());
+      std::memcpy(bytes.data(), host_params.bytes() + placement.units[uu].host_offset, bytes.size());
       return ok_status();
     case Tier::kNvme:
       return swap->read(param_key(u), bytes.data(), bytes.size()).wait();
@@ -1546,18 +1456,18 @@ Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& by
   // An early fetch of the unit (prefetch_next_step) holds the version this replaces. The caller
   // waited for every update and the h2d stream (wait_all_updates) or dropped the pass.
   STRATA_RETURN_IF_ERROR(forget_fetched(u));
-  if (!psharded.empty() && psharded[uu]) {  // every rank is given the whole unit and keeps its slice
+  if (placement.units[uu].gathered_at_fetch) {  // every rank is given the whole unit and keeps its slice
     const std::uint64_t w = half ? 2 : 4;
-    std::vector<char> elements(units.gbytes[uu] / 4 * w, 0);
+    std::vector<char> elements(placement.units[uu].grad_bytes / 4 * w, 0);
     to_elements(u, bytes.data(), elements.data());
-    return write_param_slice(u, elements.data() + slices.begin[uu] * w);
+    return write_param_slice(u, elements.data() + placement.units[uu].slice.begin * w);
   }
-  if (units.home[uu] != Tier::kNvme && !opt_on_device) {
-    std::memcpy(host_params.bytes() + host_param_offset[uu], bytes.data(), bytes.size());
+  if (placement.units[uu].home != Tier::kNvme && !placement.sharding.optimizer_on_device) {
+    std::memcpy(host_params.bytes() + placement.units[uu].host_offset, bytes.data(), bytes.size());
   }
-  switch (units.home[uu]) {
+  switch (placement.units[uu].home) {
     case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(stager->upload(resident + units.resident_offset[uu], bytes.data(), bytes.size()));
+      STRATA_RETURN_IF_ERROR(stager->upload(resident + placement.units[uu].resident_offset, bytes.data(), bytes.size()));
       return compute->synchronize();
     case Tier::kHost:
       return ok_status();
@@ -1568,11 +1478,11 @@ Status OffloadEngine::Impl::write_unit_params(int u, const std::vector<char>& by
 }
 
 Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, const Status& before) {
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  const std::size_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
   blob.resize(3 * n);
   Status read = before;
   if (settings.optimizer == Tier::kNvme) {
-    const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+    const auto& b = placement.units[static_cast<std::size_t>(u)].sub_groups;
     std::vector<float> piece;
     for (std::size_t c = 0; c + 1 < b.size() && read.ok(); ++c) {
       const std::size_t len = b[c + 1] - b[c];
@@ -1583,20 +1493,20 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, con
       if (!read.ok()) break;
       for (int k = 0; k < 3; ++k) std::memcpy(blob.data() + k * n + b[c], piece.data() + k * len, len * 4);
     }
-    if (!sharded) return read;  // sharded: the groups held this rank's slice, gathered below
+    if (!placement.sharding.host_state_sharded) return read;  // sharded: the groups held this rank's slice, gathered below
   }
-  if (sharded && state_reads_can_fail()) {
+  if (placement.sharding.host_state_sharded && state_reads_can_fail()) {
     // A rank that could not read its part still joins the exchange, so its peers do not wait in
     // the gather for it.
     STRATA_RETURN_IF_ERROR(agree_on_read(
         *dp_caller, read, "its state of module '" + layout().modules[static_cast<std::size_t>(u)].name + "'",
         "data-parallel"));
   }
-  if (sharded) {
+  if (placement.sharding.host_state_sharded) {
     STRATA_RETURN_IF_ERROR(read);
     // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm.
     const std::size_t uu = static_cast<std::size_t>(u);
-    const std::uint64_t c = slices.chunk[uu], b0 = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
+    const std::uint64_t c = placement.units[uu].slice.chunk, b0 = placement.units[uu].slice.begin, len = placement.units[uu].slice.len, off = placement.units[uu].slice_offset;
     std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
     for (int k = 0; k < 3; ++k) {
       const HostMem& h = k == 0 ? host_master : k == 1 ? host_m : host_v;
@@ -1606,7 +1516,7 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, con
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0], dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
                                    "gather optimizer state", u, all.size() * 4));
     for (int r = 0; r < dp_size; ++r) {
-      const offload_detail::DpSlice theirs = offload_detail::dp_slice_of(n, dp_size, r);
+      const partition::DpSlice theirs = partition::dp_slice_of(n, dp_size, r);
       for (int k = 0; k < 3; ++k) {
         std::memcpy(blob.data() + k * n + theirs.begin, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c,
                     theirs.len * 4);
@@ -1623,9 +1533,9 @@ Status OffloadEngine::Impl::read_unit_optim(int u, std::vector<float>& blob, con
 }
 
 Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& blob) {
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  const std::size_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
   if (settings.optimizer == Tier::kNvme) {
-    const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
+    const auto& b = placement.units[static_cast<std::size_t>(u)].sub_groups;
     std::vector<float> piece;
     for (std::size_t c = 0; c + 1 < b.size(); ++c) {
       const std::size_t len = b[c + 1] - b[c];
@@ -1636,9 +1546,9 @@ Status OffloadEngine::Impl::write_unit_optim(int u, const std::vector<float>& bl
     }
     return ok_status();
   }
-  if (sharded) {  // every rank is given the whole unit and keeps its slice
+  if (placement.sharding.host_state_sharded) {  // every rank is given the whole unit and keeps its slice
     const std::size_t uu = static_cast<std::size_t>(u);
-    const std::uint64_t b = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu];
+    const std::uint64_t b = placement.units[uu].slice.begin, len = placement.units[uu].slice.len, off = placement.units[uu].slice_offset;
     std::memcpy(host_master.floats() + off, blob.data() + b, len * 4);
     std::memcpy(host_m.floats() + off, blob.data() + n + b, len * 4);
     std::memcpy(host_v.floats() + off, blob.data() + 2 * n + b, len * 4);
@@ -1661,8 +1571,8 @@ Status OffloadEngine::Impl::read_grad_shards(int u, char* dst) { return grad_sha
 // The sub-groups' bounds are unit element positions; sharded they cover this rank's slice, which
 // `buf` holds from its first element.
 Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
-  const auto& b = units.sub_groups[static_cast<std::size_t>(u)];
-  const std::uint64_t first_element = sharded ? slices.begin[static_cast<std::size_t>(u)] : 0;
+  const auto& b = placement.units[static_cast<std::size_t>(u)].sub_groups;
+  const std::uint64_t first_element = placement.sharding.host_state_sharded ? placement.units[static_cast<std::size_t>(u)].slice.begin : 0;
   std::vector<IoHandle> h;
   for (std::size_t c = 0; c + 1 < b.size(); ++c) {
     const TensorKey key{unit_key("grad", u), static_cast<std::uint32_t>(c)};
@@ -1680,7 +1590,7 @@ Status OffloadEngine::Impl::grad_shards_io(int u, char* buf, bool write) {
 
 Status OffloadEngine::Impl::local_grads_io(int u, char* buf, bool write) {
   const TensorKey key{unit_key("grad_local", u), 0};
-  const std::uint64_t n = units.gbytes[static_cast<std::size_t>(u)];
+  const std::uint64_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes;
   return keep_grad_io((write ? swap->write(key, buf, n) : swap->read(key, buf, n)).wait());
 }
 
@@ -1698,7 +1608,7 @@ Status OffloadEngine::Impl::write_values(int index, std::span<const float> value
   STRATA_RETURN_IF_ERROR(convert(values.data(), DType::kF32, bytes.data() + o.param_in_unit, wdtype, o.n));
   STRATA_RETURN_IF_ERROR(write_unit_params(o.unit, bytes));
   if (!master_too) return ok_status();
-  if (dev_unit(o.unit)) {
+  if (placement.device_state(o.unit)) {
     if (!half) return ok_status();  // the resident params are the master
     STRATA_RETURN_IF_ERROR(upload_dev_master(o, values.data()));
     return compute->synchronize();
@@ -1714,36 +1624,36 @@ Result<std::vector<float>> OffloadEngine::Impl::read_state(int index, int which)
   if (k < 0 && pp_size > 1 && index >= 0 && index < static_cast<int>(layout().params.size())) {
     return failed_precondition("parameter '" + layout().params[static_cast<std::size_t>(index)].name +
                                "' is held by pipeline stage " +
-                               std::to_string(unit_stage[static_cast<std::size_t>(owner_unit(index))]) +
+                               std::to_string(placement.units[static_cast<std::size_t>(owner_unit(index))].holder_stage) +
                                ", not by this stage (" + std::to_string(pp_rank) + ")");
   }
   if (k < 0) return invalid_argument("no parameter with index " + std::to_string(index));
   const OwnedParam& o = owned[static_cast<std::size_t>(k)];
   STRATA_RETURN_IF_ERROR(wait_all_updates());
   std::vector<float> out(o.n);
-  if (which == 0 || (which == 1 && dev_unit(o.unit) && !half)) {
+  if (which == 0 || (which == 1 && placement.device_state(o.unit) && !half)) {
     std::vector<char> bytes;
     STRATA_RETURN_IF_ERROR(read_unit_params(o.unit, bytes));
     STRATA_RETURN_IF_ERROR(convert(bytes.data() + o.param_in_unit, wdtype, out.data(), DType::kF32, o.n));
     return out;
   }
-  if (dev_unit(o.unit) && dev_sliced()) {  // collective: the unit's slices gathered from every rank
+  if (placement.device_state(o.unit) && placement.sharding.device_state_in_slices()) {  // collective: the unit's slices gathered from every rank
     std::vector<char> pbytes;
     std::vector<float> blob;
     STRATA_RETURN_IF_ERROR(read_unit_state(o.unit, pbytes, blob));
-    const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
+    const std::size_t n = placement.units[static_cast<std::size_t>(o.unit)].grad_bytes / 4;
     std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4,
                 o.n * 4);
     return out;
   }
-  if (dev_unit(o.unit)) {
+  if (placement.device_state(o.unit)) {
     const float* src = which == 1 ? dmaster : which == 2 ? dm : dv;
     STRATA_RETURN_IF_ERROR(stager->download(out.data(), reinterpret_cast<const char*>(src) + o.grad_offset, o.n * 4));
     return out;
   }
   std::vector<float> blob;
   STRATA_RETURN_IF_ERROR(read_unit_optim(o.unit, blob));
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(o.unit)] / 4;
+  const std::size_t n = placement.units[static_cast<std::size_t>(o.unit)].grad_bytes / 4;
   std::memcpy(out.data(), blob.data() + static_cast<std::size_t>(which - 1) * n + o.grad_in_unit / 4, o.n * 4);
   return out;
 }
@@ -1753,10 +1663,10 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   // A sharded unit's parameter read is already agreed over the ranks (every rank failed it);
   // any other failure goes into the optimizer state's exchange, which the peers are in (where
   // state_reads_can_fail).
-  if (!params.ok() && !psharded.empty() && psharded[static_cast<std::size_t>(u)]) return params;
-  if (!dev_unit(u)) return read_unit_optim(u, blob, params);
+  if (!params.ok() && placement.units[static_cast<std::size_t>(u)].gathered_at_fetch) return params;
+  if (!placement.device_state(u)) return read_unit_optim(u, blob, params);
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::size_t n = units.gbytes[uu] / 4;
+  const std::size_t n = placement.units[uu].grad_bytes / 4;
   blob.assign(3 * n, 0.0f);
   if (n == 0) return params;
   // This rank's elements [first, first + len) of the state (the whole unit unless sharded).
@@ -1772,7 +1682,7 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
   }
   if (read.ok()) read = stager->download(blob.data() + n + first, dev_state(u, 2), len * 4);
   if (read.ok()) read = stager->download(blob.data() + 2 * n + first, dev_state(u, 3), len * 4);
-  if (!dev_sliced()) return read;
+  if (!placement.sharding.device_state_in_slices()) return read;
   // The gather below is collective: a rank whose download failed keeps its place and every rank
   // returns the same error naming it, at once (not its peers after the comm timeout). Always
   // exchanged, unlike the host tier's (state_reads_can_fail): any device copy can fail.
@@ -1781,14 +1691,14 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
       "data-parallel"));
   // Collective: every rank's slice of [master | m | v], all-gathered on the caller's Comm (as
   // read_unit_optim does for the host tier's shards).
-  const std::uint64_t c = slices.chunk[uu];
+  const std::uint64_t c = placement.units[uu].slice.chunk;
   std::vector<float> mine(3 * c, 0.0f), all(3 * c * static_cast<std::size_t>(dp_size));
   for (int k = 0; k < 3; ++k) std::memcpy(mine.data() + k * c, blob.data() + k * n + first, len * 4);
   STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[0],
                                  dp_caller->all_gather(mine.data(), all.data(), 3 * c, DType::kF32),
                                  "gather optimizer state", u, all.size() * 4));
   for (int r = 0; r < dp_size; ++r) {
-    const offload_detail::DpSlice theirs = offload_detail::dp_slice_of(n, dp_size, r);
+    const partition::DpSlice theirs = partition::dp_slice_of(n, dp_size, r);
     for (int k = 0; k < 3; ++k) {
       if (k == 0 && !half) continue;  // the master is the (replicated) working copy
       std::memcpy(blob.data() + k * n + theirs.begin, all.data() + (static_cast<std::size_t>(r) * 3 + k) * c,
@@ -1800,8 +1710,8 @@ Status OffloadEngine::Impl::read_unit_state(int u, std::vector<char>& pbytes, st
 
 Status OffloadEngine::Impl::write_unit_state(int u, const std::vector<char>& pbytes, const std::vector<float>& blob) {
   STRATA_RETURN_IF_ERROR(write_unit_params(u, pbytes));
-  if (!dev_unit(u)) return write_unit_optim(u, blob);
-  const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  if (!placement.device_state(u)) return write_unit_optim(u, blob);
+  const std::size_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
   if (n == 0) return ok_status();
   // Every rank is given the whole unit and keeps its elements (its slice when sharded).
   const std::uint64_t first = dev_state_first(u), len = dev_state_len(u);
@@ -1833,21 +1743,7 @@ Status OffloadEngine::Impl::setup_tensor_parallel() {
     STRATA_ASSIGN_OR_RETURN(ModelLayout l, describe_model(config.model, TensorParallel{tp_size, r}));
     tp_layouts.push_back(std::move(l));
   }
-  const ModelLayout& L = tp_layouts[static_cast<std::size_t>(tp_rank)];
-  norm_ranges.assign(L.modules.size(), {});
-  for (std::size_t u = 0; u < L.modules.size(); ++u) {
-    const ModuleDesc& md = L.modules[u];
-    if (tp_rank == 0) {
-      norm_ranges[u].emplace_back(0, (md.grad_end - md.grad_begin) / 4);
-      continue;
-    }
-    for (int i : md.params) {
-      const ParamDesc& p = L.params[static_cast<std::size_t>(i)];
-      if (!p.owns_storage() || p.shard.kind == ShardKind::kReplicated) continue;
-      const std::uint64_t first = (p.grad_offset - md.grad_begin) / 4;
-      norm_ranges[u].emplace_back(first, first + static_cast<std::uint64_t>(p.numel()));
-    }
-  }
+  // The norm's element ranges per unit are the placement's (UnitPlacement::norm_ranges).
   return ok_status();
 }
 
@@ -1855,7 +1751,7 @@ Result<GradStats> OffloadEngine::Impl::scan_norm(const CpuOptimizer& opt, int u,
                                                  std::uint64_t first, std::uint64_t n, float inv_scale) const {
   if (tp_size == 1) return opt.scan_gradients(const_cast<char*>(grads), DType::kF32, n, inv_scale, false);
   GradStats total;
-  for (const auto& [a, b] : norm_ranges[static_cast<std::size_t>(u)]) {
+  for (const auto& [a, b] : placement.units[static_cast<std::size_t>(u)].norm_ranges) {
     const std::uint64_t lo = std::max(a, first), hi = std::min(b, first + n);
     if (lo >= hi) continue;
     STRATA_ASSIGN_OR_RETURN(GradStats g, opt.scan_gradients(const_cast<char*>(grads) + 4 * (lo - first), DType::kF32,
@@ -2006,21 +1902,18 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_tp(const std::string& r
 }
 
 Status OffloadEngine::Impl::setup_data_parallel() {
-  psharded.assign(static_cast<std::size_t>(M), 0);
   if (dp == nullptr || dp->size() == 1) return ok_status();
   dp_size = dp->size();
   dp_rank = dp->rank();
-  sharded = offload_detail::dp_sharded(settings);
   STRATA_ASSIGN_OR_RETURN(dp_caller, dp->split(0, dp_rank, "dp.step"));
   dp_tracks[0] = tracer.add_track("data parallel: step (caller)");
-  if (sharded) {
+  if (placement.sharding.host_state_sharded) {
     STRATA_ASSIGN_OR_RETURN(dp_grads, dp->split(0, dp_rank, "dp.grads"));
     STRATA_ASSIGN_OR_RETURN(dp_params, dp->split(0, dp_rank, "dp.params"));
-    slices = offload_detail::dp_slices(units, dp_size, dp_rank);
     dp_tracks[1] = tracer.add_track("data parallel: gradient reduce-scatter");
     dp_tracks[2] = tracer.add_track("data parallel: statistics and parameter all-gather");
   }
-  if (dev_sharded) {
+  if (placement.sharding.device_state_sharded) {
     // The compute stream's: the reduce-scatter, the statistics and the parameter all-gathers of
     // the device update (device_update_sharded), in unit order on every rank.
     STRATA_ASSIGN_OR_RETURN(dp_params, dp->split(0, dp_rank, "dp.device_update"));
@@ -2028,31 +1921,22 @@ Status OffloadEngine::Impl::setup_data_parallel() {
     shard_stats.assign(static_cast<std::size_t>(M), GradStats{});
     gathered_stats.assign(static_cast<std::size_t>(dp_size * M), GradStats{});
   }
-  if (part_dp) {
+  if (placement.sharding.split_state_sharded) {
     // The compute stream's: the device units' reduce-scatters (every micro-batch at stage 2),
     // then their parameter all-gathers, in unit order on every rank.
     STRATA_ASSIGN_OR_RETURN(dp_device, dp->split(0, dp_rank, "dp.device_update"));
     dp_tracks[3] = tracer.add_track("data parallel: device modules (reduce-scatter, all-gather)");
   }
-  if (bucketed) {
+  if (placement.sharding.device_grads_bucketed) {
     // The compute stream's gradient buckets, in bucket order on every rank.
     STRATA_ASSIGN_OR_RETURN(dp_buckets, dp->split(0, dp_rank, "dp.buckets"));
-    dp_tracks[1] = tracer.add_track(grad_sharded ? "data parallel: gradient bucket reduce-scatter"
+    dp_tracks[1] = tracer.add_track(placement.sharding.device_grads_sharded ? "data parallel: gradient bucket reduce-scatter"
                                                  : "data parallel: gradient bucket all-reduce");
   }
-  // Stage 3 in device memory (dev_params_sliced): the units describe_units sliced keep their
-  // slice in offload.params and are gathered by the same fetch.
-  // With a pipeline too: the stage's units (docs/parallel.md "Stages 2-3 in device memory with a
-  // pipeline").
-  dev_params_sliced = offload_detail::dp_device_param_sharded(settings);
-  if ((sharded && settings.zero_stage == 3) || dev_params_sliced) {
-    for (int u = 0; u < M; ++u) {
-      const std::size_t uu = static_cast<std::size_t>(u);
-      psharded[uu] = (dev_params_sliced ? units.sliced[uu] != 0 : units.home[uu] != Tier::kDevice) &&
-                             units.pbytes[uu] > 0
-                         ? 1
-                         : 0;
-    }
+  // Stage 3 (UnitPlacement::gathered_at_fetch), in device memory too (the sliced units keep their
+  // slice in offload.params and are gathered by the same fetch; with a pipeline the stage's units,
+  // docs/parallel.md "Stages 2-3 in device memory with a pipeline").
+  if ((placement.sharding.host_state_sharded && settings.zero_stage == 3) || placement.sharding.device_params_sliced) {
     STRATA_ASSIGN_OR_RETURN(dp_fetch, dp->split(0, dp_rank, "dp.fetch"));
     dp_tracks[3] = tracer.add_track("data parallel: parameter fetch all-gather");
   }
@@ -2067,30 +1951,21 @@ Status OffloadEngine::Impl::setup_pipeline() {
   STRATA_ASSIGN_OR_RETURN(pp_caller, pp->split(0, pp_rank, "pp.step"));
   STRATA_ASSIGN_OR_RETURN(pp_norm, pp->split(0, pp_rank, "pp.norm"));
   STRATA_ASSIGN_OR_RETURN(pp_stream, pp->split(0, pp_rank, "pp.stream"));
-  // The tied unit: held by the first stage (its own module) and by the last (read by the head).
+  // The tied unit (StageShape::tied_unit): held by the first stage (its own module) and by the
+  // last (read by the head).
   const ModelLayout& L = layout();
-  unit_stage.assign(static_cast<std::size_t>(M), -1);
   if (chunks > 1) {
     STRATA_ASSIGN_OR_RETURN(pp_stream_grads, pp->split(0, pp_rank, "pp.stream_grads"));
   }
-  for (int st = pp_size - 1; st >= 0; --st) {
-    const std::vector<char> in = offload_detail::stage_units(L, settings.pipeline_bounds, st, chunks);
-    for (int u = 0; u < M; ++u)
-      if (in[static_cast<std::size_t>(u)]) unit_stage[static_cast<std::size_t>(u)] = st;
-  }
-  const std::vector<char> last =
-      offload_detail::stage_units(L, settings.pipeline_bounds, pp_size - 1, chunks);
-  for (int u = 0; u < M && tied_unit < 0; ++u)
-    if (last[static_cast<std::size_t>(u)] && unit_stage[static_cast<std::size_t>(u)] != pp_size - 1) tied_unit = u;
-  if (tied_unit >= 0 && unit_stage[static_cast<std::size_t>(tied_unit)] != 0) {
-    return internal_error("pipeline: the tied unit '" + L.modules[static_cast<std::size_t>(tied_unit)].name +
+  if (placement.stage.tied_unit >= 0 && placement.units[static_cast<std::size_t>(placement.stage.tied_unit)].holder_stage != 0) {
+    return internal_error("pipeline: the tied unit '" + L.modules[static_cast<std::size_t>(placement.stage.tied_unit)].name +
                           "' is not the first stage's");
   }
-  if (tied_unit >= 0) {
+  if (placement.stage.tied_unit >= 0) {
     // The first and the last stage form one group; every other stage a group of its own (unused).
     const bool member = pp_rank == 0 || pp_rank == pp_size - 1;
     STRATA_ASSIGN_OR_RETURN(pp_tied, pp->split(member ? 0 : 1 + pp_rank, pp_rank, "pp.tied"));
-    if (!member || !units.in_stage[static_cast<std::size_t>(tied_unit)]) pp_tied.reset();
+    if (!member || !placement.units[static_cast<std::size_t>(placement.stage.tied_unit)].in_stage) pp_tied.reset();
   }
   pp_stats.assign(static_cast<std::size_t>(M) + 1, GradStats{});  // + the failure flag (merge_stage_stats)
   pp_gathered.assign((static_cast<std::size_t>(M) + 1) * static_cast<std::size_t>(pp_size), GradStats{});
@@ -2108,7 +1983,7 @@ Status OffloadEngine::Impl::setup_pipeline() {
       grad_send.push_back(std::move(b));
     }
   }
-  for (int i = 0; i < offload_detail::kPipelineRecvBuffers; ++i) {
+  for (int i = 0; i < partition::kPipelineRecvBuffers; ++i) {
     if (both || pp_rank + 1 < pp_size) {
       STRATA_ASSIGN_OR_RETURN(ArenaBuffer r, device->allocate(boundary, "pipeline.recv_gradients"));
       grad_recv.push_back(std::move(r));
@@ -2119,8 +1994,8 @@ Status OffloadEngine::Impl::setup_pipeline() {
     }
   }
   sends.reserve(static_cast<std::size_t>(2 * config.grad_accum * chunks));
-  act_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
-  grad_recv_work.resize(static_cast<std::size_t>(offload_detail::kPipelineRecvBuffers));
+  act_recv_work.resize(static_cast<std::size_t>(partition::kPipelineRecvBuffers));
+  grad_recv_work.resize(static_cast<std::size_t>(partition::kPipelineRecvBuffers));
   return ok_status();
 }
 
@@ -2135,7 +2010,7 @@ Result<GradStats> OffloadEngine::Impl::merge_stage_stats(const std::vector<GradS
   if (!s.ok()) return s.with_context("pipeline: gather of the gradient statistics");
   GradStats total;
   for (int u = 0; u < M; ++u) {
-    const int st = unit_stage[static_cast<std::size_t>(u)];
+    const int st = placement.units[static_cast<std::size_t>(u)].holder_stage;
     total.merge(pp_gathered[static_cast<std::size_t>(st) * per + static_cast<std::size_t>(u)]);
   }
   if (verdict != nullptr) {
@@ -2165,8 +2040,8 @@ Status OffloadEngine::Impl::sum_tied_landed(const Command& c) {
   // scan again (the statistics the optimizer thread merges are the summed gradients', as
   // unit_grads' scan is with host gradients) and write them back for the ring's reads.
   const std::size_t uu = static_cast<std::size_t>(c.unit);
-  const std::uint64_t first = sharded ? slices.begin[uu] : 0;
-  const std::uint64_t n = sharded ? slices.len[uu] : units.gbytes[uu] / 4;
+  const std::uint64_t first = placement.sharding.host_state_sharded ? placement.units[uu].slice.begin : 0;
+  const std::uint64_t n = placement.sharding.host_state_sharded ? placement.units[uu].slice.len : placement.units[uu].grad_bytes / 4;
   char* buf = grad_staging.bytes();
   {
     detail::HostSpan span(tracer, track.nvme_fetch, TraceCounter::kNvmeRead, "read gradients", c.unit, 4 * n);
@@ -2224,7 +2099,7 @@ Status OffloadEngine::Impl::forward_stage() {
   // from the slot it was set in.
   const int batch_slot = model->slot();
   for (int c = 0; c < chunks; ++c) {
-    const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
+    const auto [first, end] = placement.stage.chunk_ranges[static_cast<std::size_t>(c)];
     if (chunks > 1) {
       STRATA_RETURN_IF_ERROR(model->select_slot(forward_slot[static_cast<std::size_t>(c)]));
       STRATA_RETURN_IF_ERROR(model->share_batch(batch_slot));
@@ -2367,7 +2242,7 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     return Status(s.code(), who + " could not write its tensors: " + s.message());
   };
   if (!part.ok()) return cannot_write(part.status());
-  if (dev_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // slices are read in place
+  if (placement.sharding.device_params_sliced) STRATA_RETURN_IF_ERROR(compute->synchronize());  // slices are read in place
   const std::uint64_t w = half ? 2 : 4;
   int unit = -1;
   std::vector<char> bytes;  // unit `unit`: its working parameters, or this rank's slice (stage 3)
@@ -2382,7 +2257,7 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     if (k < 0) return internal_error(who + " holds no parameter '" + p.name + "'");
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     const std::size_t uu = static_cast<std::size_t>(o.unit);
-    const bool sliced = !psharded.empty() && psharded[uu];
+    const bool sliced = placement.units[uu].gathered_at_fetch;
     // This rank's elements [a, b) of the shard: of a replica, its contiguous 1/dp; under stage 3,
     // those its slice of the unit holds (below, once the slice is read).
     std::uint64_t a = 0, b = o.n;
@@ -2395,7 +2270,7 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
       unit = o.unit;
       Status read;
       if (sliced) {
-        bytes.resize(slices.len[uu] * w);
+        bytes.resize(placement.units[uu].slice.len * w);
         read = read_param_slice(unit, bytes.data());
       } else {
         read = read_unit_params(unit, bytes);
@@ -2409,7 +2284,7 @@ Status OffloadEngine::Impl::write_weights_part(const std::string& path, WeightFo
     }
     const char* src = nullptr;  // element a of the shard
     if (sliced) {  // the slice holds the unit's elements [begin, begin + len) (its fp32 order)
-      const std::uint64_t first = o.grad_in_unit / 4, begin = slices.begin[uu], end = begin + slices.len[uu];
+      const std::uint64_t first = o.grad_in_unit / 4, begin = placement.units[uu].slice.begin, end = begin + placement.units[uu].slice.len;
       a = std::max(first, begin) - first;
       b = std::min(first + o.n, end);
       if (b <= first + a) continue;
@@ -2508,7 +2383,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // parameter all-gathers are in the fetch, which that mode skips) nor with the optimizer on
   // the device (its buckets, and its tied sum after the pass). A stage without either keeps its
   // place through any caller error of the schedule (keep_place below).
-  keep_modules = (tp_size > 1 || dp_size > 1) && settings.zero_stage < 3 && !opt_on_device && !partial &&
+  keep_modules = (tp_size > 1 || dp_size > 1) && settings.zero_stage < 3 && !placement.sharding.optimizer_on_device && !placement.sharding.optimizer_split &&
                  device->info().kind == DeviceKind::kCpu;
   pass_error = ok_status();
   struct EndKeep {
@@ -2541,7 +2416,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // Per op, the receive buffer it uses: the n-th receive of its direction in the step takes
   // buffer n % kBuffers (with one chunk n is the micro-batch, as every op of a direction
   // receives).
-  constexpr int kBuffers = offload_detail::kPipelineRecvBuffers;
+  constexpr int kBuffers = partition::kPipelineRecvBuffers;
   std::vector<int> recv_buffer(ops.size(), -1);
   {
     int n_act = 0, n_grad = 0;
@@ -2617,7 +2492,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   };
   // Partial offload with data parallelism at stages 2-3: the device units reduced after each
   // micro-batch's backward op (interleaved: the units of the op's chunk).
-  const bool reduce_each = part_dp && settings.zero_stage >= 2 && step > 0;
+  const bool reduce_each = placement.sharding.split_state_sharded && settings.zero_stage >= 2 && step > 0;
   // What of op j's exchanges was enqueued: a caller error inside the op leaves the rest to
   // finish_exchanges.
   struct Exchanged {
@@ -2626,7 +2501,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   auto run_op = [&](std::size_t j, Exchanged& done) -> Status {
     const ChunkOp& op = ops[j];
     const int a = op.micro, c = op.chunk;
-    const auto [first, end] = chunk_ranges[static_cast<std::size_t>(c)];
+    const auto [first, end] = placement.stage.chunk_ranges[static_cast<std::size_t>(c)];
     STRATA_RETURN_IF_ERROR(post(j + 1));  // the next op's input arrives while this one computes
     done.posted = true;
     // Interleaved: each (micro-batch, chunk) has a slot of its own, which gets the batch
@@ -2705,7 +2580,7 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
   // keep_modules above), and the optimizer on the device (or partly there) sums the tied
   // embedding after the pass, so there a caller error still stops the pass (docs/offload.md
   // "Not built yet").
-  const bool keep_place = tp_size <= 1 && dp_size <= 1 && !opt_on_device && !partial;
+  const bool keep_place = tp_size <= 1 && dp_size <= 1 && !placement.sharding.optimizer_on_device && !placement.sharding.optimizer_split;
   auto schedule = [&]() -> Status {
     STRATA_RETURN_IF_ERROR(post(0));
     Status failed;
@@ -2741,9 +2616,9 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     tied_landed.reset();
     if ((keep_place || keep_modules) && step > 0 && pp_tied) {
       (void)gstream->synchronize();  // the gradient copies into the buffer have retired
-      const std::size_t uu = static_cast<std::size_t>(tied_unit);
-      auto [buf, n] = unit_grads(tied_unit);
-      if (grads_on_nvme) buf = grad_staging.bytes(), n = sharded ? slices.len[uu] : units.gbytes[uu] / 4;
+      const std::size_t uu = static_cast<std::size_t>(placement.stage.tied_unit);
+      auto [buf, n] = unit_grads(placement.stage.tied_unit);
+      if (grads_on_nvme) buf = grad_staging.bytes(), n = placement.sharding.host_state_sharded ? placement.units[uu].slice.len : placement.units[uu].grad_bytes / 4;
       (void)reduce_tied_grads(reinterpret_cast<float*>(buf), n);
     }
     return s;
@@ -2759,15 +2634,15 @@ Status OffloadEngine::Impl::run_pipeline(std::span<const std::int32_t> inputs, s
     }
     cv.notify_all();
   }
-  if (step > 0 && pp_tied && split_dev(tied_unit) && !part_dp) {
+  if (step > 0 && pp_tied && placement.split_device(placement.stage.tied_unit) && !placement.sharding.split_state_sharded) {
     // Partial offload, the tied unit among this stage's device units: its gradient accumulated
     // in offload.grads; summed with the other end's here, at the point where a host unit's is
     // (the other end's may be either, the all-reduce on the caller either way), before
     // scan_device_units reads it. The compute stream was synchronized above. With data
     // parallelism the reduced slice is summed instead (run_micro_batches).
     STRATA_RETURN_IF_ERROR(
-        reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(tied_unit)),
-                          units.gbytes[static_cast<std::size_t>(tied_unit)] / 4));
+        reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(placement.stage.tied_unit)),
+                          placement.units[static_cast<std::size_t>(placement.stage.tied_unit)].grad_bytes / 4));
   }
   return end_pass();
 }
@@ -2790,34 +2665,34 @@ void OffloadEngine::Impl::from_elements(int u, const char* elements, char* worki
 
 Status OffloadEngine::Impl::read_param_slice(int u, char* slice) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
+  const std::uint64_t bytes = placement.units[uu].slice.len * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
-  if (units.home[uu] == Tier::kNvme) return swap->read(param_key(u), slice, bytes).wait();
-  if (units.sliced[uu]) {
+  if (placement.units[uu].home == Tier::kNvme) return swap->read(param_key(u), slice, bytes).wait();
+  if (placement.units[uu].slice_at_home) {
     // Stage 3 in device memory, cpu backend only (check_data_parallel): the arena is host memory.
     // Read on the h2d stream (a fetch, ordered after the update by the caller's synchronisation of
     // the compute stream at the end of the step) or by the caller with the compute stream idle
     // (read_unit_params).
-    std::memcpy(slice, resident + units.resident_offset[uu], bytes);
+    std::memcpy(slice, resident + placement.units[uu].resident_offset, bytes);
     return ok_status();
   }
-  std::memcpy(slice, host_params.bytes() + host_param_offset[uu], bytes);
+  std::memcpy(slice, host_params.bytes() + placement.units[uu].host_offset, bytes);
   return ok_status();
 }
 
 Status OffloadEngine::Impl::write_param_slice(int u, const char* slice, bool next) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t bytes = slices.len[uu] * (half ? 2 : 4);
+  const std::uint64_t bytes = placement.units[uu].slice.len * (half ? 2 : 4);
   if (bytes == 0) return ok_status();
-  if (units.home[uu] == Tier::kNvme) {
+  if (placement.units[uu].home == Tier::kNvme) {
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write", u, bytes);
     STRATA_RETURN_IF_ERROR(swap->write(param_key(u, next), slice, bytes).wait());
-  } else if (units.sliced[uu]) {
+  } else if (placement.units[uu].slice_at_home) {
     // Stage 3 in device memory (the device optimizer, so never the delayed update's next version).
-    STRATA_RETURN_IF_ERROR(stager->upload(resident + units.resident_offset[uu], slice, bytes));
+    STRATA_RETURN_IF_ERROR(stager->upload(resident + placement.units[uu].resident_offset, slice, bytes));
     STRATA_RETURN_IF_ERROR(compute->synchronize());
   } else {
-    std::memcpy(next ? delayed_next.bytes() + next_offset[uu] : host_params.bytes() + host_param_offset[uu],
+    std::memcpy(next ? delayed_next.bytes() + placement.units[uu].next_offset : host_params.bytes() + placement.units[uu].host_offset,
                 slice, bytes);
   }
   // Set before the unit is marked updated (publish_delayed reads it after waiting for that).
@@ -2828,10 +2703,10 @@ Status OffloadEngine::Impl::write_param_slice(int u, const char* slice, bool nex
 Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_track, char* send, char* recv,
                                                char* working, bool agree) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = half ? 2 : 4, len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, len = placement.units[uu].slice.len;
   {
     detail::HostSpan span(tracer, track.nvme_fetch,
-                          units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
+                          placement.units[uu].home == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
                           u, len * w);
     Status read = read_param_slice(u, send);
     if (agree) {
@@ -2847,7 +2722,7 @@ Status OffloadEngine::Impl::gather_unit_params(int u, Comm& comm, int trace_trac
 Status OffloadEngine::Impl::gather_read_slice(int u, Comm& comm, int trace_track, char* send, char* recv,
                                               char* working) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = half ? 2 : 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, c = placement.units[uu].slice.chunk, len = placement.units[uu].slice.len;
   std::memset(send + len * w, 0, (c - len) * w);
   STRATA_RETURN_IF_ERROR(dp_wait(trace_track, comm.all_gather(send, recv, c, half ? DType::kBF16 : DType::kF32),
                                  "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * w));
@@ -2858,14 +2733,14 @@ Status OffloadEngine::Impl::gather_read_slice(int u, Comm& comm, int trace_track
 Status OffloadEngine::Impl::early_gather_unit_params(int u, bool mine, char* working, std::atomic<bool>* early_ok) {
   early_ok->store(false);
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t w = half ? 2 : 4, len = slices.len[uu];
+  const std::uint64_t w = half ? 2 : 4, len = placement.units[uu].slice.len;
   char* send = fetch_send.bytes();
   char* recv = fetch_recv.bytes();
   if (mine) {
     // Read only after the gate saw the agreed mark: the slice then holds the step's update, and
     // nothing rewrites it before this rank's next pass has used or dropped this copy.
     detail::HostSpan span(tracer, track.nvme_fetch,
-                          units.home[uu] == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
+                          placement.units[uu].home == Tier::kNvme ? TraceCounter::kNvmeRead : TraceCounter::kNone, "read slice",
                           u, len * w);
     Status read = read_param_slice(u, send);
     if (!read.ok()) {
@@ -2960,7 +2835,7 @@ Status OffloadEngine::Impl::sum_over_ranks(std::span<double> values) {
 
 Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate, bool scan, float inv_scale) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
+  const std::uint64_t n = placement.units[uu].grad_bytes / 4, c = placement.units[uu].slice.chunk, len = placement.units[uu].slice.len;
   const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
   float* send = rs_send.floats();
   std::fill(send + n, send + P * c, 0.0f);
@@ -2980,12 +2855,12 @@ Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate, bool scan,
       for (std::uint64_t i = 0; i < len; ++i) acc[i] += src[i];
     }
     if (scan) {
-      STRATA_ASSIGN_OR_RETURN(landed_stats[uu], scan_norm(*host_opt, u, slice, slices.begin[uu], len, inv_scale));
+      STRATA_ASSIGN_OR_RETURN(landed_stats[uu], scan_norm(*host_opt, u, slice, placement.units[uu].slice.begin, len, inv_scale));
     }
     detail::HostSpan span(tracer, track.nvme_publish, TraceCounter::kNvmeWrite, "write gradients", u, 4 * len);
     return write_grad_shards(u, slice);
   }
-  float* dst = shard_grads.floats() + slices.offset[uu];
+  float* dst = shard_grads.floats() + placement.units[uu].slice_offset;
   if (accumulate) {
     for (std::uint64_t i = 0; i < len; ++i) dst[i] += src[i];
   } else {
@@ -2996,7 +2871,7 @@ Status OffloadEngine::Impl::reduce_unit_grads(int u, bool accumulate, bool scan,
 
 Status OffloadEngine::Impl::all_reduce_device_grads() {
   STRATA_RETURN_IF_ERROR(compute->synchronize());
-  const std::size_t n = units.grad_bytes / 4;
+  const std::size_t n = placement.sizes.grad_bytes / 4;
   return dp_wait(dp_tracks[0], dp_caller->all_reduce(dgrads, dgrads, n, DType::kF32, ReduceOp::kSum),
                  "all-reduce gradients", -1, n * 4);
 }
@@ -3029,10 +2904,10 @@ void OffloadEngine::Impl::mark_updated(int u, std::int64_t step) {
 // Publishes unit u's updated working parameters (`bytes`, the unit's working layout) to its home.
 Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t n = units.pbytes[uu];
-  switch (units.home[uu]) {
+  const std::uint64_t n = placement.units[uu].param_bytes;
+  switch (placement.units[uu].home) {
     case Tier::kDevice: {
-      char* host = host_params.bytes() + host_param_offset[uu];
+      char* host = host_params.bytes() + placement.units[uu].host_offset;
       if (delayed) {
         // The device keeps the previous parameters until the caller's publish_delayed.
         STRATA_RETURN_IF_ERROR(await_upload(u));
@@ -3041,7 +2916,7 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
       }
       if (bytes != host) std::memcpy(host, bytes, n);
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
-      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
+      STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + placement.units[uu].resident_offset,
                                          host, n, CopyKind::kHostToDevice, u));
       STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload", u, n));
       STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
@@ -3050,7 +2925,7 @@ Status OffloadEngine::Impl::publish_params(int u, const char* bytes) {
     }
     case Tier::kHost: {
       // Delayed update: the next copy; publish_delayed copies it home once no fetch reads it.
-      char* host = delayed ? delayed_next.bytes() + next_offset[uu] : host_params.bytes() + host_param_offset[uu];
+      char* host = delayed ? delayed_next.bytes() + placement.units[uu].next_offset : host_params.bytes() + placement.units[uu].host_offset;
       if (bytes != host) std::memcpy(host, bytes, n);
       if (delayed) next_fresh[uu] = 1;
       return ok_status();
@@ -3101,22 +2976,22 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
   const std::size_t uu = static_cast<std::size_t>(u);
   STRATA_RETURN_IF_ERROR(hold_update(u, done_step));
   if (delayed) STRATA_RETURN_IF_ERROR(await_upload(u));  // the update writes the host copy in place
-  const bool nvme_home = units.home[uu] == Tier::kNvme;
+  const bool nvme_home = placement.units[uu].home == Tier::kNvme;
   char* out_unit = nvme_home                                 ? param_out_staging.bytes()
-                   : delayed && units.home[uu] == Tier::kHost ? delayed_next.bytes() + next_offset[uu]
-                                                              : host_params.bytes() + host_param_offset[uu];
-  if (!sharded && host_opt_step[uu] >= done_step) {
+                   : delayed && placement.units[uu].home == Tier::kHost ? delayed_next.bytes() + placement.units[uu].next_offset
+                                                              : host_params.bytes() + placement.units[uu].host_offset;
+  if (!placement.sharding.host_state_sharded && host_opt_step[uu] >= done_step) {
     // A retry: master and moments hold the step already, only publishing the parameters failed.
     STRATA_RETURN_IF_ERROR(
         working_from_master(u, reinterpret_cast<const float*>(host_at(host_master, grad_begin(u))), 0,
-                            units.gbytes[uu] / 4, out_unit));
+                            placement.units[uu].grad_bytes / 4, out_unit));
     return publish_params(u, out_unit);
   }
-  if (sharded) {
+  if (placement.sharding.host_state_sharded) {
     // This rank's slice [b, b + len) of the unit: its parts of each parameter are updated into
     // ag_send (the unit's fp32 element positions, working dtype), the ranks' chunks are
     // all-gathered, and every parameter is copied from there into the unit's working layout.
-    const std::uint64_t b = slices.begin[uu], len = slices.len[uu], c = slices.chunk[uu], off = slices.offset[uu];
+    const std::uint64_t b = placement.units[uu].slice.begin, len = placement.units[uu].slice.len, c = placement.units[uu].slice.chunk, off = placement.units[uu].slice_offset;
     const std::uint64_t w = half ? 2 : 4;
     if (host_opt_step[uu] >= done_step) {
       // A retry (data parallel): this rank's master and moments hold the step; only its slice of
@@ -3158,7 +3033,7 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
       }
       host_opt_step[uu] = done_step;
     }
-    if (psharded[uu]) return write_param_slice(u, ag_send.bytes(), delayed);  // gathered when next fetched
+    if (placement.units[uu].gathered_at_fetch) return write_param_slice(u, ag_send.bytes(), delayed);  // gathered when next fetched
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2], dp_params->all_gather(ag_send.data(), ag_recv.data(), c,
                                                                         // moves bits: fp16 travels as 16-bit words
                                                                         half ? DType::kBF16 : DType::kF32),
@@ -3191,11 +3066,11 @@ Status OffloadEngine::Impl::update_unit_host(int u, std::int64_t step, double lr
 std::vector<OffloadEngine::Impl::NvmeItem> OffloadEngine::Impl::nvme_items(const std::vector<int>& order) const {
   std::vector<NvmeItem> items;
   for (int u : order) {
-    const std::size_t groups = units.sub_groups[static_cast<std::size_t>(u)].size() - 1;
+    const std::size_t groups = placement.units[static_cast<std::size_t>(u)].sub_groups.size() - 1;
     for (std::size_t c = 0; c < groups; ++c) items.push_back({u, c});
     // Sharded, every rank takes part in every unit's parameter all-gather, even with nothing to
     // update; agreeing per unit, in every unit's agreement.
-    if (groups == 0 && ((sharded && units.pbytes[static_cast<std::size_t>(u)] > 0) || agree_per_unit()))
+    if (groups == 0 && ((placement.sharding.host_state_sharded && placement.units[static_cast<std::size_t>(u)].param_bytes > 0) || agree_per_unit()))
       items.push_back({u, kNoNvmeGroup});
   }
   return items;
@@ -3206,7 +3081,7 @@ std::vector<int> OffloadEngine::Impl::nvme_update_order(std::int64_t step) const
   for (int i = 0; i < M; ++i) {
     const int u = delayed ? M - 1 - i : i;
     // Partial offload: the device units are the device's.
-    if (!split_dev(u) && units.in_stage[static_cast<std::size_t>(u)] && !unit_holds(u, step)) order.push_back(u);
+    if (!placement.split_device(u) && placement.units[static_cast<std::size_t>(u)].in_stage && !unit_holds(u, step)) order.push_back(u);
   }
   return order;
 }
@@ -3224,7 +3099,7 @@ void OffloadEngine::Impl::issue_early_reads(std::int64_t step) {
   for (std::size_t k = 0; k < items.size() && k + 1 < R; ++k) {
     EarlyRead e{items[k], IoHandle(), 0};
     if (items[k].group != kNoNvmeGroup) {
-      const auto& b = units.sub_groups[static_cast<std::size_t>(items[k].unit)];
+      const auto& b = placement.units[static_cast<std::size_t>(items[k].unit)].sub_groups;
       const std::uint64_t len = b[items[k].group + 1] - b[items[k].group];
       e.issued_at = tracer.now_ns();
       e.handle = swap->read(TensorKey{unit_key("optim", items[k].unit), static_cast<std::uint32_t>(items[k].group)},
@@ -3327,7 +3202,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     return seq;
   };
   auto bounds = [&](const Item& it) {
-    const auto& b = units.sub_groups[static_cast<std::size_t>(it.unit)];
+    const auto& b = placement.units[static_cast<std::size_t>(it.unit)].sub_groups;
     return std::pair<std::uint64_t, std::uint64_t>{b[it.group], b[it.group + 1]};
   };
   // Returns the error of the write it retired first (agree: the read is issued all the same, the
@@ -3359,8 +3234,8 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   // every rank runs it for every unit it reaches.
   auto gather_unit = [&](int u) -> Status {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (!sharded || psharded[uu] || units.pbytes[uu] == 0) return ok_status();
-    const std::uint64_t c = slices.chunk[uu];
+    if (!placement.sharding.host_state_sharded || placement.units[uu].gathered_at_fetch || placement.units[uu].param_bytes == 0) return ok_status();
+    const std::uint64_t c = placement.units[uu].slice.chunk;
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[2],
                                    dp_params->all_gather(ag_send.data(), ag_recv.data(), c, half ? DType::kBF16 : DType::kF32),
                                    "gather parameters", u, static_cast<std::uint64_t>(dp_size) * c * wsize));
@@ -3370,15 +3245,15 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   // Then its updated parameters (or, stage 3, this rank's slice) to their home.
   auto publish_unit = [&](int u) -> Status {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (sharded && psharded[uu]) {
+    if (placement.sharding.host_state_sharded && placement.units[uu].gathered_at_fetch) {
       STRATA_RETURN_IF_ERROR(write_param_slice(u, ag_send.bytes(), delayed));
       push_write(IoHandle(), u, -1, u, 0, 0);
       return ok_status();
     }
-    if (units.home[uu] == Tier::kNvme) {
+    if (placement.units[uu].home == Tier::kNvme) {
       const std::int64_t t0 = tracer.now_ns();
-      out_seq[(units_started - 1) % 2] = push_write(swap->write(param_key(u, delayed), out_unit, units.pbytes[uu]),
-                                                    u, track.nvme_publish, u, units.pbytes[uu], t0);
+      out_seq[(units_started - 1) % 2] = push_write(swap->write(param_key(u, delayed), out_unit, placement.units[uu].param_bytes),
+                                                    u, track.nvme_publish, u, placement.units[uu].param_bytes, t0);
       if (delayed) next_fresh[uu] = 1;  // counts once the write retired (the unit is marked updated then)
       return ok_status();
     }
@@ -3396,7 +3271,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     // before anything reads them (the unit is not marked updated). A failed all-gather is the
     // communicator's: reported as it is, not agreed on.
     STRATA_RETURN_IF_ERROR(gather_unit(u));
-    if (unit_status.ok() && units.pbytes[static_cast<std::size_t>(u)] > 0) note(publish_unit(u));
+    if (unit_status.ok() && placement.units[static_cast<std::size_t>(u)].param_bytes > 0) note(publish_unit(u));
     note(retire_through(UINT64_MAX));
     Status own = std::exchange(unit_status, ok_status());
     STRATA_RETURN_IF_ERROR(agree_unit(u, done_step, std::move(own)));
@@ -3429,13 +3304,13 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
   // taken from its master (read back), into out_unit or, sharded, this rank's slice in ag_send.
   auto rebuild_from_master = [&](int u, const float* master, std::uint64_t b0, std::uint64_t len) -> Status {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (!sharded) return working_from_master(u, master, b0, len, out_unit);
+    if (!placement.sharding.host_state_sharded) return working_from_master(u, master, b0, len, out_unit);
     for (int k : owned_of_unit[uu]) {
       const OwnedParam& o = owned[static_cast<std::size_t>(k)];
       const std::uint64_t a = o.grad_in_unit / 4;
       const std::uint64_t lo = std::max<std::uint64_t>(a, b0), hi = std::min<std::uint64_t>(a + o.n, b0 + len);
       if (lo >= hi) continue;
-      char* out = ag_send.bytes() + (lo - slices.begin[uu]) * wsize;
+      char* out = ag_send.bytes() + (lo - placement.units[uu].slice.begin) * wsize;
       if (half) {
         STRATA_RETURN_IF_ERROR(convert(master + (lo - b0), DType::kF32, out, wdtype, hi - lo));
       } else {
@@ -3476,7 +3351,7 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
     const auto [b0, b1] = bounds(items[i]);
     const std::uint64_t len = b1 - b0;
     const bool first_group = items[i].group == 0;
-    const bool last_group = items[i].group + 2 == units.sub_groups[uu].size();
+    const bool last_group = items[i].group + 2 == placement.units[uu].sub_groups.size();
     Status s = reads[i].wait();
     if (grads_on_nvme) {
       // Waited also when the state's read failed: the ring buffer is reused by a later read.
@@ -3535,13 +3410,13 @@ Status OffloadEngine::Impl::update_units_nvme(const std::vector<int>& order, std
       OptimizerBuffers b;
       b.master = master + (lo - b0);
       b.grad = grads_on_nvme ? ring[r].bytes() + 12 * len + (lo - b0) * 4
-               : sharded     ? shard_grads.bytes() + 4 * (slices.offset[uu] + lo - slices.begin[uu])
+               : placement.sharding.host_state_sharded     ? shard_grads.bytes() + 4 * (placement.units[uu].slice_offset + lo - placement.units[uu].slice.begin)
                              : host_at(host_grads, grad_begin(u)) + lo * 4;
       b.grad_dtype = DType::kF32;
       b.exp_avg = master + len + (lo - b0);
       b.exp_avg_sq = master + 2 * len + (lo - b0);
       b.moment_dtype = DType::kF32;
-      char* out = sharded ? ag_send.bytes() + (lo - slices.begin[uu]) * wsize : out_unit + o.param_in_unit + (lo - a) * wsize;
+      char* out = placement.sharding.host_state_sharded ? ag_send.bytes() + (lo - placement.units[uu].slice.begin) * wsize : out_unit + o.param_in_unit + (lo - a) * wsize;
       b.param_out = half ? out : nullptr;
       b.out_dtype = wdtype;
       b.n = hi - lo;
@@ -3632,7 +3507,7 @@ void OffloadEngine::Impl::worker_main() {
     } else {
       detail::HostSpan span(tracer, track.optimizer, TraceCounter::kOptimizer, "scan gradients", c.unit);
       const auto [grads, n] = unit_grads(c.unit);
-      const std::uint64_t first = sharded ? slices.begin[uu] : 0;
+      const std::uint64_t first = placement.sharding.host_state_sharded ? placement.units[uu].slice.begin : 0;
       STRATA_ASSIGN_OR_RETURN(
           stats[uu], scan_norm(*host_opt, c.unit, grads, first, n, static_cast<float>(1.0 / c.loss_scale)));
     }
@@ -3652,13 +3527,13 @@ void OffloadEngine::Impl::worker_main() {
   auto update_stage = [&](const Command& c, float scale) -> Status {
     applied_step = c.step;
     for (int u = 0; u < M; ++u)
-      if (!units.in_stage[static_cast<std::size_t>(u)]) mark_updated(u, c.step);  // another stage's
+      if (!placement.units[static_cast<std::size_t>(u)].in_stage) mark_updated(u, c.step);  // another stage's
     if (settings.optimizer == Tier::kNvme) {
       return update_units_nvme(nvme_update_order(c.step), c.opt_step, c.lr, scale, c.step);
     }
     for (int u : update_order) {
-      if (split_dev(u)) continue;  // partial offload: on the device
-      if (!units.in_stage[static_cast<std::size_t>(u)]) continue;
+      if (placement.split_device(u)) continue;  // partial offload: on the device
+      if (!placement.units[static_cast<std::size_t>(u)].in_stage) continue;
       if (unit_holds(u, c.step)) continue;  // a retry: done before the failure
       if (agree_per_unit()) {
         STRATA_RETURN_IF_ERROR(agree_unit(u, c.step, update_unit_host(u, c.opt_step, c.lr, scale, c.step)));
@@ -3676,7 +3551,7 @@ void OffloadEngine::Impl::worker_main() {
     if (!defer_marks()) return s;
     STRATA_RETURN_IF_ERROR(agree_stages(c.step, std::move(s)));
     for (int u = 0; u < M; ++u) {
-      if (units.in_stage[static_cast<std::size_t>(u)] && !split_dev(u)) mark_updated(u, c.step);
+      if (placement.units[static_cast<std::size_t>(u)].in_stage && !placement.split_device(u)) mark_updated(u, c.step);
     }
     return ok_status();
   };
@@ -3700,8 +3575,8 @@ void OffloadEngine::Impl::worker_main() {
     // Partial offload: the device units' statistics are their scans on the compute stream (with
     // data parallelism: of this rank's slices), which the caller synchronised before it pushed
     // this command; every merge below takes them where the host units' are.
-    for (int u : dev_units) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
-    if (sharded) {
+    for (int u : placement.stage.device_units) stats[static_cast<std::size_t>(u)] = dev_stats[static_cast<std::size_t>(u)];
+    if (placement.sharding.host_state_sharded) {
       // Every rank's per-unit statistics and its failure flag (one more record), merged unit by
       // unit in rank order.
       static_assert(sizeof(GradStats) % 4 == 0);
@@ -3794,7 +3669,7 @@ void OffloadEngine::Impl::worker_main() {
     }
     cv.notify_all();
     // The device units' update is the caller's, in compute order before the next forward.
-    for (int u : dev_units) mark_updated(u, c.step);
+    for (int u : placement.stage.device_units) mark_updated(u, c.step);
     if (immediate_ok) return;
     if (!total.finite() && fp16) {
       // Overflow: the step is skipped on every unit (and, data parallel, on every rank: they all
@@ -3898,7 +3773,7 @@ Status OffloadEngine::Impl::agree_unit(int u, std::int64_t step, Status own) {
   // (data-parallel rank + dp_size * tensor rank); the max over the data-parallel group, then over
   // the tensor group, is the same number on every rank. Which failing rank is named does not
   // matter, only that every rank sees the same verdict.
-  const bool over_dp = sharded && dp_params != nullptr;
+  const bool over_dp = placement.sharding.host_state_sharded && dp_params != nullptr;
   const int dps = over_dp ? dp_size : 1, dpr = over_dp ? dp_rank : 0;
   float verdict = own.ok() ? 0.0f : static_cast<float>(1 + dpr + dps * tp_rank);
   if (over_dp) {
@@ -3942,13 +3817,13 @@ Status OffloadEngine::Impl::agree_stages(std::int64_t step, Status own) {
 }
 
 float OffloadEngine::Impl::grid_place() const {
-  const bool over_dp = sharded && dp_params != nullptr;
+  const bool over_dp = placement.sharding.host_state_sharded && dp_params != nullptr;
   const int dps = over_dp ? dp_size : 1, dpr = over_dp ? dp_rank : 0;
   return static_cast<float>(1 + dpr + dps * (tp_rank + tp_size * pp_rank));
 }
 
 std::string OffloadEngine::Impl::name_grid_place(float place) const {
-  const bool over_dp = sharded && dp_params != nullptr;
+  const bool over_dp = placement.sharding.host_state_sharded && dp_params != nullptr;
   const int dps = over_dp ? dp_size : 1;
   const int r = static_cast<int>(place) - 1;
   std::string out;
@@ -3960,7 +3835,7 @@ std::string OffloadEngine::Impl::name_grid_place(float place) const {
 }
 
 Status OffloadEngine::Impl::recover() {
-  if (opt_on_device) return ok_status();
+  if (placement.sharding.optimizer_on_device) return ok_status();
   // Pipeline: the verdict on the update in flight is agreed by the stages' optimizer threads;
   // waiting for it makes every stage's call report (or not) alike, before this call sends or
   // receives anything (defer_marks).
@@ -4013,7 +3888,7 @@ Status OffloadEngine::Impl::recover() {
 }
 
 Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step, bool report) {
-  if (opt_on_device) return ok_status();
+  if (placement.sharding.optimizer_on_device) return ok_status();
   std::unique_lock<std::mutex> lock(mu);
   auto ready = [&] { return !worker_error.ok() || updated_step[static_cast<std::size_t>(u)] >= step; };
   if (!ready()) {
@@ -4030,7 +3905,7 @@ Status OffloadEngine::Impl::wait_update_of(int u, std::int64_t step, bool report
 }
 
 void OffloadEngine::Impl::drain_worker() {
-  if (opt_on_device) return;
+  if (placement.sharding.optimizer_on_device) return;
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return commands.empty() && !worker_busy; });
 }
@@ -4063,7 +3938,7 @@ Status OffloadEngine::Impl::wait_all_updates(bool publish) {
   STRATA_RETURN_IF_ERROR(recover());
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_updated(u));
   if (publish) STRATA_RETURN_IF_ERROR(publish_delayed());
-  if (!opt_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
+  if (!placement.sharding.optimizer_on_device) STRATA_RETURN_IF_ERROR(h2d->synchronize());
   return ok_status();
 }
 
@@ -4074,17 +3949,17 @@ Status OffloadEngine::Impl::publish_delayed() {
   for (int u = 0; u < M; ++u) STRATA_RETURN_IF_ERROR(wait_update_of(u, pending_publish));
   for (int u = 0; u < M; ++u) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (units.pbytes[uu] == 0) continue;
-    const std::uint64_t n = units.pbytes[uu];
+    if (placement.units[uu].param_bytes == 0) continue;
+    const std::uint64_t n = placement.units[uu].param_bytes;
     // Every stream is idle (step() synchronised them, a flush waited for them), so no fetch
     // reads the published version while it is replaced.
-    if (units.home[uu] != Tier::kDevice) {
+    if (placement.units[uu].home != Tier::kDevice) {
       if (!next_fresh[uu]) continue;  // a skipped step (fp16 overflow): the published version stands
       next_fresh[uu] = 0;
-      if (units.home[uu] == Tier::kHost) {
+      if (placement.units[uu].home == Tier::kHost) {
         // Stage 3: this rank's slice only (write_param_slice).
-        const std::uint64_t bytes = psharded[uu] ? slices.len[uu] * (half ? 2 : 4) : n;
-        std::memcpy(host_params.bytes() + host_param_offset[uu], delayed_next.bytes() + next_offset[uu],
+        const std::uint64_t bytes = placement.units[uu].gathered_at_fetch ? placement.units[uu].slice.len * (half ? 2 : 4) : n;
+        std::memcpy(host_params.bytes() + placement.units[uu].host_offset, delayed_next.bytes() + placement.units[uu].next_offset,
                     bytes);
       } else {
         param_shard[uu] = 1 - param_shard[uu];
@@ -4092,8 +3967,8 @@ Status OffloadEngine::Impl::publish_delayed() {
       continue;
     }
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
-    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + units.resident_offset[uu],
-                                       host_params.bytes() + host_param_offset[uu], n, CopyKind::kHostToDevice, u));
+    STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", resident + placement.units[uu].resident_offset,
+                                       host_params.bytes() + placement.units[uu].host_offset, n, CopyKind::kHostToDevice, u));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "upload (delayed)", u, n));
     STRATA_RETURN_IF_ERROR(h2d->record(*uploaded[uu]));
     uploaded_recorded[uu] = 1;
@@ -4160,7 +4035,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
     if (pslots[i].unit < 0) s = static_cast<int>(i);
   if (s < 0) {
     // Evict a unit the running module does not read.
-    const std::vector<int>& cur = current_module >= 0 ? units.storage[static_cast<std::size_t>(current_module)]
+    const std::vector<int>& cur = current_module >= 0 ? placement.units[static_cast<std::size_t>(current_module)].reads
                                                       : std::vector<int>{};
     for (std::size_t i = 0; i < pslots.size() && s < 0; ++i) {
       if (std::find(cur.begin(), cur.end(), pslots[i].unit) == cur.end()) s = static_cast<int>(i);
@@ -4170,7 +4045,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
   }
   ParamSlot& slot = pslots[static_cast<std::size_t>(s)];
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t n = units.pbytes[uu];
+  const std::uint64_t n = placement.units[uu].param_bytes;
   STRATA_RETURN_IF_ERROR(h2d->wait(*slot.free));
   STRATA_RETURN_IF_ERROR(tracer.stream_begin(*h2d, track.h2d));
   const bool early = gate_step >= 0;
@@ -4199,8 +4074,8 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
   };
   // Stage 3: the unit is gathered from every rank's slice, whatever its home (host or NVMe); an
   // early one runs its gate inside the gather's host function (early_gather_unit_params).
-  const bool gathered = !psharded.empty() && psharded[uu];
-  if (early && !gathered && units.home[uu] != Tier::kNvme) {
+  const bool gathered = placement.units[uu].gathered_at_fetch;
+  if (early && !gathered && placement.units[uu].home != Tier::kNvme) {
     STRATA_RETURN_IF_ERROR(h2d->host_fn("offload: early fetch of param." + std::to_string(u) + " waits for its update",
                                         [gate, early_ok]() {
                                           early_ok->store(gate());
@@ -4222,7 +4097,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
     }
     STRATA_RETURN_IF_ERROR(
         traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
-  } else if (units.home[uu] == Tier::kNvme) {
+  } else if (placement.units[uu].home == Tier::kNvme) {
     SwapStore* store = swap.get();
     void* staging = slot.staging.data();
     const TensorKey key = param_key(u);
@@ -4255,7 +4130,7 @@ Result<int> OffloadEngine::Impl::fetch(int u, int current_module, std::int64_t g
         traced_copy(*h2d, track.copy_h2d, "copy", slot.dev, staging, n, CopyKind::kHostToDevice, u));
   } else {
     STRATA_RETURN_IF_ERROR(traced_copy(*h2d, track.copy_h2d, "copy", slot.dev,
-                                       host_params.bytes() + host_param_offset[uu], n,
+                                       host_params.bytes() + placement.units[uu].host_offset, n,
                                        CopyKind::kHostToDevice, u));
   }
   STRATA_RETURN_IF_ERROR(tracer.stream_end(*h2d, track.h2d, TraceCounter::kNone, "fetch", u, n));
@@ -4288,14 +4163,14 @@ Status OffloadEngine::Impl::access_params(int m) {
     STRATA_RETURN_IF_ERROR(
         compute->host_fn("offload: injected compute fault", [f = injected_compute_error]() { return f; }));
   }
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (units.pbytes[uu] == 0) continue;
+    if (placement.units[uu].param_bytes == 0) continue;
     // The delayed update's caller publishes what this pass may read before the pass starts (the
     // update in flight is the next step's to see); compute then waits for the upload alone.
     if (!delayed) STRATA_RETURN_IF_ERROR(wait_updated(u));
-    if (resident_unit(u)) {
-      if (!opt_on_device && uploaded_recorded[uu]) {
+    if (placement.resident(u)) {
+      if (!placement.sharding.optimizer_on_device && uploaded_recorded[uu]) {
         STRATA_RETURN_IF_ERROR(tracer.stream_begin(*compute, track.compute));
         STRATA_RETURN_IF_ERROR(compute->wait(*uploaded[uu]));
         STRATA_RETURN_IF_ERROR(
@@ -4338,14 +4213,14 @@ Status OffloadEngine::Impl::access_params(int m) {
 // After module m's work is enqueued: release the slots that the next accesses do not reuse.
 Status OffloadEngine::Impl::release_after(int m) {
   const std::size_t window = static_cast<std::size_t>(std::max(1, settings.prefetch_modules));
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
     const int s = slot_of[static_cast<std::size_t>(u)];
     if (s < 0) continue;
     bool reused = false;
     for (std::size_t j = pos; j < pos + window && !reused; ++j) {
       const int code = predicted(j);
       if (code < 0) break;
-      const auto& st = units.storage[static_cast<std::size_t>(code % M)];
+      const auto& st = placement.units[static_cast<std::size_t>(code % M)].reads;
       reused = std::find(st.begin(), st.end(), u) != st.end();
     }
     if (!reused) STRATA_RETURN_IF_ERROR(release_slot(s));
@@ -4360,9 +4235,9 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
   for (std::size_t j = from; j < from + static_cast<std::size_t>(settings.prefetch_modules); ++j) {
     const int code = predicted(j);
     if (code < 0) break;
-    for (int u : units.storage[static_cast<std::size_t>(code % M)]) {
+    for (int u : placement.units[static_cast<std::size_t>(code % M)].reads) {
       const std::size_t uu = static_cast<std::size_t>(u);
-      if (resident_unit(u) || slot_of[uu] >= 0 || units.pbytes[uu] == 0) continue;
+      if (placement.resident(u) || slot_of[uu] >= 0 || placement.units[uu].param_bytes == 0) continue;
       // A unit whose update is still running is fetched behind a gate on the h2d stream, as an
       // early fetch is: the caller goes on to enqueue the module it is about to run instead of
       // waiting here for a unit the forward reaches a few modules later (it waited for that one
@@ -4382,7 +4257,7 @@ Status OffloadEngine::Impl::prefetch_ahead(std::size_t from, std::int64_t gate_s
       }
       // The budget bounds what is fetched beyond the first unit: a module larger than the whole
       // budget is still fetched one ahead, or it would never be prefetched at all.
-      budget -= static_cast<std::int64_t>(units.gbytes[uu] / 4);
+      budget -= static_cast<std::int64_t>(placement.units[uu].grad_bytes / 4);
       if (budget < 0 && fetched_any) return ok_status();
       fetched_any = true;
       // ... into a free slot.
@@ -4408,8 +4283,8 @@ Status OffloadEngine::Impl::prefetch_next_step() {
   // the early fetches follow the trace, the slots and the budget (the same on every rank), and
   // whether the pass uses a copy is agreed inside its gather (early_gather_unit_params), never
   // taken from when this rank's gate looked (docs/offload.md "Early fetch across steps").
-  if (opt_on_device || delayed || trace.empty()) return ok_status();
-  const bool gathers = std::any_of(psharded.begin(), psharded.end(), [](char p) { return p != 0; });
+  if (placement.sharding.optimizer_on_device || delayed || trace.empty()) return ok_status();
+  const bool gathers = placement.any_gathered_at_fetch();
   if (!gathers) {
     // This rank's own view suffices where nothing talks. At stage 3 an optimizer-thread failure
     // reaches the ranks at different times: they issue the fetches regardless, and every gate
@@ -4437,7 +4312,7 @@ Status OffloadEngine::Impl::end_pass() {
     bool keep = false;
     if (cyclic) {
       for (std::size_t j = 0; j < std::min(window, trace.size()) && !keep; ++j) {
-        const auto& st = units.storage[static_cast<std::size_t>(trace[j] % M)];
+        const auto& st = placement.units[static_cast<std::size_t>(trace[j] % M)].reads;
         keep = std::find(st.begin(), st.end(), u) != st.end();
       }
     }
@@ -4447,19 +4322,19 @@ Status OffloadEngine::Impl::end_pass() {
 }
 
 Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
-  if (opt_on_device) return ok_status();
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+  if (placement.sharding.optimizer_on_device) return ok_status();
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (gslot_of[uu] >= 0 || units.gbytes[uu] == 0 || dev_unit(u)) continue;
+    if (gslot_of[uu] >= 0 || placement.units[uu].grad_bytes == 0 || placement.device_state(u)) continue;
     int s = -1;
     for (std::size_t i = 0; i < gslots.size() && s < 0; ++i)
       if (gslots[i].unit < 0) s = static_cast<int>(i);
     if (s < 0) return internal_error("offload: no gradient bucket free for module " + std::to_string(u));
     GradSlot& g = gslots[static_cast<std::size_t>(s)];
     // Stage 2 reduces every micro-batch's gradients on their own: each starts from zero.
-    if (first_micro || (sharded && settings.zero_stage >= 2)) {
+    if (first_micro || (placement.sharding.host_state_sharded && settings.zero_stage >= 2)) {
       STRATA_RETURN_IF_ERROR(compute->wait(*g.free));
-      STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, units.gbytes[uu]));
+      STRATA_RETURN_IF_ERROR(compute->memset_async(g.dev, 0, placement.units[uu].grad_bytes));
     } else {
       // Restore the gradients accumulated so far: the device then adds exactly as when resident.
       const char* from = grads_on_nvme ? nullptr : host_at(host_grads, grad_begin(u));
@@ -4469,17 +4344,17 @@ Status OffloadEngine::Impl::acquire_grads(int m, bool first_micro) {
                                                 [this, u, staging]() {
                                                   detail::HostSpan span(tracer, track.nvme_fetch,
                                                                         TraceCounter::kNvmeRead, "read gradients", u,
-                                                                        units.gbytes[static_cast<std::size_t>(u)]);
+                                                                        placement.units[static_cast<std::size_t>(u)].grad_bytes);
                                                   // Sharded: only stage 1 restores, its unsharded local sum.
-                                                  return sharded ? local_grads_io(u, staging, false)
+                                                  return placement.sharding.host_state_sharded ? local_grads_io(u, staging, false)
                                                                  : read_grad_shards(u, staging);
                                                 }));
         from = staging;
       }
       STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
-      STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, from, units.gbytes[uu], CopyKind::kHostToDevice));
+      STRATA_RETURN_IF_ERROR(gstream->copy_async(g.dev, from, placement.units[uu].grad_bytes, CopyKind::kHostToDevice));
       STRATA_RETURN_IF_ERROR(tracer.stream_end(*gstream, track.grads, TraceCounter::kH2D, "restore gradients",
-                                               u, units.gbytes[uu]));
+                                               u, placement.units[uu].grad_bytes));
       STRATA_RETURN_IF_ERROR(gstream->record(*g.ready));
       STRATA_RETURN_IF_ERROR(compute->wait(*g.ready));
     }
@@ -4502,10 +4377,10 @@ Status OffloadEngine::Impl::enqueue_reduce(int u, bool first_micro, bool last_mi
 
 Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool last_micro,
                                                  std::int64_t step) {
-  if (!sharded || !(last_micro || settings.zero_stage >= 2)) return ok_status();
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+  if (!placement.sharding.host_state_sharded || !(last_micro || settings.zero_stage >= 2)) return ok_status();
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (last_touch[uu] != m || units.gbytes[uu] == 0 || dev_unit(u)) continue;
+    if (placement.units[uu].last_touch != m || placement.units[uu].grad_bytes == 0 || placement.device_state(u)) continue;
     STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
   }
   return ok_status();
@@ -4513,10 +4388,10 @@ Status OffloadEngine::Impl::reduce_after_failure(int m, bool first_micro, bool l
 
 Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr) {
-  if (opt_on_device) return ok_status();
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
+  if (placement.sharding.optimizer_on_device) return ok_status();
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    if (last_touch[uu] != m || gslot_of[uu] < 0 || dev_unit(u)) continue;
+    if (placement.units[uu].last_touch != m || gslot_of[uu] < 0 || placement.device_state(u)) continue;
     // Delayed update: the previous step's update of u may still read its gradients (host_grads,
     // the shard or the NVMe shards), which this copy out overwrites. (Otherwise the forward
     // already waited for it.)
@@ -4526,25 +4401,25 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
     STRATA_RETURN_IF_ERROR(gstream->wait(*g.done));
     // Data parallel: the final local gradients (every micro-batch's in stage 2) go to the
     // reduce-scatter; stage 1's earlier micro-batches wait in host_grads, unreduced.
-    const bool reduce = sharded && (last_micro || settings.zero_stage >= 2);
+    const bool reduce = placement.sharding.host_state_sharded && (last_micro || settings.zero_stage >= 2);
     char* out = reduce          ? rs_send.bytes()
                 : grads_on_nvme ? grad_staging.bytes()
                                 : host_at(host_grads, grad_begin(u));
     STRATA_RETURN_IF_ERROR(tracer.stream_begin(*gstream, track.grads));
     STRATA_RETURN_IF_ERROR(
-        traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, units.gbytes[uu], CopyKind::kDeviceToHost, u));
+        traced_copy(*gstream, track.copy_d2h, "copy", out, g.dev, placement.units[uu].grad_bytes, CopyKind::kDeviceToHost, u));
     STRATA_RETURN_IF_ERROR(
-        tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, units.gbytes[uu]));
+        tracer.stream_end(*gstream, track.grads, TraceCounter::kNone, "gradients out", u, placement.units[uu].grad_bytes));
     STRATA_RETURN_IF_ERROR(gstream->record(*g.free));
     if (reduce) {
       STRATA_RETURN_IF_ERROR(enqueue_reduce(u, first_micro, last_micro, step));
-    } else if (grads_on_nvme && sharded) {
+    } else if (grads_on_nvme && placement.sharding.host_state_sharded) {
       // Stage 1's earlier micro-batches: the unsharded local sum waits on NVMe, unreduced.
       STRATA_RETURN_IF_ERROR(gstream->host_fn("offload: NVMe write of grad_local." + std::to_string(u),
                                               [this, u, out]() -> Status {
                                                 detail::HostSpan span(tracer, track.nvme_publish,
                                                                       TraceCounter::kNvmeWrite, "write gradients", u,
-                                                                      units.gbytes[static_cast<std::size_t>(u)]);
+                                                                      placement.units[static_cast<std::size_t>(u)].grad_bytes);
                                                 return local_grads_io(u, out, true);
                                               }));
     } else if (grads_on_nvme) {
@@ -4560,18 +4435,18 @@ Status OffloadEngine::Impl::release_grads(int m, bool first_micro, bool last_mic
                                                   // parameters on tp rank 0 only.
                                                   STRATA_ASSIGN_OR_RETURN(
                                                       landed_stats[uu],
-                                                      scan_norm(*host_opt, u, out, 0, units.gbytes[uu] / 4, inv_scale));
+                                                      scan_norm(*host_opt, u, out, 0, placement.units[uu].grad_bytes / 4, inv_scale));
                                                 }
                                                 detail::HostSpan span(tracer, track.nvme_publish,
                                                                       TraceCounter::kNvmeWrite, "write gradients", u,
-                                                                      units.gbytes[uu]);
+                                                                      placement.units[uu].grad_bytes);
                                                 return write_grad_shards(u, out);
                                               }));
     }
     g.unit = -1;
     gslot_of[uu] = -1;
     bound_grads[uu] = nullptr;
-    if (last_micro && step > 0 && u == tied_unit && pp_tied) {
+    if (last_micro && step > 0 && u == placement.stage.tied_unit && pp_tied) {
       // Pipeline: the tied unit's gradient is summed with the other end's once this stage's whole
       // schedule has run (run_pipeline), not on the gradient stream here: the other end may still
       // need this stage's activation gradients, which wait behind this stream's buckets.
@@ -4600,7 +4475,7 @@ Status OffloadEngine::Impl::keep_module_place(Status s) {
 }
 
 Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
-  const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
+  const auto [first, end] = placement.stage.chunk_ranges[static_cast<std::size_t>(chunk)];
   for (int m = first; m < end; ++m) {
     if (pass_error.ok()) {
       note_access(m);
@@ -4631,13 +4506,13 @@ Status OffloadEngine::Impl::run_forward(bool for_backward, int chunk) {
 
 Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool last_micro, std::int64_t step,
                                          double lr, int chunk) {
-  const auto [first, end] = chunk_ranges[static_cast<std::size_t>(chunk)];
+  const auto [first, end] = placement.stage.chunk_ranges[static_cast<std::size_t>(chunk)];
   for (int m = end - 1; m >= first; --m) {
     if (pass_error.ok()) {
       note_access(M + m);
       Status before = access_params(m);
       if (before.ok()) before = acquire_grads(m, first_micro);
-      if (before.ok() && grad_sharded) before = open_buckets(m);
+      if (before.ok() && placement.sharding.device_grads_sharded) before = open_buckets(m);
       STRATA_RETURN_IF_ERROR(keep_module_place(std::move(before)));
     }
     if (!pass_error.ok()) {  // keep_modules after a failure: the model's work and the collectives alone
@@ -4649,7 +4524,7 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
     STRATA_RETURN_IF_ERROR(model->backward_module(m, dloss));
     STRATA_RETURN_IF_ERROR(tracer.stream_end(*compute, track.compute, TraceCounter::kCompute, "backward", m));
     Status after = release_grads(m, first_micro, last_micro, step, lr);
-    if (after.ok() && bucketed) after = close_buckets(m, first_micro, last_micro, step);
+    if (after.ok() && placement.sharding.device_grads_bucketed) after = close_buckets(m, first_micro, last_micro, step);
     if (after.ok()) after = release_after(m);
     STRATA_RETURN_IF_ERROR(keep_module_place(std::move(after)));
   }
@@ -4657,8 +4532,8 @@ Status OffloadEngine::Impl::run_backward(float dloss, bool first_micro, bool las
 }
 
 Status OffloadEngine::Impl::open_buckets(int m) {
-  for (int u : units.storage[static_cast<std::size_t>(m)]) {
-    const int b = buckets.bucket_of[static_cast<std::size_t>(u)];
+  for (int u : placement.units[static_cast<std::size_t>(m)].reads) {
+    const int b = placement.units[static_cast<std::size_t>(u)].bucket.index;
     if (b < 0 || bucket_buf_of[static_cast<std::size_t>(b)] >= 0) continue;
     // The free buffer released longest ago (ties: the lowest). The lowest free one is often the
     // buffer whose reduce-scatter the previous module just launched, and compute would wait for it
@@ -4680,9 +4555,9 @@ Status OffloadEngine::Impl::open_buckets(int m) {
       STRATA_RETURN_IF_ERROR(compute->host_fn("offload: gradient bucket buffer " + std::to_string(i) + " free",
                                               [this, i]() { return finish_through(i); }));
     }
-    STRATA_RETURN_IF_ERROR(compute->memset_async(buf, 0, buckets.bytes[static_cast<std::size_t>(b)]));
-    for (int v : buckets.units[static_cast<std::size_t>(b)]) {
-      bound_grads[static_cast<std::size_t>(v)] = reinterpret_cast<float*>(buf + buckets.offset[static_cast<std::size_t>(v)]);
+    STRATA_RETURN_IF_ERROR(compute->memset_async(buf, 0, placement.buckets.buckets[static_cast<std::size_t>(b)].bytes));
+    for (int v : placement.buckets.buckets[static_cast<std::size_t>(b)].units) {
+      bound_grads[static_cast<std::size_t>(v)] = reinterpret_cast<float*>(buf + placement.units[static_cast<std::size_t>(v)].bucket.offset);
       STRATA_RETURN_IF_ERROR(bind(v));
     }
   }
@@ -4690,10 +4565,10 @@ Status OffloadEngine::Impl::open_buckets(int m) {
 }
 
 Status OffloadEngine::Impl::close_buckets(int m, bool first_micro, bool last_micro, std::int64_t step) {
-  for (std::size_t b = 0; b < buckets.units.size(); ++b) {
-    if (buckets.close_after[b] != m) continue;
+  for (std::size_t b = 0; b < placement.buckets.buckets.size(); ++b) {
+    if (placement.buckets.buckets[b].close_after != m) continue;
     const int bi = static_cast<int>(b);
-    if (grad_sharded) {
+    if (placement.sharding.device_grads_sharded) {
       // Every micro-batch: reduced into the slices (the first micro-batch's overwrite them).
       const int i = bucket_buf_of[b];
       if (i < 0) return internal_error("offload: gradient bucket " + std::to_string(b) + " closed but never opened");
@@ -4705,7 +4580,7 @@ Status OffloadEngine::Impl::close_buckets(int m, bool first_micro, bool last_mic
       bucket_buf_owner[static_cast<std::size_t>(i)] = -1;
       bucket_buf_freed[static_cast<std::size_t>(i)] = ++bucket_frees;
       bucket_buf_of[b] = -1;
-      for (int v : buckets.units[b]) {
+      for (int v : placement.buckets.buckets[b].units) {
         bound_grads[static_cast<std::size_t>(v)] = nullptr;
         STRATA_RETURN_IF_ERROR(bind(v));
       }
@@ -4720,8 +4595,8 @@ Status OffloadEngine::Impl::close_buckets(int m, bool first_micro, bool last_mic
 
 Status OffloadEngine::Impl::launch_bucket(int b, int buf, bool accumulate) {
   const std::size_t bb = static_cast<std::size_t>(b);
-  const std::vector<int>& us = buckets.units[bb];
-  if (!grad_sharded) {
+  const std::vector<int>& us = placement.buckets.buckets[bb].units;
+  if (!placement.sharding.device_grads_sharded) {
     const auto [begin, n] = bucket_range(b);
     float* g = reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + begin);
     CommWork w = dp_buckets->all_reduce(g, g, n, DType::kF32, ReduceOp::kSum);
@@ -4734,14 +4609,14 @@ Status OffloadEngine::Impl::launch_bucket(int b, int buf, bool accumulate) {
   // Each unit sits in the buffer padded with zeros to size x chunk (the sharded optimizer's
   // chunks): one reduce-scatter per unit, in place from there into the buffer's receive part.
   char* base = bucket_buf[static_cast<std::size_t>(buf)];
-  float* recv = reinterpret_cast<float*>(base + offload_detail::grad_bucket_recv_offset(buckets));
+  float* recv = reinterpret_cast<float*>(base + placement.buckets.recv_offset());
   InFlight f;
   f.bucket = b;
   f.buf = buf;
   f.accumulate = accumulate;
   for (int u : us) {
     const std::size_t uu = static_cast<std::size_t>(u);
-    f.work.push_back(dp_buckets->reduce_scatter(base + buckets.offset[uu], recv + buckets.rs_at[uu], slices.chunk[uu],
+    f.work.push_back(dp_buckets->reduce_scatter(base + placement.units[uu].bucket.offset, recv + placement.units[uu].bucket.rs_at, placement.units[uu].slice.chunk,
                                                 DType::kF32, ReduceOp::kSum));
   }
   in_flight.push_back(std::move(f));
@@ -4756,18 +4631,18 @@ Status OffloadEngine::Impl::finish_through(int buf) {
   while (!in_flight.empty()) {
     InFlight f = std::move(in_flight.front());
     in_flight.pop_front();
-    const std::vector<int>& us = buckets.units[static_cast<std::size_t>(f.bucket)];
+    const std::vector<int>& us = placement.buckets.buckets[static_cast<std::size_t>(f.bucket)].units;
     const float* recv = reinterpret_cast<const float*>(bucket_buf[static_cast<std::size_t>(f.buf)] +
-                                                       offload_detail::grad_bucket_recv_offset(buckets));
+                                                       placement.buckets.recv_offset());
     for (std::size_t k = 0; k < us.size(); ++k) {
       const std::size_t uu = static_cast<std::size_t>(us[k]);
       STRATA_RETURN_IF_ERROR(
-          dp_wait(dp_tracks[1], f.work[k], "reduce-scatter gradient bucket", us[k], 4 * P * slices.chunk[uu]));
+          dp_wait(dp_tracks[1], f.work[k], "reduce-scatter gradient bucket", us[k], 4 * P * placement.units[uu].slice.chunk));
       // This rank's slice: the first micro-batch's overwrites, later ones add (the host tier's
       // stage-2 sum, in micro-batch order: buckets finish in launch order).
-      float* dst = dgrads + slices.offset[uu];
-      const float* src = recv + buckets.rs_at[uu];
-      const std::uint64_t len = slices.len[uu];
+      float* dst = dgrads + placement.units[uu].slice_offset;
+      const float* src = recv + placement.units[uu].bucket.rs_at;
+      const std::uint64_t len = placement.units[uu].slice.len;
       if (f.accumulate) {
         for (std::uint64_t i = 0; i < len; ++i) dst[i] += src[i];
       } else {
@@ -4782,7 +4657,7 @@ Status OffloadEngine::Impl::finish_through(int buf) {
 Status OffloadEngine::Impl::drain_buckets() {
   for (auto& [b, w] : bucket_work) {
     STRATA_RETURN_IF_ERROR(dp_wait(dp_tracks[1], w, "all-reduce gradient bucket",
-                                   buckets.units[static_cast<std::size_t>(b)].front(), 4 * bucket_range(b).second));
+                                   placement.buckets.buckets[static_cast<std::size_t>(b)].units.front(), 4 * bucket_range(b).second));
   }
   bucket_work.clear();
   return finish_through(-1);
@@ -4808,8 +4683,8 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
   }
   if (count == 0) return invalid_argument("train step: every target is ignored (negative)");
   // grad_sharded: the slices are written, not added to, by each step's first micro-batch.
-  if (opt_on_device && !grad_sharded) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, dgrad_bytes));
-  if (bucketed) {
+  if (placement.sharding.optimizer_on_device && !placement.sharding.device_grads_sharded) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, dgrad_bytes));
+  if (placement.sharding.device_grads_bucketed) {
     // A failed step may have left collectives in flight and buffers taken: wait them out, drop them.
     std::fill(bucket_buf_owner.begin(), bucket_buf_owner.end(), -1);
     std::fill(bucket_buf_freed.begin(), bucket_buf_freed.end(), 0);
@@ -4824,39 +4699,39 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
       return ok_status();
     }));
   }
-  if (partial) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
+  if (placement.sharding.optimizer_split) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, placement.sizes.device_opt_bytes));
   // fp16: the loss gradient carries the loss scale (a power of two, so the product is exact).
   const float dloss = (1.0f / static_cast<float>(count)) * static_cast<float>(update ? loss_scale_now : 1.0);
   if (pp_size > 1) {
     STRATA_RETURN_IF_ERROR(run_pipeline(inputs, targets, micro, dloss, update ? step : 0, lr));
-    if (!part_dp || !update) return ok_status();
+    if (!placement.sharding.split_state_sharded || !update) return ok_status();
     // Partial offload with data parallelism, stages 0-1: the device units' sums over the
     // schedule's micro-batches, reduce-scattered once as below, after every pipeline transfer of
     // the step (run_pipeline drained the stream). Stage 2 reduced each micro-batch inside the
     // schedule (run_pipeline) into offload.grad_slices.
     if (settings.zero_stage < 2) STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/false));
-    if (pp_tied && split_dev(tied_unit)) {
+    if (pp_tied && placement.split_device(placement.stage.tied_unit)) {
       // The tied unit's reduced slice summed with the other end's (the same slice of the same
       // unit), as sum_tied_landed sums a host unit's, before scan_device_units reads it.
       STRATA_RETURN_IF_ERROR(compute->synchronize());
       STRATA_RETURN_IF_ERROR(
-          reduce_tied_grads(dev_slice_grads(tied_unit), slices.len[static_cast<std::size_t>(tied_unit)]));
+          reduce_tied_grads(dev_slice_grads(placement.stage.tied_unit), placement.units[static_cast<std::size_t>(placement.stage.tied_unit)].slice.len));
     }
     return ok_status();
   }
   // Partial offload with data parallelism: stage 2 reduces the device units' gradients of every
   // micro-batch on their own (each starts from zero, as ratio 1's buckets do); stage 1 reduces
   // their sum once, after the last micro-batch.
-  const bool reduce_each = part_dp && settings.zero_stage >= 2;
+  const bool reduce_each = placement.sharding.split_state_sharded && settings.zero_stage >= 2;
   for (std::int64_t a = 0; a < micro; ++a) {
     STRATA_RETURN_IF_ERROR(model->set_batch(inputs.subspan(a * per, per), targets.subspan(a * per, per), B, T));
     cyclic = a + 1 < micro;
     begin_pass();
-    if (reduce_each && a > 0) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, units.device_opt_bytes));
+    if (reduce_each && a > 0) STRATA_RETURN_IF_ERROR(compute->memset_async(dgrads, 0, placement.sizes.device_opt_bytes));
     STRATA_RETURN_IF_ERROR(run_forward(true));
     STRATA_RETURN_IF_ERROR(model->copy_losses(static_cast<int>(a)));
     STRATA_RETURN_IF_ERROR(run_backward(dloss, a == 0, a + 1 == micro, update ? step : 0, lr));
-    if (part_dp && (reduce_each || a + 1 == micro))
+    if (placement.sharding.split_state_sharded && (reduce_each || a + 1 == micro))
       STRATA_RETURN_IF_ERROR(reduce_device_units(/*accumulate=*/reduce_each && a > 0));
     STRATA_RETURN_IF_ERROR(end_pass());
   }
@@ -4866,7 +4741,7 @@ Status OffloadEngine::Impl::run_micro_batches(std::span<const std::int32_t> inpu
 
 // The update with the optimizer on the device, in stream order after backward.
 Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
-  if (dev_sharded) return device_update_sharded(lr, step);
+  if (placement.sharding.device_state_sharded) return device_update_sharded(lr, step);
   if (launch->is_cpu()) {
     // One host function: the gradient scan per unit (merged in unit order, as the host tiers
     // merge theirs), then every update with the clip applied.
@@ -4887,7 +4762,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     job->tp = tp_size > 1 ? tp_model.get() : nullptr;
     for (int u = 0; u < M; ++u)
       job->unit_grads.emplace_back(reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)),
-                                   units.gbytes[static_cast<std::size_t>(u)] / 4);
+                                   placement.units[static_cast<std::size_t>(u)].grad_bytes / 4);
     for (const OwnedParam& o : owned) {
       const OptimizerBuffers b = device_buffers(o);
       job->params.push_back(Job::P{b, o.decay});
@@ -4941,7 +4816,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
     });
   }
   // cuda: the norm is needed on the host to pick the clip scale.
-  const std::size_t n = units.grad_bytes / 4;
+  const std::size_t n = placement.sizes.grad_bytes / 4;
   auto* partials = static_cast<double*>(cuda_partials.data());
   double* result = partials + detail::sum_of_squares_cuda_partials(n);
   void* cs = compute->native_handle();
@@ -4958,7 +4833,7 @@ Status OffloadEngine::Impl::device_update(double lr, std::int64_t step) {
   // The bit-exact fused kernel (the cpu update's arithmetic), one call per weight-decay group.
   std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
   for (const OwnedParam& o : owned) {
-    char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+    char* wp = resident + placement.units[static_cast<std::size_t>(o.unit)].resident_offset + o.param_in_unit;
     DeviceAdamTensor x;
     x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
     x.param = half ? static_cast<void*>(wp) : static_cast<void*>(x.master);  // fp32: the master is the weight
@@ -4986,7 +4861,7 @@ template <class GradAt, class ParamAt>
 Status OffloadEngine::Impl::update_slice(int u, double lr, std::int64_t step, float scale, GradAt grad_at,
                                          ParamAt param_at, char* ag_in) {
   const std::size_t uu = static_cast<std::size_t>(u);
-  const std::uint64_t b = slices.begin[uu], len = slices.len[uu], off = slices.offset[uu], w = half ? 2 : 4;
+  const std::uint64_t b = placement.units[uu].slice.begin, len = placement.units[uu].slice.len, off = placement.units[uu].slice_offset, w = half ? 2 : 4;
   for (int k : owned_of_unit[uu]) {
     const OwnedParam& o = owned[static_cast<std::size_t>(k)];
     const std::uint64_t a = o.grad_in_unit / 4;
@@ -5019,11 +4894,11 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
   return launch->run(
       "optimizer step (sharded)", [this, lr, step, loss_scale](const kernels::KernelContext&) -> Status {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
-        const std::uint64_t cmax = slices.max_chunk;
+        const std::uint64_t cmax = placement.slices.max_chunk;
         float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk (stage 1)
         float* rs_out = rs_in + P * cmax;                      // chunk (stage 1)
         // chunk, working dtype (stages 2-3: the staging holds only the all-gather's part)
-        char* ag_in = grad_sharded ? dev_staging : reinterpret_cast<char*>(rs_out + cmax);
+        char* ag_in = placement.sharding.device_grads_sharded ? dev_staging : reinterpret_cast<char*>(rs_out + cmax);
         char* ag_out = ag_in + w * cmax;                       // P x chunk
         const auto inv_scale = static_cast<float>(1.0 / loss_scale);
         // 1. Each unit's gradients reduce-scattered; this rank's slice is written back in place (the
@@ -5032,13 +4907,13 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
         for (int u = 0; u < M; ++u) {
           stats[static_cast<std::size_t>(u)] = GradStats{};
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], b = slices.begin[uu],
-                              len = slices.len[uu];
+          const std::uint64_t n = placement.units[uu].grad_bytes / 4, c = placement.units[uu].slice.chunk, b = placement.units[uu].slice.begin,
+                              len = placement.units[uu].slice.len;
           if (n == 0) continue;  // the same on every rank
-          if (grad_sharded) {
+          if (placement.sharding.device_grads_sharded) {
             // Stage >= 2: reduced per bucket during backward (drain_buckets ran before this).
-            float* slice = dgrads + slices.offset[uu];
-            if (u == tied_unit && pp_tied) {
+            float* slice = dgrads + placement.units[uu].slice_offset;
+            if (u == placement.stage.tied_unit && pp_tied) {
               // Pipeline: GPT-2's embedding unit, its slice summed between the first and the
               // last stage once every micro-batch's reduction has been added (the host tier's
               // sum_tied_landed on its stage-2 shard; stage 1's below).
@@ -5055,7 +4930,7 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
               dp_wait(dp_tracks[2], dp_params->reduce_scatter(rs_in, rs_out, c, DType::kF32, ReduceOp::kSum),
                       "reduce-scatter gradients", u, 4 * P * c));
           std::memcpy(g + b, rs_out, len * 4);
-          if (u == tied_unit && pp_tied) {
+          if (u == placement.stage.tied_unit && pp_tied) {
             // Pipeline: GPT-2's embedding unit, held by the first and the last stage, summed
             // between them slice by slice after the data-parallel reduction (both ends hold the
             // same dp rank's slice), as the host tier sums its reduced slices (sum_tied_landed).
@@ -5108,15 +4983,15 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
         //    at (e - b) * w), written in place and not gathered (the next fetch gathers it).
         for (int u = 0; u < M; ++u) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu], off = slices.offset[uu];
-          if (units.gbytes[uu] == 0) continue;
-          char* unit_params = resident + units.resident_offset[uu];
-          const bool slice_only = units.sliced[uu] != 0;
+          const std::uint64_t c = placement.units[uu].slice.chunk, b = placement.units[uu].slice.begin, off = placement.units[uu].slice_offset;
+          if (placement.units[uu].grad_bytes == 0) continue;
+          char* unit_params = resident + placement.units[uu].resident_offset;
+          const bool slice_only = placement.units[uu].slice_at_home != 0;
           std::memset(ag_in, 0, c * w);
           STRATA_RETURN_IF_ERROR(update_slice(
               u, lr, step, scale,
               [&](std::uint64_t lo) {
-                return grad_sharded ? dgrads + off + (lo - b)
+                return placement.sharding.device_grads_sharded ? dgrads + off + (lo - b)
                                     : reinterpret_cast<float*>(reinterpret_cast<char*>(dgrads) + grad_begin(u)) + lo;
               },
               [&](const OwnedParam& o, std::uint64_t lo) {
@@ -5137,17 +5012,17 @@ Status OffloadEngine::Impl::device_update_sharded(double lr, std::int64_t step) 
 
 Status OffloadEngine::Impl::scan_device_units() {
   const auto inv_scale = static_cast<float>(1.0 / loss_scale_now);
-  if (part_dp) {
+  if (placement.sharding.split_state_sharded) {
     // This rank's reduced slice of each device unit, with the host shard's call (on_landed's
     // scan_norm from the slice's first element): ratio 1's statistics of the same slices.
     return launch->run("gradient scan (device modules, this rank's slices)",
                        [this, inv_scale](const kernels::KernelContext&) -> Status {
-                         for (int u : dev_units) {
+                         for (int u : placement.stage.device_units) {
                            const std::size_t uu = static_cast<std::size_t>(u);
                            STRATA_ASSIGN_OR_RETURN(
                                dev_stats[uu],
                                scan_norm(*device_opt, u, reinterpret_cast<const char*>(dev_slice_grads(u)),
-                                         slices.begin[uu], slices.len[uu], inv_scale));
+                                         placement.units[uu].slice.begin, placement.units[uu].slice.len, inv_scale));
                          }
                          return ok_status();
                        });
@@ -5156,11 +5031,11 @@ Status OffloadEngine::Impl::scan_device_units() {
     // The same per-unit scan as the host optimizer's (scan_norm: with tensor parallelism the
     // replicated parameters on tp rank 0 only, as on_landed counts them): the same bits.
     return launch->run("gradient scan (device modules)", [this, inv_scale](const kernels::KernelContext&) -> Status {
-      for (int u : dev_units) {
+      for (int u : placement.stage.device_units) {
         const std::size_t uu = static_cast<std::size_t>(u);
         STRATA_ASSIGN_OR_RETURN(dev_stats[uu],
                                 scan_norm(*device_opt, u, reinterpret_cast<const char*>(dgrads) + grad_begin(u), 0,
-                                          units.gbytes[uu] / 4, inv_scale));
+                                          placement.units[uu].grad_bytes / 4, inv_scale));
       }
       return ok_status();
     });
@@ -5168,8 +5043,8 @@ Status OffloadEngine::Impl::scan_device_units() {
   // cuda: one sum of squares per unit, read back in turn (not bitwise with the cpu scan).
   auto* partials = static_cast<double*>(cuda_partials.data());
   void* cs = compute->native_handle();
-  for (int u : dev_units) {
-    const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+  for (int u : placement.stage.device_units) {
+    const std::size_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
     double* result = partials + detail::sum_of_squares_cuda_partials(n);
     const auto* g = reinterpret_cast<const float*>(reinterpret_cast<const char*>(dgrads) + grad_begin(u));
     STRATA_RETURN_IF_ERROR(detail::sum_of_squares_cuda(cs, g, n, partials, result));
@@ -5184,7 +5059,7 @@ Status OffloadEngine::Impl::scan_device_units() {
 
 OptimizerBuffers OffloadEngine::Impl::device_buffers(const OwnedParam& o) const {
   OptimizerBuffers b;
-  char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+  char* wp = resident + placement.units[static_cast<std::size_t>(o.unit)].resident_offset + o.param_in_unit;
   b.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset)
                   : reinterpret_cast<float*>(wp);
   b.grad = reinterpret_cast<char*>(dgrads) + o.grad_offset;
@@ -5199,10 +5074,10 @@ OptimizerBuffers OffloadEngine::Impl::device_buffers(const OwnedParam& o) const 
 }
 
 Status OffloadEngine::Impl::zero_device_grads(int chunk) {
-  if (chunk < 0 || chunks == 1) return compute->memset_async(dgrads, 0, units.device_opt_bytes);
-  for (int u : dev_units_of_chunk[static_cast<std::size_t>(chunk)]) {
+  if (chunk < 0 || chunks == 1) return compute->memset_async(dgrads, 0, placement.sizes.device_opt_bytes);
+  for (int u : placement.stage.device_units_of_chunk[static_cast<std::size_t>(chunk)]) {
     STRATA_RETURN_IF_ERROR(compute->memset_async(reinterpret_cast<char*>(dgrads) + grad_begin(u), 0,
-                                                 units.gbytes[static_cast<std::size_t>(u)]));
+                                                 placement.units[static_cast<std::size_t>(u)].grad_bytes));
   }
   return ok_status();
 }
@@ -5214,17 +5089,17 @@ Status OffloadEngine::Impl::reduce_device_units(bool accumulate, int chunk) {
         "backend only");
   }
   const std::vector<int>* which =
-      chunk < 0 ? &dev_units : &dev_units_of_chunk[static_cast<std::size_t>(chunk)];
+      chunk < 0 ? &placement.stage.device_units : &placement.stage.device_units_of_chunk[static_cast<std::size_t>(chunk)];
   if (which->empty()) return ok_status();  // the same on every rank of the group: the same collectives
   return launch->run(
       "data-parallel reduce-scatter (device modules)",
       [this, accumulate, which](const kernels::KernelContext&) -> Status {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size);
         float* rs_in = reinterpret_cast<float*>(dev_staging);  // P x chunk
-        float* rs_out = rs_in + P * slices.dev_max_chunk;      // chunk
+        float* rs_out = rs_in + P * placement.slices.dev_max_chunk;      // chunk
         for (int u : *which) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t n = units.gbytes[uu] / 4, c = slices.chunk[uu], len = slices.len[uu];
+          const std::uint64_t n = placement.units[uu].grad_bytes / 4, c = placement.units[uu].slice.chunk, len = placement.units[uu].slice.len;
           if (n == 0) continue;  // the same on every rank
           // The gradient stream's reduce_unit_grads at ratio 1: the unit padded with zeros to
           // P x chunk, the same call and count, so the same bits.
@@ -5255,14 +5130,14 @@ Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t 
       "optimizer step (device modules, this rank's slices)",
       [this, lr, step, scale](const kernels::KernelContext&) -> Status {
         const std::uint64_t P = static_cast<std::uint64_t>(dp_size), w = half ? 2 : 4;
-        const std::uint64_t cmax = slices.dev_max_chunk;
+        const std::uint64_t cmax = placement.slices.dev_max_chunk;
         char* ag_in = reinterpret_cast<char*>(reinterpret_cast<float*>(dev_staging) + (P + 1) * cmax);  // chunk
         char* ag_out = ag_in + w * cmax;                                                                 // P x chunk
-        for (int u : dev_units) {
+        for (int u : placement.stage.device_units) {
           const std::size_t uu = static_cast<std::size_t>(u);
-          const std::uint64_t c = slices.chunk[uu], b = slices.begin[uu];
-          if (units.gbytes[uu] == 0) continue;
-          char* unit_params = resident + units.resident_offset[uu];
+          const std::uint64_t c = placement.units[uu].slice.chunk, b = placement.units[uu].slice.begin;
+          if (placement.units[uu].grad_bytes == 0) continue;
+          char* unit_params = resident + placement.units[uu].resident_offset;
           const float* grads = dev_slice_grads(u);
           std::memset(ag_in, 0, c * w);
           STRATA_RETURN_IF_ERROR(update_slice(
@@ -5282,7 +5157,7 @@ Status OffloadEngine::Impl::update_device_units_sharded(double lr, std::int64_t 
 }
 
 Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, float scale) {
-  if (part_dp) return update_device_units_sharded(lr, step, scale);
+  if (placement.sharding.split_state_sharded) return update_device_units_sharded(lr, step, scale);
   if (launch->is_cpu()) {
     struct P {
       OptimizerBuffers b;
@@ -5290,7 +5165,7 @@ Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, fl
     };
     std::vector<P> params;
     for (const OwnedParam& o : owned) {
-      if (!split_dev(o.unit)) continue;
+      if (!placement.split_device(o.unit)) continue;
       const OptimizerBuffers b = device_buffers(o);
       params.push_back(P{b, o.decay});
     }
@@ -5306,8 +5181,8 @@ Status OffloadEngine::Impl::update_device_units(double lr, std::int64_t step, fl
   }
   std::vector<DeviceAdamTensor> group[2];  // [0]: no decay, [1]: decay
   for (const OwnedParam& o : owned) {
-    if (!split_dev(o.unit)) continue;
-    char* wp = resident + units.resident_offset[static_cast<std::size_t>(o.unit)] + o.param_in_unit;
+    if (!placement.split_device(o.unit)) continue;
+    char* wp = resident + placement.units[static_cast<std::size_t>(o.unit)].resident_offset + o.param_in_unit;
     DeviceAdamTensor x;
     x.master = half ? reinterpret_cast<float*>(reinterpret_cast<char*>(dmaster) + o.grad_offset) : reinterpret_cast<float*>(wp);
     x.param = half ? static_cast<void*>(wp) : static_cast<void*>(x.master);
@@ -5368,7 +5243,7 @@ void offload_detail::EngineFaults::hold_update_until_forward(OffloadEngine& engi
   OffloadEngine::Impl& t = *engine.impl_;
   std::lock_guard<std::mutex> lock(t.mu);
   t.hold_forward = forward_module;
-  t.held_unit = t.units.storage[static_cast<std::size_t>(held_module)].front();
+  t.held_unit = t.placement.units[static_cast<std::size_t>(held_module)].reads.front();
 }
 
 void offload_detail::EngineFaults::fail_compute_at(OffloadEngine& engine, int module, Status fault) {
@@ -5522,7 +5397,7 @@ Status check_virtual_stages(const TrainerConfig& config, const OffloadSettings& 
     return invalid_argument(key + " runs interleaved 1F1B; strata.pipeline_schedule = " +
                             std::string(to_string(s.pipeline_schedule)) + " with it is not built: use 1f1b");
   }
-  STRATA_RETURN_IF_ERROR(offload_detail::check_interleaved_micro_batches(v, pp_size, config.grad_accum));
+  STRATA_RETURN_IF_ERROR(partition::check_interleaved_micro_batches(v, pp_size, config.grad_accum));
   STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model));
   const auto modules = static_cast<int>(layout.modules.size());
   if (v * pp_size > modules) {
@@ -5605,7 +5480,7 @@ std::int64_t OffloadEngine::steps_done() const { return impl_->steps; }
 
 std::string OffloadEngine::optimizer_name() const {
   const Impl& t = *impl_;
-  if (!t.opt_on_device) {
+  if (!t.placement.sharding.optimizer_on_device) {
     return std::string("CPU AdamW (") + std::string(to_string(t.host_opt->isa())) + ", " +
            std::to_string(t.host_opt->threads()) + " host threads) over " + std::string(to_string(t.settings.optimizer)) +
            "-tier state";
@@ -5646,27 +5521,27 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     STRATA_RETURN_IF_ERROR(t.publish_delayed());
   }
   Status s = t.run_micro_batches(inputs, targets, t.config.grad_accum, true, m.step, m.lr);
-  if (s.ok() && t.partial) s = t.scan_device_units();
-  if (t.opt_on_device) {
+  if (s.ok() && t.placement.sharding.optimizer_split) s = t.scan_device_units();
+  if (t.placement.sharding.optimizer_on_device) {
     // Gradient buckets (stage 0 and stage >= 2 on the cpu backend, with or without a pipeline;
     // each tp rank's shard): their collectives were launched during backward; every
     // one is waited (and stage >= 2's slices complete) before the update.
-    if (s.ok() && t.bucketed)
+    if (s.ok() && t.placement.sharding.device_grads_bucketed)
       s = t.compute->host_fn("offload: wait for the gradient buckets", [&t]() { return t.drain_buckets(); });
     // Stage 1: the device update reduce-scatters the gradients itself; stage 0 without buckets
     // (cuda): one all-reduce after backward.
-    if (s.ok() && t.dp_size > 1 && !t.dev_sharded && !t.bucketed) s = t.all_reduce_device_grads();
+    if (s.ok() && t.dp_size > 1 && !t.placement.sharding.device_state_sharded && !t.placement.sharding.device_grads_bucketed) s = t.all_reduce_device_grads();
     // Pipeline: the tied embedding's gradient of the first and last stage (sharded: its reduced
     // slices, summed inside device_update_sharded).
-    if (s.ok() && t.pp_tied && !t.dev_sharded) {
+    if (s.ok() && t.pp_tied && !t.placement.sharding.device_state_sharded) {
       s = t.compute->synchronize();
       if (s.ok())
-        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.tied_unit)),
-                                t.units.gbytes[static_cast<std::size_t>(t.tied_unit)] / 4);
+        s = t.reduce_tied_grads(reinterpret_cast<float*>(reinterpret_cast<char*>(t.dgrads) + t.grad_begin(t.placement.stage.tied_unit)),
+                                t.placement.units[static_cast<std::size_t>(t.placement.stage.tied_unit)].grad_bytes / 4);
     }
     // Stage 3 in device memory: every fetch (a prefetch the pass did not use included) has read
     // its slice before the update rewrites the slices, and a failed fetch fails the step here.
-    if (s.ok() && t.dev_params_sliced) s = t.h2d->synchronize();
+    if (s.ok() && t.placement.sharding.device_params_sliced) s = t.h2d->synchronize();
     if (s.ok()) s = t.tracer.stream_begin(*t.compute, t.track.compute);
     if (s.ok()) s = t.device_update(m.lr, t.opt_step_now);
     if (s.ok())
@@ -5727,7 +5602,7 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     lock.unlock();
     // Partial offload: a finite norm applies the step on the device units too (an fp16 overflow
     // skips it everywhere; any other non-finite norm failed on the optimizer thread).
-    if (t.partial && std::isfinite(t.grad_norm)) {
+    if (t.placement.sharding.optimizer_split && std::isfinite(t.grad_norm)) {
       s = t.tracer.stream_begin(*t.compute, t.track.compute);
       if (s.ok()) s = t.update_device_units(m.lr, t.opt_step_now, t.update_scale(t.grad_norm, t.loss_scale_now));
       if (s.ok()) s = t.tracer.stream_end(*t.compute, t.track.compute, TraceCounter::kCompute, "optimizer step (device modules)", -1);
@@ -5769,7 +5644,7 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
     // baseline is taken after a later step.
     bool settled = true;
     for (int u = 0; u < t.M && settled; ++u) settled = t.wait_updated(u, /*report=*/false).ok();
-    if (settled && !t.opt_on_device) settled = t.h2d->synchronize().ok();
+    if (settled && !t.placement.sharding.optimizer_on_device) settled = t.h2d->synchronize().ok();
     if (settled) {
       t.alloc_baseline = t.allocation_count();
       t.have_baseline = true;
@@ -5790,11 +5665,11 @@ Result<StepMetrics> OffloadEngine::step_once(std::span<const std::int32_t> input
 Result<double> OffloadEngine::loss_and_gradients(std::span<const std::int32_t> inputs,
                                                  std::span<const std::int32_t> targets) {
   Impl& t = *impl_;
-  if (!t.opt_on_device) {
+  if (!t.placement.sharding.optimizer_on_device) {
     return failed_precondition("loss_and_gradients: needs the optimizer (and gradients) on the device");
   }
   STRATA_RETURN_IF_ERROR(t.single_stage("loss_and_gradients"));
-  if (t.grad_sharded) {
+  if (t.placement.sharding.device_grads_sharded) {
     return failed_precondition("loss_and_gradients: with zero_optimization.stage " +
                                std::to_string(t.settings.zero_stage) + " and the optimizer on the device over " +
                                std::to_string(t.dp_size) +
@@ -5936,7 +5811,7 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
   // rank returns the same error at that unit.
   std::vector<std::vector<char>> units(static_cast<std::size_t>(t.M));
   for (int u = 0; u < t.M; ++u) {
-    if (t.psharded[static_cast<std::size_t>(u)]) {
+    if (t.placement.units[static_cast<std::size_t>(u)].gathered_at_fetch) {
       STRATA_RETURN_IF_ERROR(t.read_unit_params(u, units[static_cast<std::size_t>(u)])
                                  .with_context("save_weights '" + path + "'"));
     }
@@ -5946,7 +5821,7 @@ Status OffloadEngine::save_weights(const std::string& path, WeightFormat format)
     const int k = t.owned_index(index);
     if (k < 0) return invalid_argument("save_weights: no parameter with index " + std::to_string(index));
     const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
-    if (!t.psharded[static_cast<std::size_t>(o.unit)]) {
+    if (!t.placement.units[static_cast<std::size_t>(o.unit)].gathered_at_fetch) {
       STRATA_ASSIGN_OR_RETURN(values, t.read_state(index, 0));
       return ok_status();
     }
@@ -6070,7 +5945,7 @@ Result<std::string> OffloadEngine::Impl::save_checkpoint_pp(const std::string& r
     char* out = buf.data();
     if (tp_size == 1) {  // this rank's layout is the full one: owned_of_unit is params_of's order
       STRATA_RETURN_IF_ERROR(read_unit_state(u, pbytes, blob));
-      const std::size_t n = units.gbytes[static_cast<std::size_t>(u)] / 4;
+      const std::size_t n = placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
       for (int k : owned_of_unit[static_cast<std::size_t>(u)]) {
         const OwnedParam& o = owned[static_cast<std::size_t>(k)];
         std::memcpy(out, pbytes.data() + o.param_in_unit, o.n * wsize);
@@ -6261,7 +6136,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
   std::vector<float> blob;
   auto gather_rest = [&]() {  // the collective part of read_unit_state, for the units not yet read
     for (; gathered_through < t.M; ++gathered_through) {
-      if ((t.sharded || t.dev_sharded) &&
+      if ((t.placement.sharding.host_state_sharded || t.placement.sharding.device_state_sharded) &&
           !t.owned_of_unit[static_cast<std::size_t>(gathered_through)].empty()) {
         (void)t.read_unit_state(gathered_through, pbytes, blob);
       }
@@ -6279,7 +6154,7 @@ Result<std::string> OffloadEngine::save_checkpoint(const std::string& root, cons
         // exchanged (agree_on_read) and fails the unit on every rank.
         gathered_through = u + 1;
         STRATA_RETURN_IF_ERROR(read);
-      const std::size_t n = t.units.gbytes[static_cast<std::size_t>(u)] / 4;
+      const std::size_t n = t.placement.units[static_cast<std::size_t>(u)].grad_bytes / 4;
       SafetensorsWriter w;
       for (int k : mine) {
         const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
@@ -6423,8 +6298,8 @@ Result<CheckpointManifest> OffloadEngine::load_checkpoint(const std::string& pat
     const std::size_t uu = static_cast<std::size_t>(u);
     const auto& mine = t.owned_of_unit[uu];
     if (mine.empty()) continue;
-    const std::size_t n = t.units.gbytes[uu] / 4;
-    pbytes.assign(t.units.pbytes[uu], 0);
+    const std::size_t n = t.placement.units[uu].grad_bytes / 4;
+    pbytes.assign(t.placement.units[uu].param_bytes, 0);
     blob.assign(3 * n, 0.0f);
     for (int k : mine) {
       const OwnedParam& o = t.owned[static_cast<std::size_t>(k)];
@@ -6497,14 +6372,14 @@ OffloadStats OffloadEngine::stats() const {
         continue;
       }
       const std::size_t uu = static_cast<std::size_t>(slot.unit);
-      const std::uint64_t n = t.units.pbytes[uu];
+      const std::uint64_t n = t.placement.units[uu].param_bytes;
       pending_h2d += n;
-      if (!t.psharded.empty() && t.psharded[uu]) {
+      if (t.placement.units[uu].gathered_at_fetch) {
         // Stage 3: this rank's slice is read and the unit all-gathered (early_gather_unit_params).
         const std::uint64_t w = t.half ? 2 : 4;
-        if (t.units.home[uu] == Tier::kNvme) pending_read += t.slices.len[uu] * w;
-        pending_dp += static_cast<std::uint64_t>(t.dp_size) * t.slices.chunk[uu] * w;
-      } else if (t.units.home[uu] == Tier::kNvme) {
+        if (t.placement.units[uu].home == Tier::kNvme) pending_read += t.placement.units[uu].slice.len * w;
+        pending_dp += static_cast<std::uint64_t>(t.dp_size) * t.placement.units[uu].slice.chunk * w;
+      } else if (t.placement.units[uu].home == Tier::kNvme) {
         pending_read += n;
       }
     }

@@ -8,7 +8,8 @@
 #include <cstdio>
 #include <sstream>
 
-#include "offload/internal.hpp"
+#include "offload/regions.hpp"
+#include "partition/placement.hpp"
 #include "strata/config.hpp"
 #include "strata/device.hpp"
 #include "strata/model.hpp"
@@ -171,10 +172,14 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   STRATA_RETURN_IF_ERROR(settings.validate());
   // Tensor parallel: rank 0's shard (every shard has the same shapes).
   STRATA_ASSIGN_OR_RETURN(ModelLayout layout, describe_model(config.model, TensorParallel{settings.tp_size, 0}));
-  const offload_detail::Units units = offload_detail::describe_units(layout, settings);
+  const partition::Placement placement = partition::Placement::build(layout, settings);
+  const partition::PlacementSizes& sizes = placement.sizes;
+  const partition::Sharding& sharding = placement.sharding;
   OffloadPlan plan;
-  plan.module_home = units.home;
-  plan.module_sliced = units.sliced;
+  for (const partition::UnitPlacement& u : placement.units) {
+    plan.module_home.push_back(u.home);
+    plan.module_sliced.push_back(u.slice_at_home ? 1 : 0);
+  }
   auto line = [&](std::string what, Tier tier, StateKind kind, std::uint64_t bytes, bool pinned = false) {
     if (bytes == 0) return;
     plan.lines.push_back(PlanLine{std::move(what), tier, kind, pinned, bytes});
@@ -182,7 +187,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     if (tier == Tier::kHost) (pinned ? plan.pinned_bytes : plan.host_bytes) += bytes;
     if (tier == Tier::kNvme) plan.nvme_bytes += bytes;
   };
-  for (const RegionSpec& r : offload_detail::device_regions(layout, units, settings)) {
+  for (const RegionSpec& r : offload_detail::device_regions(placement, settings, config.model.dtype)) {
     const StateKind kind = r.name.rfind("optim.", 0) == 0 ? StateKind::kOptimizer
                            : r.name.rfind("offload.grad", 0) == 0 ? StateKind::kGradients
                                                                    : StateKind::kParameters;
@@ -192,27 +197,27 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     // persistence threshold (and the persistent ones whole).
     // Partial optimizer offload with data parallelism: the device modules' state and (stage 2)
     // their reduced gradient slices are this rank's; their gradients stay whole in offload.grads.
-    const bool partial_dp = offload_detail::dp_partial_sharded(units, settings);
-    const bool mine = (offload_detail::dp_device_sharded(settings) && kind == StateKind::kOptimizer) ||
-                      (offload_detail::dp_device_grad_sharded(settings) && r.name == "offload.grads") ||
+    const bool partial_dp = sharding.split_state_sharded;
+    const bool mine = (sharding.device_state_sharded && kind == StateKind::kOptimizer) ||
+                      (sharding.device_grads_sharded && r.name == "offload.grads") ||
                       (partial_dp && (kind == StateKind::kOptimizer || r.name == "offload.grad_slices"));
-    const bool sliced = offload_detail::dp_device_param_sharded(settings) && r.name == "offload.params" &&
-                        std::find(units.sliced.begin(), units.sliced.end(), 1) != units.sliced.end();
+    const bool sliced =
+        sharding.device_params_sliced && r.name == "offload.params" && placement.any_slice_at_home();
     const std::string of = mine     ? " (this rank's 1/" + std::to_string(settings.dp_size) + ")"
                            : sliced ? " (this rank's 1/" + std::to_string(settings.dp_size) +
                                           " of the modules above stage3_param_persistence_threshold)"
                                     : std::string();
     const std::string modules =
         partial_dp && (kind == StateKind::kOptimizer || r.name == "offload.grads" || r.name == "offload.grad_slices")
-            ? " (" + offload_detail::split_modules(units, true) + ")"
+            ? " (" + placement.split_modules(true) + ")"
             : std::string();
     line("device region " + r.name + of + modules, Tier::kDevice, kind,
          r.is_slots() ? r.slot_bytes * r.slot_count : r.bytes);
   }
-  plan.param_slots = units.param_slots;
-  plan.param_slot_bytes = units.param_slot_bytes;
-  plan.grad_slots = units.grad_slots;
-  plan.grad_slot_bytes = units.grad_slot_bytes;
+  plan.param_slots = sizes.param_slots;
+  plan.param_slot_bytes = sizes.param_slot_bytes;
+  plan.grad_slots = sizes.grad_slots;
+  plan.grad_slot_bytes = sizes.grad_slot_bytes;
   const bool act_offload = settings.offload_activations;
   if (act_offload && !config.model.activation_checkpointing) {
     return invalid_argument(
@@ -226,18 +231,18 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   const std::uint64_t boundary =
       static_cast<std::uint64_t>(config.micro_batch * config.seq_len / sp_rows * config.model.n_embd) *
       dtype_size(config.model.dtype);
-  const int pp_stages = offload_detail::pipeline_stage_count(settings);
+  const int pp_stages = partition::pipeline_stage_count(settings);
   const int chunks = settings.pipeline_virtual_stages;
   int act_slots = 1;
   // Interleaved: slots carved per (micro-batch, chunk); per slot, the largest chunk it holds.
   std::uint64_t chunk_slot_bytes = 0;
   if (settings.pipeline_bounds.size() > 2 && chunks > 1) {
     STRATA_RETURN_IF_ERROR(
-        offload_detail::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
+        partition::check_interleaved_micro_batches(chunks, pp_stages, config.grad_accum));
     STRATA_ASSIGN_OR_RETURN(InterleavedSlots assigned,
                             interleaved_slot_assignment(pp_stages, settings.pp_stage, chunks,
                                                         static_cast<int>(config.grad_accum)));
-    const auto ranges = offload_detail::stage_ranges(settings.pipeline_bounds, chunks, settings.pp_stage);
+    const auto ranges = partition::stage_ranges(settings.pipeline_bounds, chunks, settings.pp_stage);
     act_slots = static_cast<int>(assigned.slot_chunks.size());
     for (const std::vector<int>& held : assigned.slot_chunks) {
       std::uint64_t most = 0;
@@ -290,21 +295,21 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     }
     line("pipeline: send and receive buffers", Tier::kDevice, StateKind::kActivations,
          static_cast<std::uint64_t>(neighbours) *
-             static_cast<std::uint64_t>(config.grad_accum * chunks + offload_detail::kPipelineRecvBuffers) *
+             static_cast<std::uint64_t>(config.grad_accum * chunks + partition::kPipelineRecvBuffers) *
              boundary);
   }
   const bool pin = settings.pin_memory;
-  const bool sharded = offload_detail::dp_sharded(settings);
+  const bool sharded = sharding.host_state_sharded;
   // Partial optimizer offload: which modules' state each side holds.
   // With a pipeline, of the stage's units (GPT-2's last stage: the tied embedding unit first).
   const std::string host_part =
-      units.device_opt_units == 0
+      sizes.device_opt_units == 0
           ? std::string()
-          : " (" + offload_detail::split_modules(units, false) + "; " + offload_detail::split_modules(units, true) +
+          : " (" + placement.split_modules(false) + "; " + placement.split_modules(true) +
                 " on the device)";
   if (sharded) {
     // Rank 0 holds the largest slices: its bytes bound every rank's.
-    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+    const partition::SliceTotals d = placement.slice_totals(0);
     const std::uint64_t shard = 4 * d.shard_elements;
     const std::uint64_t P = static_cast<std::uint64_t>(settings.dp_size);
     // Partial offload: the host holds this rank's slices of modules k..M-1 only.
@@ -312,16 +317,16 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
     if (settings.gradients == Tier::kNvme) {
       // This rank's reduced slices on its own NVMe keys; host memory only for the staging.
       line("gradients (fp32)" + of, Tier::kNvme, StateKind::kGradients, shard);
-      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
+      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, sizes.grad_slot_bytes, true);
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
         line("gradient accumulation (fp32, unsharded in stage 1)", Tier::kNvme, StateKind::kGradients,
-             units.grad_bytes);
+             sizes.grad_bytes);
       }
     } else {
       line("gradients (fp32, host)" + of, Tier::kHost, StateKind::kGradients, shard, pin);
       if (settings.zero_stage < 2 && config.grad_accum > 1) {
         line("gradient accumulation (fp32, host, unsharded in stage 1)" + host_part, Tier::kHost,
-             StateKind::kGradients, units.grad_bytes - units.device_opt_bytes, pin);
+             StateKind::kGradients, sizes.grad_bytes - sizes.device_opt_bytes, pin);
       }
     }
     line("data-parallel reduce-scatter staging", Tier::kHost, StateKind::kGradients, 4 * (P + 1) * d.max_chunk, pin);
@@ -331,15 +336,15 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
       // Stage 3: modules that are not resident keep this rank's slice at their home.
       const std::uint64_t w = dtype_size(config.model.dtype);
       std::uint64_t resident_copy = 0, host_slices = 0;
-      for (std::size_t m = 0; m < units.home.size(); ++m) {
-        if (units.home[m] == Tier::kDevice) resident_copy += units.pbytes[m];
-        if (units.home[m] == Tier::kHost && units.pbytes[m] > 0) host_slices += w * d.len[m];
+      for (const partition::UnitPlacement& u : placement.units) {
+        if (u.home == Tier::kDevice) resident_copy += u.param_bytes;
+        if (u.home == Tier::kHost && u.param_bytes > 0) host_slices += w * u.slice.len;
       }
       line("working parameters (host copy of resident modules)", Tier::kHost, StateKind::kParameters, resident_copy,
            pin);
       line("working parameters" + of, Tier::kHost, StateKind::kParameters, host_slices, pin);
       line("data-parallel parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
-           w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+           w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(sizes.param_slots) * sizes.param_slot_bytes, true);
       if (settings.delayed_update && host_slices > 0) {
         // The slices the delayed update in flight writes while the step's fetches gather the
         // published ones.
@@ -348,10 +353,10 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
              Tier::kHost, StateKind::kParameters, host_slices, pin);
       }
     } else {
-      line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+      line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, sizes.host_param_bytes, pin);
       std::uint64_t next = 0;
-      for (std::size_t m = 0; m < units.home.size(); ++m) {
-        if (units.home[m] == Tier::kHost) next += units.pbytes[m];
+      for (const partition::UnitPlacement& u : placement.units) {
+        if (u.home == Tier::kHost) next += u.param_bytes;
       }
       if (settings.delayed_update && next > 0) {
         line("working parameters (the delayed update's next version)", Tier::kHost, StateKind::kParameters,
@@ -366,18 +371,18 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   } else if (settings.optimizer != Tier::kDevice) {
     if (settings.gradients == Tier::kNvme) {
       line("gradients (fp32)" + host_part, Tier::kNvme, StateKind::kGradients,
-           units.grad_bytes - units.device_opt_bytes);
-      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, units.grad_slot_bytes, true);
+           sizes.grad_bytes - sizes.device_opt_bytes);
+      line("gradient staging (pinned)", Tier::kHost, StateKind::kGradients, sizes.grad_slot_bytes, true);
     } else {
       line("gradients (fp32, host)" + host_part, Tier::kHost, StateKind::kGradients,
-           units.grad_bytes - units.device_opt_bytes, pin);
+           sizes.grad_bytes - sizes.device_opt_bytes, pin);
     }
-    line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, units.host_param_bytes, pin);
+    line("working parameters (host copy)", Tier::kHost, StateKind::kParameters, sizes.host_param_bytes, pin);
     if (settings.delayed_update) {
       // The version the delayed update in flight writes while the step reads the published one.
       std::uint64_t next = 0;
-      for (std::size_t m = 0; m < units.home.size(); ++m) {
-        if (units.home[m] == Tier::kHost) next += units.pbytes[m];
+      for (const partition::UnitPlacement& u : placement.units) {
+        if (u.home == Tier::kHost) next += u.param_bytes;
       }
       if (next > 0) {
         line("working parameters (the delayed update's next version)", Tier::kHost, StateKind::kParameters, next,
@@ -387,7 +392,7 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   }
   if (settings.optimizer == Tier::kHost && !sharded) {
     // Partial offload: the first modules' state is in the device regions optim.* above.
-    const std::uint64_t host_state = units.grad_bytes - units.device_opt_bytes;
+    const std::uint64_t host_state = sizes.grad_bytes - sizes.device_opt_bytes;
     line("fp32 master weights" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
     line("Adam exp_avg" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
     line("Adam exp_avg_sq" + host_part, Tier::kHost, StateKind::kOptimizer, host_state, pin);
@@ -395,21 +400,20 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
   if (settings.optimizer == Tier::kNvme) {
     // Partial offload: the first modules' state is in the device regions optim.* above.
     const std::uint64_t state =
-        sharded ? 12 * offload_detail::dp_slices(units, settings.dp_size, 0).shard_elements
-                : 3 * (units.grad_bytes - units.device_opt_bytes);
+        sharded ? 12 * placement.slice_totals(0).shard_elements
+                : 3 * (sizes.grad_bytes - sizes.device_opt_bytes);
     line(sharded
              ? "fp32 master + exp_avg + exp_avg_sq (this rank's 1/" + std::to_string(settings.dp_size) + ")"
              : "fp32 master + exp_avg + exp_avg_sq" + host_part,
          Tier::kNvme, StateKind::kOptimizer, state);
     line("optimizer pipeline ring (pinned)", Tier::kHost, StateKind::kOptimizer,
-         static_cast<std::uint64_t>(units.ring_buffers) * units.ring_buffer_bytes, true);
-    line("updated parameter staging (pinned)", Tier::kHost, StateKind::kParameters, 2 * units.param_out_bytes, true);
+         static_cast<std::uint64_t>(sizes.ring_buffers) * sizes.ring_buffer_bytes, true);
+    line("updated parameter staging (pinned)", Tier::kHost, StateKind::kParameters, 2 * sizes.param_out_bytes, true);
   }
-  if (units.nvme_param_bytes > 0 && sharded && settings.zero_stage == 3) {
-    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+  if (sizes.nvme_param_bytes > 0 && sharded && settings.zero_stage == 3) {
     std::uint64_t slices = 0;
-    for (std::size_t m = 0; m < units.home.size(); ++m) {
-      if (units.home[m] == Tier::kNvme) slices += dtype_size(config.model.dtype) * d.len[m];
+    for (const partition::UnitPlacement& u : placement.units) {
+      if (u.home == Tier::kNvme) slices += dtype_size(config.model.dtype) * u.slice.len;
     }
     line("working parameters (this rank's 1/" + std::to_string(settings.dp_size) + ")", Tier::kNvme,
          StateKind::kParameters, slices);  // fetch staging: counted with the data-parallel lines
@@ -418,24 +422,24 @@ Result<OffloadPlan> OffloadPlan::make(const TrainerConfig& config, const Offload
                std::to_string(settings.dp_size) + ")",
            Tier::kNvme, StateKind::kParameters, slices);
     }
-  } else if (units.nvme_param_bytes > 0) {
-    line("working parameters", Tier::kNvme, StateKind::kParameters, units.nvme_param_bytes);
+  } else if (sizes.nvme_param_bytes > 0) {
+    line("working parameters", Tier::kNvme, StateKind::kParameters, sizes.nvme_param_bytes);
     if (settings.delayed_update) {
       line("working parameters (the delayed update's next version)", Tier::kNvme, StateKind::kParameters,
-           units.nvme_param_bytes);
+           sizes.nvme_param_bytes);
     }
     line("parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
-         static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+         static_cast<std::uint64_t>(sizes.param_slots) * sizes.param_slot_bytes, true);
   }
-  if (offload_detail::dp_device_param_sharded(settings) && units.param_slots > 0) {
+  if (sharding.device_params_sliced && sizes.param_slots > 0) {
     // Stage 3 in device memory: a fetch gathers the slices in pinned buffers (this rank's slice,
     // every rank's) and lays the unit out in its slot's pinned staging before the copy.
-    const offload_detail::DpSlices d = offload_detail::dp_slices(units, settings.dp_size, 0);
+    const partition::SliceTotals d = placement.slice_totals(0);
     const std::uint64_t w = dtype_size(config.model.dtype), P = static_cast<std::uint64_t>(settings.dp_size);
     line("data-parallel parameter fetch staging (pinned)", Tier::kHost, StateKind::kParameters,
-         w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(units.param_slots) * units.param_slot_bytes, true);
+         w * (P + 1) * d.max_chunk + static_cast<std::uint64_t>(sizes.param_slots) * sizes.param_slot_bytes, true);
   }
-  plan.swap_bytes = offload_detail::swap_capacity(plan, units, settings);
+  plan.swap_bytes = offload_detail::swap_capacity(plan, placement, settings);
   return plan;
 }
 

@@ -1,81 +1,22 @@
-// The single-device, no-offload training engine (see engine.hpp): memory plan, the step
-// (micro-batches → gradient norm → clipping → AdamW), learning-rate schedules, evaluation and
-// weight I/O.
-//
-// Optimizer state layout: optim.exp_avg and optim.exp_avg_sq (and optim.master in bf16 mode)
-// are each one fp32 value per gradient element at the gradient's own offset, so parameter i's
-// state is base + grad_offset(i) in every one of them and the grads region's zero padding is
-// mirrored (padding never changes: its gradient is always zero).
+// The Trainer (strata/trainer.hpp): the all-device placement of the offload engine, which it
+// creates and forwards to; and TrainerConfig's checks and DeepSpeed sections (strata/training.hpp).
+// The learning-rate schedule is src/optim/lr_schedule.cpp's, the evaluation loop
+// src/model/evaluate.cpp's.
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
 #include <nlohmann/json.hpp>
 
-#include "runtime/evaluate.hpp"
 #include "strata/config.hpp"
 #include "strata/data.hpp"
 #include "strata/device.hpp"
-#include "strata/engine.hpp"
+#include "strata/trainer.hpp"
 #include "strata/log.hpp"
 #include "strata/offload.hpp"
 #include "strata/optim.hpp"
 
 namespace strata {
-
-// ---- learning-rate schedules ---------------------------------------------------------------
-
-double LrSchedule::at(std::int64_t step) const {
-  const double s = static_cast<double>(step);
-  const double warm = static_cast<double>(warmup_steps);
-  // DeepSpeed's warmup fraction: linear s/W, or log(s+1)/log(W).
-  auto warmup_fraction = [&]() {
-    if (log_warmup) return warmup_steps > 1 ? std::log(s + 1.0) / std::log(warm) : 1.0;
-    return s / warm;
-  };
-  switch (kind) {
-    case LrScheduleKind::kConstant:
-      return lr;
-    case LrScheduleKind::kWarmupLR: {
-      const double gamma = step < warmup_steps ? warmup_fraction() : 1.0;
-      return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma;
-    }
-    case LrScheduleKind::kWarmupDecay: {
-      if (step < warmup_steps) return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * warmup_fraction();
-      const double left = static_cast<double>(total_steps - step) /
-                          std::max(1.0, static_cast<double>(total_steps - warmup_steps));
-      return warmup_max_lr * std::max(0.0, left);
-    }
-    case LrScheduleKind::kWarmupCosine: {
-      if (step < warmup_steps) return lr * (warmup_min_ratio + warmup_fraction() * (1.0 - warmup_min_ratio));
-      const double real_step = static_cast<double>(step - warmup_steps + 1);
-      const double real_total = static_cast<double>(std::max<std::int64_t>(total_steps - warmup_steps, 1));
-      const double cosine =
-          (1.0 + std::cos(3.14159265358979323846 * std::min(1.0, real_step / real_total))) / 2.0;
-      return lr * std::max(0.0, min_ratio + (1.0 - min_ratio) * cosine);
-    }
-  }
-  return lr;
-}
-
-Status LrSchedule::validate() const {
-  auto bad = [](const std::string& what) { return invalid_argument("learning-rate schedule: " + what); };
-  if (!(lr >= 0.0) || !std::isfinite(lr))
-    return bad("lr = " + std::to_string(lr) + " must be a non-negative number");
-  if (warmup_steps < 0)
-    return bad("warmup steps = " + std::to_string(warmup_steps) + " must not be negative");
-  if ((kind == LrScheduleKind::kWarmupCosine || kind == LrScheduleKind::kWarmupDecay) && total_steps < 1) {
-    return bad("total steps = " + std::to_string(total_steps) + " must be at least 1");
-  }
-  if (!(min_ratio >= 0.0 && min_ratio <= 1.0))
-    return bad("cos_min_ratio = " + std::to_string(min_ratio) + " is not in [0, 1]");
-  if (!(warmup_min_ratio >= 0.0 && warmup_min_ratio <= 1.0)) {
-    return bad("warmup_min_ratio = " + std::to_string(warmup_min_ratio) + " is not in [0, 1]");
-  }
-  if (!(warmup_min_lr >= 0.0) || !(warmup_max_lr >= 0.0))
-    return bad("warmup_min_lr and warmup_max_lr must be non-negative");
-  return ok_status();
-}
 
 // ---- config ----------------------------------------------------------------------------------
 
@@ -193,48 +134,6 @@ Status TrainerConfig::apply(const Config& config, const std::vector<std::string>
     grad_accum = sizes->gradient_accumulation_steps;
   }
   return ok_status();
-}
-
-// ---- evaluation --------------------------------------------------------------------------------
-
-Result<EvalResult> evaluate_windows(Model& model, std::span<const std::int32_t> tokens, std::int64_t seq_len,
-                                    std::int64_t batch, std::int64_t max_windows) {
-  return detail::evaluate_windows_with(model, tokens, seq_len, batch, max_windows,
-                                       [&model]() { return model.forward(false); });
-}
-
-Result<EvalResult> detail::evaluate_windows_with(Model& model, std::span<const std::int32_t> tokens,
-                                                 std::int64_t seq_len, std::int64_t batch, std::int64_t max_windows,
-                                                 const std::function<Status()>& forward) {
-  if (seq_len < 1 || batch < 1)
-    return invalid_argument("evaluate: sequence length and batch must be at least 1");
-  std::int64_t windows = static_cast<std::int64_t>(tokens.size()) / (seq_len + 1);
-  if (windows == 0) {
-    return invalid_argument("evaluate: the data has " + std::to_string(tokens.size()) +
-                            " tokens; a window of seq_len + 1 = " + std::to_string(seq_len + 1) +
-                            " needs more");
-  }
-  if (max_windows > 0) windows = std::min(windows, max_windows);
-  std::vector<std::int32_t> inputs, targets;
-  LossSum total;
-  for (std::int64_t w0 = 0; w0 < windows; w0 += batch) {
-    const std::int64_t rows = std::min(batch, windows - w0);
-    inputs.resize(static_cast<std::size_t>(rows * seq_len));
-    targets.resize(inputs.size());
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int32_t* win = tokens.data() + (w0 + r) * (seq_len + 1);
-      std::memcpy(inputs.data() + r * seq_len, win, static_cast<std::size_t>(seq_len) * 4);
-      std::memcpy(targets.data() + r * seq_len, win + 1, static_cast<std::size_t>(seq_len) * 4);
-    }
-    STRATA_RETURN_IF_ERROR(model.set_batch(inputs, targets, rows, seq_len));
-    STRATA_RETURN_IF_ERROR(forward());
-    STRATA_RETURN_IF_ERROR(model.copy_losses(0));
-    STRATA_RETURN_IF_ERROR(model.stream().synchronize());
-    const LossSum s = model.loss_sum(0);
-    total.sum += s.sum;
-    total.count += s.count;
-  }
-  return EvalResult{total.sum / static_cast<double>(total.count), total.count};
 }
 
 // ---- the trainer: the all-device placement of the offload engine ------------------------------

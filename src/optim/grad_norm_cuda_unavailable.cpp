@@ -3,7 +3,7 @@
 
 #if !STRATA_HAVE_CUDA
 
-#include "runtime/grad_norm_cuda.hpp"
+#include "optim/grad_norm_cuda.hpp"
 
 namespace strata::detail {
 

@@ -1,5 +1,5 @@
 // The engine's timeline (trace.hpp).
-#include "runtime/trace.hpp"
+#include "offload/trace.hpp"
 
 #include <algorithm>
 #include <cstdio>

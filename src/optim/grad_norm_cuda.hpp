@@ -1,7 +1,7 @@
 // The sum of squares of a gradient buffer on a CUDA stream, for the device optimizer's global
 // gradient norm (the update itself is fused_adam_cuda, strata/optim.hpp). Defined in
 // grad_norm_cuda.cu when the build has CUDA, otherwise in grad_norm_cuda_unavailable.cpp (it
-// returns kUnavailable). Private to src/runtime and src/offload.
+// returns kUnavailable). Private to src/optim and src/offload.
 #pragma once
 
 #include <cstddef>

@@ -1,13 +1,13 @@
-// The windowed evaluation loop shared by the Trainer and the offload engine: the caller supplies
-// how a forward pass over the batch set on the model runs (the model's own forward(false), or the
-// engine's module-by-module pass with parameter fetches). Private to src/runtime and src/offload.
+// The windowed evaluation loop shared by the Trainer and the offload engine (evaluate.cpp): the
+// caller supplies how a forward pass over the batch set on the model runs (the model's own
+// forward(false), or the engine's module-by-module pass with parameter fetches). Private to src/.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <span>
 
-#include "strata/engine.hpp"
+#include "strata/training.hpp"
 
 namespace strata::detail {
 

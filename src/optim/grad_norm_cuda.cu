@@ -6,7 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_common.cuh"
-#include "runtime/grad_norm_cuda.hpp"
+#include "optim/grad_norm_cuda.hpp"
 
 namespace strata::detail {
 namespace {
