@@ -311,7 +311,7 @@ class ByteLevelBpe final : public Tokenizer {
   std::unordered_map<std::uint64_t, Merge> merges_;
   std::vector<std::vector<const AddedToken*>> added_by_byte_;  // by first byte, longest first
   std::unique_ptr<Regex> gpt2_;
-  bool removes_text_ = false;  // a Split that drops what it matches
+  bool removes_text_ = false;  // a Split that drops text, or an added token that strips whitespace
 };
 
 Status ByteLevelBpe::build(const std::string& where) {
@@ -381,6 +381,7 @@ Status ByteLevelBpe::build(const std::string& where) {
     known_[static_cast<std::size_t>(t.id)] = true;
     bytes_[static_cast<std::size_t>(t.id)] = t.content;
     added_by_byte_[static_cast<unsigned char>(t.content[0])].push_back(&t);
+    if (t.lstrip || t.rstrip) removes_text_ = true;
   }
   for (auto& list : added_by_byte_) {
     std::stable_sort(list.begin(), list.end(), [](const AddedToken* x, const AddedToken* y) {

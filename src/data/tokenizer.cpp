@@ -165,7 +165,7 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer(const std::string& path) {
                      "' holds no tokenizer.json, tokenizer.model or vocab.json + merges.txt");
   }
   if (!fs::is_regular_file(path, ec)) return not_found("tokenizer '" + path + "' does not exist");
-  if (!looks_like_json(path)) return data::load_sentencepiece(path);
+  if (path.ends_with(".model") || !looks_like_json(path)) return data::load_sentencepiece(path);
   STRATA_ASSIGN_OR_RETURN(Json j, read_json(path, "tokenizer"));
   if (j.is_object() && j.contains("model")) return data::load_tokenizer_json(path);
   // A GPT-2 vocab.json: merges.txt beside it.

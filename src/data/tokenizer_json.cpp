@@ -310,7 +310,7 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer_json(const std::string& path) 
     }
   }
   STRATA_ASSIGN_OR_RETURN(SpecialTokensConfig cfg, read_tokenizer_config(path));
-  STRATA_RETURN_IF_ERROR(apply_config(cfg, spec));
+  if (Status s = apply_config(cfg, spec); !s.ok()) return s.with_context("tokenizer '" + path + "'");
   return make_byte_level_bpe(std::move(spec), "tokenizer '" + path + "'");
 }
 
