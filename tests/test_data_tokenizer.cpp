@@ -388,6 +388,14 @@ TEST(TokenizerJson, RefusesWhatIsNotBuiltNamingTheKey) {
   refuse([](Json& j) { j["model"]["merges"] = Json::array({"a zz"}); }, "merge 0 ('a zz') needs token 'zz'");
   refuse([](Json& j) { j["model"]["vocab"].erase("a"); }, "lacks the single-byte token for byte 97");
   refuse([](Json& j) { j["model"]["merges"] = Json::array({"abc"}); }, "model.merges[0]");
+  // A value of the wrong type names its key (nlohmann's type errors must not escape).
+  refuse([](Json& j) { j["pre_tokenizer"]["add_prefix_space"] = "yes"; }, "pre_tokenizer.add_prefix_space");
+  refuse([](Json& j) { j["model"]["ignore_merges"] = 1; }, "model.ignore_merges");
+  refuse(
+      [](Json& j) {
+        j["post_processor"] = Json{{"type", "TemplateProcessing"}, {"single", 3}};
+      },
+      "post_processor.single");
   STRATA_EXPECT_ERROR(load_tokenizer(write_file(dir / "broken.json", "{\"model\": ")), kInvalidArgument,
                       "broken.json");
   STRATA_EXPECT_ERROR(load_tokenizer((dir / "none.json").string()), kNotFound, "none.json");

@@ -192,6 +192,13 @@ TEST(TokenWriter, WritesFilesTokenDatasetReadsAndNothingHalfWay) {
   write_file(dir / "flat.bin.json", "{\"dtype\": \"u8\"}");
   STRATA_EXPECT_ERROR(TokenDataset::open({(dir / "flat.bin").string()}), kInvalidArgument,
                       "\"dtype\" is \"u8\"");
+  // A number JSON cannot hold (found by fuzz_token_file: the parser's overflow exception
+  // escaped) is an error naming the sidecar, as is a value of the wrong type.
+  write_file(dir / "flat.bin.json", "{\"dtype\": \"u16\", \"tokens\": 1E400}");
+  STRATA_EXPECT_ERROR(TokenDataset::open({(dir / "flat.bin").string()}), kInvalidArgument, "flat.bin.json");
+  write_file(dir / "flat.bin.json", "{\"dtype\": \"u16\", \"tokens\": 4, \"tokenizer\": 7}");
+  STRATA_EXPECT_ERROR(TokenDataset::open({(dir / "flat.bin").string()}), kInvalidArgument,
+                      "\"tokenizer\" is 7");
   STRATA_EXPECT_ERROR(TokenDataset::open({(dir / "missing.bin").string()}), kNotFound, "missing.bin");
   write_file(dir / "empty.bin", "");
   STRATA_EXPECT_ERROR(TokenDataset::open({(dir / "empty.bin").string()}), kInvalidArgument, "empty");

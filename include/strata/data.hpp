@@ -172,7 +172,7 @@ struct TokenDatasetOptions {
   // The width of flat files; nullopt: each file's sidecar, else uint16 (nanoGPT). llm.c files
   // carry their own (a header that contradicts `dtype` is an error naming the file).
   std::optional<TokenDType> dtype;
-  // Ids must be < vocab_limit (0: unchecked); read() fails naming file and offset otherwise.
+  // Ids must be < vocab_limit (0: < 2^31); read() fails naming file and offset otherwise.
   std::int64_t vocab_limit = 0;
 };
 

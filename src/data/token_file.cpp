@@ -75,7 +75,7 @@ Result<std::optional<TokenFileMeta>> read_token_meta(const std::string& token_fi
   Json j;
   try {
     j = Json::parse(in);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {
     return invalid_argument("token file sidecar '" + path + "' is not valid JSON: " + e.what());
   }
   auto bad = [&](const std::string& key, const std::string& want) {
@@ -91,7 +91,8 @@ Result<std::optional<TokenFileMeta>> read_token_meta(const std::string& token_fi
   m.dtype = *parse_token_dtype(j["dtype"].get<std::string>());
   if (!j.contains("tokens") || !j["tokens"].is_number_unsigned()) return bad("tokens", "a token count");
   m.tokens = j["tokens"].get<std::uint64_t>();
-  m.tokenizer = j.value("tokenizer", std::string());
+  if (j.contains("tokenizer") && !j["tokenizer"].is_string()) return bad("tokenizer", "a string");
+  if (j.contains("tokenizer")) m.tokenizer = j["tokenizer"].get<std::string>();
   auto id = [&](const char* key, std::int32_t lo, std::int32_t* out) -> Status {
     if (!j.contains(key)) return ok_status();
     if (!j[key].is_number_integer() || j[key].get<std::int64_t>() < lo ||
@@ -286,9 +287,11 @@ Status TokenDataset::read(std::uint64_t begin, std::span<std::int32_t> out) cons
         max = std::max(max, v);
       }
     }
-    if (d.vocab_limit > 0 && max >= static_cast<std::uint64_t>(d.vocab_limit)) {
+    // Ids are int32 to the model: without a vocabulary, 2^31 is the limit.
+    const std::uint64_t limit = d.vocab_limit > 0 ? static_cast<std::uint64_t>(d.vocab_limit) : (1ull << 31);
+    if (max >= limit) {
       std::size_t i = 0;
-      while (static_cast<std::uint32_t>(dst[i]) < static_cast<std::uint64_t>(d.vocab_limit)) ++i;
+      while (static_cast<std::uint32_t>(dst[i]) < limit) ++i;
       const std::uint64_t index = local + i;
       return invalid_argument(
           "token file '" + f.info.path + "': token " + std::to_string(index) + " (byte offset " +

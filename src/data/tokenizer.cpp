@@ -40,7 +40,7 @@ Result<Json> read_json(const std::string& path, std::string_view what) {
   if (!in) return not_found(std::string(what) + " '" + path + "' cannot be opened");
   try {
     return Json::parse(in);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {
     return invalid_argument(std::string(what) + " '" + path + "' is not valid JSON: " + e.what());
   }
 }

@@ -36,6 +36,13 @@ class Reader {
   }
   const std::string& path() const { return path_; }
 
+  // obj[key] as a bool, `fallback` when absent or null; another type is an error naming key.
+  Result<bool> flag(const Json& obj, const char* key, bool fallback, const std::string& at) const {
+    if (!obj.is_object() || !obj.contains(key) || obj[key].is_null()) return fallback;
+    if (!obj[key].is_boolean()) return refuse(at + "." + key, obj[key], "is not true or false");
+    return obj[key].get<bool>();
+  }
+
   Status normalizer(const Json& n, const std::string& key, BpeSpec& spec) const {
     if (n.is_null()) return ok_status();
     const std::string type = type_of(n);
@@ -65,8 +72,8 @@ class Reader {
     }
     if (type == "ByteLevel") {
       byte_level = true;
-      spec.add_prefix_space = p.value("add_prefix_space", false);
-      spec.byte_level_regex = p.value("use_regex", true);
+      STRATA_ASSIGN_OR_RETURN(spec.add_prefix_space, flag(p, "add_prefix_space", false, key));
+      STRATA_ASSIGN_OR_RETURN(spec.byte_level_regex, flag(p, "use_regex", true, key));
       return ok_status();
     }
     if (type == "Split") return split(p, key, spec);
@@ -74,7 +81,7 @@ class Reader {
   }
 
   Status split(const Json& p, const std::string& key, BpeSpec& spec) const {
-    const Json pattern = p.value("pattern", Json());
+    const Json pattern = p.contains("pattern") ? p["pattern"] : Json();
     std::string text;
     bool literal = false;
     if (pattern.is_object() && pattern.contains("Regex") && pattern["Regex"].is_string()) {
@@ -87,9 +94,11 @@ class Reader {
     }
     auto re = Regex::compile(text, literal);
     if (!re.ok()) return bad(key + ".pattern", re.status().message());
-    SplitStep step{
-        .regex = std::move(*re), .behavior = SplitBehavior::kIsolated, .invert = p.value("invert", false)};
-    const std::string behavior = p.value("behavior", std::string("Isolated"));
+    SplitStep step{.regex = std::move(*re), .behavior = SplitBehavior::kIsolated, .invert = false};
+    STRATA_ASSIGN_OR_RETURN(step.invert, flag(p, "invert", false, key));
+    if (p.contains("behavior") && !p["behavior"].is_string())
+      return refuse(key + ".behavior", p["behavior"], "is not a string");
+    const std::string behavior = p.contains("behavior") ? p["behavior"].get<std::string>() : "Isolated";
     if (behavior == "Isolated") {
       step.behavior = SplitBehavior::kIsolated;
     } else if (behavior == "Removed") {
@@ -121,10 +130,11 @@ class Reader {
       if (m.contains(k) && !m[k].is_null() && m[k] != "")
         return refuse(std::string("model.") + k, m[k], "is not built (byte-level BPE has none)");
     }
-    if (m.value("byte_fallback", false))
+    STRATA_ASSIGN_OR_RETURN(const bool byte_fallback, flag(m, "byte_fallback", false, "model"));
+    if (byte_fallback)
       return refuse("model.byte_fallback", m["byte_fallback"],
                     "is not built (a byte-level BPE covers every byte)");
-    spec.ignore_merges = m.value("ignore_merges", false);
+    STRATA_ASSIGN_OR_RETURN(spec.ignore_merges, flag(m, "ignore_merges", false, "model"));
     if (!m.contains("vocab") || !m["vocab"].is_object())
       return bad("model.vocab", "is missing or not an object");
     for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
@@ -167,12 +177,15 @@ class Reader {
           !t.contains("content") || !t["content"].is_string()) {
         return refuse(k, t, "needs a non-negative integer \"id\" and a string \"content\"");
       }
-      if (t.value("single_word", false))
+      STRATA_ASSIGN_OR_RETURN(const bool single_word, flag(t, "single_word", false, k));
+      STRATA_ASSIGN_OR_RETURN(const bool lstrip, flag(t, "lstrip", false, k));
+      STRATA_ASSIGN_OR_RETURN(const bool rstrip, flag(t, "rstrip", false, k));
+      if (single_word)
         return refuse(k + ".single_word", t["single_word"], "is not built (only whole-text matching)");
       spec.added.push_back(AddedToken{.content = t["content"].get<std::string>(),
                                       .id = static_cast<std::int32_t>(t["id"].get<std::int64_t>()),
-                                      .lstrip = t.value("lstrip", false),
-                                      .rstrip = t.value("rstrip", false)});
+                                      .lstrip = lstrip,
+                                      .rstrip = rstrip});
     }
     return ok_status();
   }
@@ -276,13 +289,15 @@ Status apply_config(const SpecialTokensConfig& cfg, BpeSpec& spec) {
 
 }  // namespace
 
-Result<std::unique_ptr<Tokenizer>> load_tokenizer_json(const std::string& path) {
+namespace {
+
+Result<std::unique_ptr<Tokenizer>> read_tokenizer_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) return not_found("tokenizer '" + path + "' cannot be opened");
   Json j;
   try {
     j = Json::parse(in);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {
     return invalid_argument("tokenizer '" + path + "' is not valid JSON: " + e.what());
   }
   if (!j.is_object()) return invalid_argument("tokenizer '" + path + "': expected a JSON object");
@@ -312,6 +327,18 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer_json(const std::string& path) 
   STRATA_ASSIGN_OR_RETURN(SpecialTokensConfig cfg, read_tokenizer_config(path));
   if (Status s = apply_config(cfg, spec); !s.ok()) return s.with_context("tokenizer '" + path + "'");
   return make_byte_level_bpe(std::move(spec), "tokenizer '" + path + "'");
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Tokenizer>> load_tokenizer_json(const std::string& path) {
+  try {
+    return read_tokenizer_json(path);
+  } catch (const nlohmann::json::exception& e) {
+    // A value of a type the reader did not expect where it did not check (the checks above
+    // name the key; this names the file).
+    return invalid_argument("tokenizer '" + path + "': " + e.what());
+  }
 }
 
 }  // namespace strata::data
