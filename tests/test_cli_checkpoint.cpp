@@ -88,6 +88,61 @@ TEST(CliCheckpoint, ResumeRefusesWhatWouldChangeTheRun) {
   EXPECT_NE(r.output.find("need '--checkpoint-dir'"), std::string::npos) << r.output;
 }
 
+// Token files (--tokens): the checkpoint stores the window counter (data_position), a resumed
+// run under another placement writes the same weights byte for byte, and a resume with another
+// batch shape is allowed and goes on from the next unseen window (the counter, not the step,
+// says where). Other token files or another seed are refused.
+TEST(CliCheckpoint, TokenRunResumesBitwiseAndAReshapedResumeGoesOnFromItsPosition) {
+  TempDir dir("strata-cli-ckpt-tokens");
+  std::string text;
+  for (int i = 0; i < 500; ++i) text += "the river " + std::to_string(i % 17) + " runs past the stone.\n";
+  const std::string txt = write_file(dir / "t.txt", text);
+  const std::string bin = (dir / "t.bin").string();
+  ASSERT_EQ(run_cli("tokenize --tokenizer bytes --input " + txt + " --out " + bin + " --quiet").exit_code, 0);
+  const std::string ck = (dir / "ck").string();
+  const std::string data = "--tokens " + bin + " --val-every 0 ";
+  auto a = run_cli("train " + kTiny + data + "--steps 6 --checkpoint-dir " + ck +
+                   " --checkpoint-every 3 --metrics " + (dir / "a.jsonl").string() + " --save-weights " +
+                   (dir / "a.safetensors").string());
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto position = [](const std::filesystem::path& checkpoint) {
+    const auto m = nlohmann::json::parse(read_file(checkpoint / "manifest.json"));
+    const auto client = m["client_state"].is_string()
+                            ? nlohmann::json::parse(m["client_state"].get<std::string>())
+                            : m["client_state"];
+    return client["data_position"]["windows"].get<std::uint64_t>();
+  };
+  EXPECT_EQ(position(dir / "ck" / "step-00000003"), 6u) << "3 steps x 1 micro-batch x 2 windows";
+  EXPECT_EQ(position(dir / "ck" / "step-00000006"), 12u);
+
+  auto b = run_cli("train " + kTiny + data + "--steps 6 --resume " + ck + "/step-00000003" +
+                   " --offload-param none --offload-optimizer none --metrics " + (dir / "b.jsonl").string() +
+                   " --save-weights " + (dir / "b.safetensors").string());
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  const std::string wa = read_file(dir / "a.safetensors");
+  ASSERT_GT(wa.size(), 1000u);
+  EXPECT_TRUE(wa == read_file(dir / "b.safetensors")) << "the resumed run's weights differ";
+  const auto ma = read_jsonl(dir / "a.jsonl"), mb = read_jsonl(dir / "b.jsonl");
+  ASSERT_EQ(mb.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(mb[i]["loss"].get<double>(), ma[i + 3]["loss"].get<double>());
+
+  // Three windows per micro-batch from step 4 on: step 4 ends at window 6 + 3.
+  const std::string ck2 = (dir / "ck2").string();
+  auto c = run_cli("train " + tiny_flags(2, 3) + data + "--steps 4 --resume " + ck + "/step-00000003" +
+                   " --checkpoint-dir " + ck2);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_EQ(position(dir / "ck2" / "step-00000004"), 9u);
+
+  auto r = run_cli("train " + kTiny + data + "--steps 6 --seed 9 --resume " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("was trained with seed = 1234, this run has 9"), std::string::npos) << r.output;
+  const std::string other = (dir / "o.bin").string();
+  ASSERT_EQ(run_cli("tokenize --tokenizer bytes --input " + txt + " --out " + other + " --quiet").exit_code,
+            0);
+  r = run_cli("train " + kTiny + "--tokens " + other + " --val-every 0 --steps 6 --resume " + ck);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("was trained with data = "), std::string::npos) << r.output;
+}
 // SIGTERM (a scheduler preempting the job): the step in progress finishes, a checkpoint is saved,
 // the process exits with 128 + 15, and a resumed run continues the loss of an uninterrupted one
 // bit for bit (a constant learning rate, so the run length does not shape the schedule).

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "harness/harness.hpp"
 
 namespace strata::testing {
@@ -120,6 +122,39 @@ TEST(DistCliTrain, CheckpointAndResumeUnderMpirun) {
   }
 }
 
+// Token files under mpirun: each data-parallel rank takes its own windows of the step's batch
+// (micro-batch a x ranks + rank, as the text path), so 2 ranks train like one process with twice
+// the accumulation; the checkpoint's window counter counts both ranks' windows, and the run
+// resumed from it in one process continues within rounding.
+TEST(DistCliTrain, TokenFilesOnTwoRanksTrainLikeOneProcess) {
+  TempDir dir("strata-dist-cli");
+  std::string text;
+  for (int i = 0; i < 600; ++i) text += "a stone " + std::to_string(i % 11) + " falls in the river.\n";
+  const std::string bin = (dir / "t.bin").string();
+  ASSERT_EQ(run_cli("tokenize --tokenizer bytes --quiet --input " + write_file(dir / "t.txt", text) +
+                    " --out " + bin)
+                .exit_code,
+            0);
+  const std::string flags = kTiny + "--tokens " + bin + " --val-every 0 --steps 6 ";
+  auto one = run_cli("train " + flags + "--grad-accum 2 --metrics " + (dir / "one.jsonl").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::string ck = (dir / "ck").string();
+  auto two = run_command(mpirun(2) + "train " + flags + "--grad-accum 1 --checkpoint-dir " + ck +
+                         " --checkpoint-every 3 --metrics " + (dir / "two.jsonl").string());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_same_losses(losses_of(dir / "one.jsonl"), losses_of(dir / "two.jsonl"), "2 ranks on token files");
+  const auto m = nlohmann::json::parse(read_file(dir / "ck" / "step-00000003" / "manifest.json"));
+  const auto client = m["client_state"].is_string()
+                          ? nlohmann::json::parse(m["client_state"].get<std::string>())
+                          : m["client_state"];
+  EXPECT_EQ(client["data_position"]["windows"].get<std::uint64_t>(), 12u) << "3 steps x 2 ranks x 2 windows";
+  auto single = run_cli("train " + flags + "--grad-accum 2 --resume " + ck + "/step-00000003 --metrics " +
+                        (dir / "single.jsonl").string());
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const auto a = losses_of(dir / "two.jsonl"), c = losses_of(dir / "single.jsonl");
+  ASSERT_EQ(c.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(a[3 + i], c[i], 2e-4 * a[3 + i]) << "step " << 4 + i;
+}
 // DeepSpeed's train_batch_size is global: micro batch x accumulation x ranks. A config written
 // for two ranks (all three keys) is refused by one process, naming the keys, and trains under
 // mpirun; with the accumulation left out, each launch derives its own.

@@ -46,6 +46,7 @@
 #include "strata/offload.hpp"
 #include "strata/options.hpp"
 #include "strata/parallel.hpp"
+#include "train_data.hpp"
 
 namespace strata::cli {
 namespace {
@@ -81,10 +82,6 @@ class TempSwapDir {
 };
 
 constexpr FlagSpec kTrainFlags[] = {
-    {"data", "FILE", "train on a text file (split 90/10 at a line boundary) instead of the built-in corpus"},
-    {"val-data", "FILE", "validate on this text file instead of the split"},
-    {"vocab", "FILE", "GPT-2 BPE vocab.json (with --merges); default: byte tokens"},
-    {"merges", "FILE", "GPT-2 BPE merges.txt (with --vocab)"},
     {"val-every", "K", "validate every K steps (default --steps/10; 0 = only at the end)"},
     {"val-windows", "N",
      "windows of seq-len+1 tokens per validation, from the start of the validation text "
@@ -116,6 +113,7 @@ constexpr FlagSpec kTrainFlags[] = {
 
 std::vector<FlagSpec> all_flags() {
   std::vector<FlagSpec> f(std::begin(kSettingsFlags), std::end(kSettingsFlags));
+  f.insert(f.end(), std::begin(kTrainDataFlags), std::end(kTrainDataFlags));
   f.insert(f.end(), std::begin(kTrainFlags), std::end(kTrainFlags));
   f.insert(f.end(), std::begin(kModelFlags), std::end(kModelFlags));
   return f;
@@ -225,12 +223,6 @@ Status write_json_file(const std::string& path, const Json& j) {
   return ok_status();
 }
 
-struct Data {
-  std::unique_ptr<Tokenizer> tokenizer;
-  std::string name;
-  std::vector<std::int32_t> train, validation;
-};
-
 // "rank R: " under mpirun with several ranks (errors go to stderr from every rank).
 std::string g_rank_prefix;
 
@@ -317,8 +309,7 @@ struct TrainRun {
   std::string metrics_path;
 
   // ---- data ----
-  Data data;
-  std::optional<Batcher> batcher;
+  std::unique_ptr<TrainData> data;
   double unigram = 0;
   bool can_validate = false;
 
@@ -474,10 +465,7 @@ Exit read_run_flags(TrainRun& r) {
   if (s.ok() && r.checkpoint_dir.empty() && (args.has("checkpoint-every") || args.has("keep-checkpoints"))) {
     s = invalid_argument("flags '--checkpoint-every' and '--keep-checkpoints' need '--checkpoint-dir'");
   }
-  if (s.ok() && args.has("vocab") != args.has("merges")) {
-    s = invalid_argument(
-        "flags '--vocab' and '--merges' go together (a GPT-2 BPE tokenizer needs both files)");
-  }
+  if (s.ok()) s = TrainData::check_flags(args);
   if (!s.ok()) return usage(s);
   return std::nullopt;
 }
@@ -515,40 +503,22 @@ Exit open_run_files(TrainRun& r) {
 }
 
 Exit load_data(TrainRun& r) {
-  const Args& args = r.args;
-  Data& data = r.data;
-  if (args.has("vocab")) {
-    auto tok = load_bpe_tokenizer(*args.get("vocab"), *args.get("merges"));
-    if (!tok.ok()) return fail(tok.status());
-    data.tokenizer = std::move(*tok);
-  } else {
-    data.tokenizer = make_byte_tokenizer();
+  TrainDataShape shape;
+  shape.micro_batch = r.tc.micro_batch;
+  shape.seq_len = r.tc.seq_len;
+  shape.seed = r.tc.seed;
+  shape.micro_batches_per_step = r.tc.grad_accum * r.dp_size;
+  auto data = TrainData::load(r.args, shape);
+  if (!data.ok()) return fail(data.status());
+  r.data = std::move(*data);
+  if (r.data->vocab_size() > 0) r.tc.model.vocab_size = r.data->vocab_size();
+  if (r.data->vocab_size() <= 0) {
+    return usage(invalid_argument(
+        "--tokens: the model's vocabulary size is unknown: give --vocab-size N or --tokenizer "
+        "FILE (files written by strata tokenize record it in their .json sidecar)"));
   }
-  Corpus corpus;
-  if (auto path = args.get("data")) {
-    auto c = load_text_corpus(*path);
-    if (!c.ok()) return fail(c.status());
-    corpus = std::move(*c);
-    data.name = *path;
-  } else {
-    corpus = builtin_corpus();
-    data.name = "built-in corpus";
-  }
-  if (auto path = args.get("val-data")) {
-    std::ifstream in(*path, std::ios::binary);
-    if (!in) return fail(not_found("--val-data file '" + *path + "' cannot be opened"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    corpus.validation = ss.str();
-  }
-  data.train = data.tokenizer->encode(corpus.train);
-  data.validation = data.tokenizer->encode(corpus.validation);
-  r.tc.model.vocab_size = data.tokenizer->vocab_size();
-  r.unigram = unigram_entropy(data.train, data.tokenizer->vocab_size());
-  auto batcher = Batcher::create(data.train, r.tc.micro_batch, r.tc.seq_len, r.tc.seed);
-  if (!batcher.ok()) return fail(batcher.status().with_context("training data (" + data.name + ")"));
-  r.batcher.emplace(std::move(*batcher));
-  r.can_validate = static_cast<std::int64_t>(data.validation.size()) > r.tc.seq_len;
+  r.can_validate = r.data->can_validate();
+  r.unigram = r.data->unigram();
   return std::nullopt;
 }
 
@@ -556,6 +526,7 @@ Exit load_data(TrainRun& r) {
 Exit check_model(TrainRun& r) {
   Status s = r.tc.validate();
   if (!s.ok()) return usage(s);
+  r.data->set_model_vocab(static_cast<std::int32_t>(r.tc.model.vocab_size));
   if (r.tp_size > 1) {
     // The model's heads, MLP width and vocabulary must split (the error names the field).
     s = check_tensor_parallel(r.tc.model, r.tp_size);
@@ -710,31 +681,21 @@ Exit create_engine(TrainRun& r) {
   return std::nullopt;
 }
 
-// What a checkpoint must agree on for the resumed run to see the batches the original would
-// have: Batcher's batch i depends only on (tokens, B, T, seed).
-Json data_identity(const TrainRun& r) {
-  Json identity;
-  identity["data"] = r.data.name;
-  identity["tokenizer"] = r.data.tokenizer->name();
-  identity["train_tokens"] = r.data.train.size();
-  identity["train_tokens_crc32c"] = crc32c(r.data.train.data(), r.data.train.size() * sizeof(std::int32_t));
-  identity["micro_batch"] = r.tc.micro_batch;
-  identity["grad_accum"] =
-      r.tc.grad_accum * r.dp_size;  // micro-batches per step, over all data-parallel ranks
-  identity["seq_len"] = r.tc.seq_len;
-  identity["seed"] = r.tc.seed;
-  return identity;
-}
-
 Exit resume_if_asked(TrainRun& r) {
-  r.identity = data_identity(r);
+  // What a checkpoint must agree on for the resumed run to see the batches the original would
+  // have (train_data.hpp).
+  r.identity = r.data->identity();
   auto path = r.args.get("resume");
   if (!path) return std::nullopt;
   auto m = r.tr().load_checkpoint(*path);
   if (!m.ok()) return fail(m.status().with_context("--resume"));
   const Json saved = Json::parse(m->client_state);
+  // Compared without regard to key order (the checkpoint may store the JSON re-sorted).
+  auto same = [](const Json& a, const Json& b) {
+    return nlohmann::json::parse(a.dump()) == nlohmann::json::parse(b.dump());
+  };
   for (auto it = r.identity.begin(); it != r.identity.end(); ++it) {
-    if (!saved.contains(it.key()) || saved[it.key()] != it.value()) {
+    if (!saved.contains(it.key()) || !same(saved[it.key()], it.value())) {
       return fail(failed_precondition(
           "--resume: checkpoint '" + m->dir + "' was trained with " + it.key() + " = " +
           (saved.contains(it.key()) ? saved[it.key()].dump() : std::string("(absent)")) + ", this run has " +
@@ -742,6 +703,8 @@ Exit resume_if_asked(TrainRun& r) {
     }
   }
   r.first_step = m->step;
+  if (Status d = r.data->resume(r.first_step, saved); !d.ok())
+    return fail(d.with_context("--resume: checkpoint '" + m->dir + "'"));
   if (r.first_step > r.steps) {
     return fail(failed_precondition("--resume: checkpoint '" + m->dir + "' is at step " +
                                     std::to_string(r.first_step) + "; --steps " + std::to_string(r.steps) +
@@ -755,9 +718,12 @@ Exit resume_if_asked(TrainRun& r) {
   return std::nullopt;
 }
 
-Status save_checkpoint(TrainRun& r) {
-  auto dir =
-      r.tr().save_checkpoint(r.checkpoint_dir, r.identity.dump(), static_cast<int>(r.keep_checkpoints));
+// The checkpoint after `step` (0-based): the identity, and the data's position where it has one.
+Status save_checkpoint(TrainRun& r, std::int64_t step) {
+  Json client = r.identity;
+  Json position = r.data->position_after(step);
+  if (!position.is_null()) client["data_position"] = position;
+  auto dir = r.tr().save_checkpoint(r.checkpoint_dir, client.dump(), static_cast<int>(r.keep_checkpoints));
   if (!dir.ok()) return dir.status();
   if (!r.args.has("quiet")) std::printf("  checkpoint %s\n", dir->c_str());
   return ok_status();
@@ -824,10 +790,7 @@ void print_header(TrainRun& r) {
       std::string(to_string(tc.model.dtype)).c_str(),
       tc.model.activation_checkpointing ? ", activation checkpointing" : "",
       static_cast<double>(layout.num_parameters()) / 1e6);
-  std::printf("data     %s (%s tokens): %s train / %s validation tokens; unigram entropy %.4f nats/token\n",
-              r.data.name.c_str(), r.data.tokenizer->name().c_str(),
-              thousands(static_cast<double>(r.data.train.size())).c_str(),
-              thousands(static_cast<double>(r.data.validation.size())).c_str(), r.unigram);
+  std::printf("data     %s\n", r.data->describe().c_str());
   std::printf(
       "train    %lld steps x %lld tokens (batch %lld x accum %lld x seq %lld), %s, lr %g (warmup %lld, "
       "cosine "
@@ -873,8 +836,8 @@ Exit write_run_config(TrainRun& r) {
   run["grad_accum"] = tc.grad_accum;
   run["seq_len"] = tc.seq_len;
   run["seed"] = tc.seed;
-  run["data"] = r.data.name;
-  run["tokenizer"] = r.data.tokenizer->name();
+  run["data"] = r.data->name();
+  run["tokenizer"] = r.data->tokenizer_name();
   run["steps"] = r.steps;
   run["parameters"] = tr.model().layout().num_parameters();
   run["lr"] = tc.schedule.lr;
@@ -915,21 +878,18 @@ struct StepBatch {
   std::vector<std::int32_t> mb_in, mb_tg;  // one micro-batch
 };
 
-void assemble_batch(TrainRun& r, std::int64_t step, StepBatch& b) {
-  std::vector<std::int32_t>& inputs = b.inputs;
-  std::vector<std::int32_t>& targets = b.targets;
-  std::vector<std::int32_t>& mb_in = b.mb_in;
-  std::vector<std::int32_t>& mb_tg = b.mb_tg;
-  inputs.clear();
-  targets.clear();
+Status assemble_batch(TrainRun& r, std::int64_t step, StepBatch& b) {
+  b.inputs.clear();
+  b.targets.clear();
   for (std::int64_t a = 0; a < r.tc.grad_accum; ++a) {
-    // Global micro-batch (step, a * dp_size + dp_rank): one process with grad_accum x dp_size sees
-    // the same; the ranks of a tensor-parallel group train the same micro-batches.
-    r.batcher->batch(static_cast<std::uint64_t>((step * r.tc.grad_accum + a) * r.dp_size + r.dp_rank), mb_in,
-                     mb_tg);
-    inputs.insert(inputs.end(), mb_in.begin(), mb_in.end());
-    targets.insert(targets.end(), mb_tg.begin(), mb_tg.end());
+    // Micro-batch a * dp_size + dp_rank of the step's grad_accum x dp_size: one process with
+    // grad_accum x dp_size sees the same; the ranks of a tensor-parallel group train the same
+    // micro-batches.
+    STRATA_RETURN_IF_ERROR(r.data->batch(step, a * r.dp_size + r.dp_rank, b.mb_in, b.mb_tg));
+    b.inputs.insert(b.inputs.end(), b.mb_in.begin(), b.mb_in.end());
+    b.targets.insert(b.targets.end(), b.mb_tg.begin(), b.mb_tg.end());
   }
+  return ok_status();
 }
 
 // How the progress line is shown: rewritten in place on a terminal, else one line every
@@ -979,7 +939,7 @@ struct ProgressLine {
 };
 
 Status validate(TrainRun& r) {
-  auto v = r.tr().evaluate(r.data.validation, r.val_windows);
+  auto v = r.data->validate(r.tr(), r.val_windows);
   if (!v.ok()) return v.status();
   r.progress.last_val = v->loss;
   r.progress.val_tokens = v->tokens;
@@ -1000,7 +960,7 @@ Result<bool> after_step(TrainRun& r, std::int64_t step, Comm* control, const Pro
   if (!r.checkpoint_dir.empty() &&
       (last || p.stop_signal != 0 || (r.checkpoint_every > 0 && (step + 1) % r.checkpoint_every == 0))) {
     if (line.live) std::printf("\n");
-    Status c = save_checkpoint(r);
+    Status c = save_checkpoint(r, step);
     if (!c.ok()) return c.with_context("checkpoint after step " + std::to_string(step + 1));
   }
   if (p.stop_signal == 0) return false;
@@ -1034,7 +994,10 @@ Exit train_loop(TrainRun& r) {
   StepBatch batch;
   const bool fp16 = r.tc.model.dtype == DType::kF16;
   for (std::int64_t step = r.first_step; step < r.steps; ++step) {
-    assemble_batch(r, step, batch);
+    if (Status d = assemble_batch(r, step, batch); !d.ok()) {
+      if (line.live) std::printf("\n");
+      return fail(d.with_context("step " + std::to_string(step + 1)));
+    }
     const OffloadStats before = r.metrics.is_open() ? tr.stats() : OffloadStats{};
     auto m = tr.step(batch.inputs, batch.targets);
     if (!m.ok()) {

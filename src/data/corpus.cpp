@@ -21,9 +21,12 @@ struct Grammar {
   std::string noun_phrase(bool plural) {
     static const char* const kDet1[] = {"the", "a", "this", "that", "every"};
     static const char* const kDetN[] = {"the", "some", "these", "those", "many", "two", "three"};
-    static const char* const kAdj[] = {"small", "red", "quiet", "old", "bright", "heavy", "green", "quick", "tall"};
-    static const char* const kNoun[] = {"fox", "bird", "river", "stone", "child", "tree", "boat", "lamp", "wolf", "cat"};
-    static const char* const kNounPl[] = {"foxes", "birds", "rivers", "stones", "children", "trees", "boats", "lamps", "wolves", "cats"};
+    static const char* const kAdj[] = {"small", "red",   "quiet", "old", "bright",
+                                       "heavy", "green", "quick", "tall"};
+    static const char* const kNoun[] = {"fox",  "bird", "river", "stone", "child",
+                                        "tree", "boat", "lamp",  "wolf",  "cat"};
+    static const char* const kNounPl[] = {"foxes", "birds", "rivers", "stones", "children",
+                                          "trees", "boats", "lamps",  "wolves", "cats"};
     std::string s = plural ? pick(kDetN) : pick(kDet1);
     if (rng() % 2) s += std::string(" ") + pick(kAdj);
     std::size_t n = rng() % 10;
@@ -37,7 +40,8 @@ struct Grammar {
     static const char* const kPrep[] = {"near", "under", "behind", "beside", "across"};
     bool plural = rng() % 2;
     std::size_t v = rng() % 7;
-    std::string s = noun_phrase(plural) + " " + (plural ? kVerbN[v] : kVerb1[v]) + " " + noun_phrase(rng() % 2);
+    std::string s =
+        noun_phrase(plural) + " " + (plural ? kVerbN[v] : kVerb1[v]) + " " + noun_phrase(rng() % 2);
     if (rng() % 3 == 0) s += std::string(" ") + pick(kPrep) + " " + noun_phrase(rng() % 2);
     s += ".";
     s[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(s[0])));
@@ -49,7 +53,8 @@ std::string arithmetic(std::mt19937_64& rng) {
   int a = static_cast<int>(rng() % 100);
   int b = static_cast<int>(rng() % 100);
   switch (rng() % 3) {
-    case 0: return std::to_string(a) + " + " + std::to_string(b) + " = " + std::to_string(a + b) + ".";
+    case 0:
+      return std::to_string(a) + " + " + std::to_string(b) + " = " + std::to_string(a + b) + ".";
     case 1: {
       if (a < b) std::swap(a, b);
       return std::to_string(a) + " - " + std::to_string(b) + " = " + std::to_string(a - b) + ".";
@@ -85,9 +90,15 @@ Corpus builtin_corpus(std::uint64_t seed, std::size_t bytes) {
     int sentences = 3 + static_cast<int>(rng() % 5);
     for (int i = 0; i < sentences; ++i) {
       switch (rng() % 4) {
-        case 0: d += arithmetic(rng); break;
-        case 1: d += counting(rng); break;
-        default: d += grammar.sentence(); break;
+        case 0:
+          d += arithmetic(rng);
+          break;
+        case 1:
+          d += counting(rng);
+          break;
+        default:
+          d += grammar.sentence();
+          break;
       }
       d += (i + 1 < sentences) ? " " : "\n";
     }
@@ -116,7 +127,7 @@ Result<Corpus> load_text_corpus(const std::string& path) {
   return c;
 }
 
-double unigram_entropy(const std::vector<std::int32_t>& tokens, std::int32_t vocab_size) {
+double unigram_entropy(std::span<const std::int32_t> tokens, std::int32_t vocab_size) {
   if (tokens.empty()) return 0.0;
   std::vector<double> count(static_cast<std::size_t>(vocab_size), 0.0);
   for (auto t : tokens) {
@@ -130,11 +141,13 @@ double unigram_entropy(const std::vector<std::int32_t>& tokens, std::int32_t voc
   return h;
 }
 
-Result<Batcher> Batcher::create(std::vector<std::int32_t> tokens, std::int64_t B, std::int64_t T, std::uint64_t seed) {
+Result<Batcher> Batcher::create(std::vector<std::int32_t> tokens, std::int64_t B, std::int64_t T,
+                                std::uint64_t seed) {
   if (B < 1 || T < 1) return invalid_argument("batch size and sequence length must be >= 1");
   if (static_cast<std::int64_t>(tokens.size()) < T + 1) {
-    return invalid_argument("the data has " + std::to_string(tokens.size()) + " tokens; a sequence length of " +
-                            std::to_string(T) + " needs at least " + std::to_string(T + 1));
+    return invalid_argument("the data has " + std::to_string(tokens.size()) +
+                            " tokens; a sequence length of " + std::to_string(T) + " needs at least " +
+                            std::to_string(T + 1));
   }
   Batcher b;
   b.tokens_ = std::move(tokens);
@@ -144,7 +157,8 @@ Result<Batcher> Batcher::create(std::vector<std::int32_t> tokens, std::int64_t B
   return b;
 }
 
-void Batcher::batch(std::uint64_t index, std::vector<std::int32_t>& inputs, std::vector<std::int32_t>& targets) const {
+void Batcher::batch(std::uint64_t index, std::vector<std::int32_t>& inputs,
+                    std::vector<std::int32_t>& targets) const {
   // One generator per batch, seeded from (seed, index): batches are independent of history.
   std::seed_seq seq{static_cast<std::uint32_t>(seed_), static_cast<std::uint32_t>(seed_ >> 32),
                     static_cast<std::uint32_t>(index), static_cast<std::uint32_t>(index >> 32)};
@@ -161,11 +175,10 @@ void Batcher::batch(std::uint64_t index, std::vector<std::int32_t>& inputs, std:
   }
 }
 
-std::int64_t Batcher::eval_windows() const {
-  return static_cast<std::int64_t>(tokens_.size()) / (T_ + 1);
-}
+std::int64_t Batcher::eval_windows() const { return static_cast<std::int64_t>(tokens_.size()) / (T_ + 1); }
 
-void Batcher::eval_window(std::int64_t w, std::vector<std::int32_t>& inputs, std::vector<std::int32_t>& targets) const {
+void Batcher::eval_window(std::int64_t w, std::vector<std::int32_t>& inputs,
+                          std::vector<std::int32_t>& targets) const {
   inputs.resize(static_cast<std::size_t>(T_));
   targets.resize(static_cast<std::size_t>(T_));
   std::size_t start = static_cast<std::size_t>(w * (T_ + 1));
