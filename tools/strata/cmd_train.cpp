@@ -511,6 +511,8 @@ Exit load_data(TrainRun& r) {
   auto data = TrainData::load(r.args, shape);
   if (!data.ok()) return fail(data.status());
   r.data = std::move(*data);
+  // The data's vocabulary sizes the built-in model; check_model's set_model_vocab then holds every
+  // id read below the model's vocabulary, whatever sized it.
   if (r.data->vocab_size() > 0) r.tc.model.vocab_size = r.data->vocab_size();
   if (r.data->vocab_size() <= 0) {
     return usage(invalid_argument(
