@@ -10,6 +10,7 @@
 
 #include "harness/harness.hpp"
 #include "strata/config.hpp"
+#include "strata/model.hpp"
 #include "strata/offload.hpp"
 
 namespace strata {
@@ -376,6 +377,78 @@ TEST(CliPlan, BadFlagsNameTheFlag) {
     EXPECT_EQ(r.exit_code, c.exit_code) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.flags << "\n" << r.output;
   }
+}
+
+// --profile: the step of a machine that is not this one, from its datasheet figures. Nothing is
+// measured (NVMe placements need no --nvme-path); compute is the model's FLOPs at the profiled
+// GPU's rate; more NVMe drives shorten the NVMe optimizer's disk time in proportion; each row says
+// how much of its step the GPU computes.
+TEST(CliPlan, ProfilePredictsAnotherMachineWithoutMeasuring) {
+  constexpr const char* kLlama =
+      "plan --json --profile h100 --gpu-efficiency 0.5 --model llama --layers 4 --width 1024 --heads 16 "
+      "--vocab-size 32000 --dtype bf16 --seq-len 512 --batch 2 --device-memory 1GiB --offload-gradients host";
+  auto r1 = run_cli(std::string(kLlama));
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  const auto one = nlohmann::json::parse(r1.output);
+  auto r4 = run_cli(std::string(kLlama) + " --nvme-drives 4");
+  ASSERT_EQ(r4.exit_code, 0) << r4.output;
+  const auto four = nlohmann::json::parse(r4.output);
+  EXPECT_EQ(one["machine"]["gpu"], "h100");
+  EXPECT_EQ(one["machine"]["nvme_drives"], 1);
+  EXPECT_DOUBLE_EQ(four["machine"]["nvme_read_bytes_per_s"].get<double>(),
+                   4 * one["machine"]["nvme_read_bytes_per_s"].get<double>());
+  ModelConfig m;
+  m.kind = ModelKind::kLlama;
+  m.n_layer = 4;
+  m.n_embd = 1024;
+  m.n_head = 16;
+  m.vocab_size = 32000;
+  m.dtype = DType::kBF16;
+  m.n_positions = 512;
+  // Forward and backward of the one micro-batch at half of 989 TFLOPS.
+  const double fb = model_flops(m, 2, 512) / (0.5 * 989e12);
+  std::map<std::string, double> nvme_one, nvme_four;
+  bool any_nvme = false;
+  for (const auto& row : one["placements"]) {
+    const double step = row["predicted"]["step_s"], compute = row["predicted"]["parts_s"]["compute"];
+    // Plus the fused Adam at HBM bandwidth when the optimizer is on the GPU.
+    const double expect =
+        fb + (row["offload_optimizer"] == "device" ? one["machine"]["device_update_s"].get<double>() : 0.0);
+    EXPECT_NEAR(compute, expect, 1e-6 * expect) << row.dump();
+    EXPECT_NEAR(row["gpu_utilization"].get<double>(), compute / step, 1e-9) << row.dump();
+    EXPECT_GT(row["gpu_utilization"].get<double>(), 0.0);
+    EXPECT_LE(row["gpu_utilization"].get<double>(), 1.0);
+    EXPECT_LE(row["model_tflops"].get<double>(), 0.5 * 989) << row.dump();
+    if (row["offload_optimizer"] == "nvme") {
+      any_nvme = true;
+      nvme_one[row["placement"]] = row["predicted"]["parts_s"]["nvme_read"].get<double>() +
+                                   row["predicted"]["parts_s"]["nvme_write"].get<double>();
+    }
+  }
+  EXPECT_TRUE(any_nvme) << "NVMe placements are planned without --nvme-path under a profile";
+  for (const auto& row : four["placements"]) {
+    if (row["offload_optimizer"] == "nvme")
+      nvme_four[row["placement"]] = row["predicted"]["parts_s"]["nvme_read"].get<double>() +
+                                    row["predicted"]["parts_s"]["nvme_write"].get<double>();
+  }
+  for (const auto& [name, t] : nvme_one) {
+    ASSERT_TRUE(nvme_four.count(name)) << name;
+    // Bytes over 4x the bandwidth; the fixed per-request cost does not scale.
+    EXPECT_LT(nvme_four[name], 0.3 * t) << name;
+  }
+}
+
+TEST(CliPlan, ProfileFlagsAreCheckedAndNamed) {
+  auto r = run_cli("plan --profile x100 " + std::string(kShape));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("'--profile'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("h100"), std::string::npos) << r.output;
+  r = run_cli("plan --nvme-drives 4 " + std::string(kShape));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("'--nvme-drives' needs --profile"), std::string::npos) << r.output;
+  r = run_cli("plan --profile h200 --host-link pcie9 " + std::string(kShape));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("pcie3, pcie4 or pcie5"), std::string::npos) << r.output;
 }
 
 }  // namespace

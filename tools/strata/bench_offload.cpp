@@ -1,16 +1,25 @@
-// strata bench offload: for each placement, the offloaded step against its parts run alone in the
-// same process.
+// strata bench offload: for each placement, the offloaded step against its physical lower bound,
+// measured in the same run (physical_bound.hpp).
 //
 //   step_s          median step time of the placement (after warm-up)
-//   parts_s         each part alone, on a fresh device of the same configuration:
-//                     compute    forward + backward with everything resident (all-device engine)
-//                     h2d, d2h   copies of the bytes one step moved over each link, pinned <-> device
-//                     optimizer  CPU Adam over every parameter with the engine's host threads
-//                                (placements whose optimizer is off the device)
-//                     nvme_read, nvme_write  the bytes one step moved to and from NVMe, through
-//                                a swap store on the same directory, checksums on
-//   lower_bound_s   the largest part: a step cannot be shorter than its busiest engine
-//   efficiency      lower_bound_s / step_s: 1.0 is perfect overlap
+//   bound_s         per resource, the least time the step's demand needs at the rates this machine
+//                   reaches alone (best of several repetitions):
+//                     compute  forward + backward with everything resident (all-device engine); for
+//                              the all-device row, its whole step alone (forward, backward and the
+//                              device update are all compute-stream work, so that row's efficiency
+//                              says only whether it stalls; rates.compute_vs_gemm_roofline says how
+//                              far compute itself is from the machine's matmul rate)
+//                     host     the host cpus' work in core-seconds over their count: the copy
+//                              engines' memcpy of the step's host<->device bytes, CPU Adam and the
+//                              gradient scan over every parameter (optimizer off the device), the
+//                              NVMe checksums
+//                     disk     the step's NVMe reads and writes at the same time, through the I/O
+//                              engine at its best request size and queue depth
+//                     cores    (compute and host sharing cpus only) all of that CPU work over the cores
+//   lower_bound_s   the largest of bound_s; bottleneck names it
+//   efficiency      lower_bound_s / step_s: at most 1 (up to measurement noise); 1.0 is a step that
+//                   keeps its bottleneck busy all the time
+//   gap_s           step_s - lower_bound_s
 //   stall_s         per step, the compute stream idle waiting for fetches plus the caller
 //                   blocked on the host optimizer (OffloadStats)
 //   cpu_s           per step, the CPU seconds (thread clocks) of each engine: compute (stream
@@ -22,14 +31,13 @@
 //                   --offload-activations: one more row, the optimizer on the host with activation
 //                   offload (docs/offload.md "Activation offload"); every row then runs with
 //                   activation checkpointing, so vs_ordinary is the offload's cost alone
+//   rates           what the bound is built from: the disk's best read and write (and the setting
+//                   that reached it), the host memcpy and crc32c rates, and the GEMM roofline of
+//                   the step's compute (compute_vs_gemm_roofline: how far compute itself is from it)
 //
 // The cpus are split by the device's CpuBudget (cpu_budget.hpp): compute pinned to compute_cpus,
 // copies, I/O and the host optimizer to host_cpus; STRATA_CPU_AFFINITY=0 runs the same split's
-// thread counts unpinned. The optimizer part alone runs on a thread pinned like the engine's.
-//
-// On the cpu backend "device" compute, copies (memcpy on copy-engine threads), I/O threads and the
-// host optimizer share the machine's cores, so a part alone runs faster than it can inside the
-// step; docs/performance.md says how the figure maps to a GPU machine.
+// thread counts unpinned. docs/performance.md says how each row maps to a GPU machine.
 #include <unistd.h>
 
 #include <chrono>
@@ -45,6 +53,7 @@
 #include "bench_util.hpp"
 #include "cli.hpp"
 #include "measure.hpp"
+#include "physical_bound.hpp"
 #include "model_flags.hpp"
 #include "strata/alloc.hpp"
 #include "strata/data.hpp"
@@ -68,6 +77,8 @@ constexpr FlagSpec kOffloadFlags[] = {
     {"batch", "N", "sequences per step (default 8)"},
     {"seq-len", "T", "tokens per sequence (default 128)"},
     {"nvme-path", "DIR", "swap directory (default: a fresh directory under $TMPDIR, removed at exit)"},
+    {"disk-bytes", "BYTES", "bytes of each pass of the disk-rate sweep (default 128MiB; the mixed read+write of "
+                            "a placement moves at least twice that)"},
     {"delayed-update", "",
      "also time the optimizer on host with the one-step delayed update, and its ratio to the ordinary step"},
     {"offload-activations", "",
@@ -85,8 +96,9 @@ std::vector<FlagSpec> all_flags() {
 std::string usage() {
   return "usage: strata bench offload [--json] [flags]\n\n"
          "Times training steps under each placement (all-device; optimizer on host; parameters on\n"
-         "NVMe + optimizer on host; everything on NVMe) and, in the same run, each part of the step\n"
-         "alone; prints efficiency = largest part / step.\n\nflags:\n" +
+         "NVMe + optimizer on host; everything on NVMe) and, in the same run, what this machine's\n"
+         "compute, host cpus and disk can do alone; prints efficiency = physical lower bound / step\n"
+         "and the bottleneck resource.\n\nflags:\n" +
          format_flags(all_flags());
 }
 
@@ -144,6 +156,12 @@ int bench_offload(std::span<const std::string> argv) {
   if (s.ok()) s = int_flag(args, "batch", 1, 1 << 20, &tc.micro_batch);
   if (s.ok()) s = int_flag(args, "seq-len", 1, 1 << 20, &tc.seq_len);
   if (s.ok()) s = apply_model_flags(args, tc.seq_len, &tc.model);
+  std::uint64_t disk_bytes = 128ull << 20;
+  if (s.ok()) {
+    auto b = args.get_bytes("disk-bytes", disk_bytes, 16ull << 20, 64ull << 30);
+    if (b.ok()) disk_bytes = *b;
+    s = b.status();
+  }
   if (!s.ok()) return usage_error("bench offload", s.message(), usage());
 
   std::string dir = args.get("nvme-path").value_or("");
@@ -199,23 +217,33 @@ int bench_offload(std::span<const std::string> argv) {
   if (!batcher.ok()) return fail(batcher.status());
   std::vector<std::int32_t> inputs, targets;
 
-  // Compute alone: forward + backward with everything resident. Measured again before each
-  // placement (interleaved), so a change in the machine's load moves both sides of the ratio.
+  // Compute alone: forward + backward with everything resident, the best of the timed steps (what
+  // the compute cpus can do). Measured again before each placement (interleaved), so a change in
+  // the machine's load moves both sides of the ratio.
   std::int64_t parameters = 0;
-  int compute_threads = 0;
+  int compute_threads = 0, copy_engines = 0;
   CpuBudget budget;
-  auto compute_alone = [&]() -> Result<double> {
+  // `with_update`: the whole all-device step (forward, backward and the device update: all of it
+  // compute-stream work), the compute of a placement whose optimizer is on the device.
+  auto compute_alone = [&](bool with_update) -> Result<double> {
     STRATA_ASSIGN_OR_RETURN(auto device, Device::create(dc));
     STRATA_ASSIGN_OR_RETURN(auto engine, OffloadEngine::create(tc, OffloadSettings{}, *device));
     std::vector<double> t;
-    for (std::int64_t i = 0; i < warmup + steps; ++i) {
+    // At least 10 timed samples: the best of few is a poor estimate of what the cpus can do.
+    for (std::int64_t i = 0; i < warmup + std::max<std::int64_t>(steps, 10); ++i) {
       batcher->batch(static_cast<std::uint64_t>(i), inputs, targets);
       const auto t0 = Clock::now();
-      STRATA_RETURN_IF_ERROR(engine->loss_and_gradients(inputs, targets).status());
+      if (with_update) {
+        STRATA_RETURN_IF_ERROR(engine->step(inputs, targets).status());
+        STRATA_RETURN_IF_ERROR(engine->synchronize());
+      } else {
+        STRATA_RETURN_IF_ERROR(engine->loss_and_gradients(inputs, targets).status());
+      }
       if (i >= warmup) t.push_back(seconds_since(t0));
     }
-    return median(t);
+    return *std::min_element(t.begin(), t.end());
   };
+  GemmRoofline roofline;
   {
     auto layout = describe_model(tc.model);
     if (!layout.ok()) return fail(layout.status());
@@ -223,7 +251,24 @@ int bench_offload(std::span<const std::string> argv) {
     auto probe = Device::create(dc);
     if (!probe.ok()) return fail(probe.status());
     compute_threads = (*probe)->info().compute_threads;
+    copy_engines = (*probe)->info().copy_engines;
     budget = (*probe)->cpu_budget();
+    auto stream = (*probe)->create_stream("bench.roofline");
+    if (!stream.ok()) return fail(stream.status());
+    auto r = measure_gemm_roofline(**probe, **stream, tc.model, tc.micro_batch, tc.seq_len, 3);
+    if (!r.ok()) return fail(r.status());
+    roofline = *r;
+  }
+  // The rates of the host cpus and the disk, alone.
+  auto host_rates = measure_host(budget, copy_engines, 3);
+  if (!host_rates.ok()) return fail(host_rates.status());
+  bool any_nvme = false;
+  for (const Placement& p : placements) any_nvme |= p.params == Tier::kNvme || p.optimizer == Tier::kNvme;
+  DiskRates disk;
+  if (any_nvme) {
+    auto d = measure_disk(dir, disk_bytes, budget.host, 2);
+    if (!d.ok()) return fail(d.status());
+    disk = *d;
   }
 
   Json out;
@@ -245,8 +290,22 @@ int bench_offload(std::span<const std::string> argv) {
                      {"host", budget.host.to_string()},
                      {"pinned", budget.pin},
                      {"shared", budget.shared()}};
+  Json rates;
+  rates["host_copy_gb_per_s"] = host_rates->copy_bytes_per_s / 1e9;
+  rates["host_copy_threads"] = host_rates->copy_threads;
+  rates["crc32c_gb_per_s"] = host_rates->crc_bytes_per_s / 1e9;
+  rates["gemm_roofline_gflops_per_s"] = roofline.flops_per_s() / 1e9;
+  if (any_nvme) {
+    rates["disk"] = Json{{"read_gb_per_s", disk.read_bytes_per_s / 1e9},
+                         {"read_block", disk.read_block},
+                         {"read_queue_depth", disk.read_depth},
+                         {"write_gb_per_s", disk.write_bytes_per_s / 1e9},
+                         {"write_block", disk.write_block},
+                         {"write_queue_depth", disk.write_depth},
+                         {"bytes_per_pass", disk.bytes}};
+  }
   Json rows = Json::array();
-  double all_device_step = 0, ordinary_host_step = 0;
+  double all_device_step = 0, ordinary_host_step = 0, compute_best = 0;
   int index = 0;
   for (const Placement& p : placements) {
     // Each placement's swap files in a directory of their own, removed after it.
@@ -272,7 +331,7 @@ int bench_offload(std::span<const std::string> argv) {
     os.delayed_update = p.delayed;
     os.delayed_update_warmup = 0;
     os.offload_activations = p.activations;
-    auto compute = compute_alone();
+    auto compute = compute_alone(p.optimizer == Tier::kDevice);
     if (!compute.ok()) return fail(compute.status());
     const double compute_s = *compute;
     OffloadStats before, after;
@@ -309,42 +368,50 @@ int bench_offload(std::span<const std::string> argv) {
     const std::uint64_t h2d = per(before.bytes_h2d, after.bytes_h2d), d2h = per(before.bytes_d2h, after.bytes_d2h);
     const std::uint64_t nr = per(before.bytes_nvme_read, after.bytes_nvme_read);
     const std::uint64_t nw = per(before.bytes_nvme_written, after.bytes_nvme_written);
-    Json parts;
-    parts["compute"] = compute_s;
-    {
-      auto device = Device::create(dc);
-      if (!device.ok()) return fail(device.status());
-      auto a = time_copy(**device, h2d, CopyKind::kHostToDevice, 5);
-      if (!a.ok()) return fail(a.status());
-      auto b = time_copy(**device, d2h, CopyKind::kDeviceToHost, 5);
-      if (!b.ok()) return fail(b.status());
-      parts["h2d"] = *a;
-      parts["d2h"] = *b;
-    }
+    // What the step asks of each resource, and the least time each needs alone.
+    StepDemand demand;
+    demand.compute_s = compute_s;
     if (p.optimizer != Tier::kDevice) {
-      auto o = time_optimizer(parameters, tc.model.dtype, budget, 3);
+      auto o = time_optimizer(parameters, tc.model.dtype, budget, 3, Summary::kBest);
       if (!o.ok()) return fail(o.status());
-      parts["optimizer"] = *o;
+      demand.optimizer_s = *o;
+      demand.optimizer_threads = budget.host_threads;
+      if (tc.grad_clip > 0) {
+        auto sc = time_scan(parameters, 3, Summary::kBest);
+        if (!sc.ok()) return fail(sc.status());
+        demand.scan_s = *sc;
+      }
     }
+    demand.copy_bytes = h2d + d2h;
+    demand.nvme_read = nr;
+    demand.nvme_write = nw;
     if (nr + nw > 0) {
-      auto t = time_nvme(swap_dir, nr, nw, 16u << 20, 3);
+      auto t = time_disk_mixed(swap_dir, disk, nr, nw, 2 * disk_bytes, budget.host, 3);
       if (!t.ok()) return fail(t.status());
-      parts["nvme_read"] = t->read_s;
-      parts["nvme_write"] = t->write_s;
+      demand.disk_s = *t;
     }
-    double lower = 0;
-    for (auto it = parts.begin(); it != parts.end(); ++it) lower = std::max(lower, it.value().get<double>());
+    const PhysicalBound bound = physical_bound(demand, *host_rates, budget, compute_threads);
+    Json bound_s;
+    for (const BoundTerm& t : bound.terms) bound_s[t.resource] = t.seconds;
     const double step_s = median(step_times);
     if (p.params == Tier::kDevice && p.optimizer == Tier::kDevice) all_device_step = step_s;
     if (std::string_view(p.name) == kOrdinaryHost) ordinary_host_step = step_s;
+    if (p.optimizer != Tier::kDevice) compute_best = compute_best > 0 ? std::min(compute_best, compute_s) : compute_s;
     Json row;
     row["placement"] = p.name;
     row["step_s"] = step_s;
-    row["lower_bound_s"] = lower;
-    row["efficiency"] = lower / step_s;
+    row["lower_bound_s"] = bound.seconds;
+    row["bottleneck"] = bound.bottleneck;
+    row["efficiency"] = bound.seconds / step_s;
+    row["gap_s"] = step_s - bound.seconds;
+    row["bound_s"] = bound_s;
+    row["demand"] = Json{{"compute_s", demand.compute_s},
+                         {"copy_bytes", demand.copy_bytes},
+                         {"optimizer_s", demand.optimizer_s},
+                         {"scan_s", demand.scan_s},
+                         {"disk_s", demand.disk_s}};
     row["vs_all_device"] = all_device_step > 0 ? all_device_step / step_s : 1.0;
     if (p.delayed || p.activations) row["vs_ordinary"] = ordinary_host_step / step_s;
-    row["parts_s"] = parts;
     row["stall_s"] = (after.fetch_stall_seconds - before.fetch_stall_seconds + after.update_stall_seconds -
                       before.update_stall_seconds) /
                      n;
@@ -379,7 +446,11 @@ int bench_offload(std::span<const std::string> argv) {
     rows.push_back(row);
   }
   out["placements"] = rows;
-  out["target_efficiency"] = 0.85;
+  // The step's GEMMs alone over the best compute alone: how much of compute is matmul at the
+  // machine's matmul rate (the rest is the other kernels and the schedule's gaps).
+  rates["compute_vs_gemm_roofline"] = compute_best > 0 ? roofline.seconds / compute_best : 0.0;
+  out["rates"] = rates;
+  out["target_efficiency"] = 0.9;
   std::printf("%s\n", out.dump(2).c_str());
   return kExitOk;
 }

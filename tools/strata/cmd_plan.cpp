@@ -25,6 +25,7 @@
 #include "cli.hpp"
 #include "measure.hpp"
 #include "model_flags.hpp"
+#include "profiles.hpp"
 #include "settings.hpp"
 #include "strata/config.hpp"
 #include "strata/offload.hpp"
@@ -62,6 +63,7 @@ constexpr FlagSpec kPlanFlags[] = {
 
 std::vector<FlagSpec> all_flags() {
   std::vector<FlagSpec> f(std::begin(kPlanFlags), std::end(kPlanFlags));
+  f.insert(f.end(), kProfileFlags, kProfileFlags + kProfileFlagCount);
   for (const FlagSpec& flag : kSettingsFlags) {
     if (flag.name == "config" || flag.name == "strict" || flag.name == "batch" || flag.name == "seq-len" ||
         flag.name == "grad-accum" || flag.name == "grad-clip" || flag.name == "nvme-path" ||
@@ -79,7 +81,9 @@ std::string plan_usage() {
          "that fits the budgets, prints them ranked, and writes the fastest as a config for\n"
          "strata train --config (--out). NVMe placements are considered only with --nvme-path (or a\n"
          "config's nvme_path). --offload-param / --offload-optimizer / --offload-gradients given here\n"
-         "fix that tier and plan the rest.\n\nflags:\n" +
+         "fix that tier and plan the rest. --profile GPU predicts for another machine instead (a GPU,\n"
+         "its host link, NVMe drives, cores and memory bandwidth; nothing is measured), with the\n"
+         "fraction of each step the GPU computes.\n\nflags:\n" +
          format_flags(all_flags());
 }
 
@@ -175,6 +179,14 @@ Json prediction_json(const StepPrediction& p) {
                 {"data_parallel", p.dp_bytes},
                 {"tensor_parallel", p.tp_bytes},
                 {"pipeline", p.pp_bytes}}}};
+}
+
+// With a profile: the fraction of the step the GPU computes, and the model's TFLOPS (its forward and
+// backward FLOPs, recompute not counted, over the step).
+void add_gpu_figures(const Candidate& c, const TrainerConfig& tc, Json* j) {
+  const double step = c.prediction.step_seconds;
+  (*j)["gpu_utilization"] = step > 0 ? c.prediction.compute / step : 0.0;
+  (*j)["model_tflops"] = step > 0 ? step_flops(tc) / step / 1e12 : 0.0;
 }
 
 Json candidate_json(const Candidate& c) {
@@ -293,6 +305,17 @@ int run_plan(std::span<const std::string> argv) {
     return usage_error("plan", "unexpected argument '" + args.positionals()[0] + "'", plan_usage());
   }
   auto usage = [&](const Status& s) { return usage_error("plan", s.message(), plan_usage()); };
+  std::optional<MachineProfile> profile;
+  if (args.has("profile")) {
+    auto p = profile_from_flags(args);
+    if (!p.ok()) return usage(p.status());
+    profile = *p;
+  } else {
+    for (std::size_t i = 0; i < kProfileFlagCount; ++i) {
+      if (args.has(kProfileFlags[i].name))
+        return usage(invalid_argument("flag '--" + std::string(kProfileFlags[i].name) + "' needs --profile"));
+    }
+  }
   const std::string config_path = args.get("config").value_or("");
   RunSettings rs;
   if (Status s = load_settings(args, config_path, &rs); !s.ok()) return fail(s);
@@ -344,7 +367,7 @@ int run_plan(std::span<const std::string> argv) {
   if (Status s = device_options(args, 0, &options, &dc); !s.ok()) {
     return s.code() == StatusCode::kInvalidArgument ? usage(s) : fail(s);
   }
-  const bool cuda = dc.kind == DeviceKind::kCuda;
+  const bool cuda = profile || dc.kind == DeviceKind::kCuda;
   if (cuda && (tp > 1 || pp > 1)) {
     // The engine refuses both there (check_tensor_parallel_placement, check_pipeline), so no
     // placement could train.
@@ -357,13 +380,24 @@ int run_plan(std::span<const std::string> argv) {
                          " on the cuda backend is not built yet; plan on the cpu backend (--device cpu)"));
   }
   EstimateBudgets budgets;
-  budgets.device = args.has("device-memory") ? *device_mem : options.get_bytes(Option::kDeviceMemory);
-  budgets.host = args.has("host-memory") ? *host_mem : available_memory();
+  budgets.device = args.has("device-memory") ? *device_mem
+                   : profile                  ? profile->device_memory
+                                              : options.get_bytes(Option::kDeviceMemory);
+  budgets.host = args.has("host-memory") ? *host_mem : profile ? profile->host_memory : available_memory();
+  if (profile && rs.offload.nvme_path.empty()) {
+    // The profiled machine's drives: a name only (nothing touches a disk), which the written config
+    // keeps for the user to replace.
+    rs.offload.nvme_path = {"/path/to/nvme"};
+    rs.offload.io.nvme_path = rs.offload.nvme_path;
+  }
   const std::string nvme_dir = rs.offload.nvme_path.empty() ? "" : rs.offload.nvme_path.front();
-  if (!nvme_dir.empty() && !std::filesystem::is_directory(nvme_dir)) {
+  if (!nvme_dir.empty() && !profile && !std::filesystem::is_directory(nvme_dir)) {
     return fail(not_found("--nvme-path '" + nvme_dir + "' is not a directory"));
   }
-  budgets.nvme = args.has("nvme-free") ? *nvme_free : nvme_dir.empty() ? 0 : free_space(nvme_dir);
+  budgets.nvme = args.has("nvme-free") ? *nvme_free
+                 : profile             ? profile->nvme_bytes * static_cast<std::uint64_t>(profile->nvme_drives)
+                 : nvme_dir.empty()    ? 0
+                                       : free_space(nvme_dir);
 
   // ---- candidates: placements that fit, each with its tuning ----
   const bool fix_params = args.has("offload-param");
@@ -527,10 +561,15 @@ int run_plan(std::span<const std::string> argv) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   int compute_threads = dc.compute_threads > 0 ? dc.compute_threads : std::max(1, cores / 2);
   const int host_threads = std::max(1, cores - std::max(1, compute_threads));
-  if (!as_json) std::printf("measuring this machine ...\n");
-  std::fflush(stdout);
   MeasureReport report;
-  auto rates = measure_machine(rs.trainer, mdc, host_threads, ms, &report);
+  Result<MachineRates> rates = internal_error("no rates");
+  if (profile) {
+    rates = profile_rates(*profile, rs.trainer);
+  } else {
+    if (!as_json) std::printf("measuring this machine ...\n");
+    std::fflush(stdout);
+    rates = measure_machine(rs.trainer, mdc, host_threads, ms, &report);
+  }
   if (!rates.ok()) return fail(rates.status());
   rates->dp_bus_bytes_per_s = *link * 1e9;
   rates->dp_collective_seconds = *latency * 1e-6;
@@ -622,8 +661,26 @@ int run_plan(std::span<const std::string> argv) {
                     {"pp_link_bytes_per_s", r.pp_link_bytes_per_s},
                     {"pp_message_s", r.pp_message_seconds},
                     {"measure_s", report.seconds}};
+    if (profile) {
+      j["machine"] = {{"profile", describe(*profile)},
+                      {"gpu", profile->gpu},
+                      {"gpu_peak_tflops", profile->gpu_peak_flops / 1e12},
+                      {"gpu_efficiency", profile->gpu_efficiency},
+                      {"host_link", profile->host_link},
+                      {"host_link_bytes_per_s", profile->link_bytes_per_s},
+                      {"nvme_drives", profile->nvme_drives},
+                      {"nvme_read_bytes_per_s", r.nvme_read_bytes_per_s},
+                      {"nvme_write_bytes_per_s", r.nvme_write_bytes_per_s},
+                      {"cpu_cores", profile->cpu_cores},
+                      {"host_memory_bytes_per_s", profile->host_memory_bytes_per_s},
+                      {"adam_elements_per_s", r.adam_elements_per_s},
+                      {"device_update_s", r.device_update_seconds}};
+    }
     Json rows = Json::array();
-    for (const Candidate* c : best) rows.push_back(candidate_json(*c));
+    for (const Candidate* c : best) {
+      rows.push_back(candidate_json(*c));
+      if (profile) add_gpu_figures(*c, rs.trainer, &rows.back());
+    }
     j["placements"] = rows;
     Json ref = Json::array();
     for (const Refused& r2 : refused) ref.push_back({{"placement", r2.placement}, {"why", r2.why}});
@@ -632,6 +689,7 @@ int run_plan(std::span<const std::string> argv) {
     j["refused"] = ref;
     j["evaluated"] = candidates.size();
     j["chosen"] = candidate_json(chosen);
+    if (profile) add_gpu_figures(chosen, rs.trainer, &j["chosen"]);
     j["config"] = config;
     j["out"] = out_path;
     j["train_command"] = train_line;
@@ -640,6 +698,16 @@ int run_plan(std::span<const std::string> argv) {
   }
 
   const MachineRates& r = *rates;
+  if (profile) {
+    double fwd = 0, bwd = 0;
+    for (double f : r.forward_seconds) fwd += f;
+    for (double b : r.backward_seconds) bwd += b;
+    std::printf("machine  profile (predicted, nothing measured): %s\n", describe(*profile).c_str());
+    std::printf("  compute   forward %.4f s, backward %.4f s per micro-batch; device update %.4f s\n", fwd, bwd,
+                r.device_update_seconds);
+    std::printf("  cpu adam  %.0f M elements/s; nvme %.1f GB/s read, %.1f GB/s write\n",
+                r.adam_elements_per_s / 1e6, r.nvme_read_bytes_per_s / 1e9, r.nvme_write_bytes_per_s / 1e9);
+  } else {
   std::printf("machine  %d cores (%d compute threads, host optimizer on %d); measured in %.1f s\n",
               report.cores, report.compute_threads, report.host_threads, report.seconds);
   std::printf("  compute   resident step %.4f s (forward %.4f s, backward %.4f s per micro-batch%s)\n",
@@ -657,6 +725,7 @@ int run_plan(std::span<const std::string> argv) {
   }
   std::printf("  cpu adam  %.1f M elements/s on %d threads; gradient scan %.1f M elements/s\n",
               r.adam_elements_per_s / 1e6, report.host_threads, r.scan_elements_per_s / 1e6);
+  }
   if (ranks > 1 || tp > 1 || pp > 1) {
     std::printf(
         "  link      %lld data-parallel x %d tensor-parallel x %d pipeline ranks, bus bandwidth %.3g GB/s, "
@@ -683,6 +752,7 @@ int run_plan(std::span<const std::string> argv) {
               "nvme");
   // The grid's columns: the tensor-parallel collectives, the pipeline stage shown and its bubble.
   if (grid) std::printf(" | %8s %5s %8s", "tp", "pp st", "bubble");
+  if (profile) std::printf(" | %5s %7s", "gpu", "TFLOPS");
   std::printf("\n");
   int rank = 0;
   for (const Candidate* c : best) {
@@ -700,6 +770,11 @@ int run_plan(std::span<const std::string> argv) {
         format_bytes(c->estimate.plan.host_bytes + c->estimate.plan.pinned_bytes).c_str(),
         format_bytes(c->estimate.plan.nvme_bytes).c_str());
     if (grid) std::printf(" | %8.4f %5d %8.4f", p.tp, s.pp_stage, p.pp_bubble);
+    if (profile) {
+      Json g;
+      add_gpu_figures(*c, rs.trainer, &g);
+      std::printf(" | %4.0f%% %7.1f", 100 * g["gpu_utilization"].get<double>(), g["model_tflops"].get<double>());
+    }
     std::printf("\n");
   }
   for (const Refused& x : refused)

@@ -82,7 +82,14 @@ double time_host_copy(std::uint64_t bytes, int reps) {
   return median(t);
 }
 
-Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps) {
+namespace {
+double summarise(const std::vector<double>& t, Summary summary) {
+  if (summary == Summary::kBest) return t.empty() ? 0.0 : *std::min_element(t.begin(), t.end());
+  return median(t);
+}
+}  // namespace
+
+Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps, Summary summary) {
   CpuOptimizerConfig oc;
   STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));
   oc.threads = threads;
@@ -108,10 +115,10 @@ Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps
     STRATA_RETURN_IF_ERROR(opt.update(h, r + 1, 1.0f, b));
     if (r > 0) t.push_back(seconds_since(t0));  // the first touches the pages
   }
-  return median(t);
+  return summarise(t, summary);
 }
 
-Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps) {
+Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps, Summary summary) {
   Result<double> r = internal_error("optimizer timing did not run");
   std::thread worker([&] {
     Status pin = budget.pin_host();
@@ -119,13 +126,13 @@ Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budg
       r = pin;
       return;
     }
-    r = time_optimizer(n, dtype, budget.host_threads, reps);
+    r = time_optimizer(n, dtype, budget.host_threads, reps, summary);
   });
   worker.join();
   return r;
 }
 
-Result<double> time_scan(std::int64_t n, int reps) {
+Result<double> time_scan(std::int64_t n, int reps, Summary summary) {
   CpuOptimizerConfig oc;
   STRATA_ASSIGN_OR_RETURN(oc.isa, select_optimizer_isa("auto"));
   oc.threads = 1;  // the engine's optimizer thread scans on its own thread
@@ -137,7 +144,7 @@ Result<double> time_scan(std::int64_t n, int reps) {
     STRATA_RETURN_IF_ERROR(opt.scan_gradients(grad.data(), DType::kF32, grad.size(), 1.0f, false).status());
     if (r > 0) t.push_back(seconds_since(t0));
   }
-  return median(t);
+  return summarise(t, summary);
 }
 
 Result<NvmeTimes> time_nvme(const std::string& dir, std::uint64_t read_bytes, std::uint64_t write_bytes,

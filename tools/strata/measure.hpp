@@ -19,17 +19,23 @@ namespace strata::cli {
 // Copies of `bytes` over one link alone (pinned host <-> device, one stream), median of `reps`.
 Result<double> time_copy(Device& device, std::uint64_t bytes, CopyKind kind, int reps);
 
+// How a timing summarises its repetitions: the median (what a run sees) or the best (what the
+// machine can do: the physical bound, physical_bound.hpp).
+enum class Summary : std::uint8_t { kMedian, kBest };
+
 // CPU Adam over n parameters (fp32 master, moments and gradients; working copy in `dtype`) on
-// `threads` threads, median of `reps` after one that touches the pages.
-Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps);
+// `threads` threads, median (or best) of `reps` after one that touches the pages.
+Result<double> time_optimizer(std::int64_t n, DType dtype, int threads, int reps,
+                              Summary summary = Summary::kMedian);
 // A memcpy of `bytes` between two host buffers whose pages are touched first, median of `reps`.
 double time_host_copy(std::uint64_t bytes, int reps);
 // The same on a thread pinned as the engine's host optimizer thread is (the budget's host cpus),
 // with its threads.
-Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps);
+Result<double> time_optimizer(std::int64_t n, DType dtype, const CpuBudget& budget, int reps,
+                              Summary summary = Summary::kMedian);
 
-// The gradient norm's sum of squares over n fp32 values on one thread, median of `reps`.
-Result<double> time_scan(std::int64_t n, int reps);
+// The gradient norm's sum of squares over n fp32 values on one thread, median (or best) of `reps`.
+Result<double> time_scan(std::int64_t n, int reps, Summary summary = Summary::kMedian);
 
 // Writes then reads through a swap store in a directory of its own under `dir` (removed after),
 // in requests of `piece` bytes, checksums on; median of `reps`. read_s / write_s are scaled to
