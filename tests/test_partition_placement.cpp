@@ -129,7 +129,9 @@ TEST(Placement, ThePlanListsTheRecordsHomesAndSlots) {
     ASSERT_EQ(plan->module_home.size(), p.units.size());
     for (int u = 0; u < p.size(); ++u) {
       EXPECT_EQ(plan->module_home[static_cast<std::size_t>(u)], p.unit(u).home) << name(sh) << " unit " << u;
-      if (p.unit(u).elements() <= 300) EXPECT_EQ(p.unit(u).home, Tier::kDevice) << name(sh);
+      if (p.unit(u).elements() <= 300) {
+        EXPECT_EQ(p.unit(u).home, Tier::kDevice) << name(sh);
+      }
     }
     EXPECT_EQ(plan->param_slots, p.sizes.param_slots) << name(sh);
     EXPECT_EQ(plan->grad_slots, p.sizes.grad_slots) << name(sh);
@@ -203,8 +205,12 @@ TEST(Placement, GradientBucketsSeatEveryUnitWithGradientsOnce) {
     }
     for (int u = 0; u < p.size(); ++u)
       EXPECT_EQ(seen[static_cast<std::size_t>(u)], p.unit(u).grad_bytes > 0 ? 1 : 0);
-    if (cap == 1) EXPECT_EQ(p.buckets.buckets.size(), static_cast<std::size_t>(p.size()));  // one unit each
-    if (cap == 100000000) EXPECT_EQ(p.buckets.buckets.size(), 1u);
+    if (cap == 1) {
+      EXPECT_EQ(p.buckets.buckets.size(), static_cast<std::size_t>(p.size()));  // one unit each
+    }
+    if (cap == 100000000) {
+      EXPECT_EQ(p.buckets.buckets.size(), 1u);
+    }
   }
 }
 
