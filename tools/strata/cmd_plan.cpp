@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -556,31 +557,53 @@ int run_plan(std::span<const std::string> argv) {
                             })
                     ? nvme_dir
                     : "";
-  DeviceConfig mdc = dc;
-  mdc.memory_bytes = 64ull << 20;  // measure_machine sizes each device for its part
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  int compute_threads = dc.compute_threads > 0 ? dc.compute_threads : std::max(1, cores / 2);
-  const int host_threads = std::max(1, cores - std::max(1, compute_threads));
+  // The run's device is the one strata train makes for the placement (device_options): with
+  // anything offloaded, the cpu budget's split (compute on its cpus, the host engines on theirs);
+  // with nothing offloaded, every cpu for compute. Each candidate is predicted with the rates of
+  // the device it will run on: measured twice when both kinds are candidates and they differ.
+  const auto offloaded = [](const Candidate& c) {
+    return c.settings.params != Tier::kDevice || c.settings.optimizer != Tier::kDevice;
+  };
+  const bool any_offloaded = std::any_of(candidates.begin(), candidates.end(), offloaded);
+  const bool any_resident = !std::all_of(candidates.begin(), candidates.end(), offloaded);
+  DeviceConfig split_dc;
+  if (Status s = device_options(args, 0, &options, &split_dc, /*host_work=*/true); !s.ok()) return fail(s);
   MeasureReport report;
   Result<MachineRates> rates = internal_error("no rates");
+  std::optional<MachineRates> resident_rates;  // the all-device candidates', when they differ
   if (profile) {
     rates = profile_rates(*profile, rs.trainer);
   } else {
     if (!as_json) std::printf("measuring this machine ...\n");
     std::fflush(stdout);
-    rates = measure_machine(rs.trainer, mdc, host_threads, ms, &report);
+    DeviceConfig mdc = any_offloaded ? split_dc : dc;
+    mdc.memory_bytes = 64ull << 20;  // measure_machine sizes each device for its part
+    rates = measure_machine(rs.trainer, mdc, ms, &report);
+    if (rates.ok() && any_offloaded && any_resident && dc.compute_threads != split_dc.compute_threads) {
+      DeviceConfig rdc = dc;
+      rdc.memory_bytes = 64ull << 20;
+      MeasureSettings compute_only = ms;
+      compute_only.nvme_dir.clear();
+      MeasureReport unused;
+      auto r = measure_machine(rs.trainer, rdc, compute_only, &unused);
+      if (!r.ok()) return fail(r.status());
+      resident_rates = *r;
+    }
   }
   if (!rates.ok()) return fail(rates.status());
-  rates->dp_bus_bytes_per_s = *link * 1e9;
-  rates->dp_collective_seconds = *latency * 1e-6;
-  // One link for every group (the cpu backend's ranks share this machine; across machines
-  // --link-bandwidth is the slowest hop the groups cross).
-  rates->tp_bus_bytes_per_s = rates->pp_link_bytes_per_s = *link * 1e9;
-  rates->tp_collective_seconds = rates->pp_message_seconds = *latency * 1e-6;
+  for (MachineRates* r : {&*rates, resident_rates ? &*resident_rates : nullptr}) {
+    if (r == nullptr) continue;
+    r->dp_bus_bytes_per_s = *link * 1e9;
+    r->dp_collective_seconds = *latency * 1e-6;
+    // One link for every group (the cpu backend's ranks share this machine; across machines
+    // --link-bandwidth is the slowest hop the groups cross).
+    r->tp_bus_bytes_per_s = r->pp_link_bytes_per_s = *link * 1e9;
+    r->tp_collective_seconds = r->pp_message_seconds = *latency * 1e-6;
+  }
 
   // ---- predict and rank ----
   for (Candidate& c : candidates) {
-    auto p = predict_step(rs.trainer, c.settings, *rates);
+    auto p = predict_step(rs.trainer, c.settings, resident_rates && !offloaded(c) ? *resident_rates : *rates);
     if (!p.ok()) return fail(p.status().with_context(placement_name(c.settings)));
     c.prediction = *p;
   }

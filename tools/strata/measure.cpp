@@ -234,13 +234,13 @@ std::vector<double> module_forward_flops(const TrainerConfig& config) {
   return flops;
 }
 
-Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceConfig& dc, int host_threads,
+Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceConfig& dc,
                                      const MeasureSettings& settings, MeasureReport* report) {
   const auto start = Clock::now();
   MeasureReport rep;
   MachineRates rates;
   rep.cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  rep.host_threads = host_threads;
+  CpuBudget budget;
 
   // ---- compute: the resident model, shallower when its state is too large to hold ----
   std::uint64_t limit = settings.compute_memory;
@@ -269,6 +269,8 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
   {
     STRATA_ASSIGN_OR_RETURN(auto device, Device::create(cdc));
     rep.compute_threads = device->info().compute_threads;
+    budget = device->cpu_budget();
+    rep.host_threads = budget.host_threads;
     STRATA_ASSIGN_OR_RETURN(auto engine, OffloadEngine::create(mc, resident, *device));
     const Corpus corpus = builtin_corpus(1234, 1u << 20);
     const std::vector<std::int32_t> tokens = make_byte_tokenizer()->encode(corpus.train);
@@ -359,12 +361,13 @@ Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceCo
 
   // ---- the host optimizer ----
   rep.adam_elements = std::max<std::int64_t>(4096, settings.adam_elements);
-  STRATA_ASSIGN_OR_RETURN(rep.adam_s, time_optimizer(rep.adam_elements, config.model.dtype, host_threads, 3));
+  STRATA_ASSIGN_OR_RETURN(rep.adam_s, time_optimizer(rep.adam_elements, config.model.dtype, budget, 3));
   STRATA_ASSIGN_OR_RETURN(rep.scan_s, time_scan(rep.adam_elements, 3));
   rates.adam_elements_per_s = static_cast<double>(rep.adam_elements) / std::max(rep.adam_s, 1e-9);
   rates.scan_elements_per_s = static_cast<double>(rep.adam_elements) / std::max(rep.scan_s, 1e-9);
 
-  rates.shared_cores = dc.kind == DeviceKind::kCpu;
+  // The cpu backend's compute and host engines compete only where the budget makes them share cpus.
+  rates.shared_cores = dc.kind == DeviceKind::kCpu && budget.shared();
   rates.cuda = dc.kind == DeviceKind::kCuda;
   rates.cores = rep.cores;
   rep.seconds = seconds_since(start);

@@ -82,12 +82,14 @@ struct MeasureReport {
   double seconds = 0;  // wall time of the whole measurement
 };
 
-// Measures the rates of predict_step on the device `dc` describes (a fresh device per part): a
-// resident step of the model (`config`; shallower when its resident state is above
+// Measures the rates of predict_step on the device `dc` describes (a fresh device per part), as
+// the run it predicts will have them: `dc` is the device strata train makes for the placement (its
+// compute threads and cpu budget: all cpus for compute with nothing offloaded, the budget's split
+// otherwise). A resident step of the model (`config`; shallower when its resident state is above
 // compute_memory, per-block times scaled to the full depth), split over the modules by their
-// arithmetic, copies both ways, NVMe through the swap store, CPU Adam and the gradient scan on
-// the host optimizer's threads (`host_threads`, as the engine picks them).
-Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceConfig& dc, int host_threads,
+// arithmetic, copies both ways, NVMe through the swap store, CPU Adam and the gradient scan on the
+// host optimizer's threads pinned as the engine pins them; shared_cores from the budget.
+Result<MachineRates> measure_machine(const TrainerConfig& config, const DeviceConfig& dc,
                                      const MeasureSettings& settings, MeasureReport* report);
 
 // Floating-point operations of each module's forward for one micro-batch (matrix products and
